@@ -1,0 +1,129 @@
+"""Build-on-first-use for the C++/CUDA sources in ``csrc/``, with a cache and a logged gate.
+
+``torch.utils.cpp_extension.load`` already caches by source hash inside ``build_directory``;
+this module only decides *whether* to build (compiler present? CUDA sources wanted?), where the
+cache lives, and remembers why a build failed so callers can say so once and fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def cache_dir() -> Path:
+    """Where built extensions live: $RAG_MM_EXT_CACHE, else ~/.cache/rag_mm/ext/<torch tag>."""
+    root = os.environ.get("RAG_MM_EXT_CACHE")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_mm" / "ext"
+    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    path = base / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cuda_build_possible() -> tuple[bool, str]:
+    """True when .cu sources can be compiled: a CUDA build of torch and nvcc on PATH/CUDA_HOME."""
+    if os.environ.get("RAG_MM_SKIP_CUDA_BUILD"):
+        return False, "RAG_MM_SKIP_CUDA_BUILD is set"
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return False, "nvcc not found (CUDA_HOME unset)"
+    return True, "nvcc and a CUDA build of torch are present"
+
+
+def compiler_available() -> tuple[bool, str]:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return False, f"no C++ compiler ({cxx!r} not on PATH)"
+    return True, f"{cxx} found"
+
+
+@dataclass
+class BuildResult:
+    """Outcome of one extension build: ``ok`` and, when not ok, the reason."""
+
+    name: str
+    ok: bool
+    reason: str
+    with_cuda: bool = False
+    sources: list[str] = field(default_factory=list)
+
+
+_RESULTS: dict[str, BuildResult] = {}
+
+
+def load_extension(
+    name: str,
+    cpu_sources: list[str],
+    cuda_sources: list[str] | None = None,
+    *,
+    extra_cflags: list[str] | None = None,
+    extra_cuda_cflags: list[str] | None = None,
+    extra_ldflags: list[str] | None = None,
+    require_cuda: bool = False,
+) -> BuildResult:
+    """Compile (or reuse the cached build of) a TORCH_LIBRARY extension and load it.
+
+    ``*_sources`` are paths relative to ``csrc/``. The extension is loaded as a plain shared
+    library (``is_python_module=False``): the ops register themselves with the dispatcher.
+    CUDA sources are added only when ``cuda_build_possible()``; set ``require_cuda`` to build
+    them regardless (used by the compile-only check on machines without a GPU).
+    """
+    if name in _RESULTS:
+        return _RESULTS[name]
+    ok, why = compiler_available()
+    if not ok:
+        res = BuildResult(name, False, why)
+        _RESULTS[name] = res
+        return res
+
+    sources = [str(CSRC / s) for s in cpu_sources]
+    with_cuda = False
+    if cuda_sources:
+        can, why_cuda = cuda_build_possible()
+        if can or require_cuda:
+            sources += [str(CSRC / s) for s in cuda_sources]
+            with_cuda = True
+        else:
+            log.info("%s: building CPU kernels only (%s)", name, why_cuda)
+
+    from torch.utils.cpp_extension import load
+
+    build_dir = cache_dir() / (name + ("_cuda" if with_cuda else ""))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cflags = ["-O3", "-std=c++17", "-fopenmp", "-march=native"] + (extra_cflags or [])
+    try:
+        load(
+            name=name + ("_cuda" if with_cuda else ""),
+            sources=sources,
+            extra_cflags=cflags,
+            extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math"] + (extra_cuda_cflags or []),
+            extra_ldflags=["-fopenmp"] + (extra_ldflags or []),
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            is_python_module=False,
+            verbose=bool(os.environ.get("RAG_MM_VERBOSE_BUILD")),
+        )
+        res = BuildResult(name, True, "built" + (" with CUDA" if with_cuda else " (CPU)"), with_cuda, sources)
+    except Exception as exc:  # compiler errors, missing headers, linker errors
+        msg = str(exc).strip().splitlines()
+        res = BuildResult(name, False, f"build failed: {msg[-1] if msg else exc!r}", with_cuda, sources)
+        log.warning("%s: %s", name, res.reason)
+    _RESULTS[name] = res
+    return res

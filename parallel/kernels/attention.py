@@ -1,0 +1,118 @@
+"""Attention with one backend switch: ``auto`` | ``fused`` | ``sdpa`` | ``reference``.
+
+Layouts (all tensors ``(B, H, S, D)`` unless said otherwise):
+
+* dense: every query attends to every key (``causal=False``) or to keys at or before it.
+* retrieval block layout, given by ``seg_offsets`` (int32, ``(B, n_seg + 1)``, non-decreasing,
+  ``seg_offsets[:, 0] == 0``): segments ``0 .. n_seg-2`` are documents, each attending only
+  within itself; the last segment is the query, which attends to every document and causally to
+  itself. Positions at or after ``seg_offsets[:, -1]`` are padding: they attend to nothing and
+  their output is zero.
+* packed variable length (``varlen_attention``): ``(T, H, D)`` tensors holding B sequences back
+  to back, ``cu_seqlens`` (int32, ``(B + 1,)``) as in FlashAttention's varlen API.
+
+The fused C++/CUDA kernels live in ``csrc/attention``; this module is their only Python face.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "fused", "sdpa", "reference")
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_once(backend: str, reason: str) -> None:
+    if (backend, reason) not in _logged:
+        _logged.add((backend, reason))
+        log.info("attention backend: %s (%s)", backend, reason)
+
+
+# ----------------------------------------------------------------------------- masks / reference
+def layout_mask(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Boolean mask ``(B, 1, S, S)`` (True = may attend) for the retrieval block layout.
+
+    Padding rows get no allowed key; callers that feed SDPA use ``sdpa_safe_mask``.
+    """
+    B = seg_offsets.shape[0]
+    pos = torch.arange(seq_len, device=seg_offsets.device)  # (S,)
+    # segment id of every position: number of interior boundaries at or before it
+    seg = torch.searchsorted(seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True)  # (B, S)
+    n_seg = seg_offsets.shape[1] - 1
+    query_seg = n_seg - 1
+    valid = pos[None, :] < seg_offsets[:, -1:]  # (B, S)
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, S, 1), (B, 1, S)
+    same_doc = (q_seg == k_seg) & (q_seg < query_seg)
+    query_to_docs = (q_seg == query_seg) & (k_seg < query_seg)
+    query_causal = (q_seg == query_seg) & (k_seg == query_seg) & (pos[None, None, :] <= pos[None, :, None])
+    allowed = (same_doc | query_to_docs | query_causal) & valid[:, :, None] & valid[:, None, :]
+    return allowed[:, None]  # (B, 1, S, S)
+
+
+def sdpa_safe_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Let rows with no allowed key attend to themselves so SDPA yields no NaN (outputs ignored)."""
+    S = mask.shape[-1]
+    empty = ~mask.any(-1, keepdim=True)  # (B, 1, S, 1)
+    eye = torch.eye(S, dtype=torch.bool, device=mask.device)
+    return mask | (empty & eye)
+
+
+def reference_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: float | None = None):
+    """Plain PyTorch attention with an explicit (S, S) score matrix; the ground truth for tests."""
+    S = q.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, S, S)
+    allowed = None
+    if seg_offsets is not None:
+        allowed = layout_mask(seg_offsets, S)
+    elif causal:
+        allowed = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # fully masked (padding) rows -> zero output
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def sdpa_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: float | None = None):
+    if seg_offsets is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    mask = layout_mask(seg_offsets, q.shape[-2])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_safe_mask(mask), scale=scale)
+    valid = mask.any(-1, keepdim=True)  # (B, 1, S, 1): padding rows -> zero, as the kernel does
+    return out * valid
+
+
+# ----------------------------------------------------------------------------- backend switch
+def fused_available() -> tuple[bool, str]:
+    """Whether the fused kernels from csrc/attention can be used, and why not."""
+    return False, "fused attention kernels are not built yet"
+
+
+def select_backend(requested: str, q: torch.Tensor) -> tuple[str, str]:
+    """Resolve ``requested`` to a concrete backend and a human-readable reason."""
+    if requested not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    if requested in ("sdpa", "reference"):
+        return requested, "requested"
+    ok, why = fused_available()
+    if requested == "fused":
+        if not ok:
+            raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
+        return "fused", "requested"
+    return ("fused", why) if ok else ("sdpa", f"fused unavailable: {why}")
+
+
+def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
+    """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
+    chosen, reason = select_backend(backend, q)
+    _log_once(chosen, reason)
+    if chosen == "reference":
+        return reference_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
+    return sdpa_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)

@@ -1,0 +1,87 @@
+"""Run a function on N gloo ranks in spawned processes and collect what each returns.
+
+Real process groups (``init_process_group("gloo")`` over TCP on localhost), one process per
+rank, the way torchrun starts them. A rank that raises fails the test with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, timeout_s: float):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:  # report everything, including assertion errors, to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results.
+
+    ``fn`` must be importable (a module-level function) and its return value picklable.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, timeout_s)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    # Drain the queue before joining: a child blocks in put() until a large payload is read.
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout_s + 60
+    while len(results) + len(errors) < world and time.monotonic() < deadline:
+        try:
+            rank, status, payload = queue.get(timeout=1.0)
+        except _q.Empty:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    missing = [r for r in range(world) if r not in results]
+    if missing:
+        codes = [p.exitcode for p in procs]
+        raise AssertionError(f"ranks {missing} returned nothing (exit codes {codes})")
+    return [results[r] for r in range(world)]
