@@ -68,6 +68,15 @@ class BuildResult:
 _RESULTS: dict[str, BuildResult] = {}
 
 
+def _first_error(exc: Exception) -> str:
+    """The first compiler ``error`` line of a failed build (ninja's last line says nothing)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower() and "ninja" not in ln.lower():
+            return ln[:500]
+    return lines[-1] if lines else repr(exc)
+
+
 def load_extension(
     name: str,
     cpu_sources: list[str],
@@ -107,13 +116,15 @@ def load_extension(
 
     build_dir = cache_dir() / (name + ("_cuda" if with_cuda else ""))
     build_dir.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-std=c++17", "-fopenmp", "-march=native"] + (extra_cflags or [])
+    # No -std flag: cpp_extension passes the standard the installed torch headers need
+    # (C++17 up to torch 2.9, C++20 from 2.10 on); forcing c++17 breaks the 2.10+ headers.
+    cflags = ["-O3", "-fopenmp", "-march=native"] + (extra_cflags or [])
     try:
         load(
             name=name + ("_cuda" if with_cuda else ""),
             sources=sources,
             extra_cflags=cflags,
-            extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math"] + (extra_cuda_cflags or []),
+            extra_cuda_cflags=["-O3", "--use_fast_math"] + (extra_cuda_cflags or []),
             extra_ldflags=["-fopenmp"] + (extra_ldflags or []),
             build_directory=str(build_dir),
             with_cuda=with_cuda,
@@ -122,8 +133,7 @@ def load_extension(
         )
         res = BuildResult(name, True, "built" + (" with CUDA" if with_cuda else " (CPU)"), with_cuda, sources)
     except Exception as exc:  # compiler errors, missing headers, linker errors
-        msg = str(exc).strip().splitlines()
-        res = BuildResult(name, False, f"build failed: {msg[-1] if msg else exc!r}", with_cuda, sources)
+        res = BuildResult(name, False, f"build failed: {_first_error(exc)}", with_cuda, sources)
         log.warning("%s: %s", name, res.reason)
     _RESULTS[name] = res
     return res

@@ -67,7 +67,8 @@ def reference_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scal
     """Plain PyTorch attention with an explicit (S, S) score matrix; the ground truth for tests."""
     S = q.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, S, S)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math for 16-bit inputs, fp64 stays fp64
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, S, S)
     allowed = None
     if seg_offsets is not None:
         allowed = layout_mask(seg_offsets, S)
@@ -77,7 +78,7 @@ def reference_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scal
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = torch.nan_to_num(probs, nan=0.0)  # fully masked (padding) rows -> zero output
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
 def sdpa_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: float | None = None):
@@ -89,10 +90,76 @@ def sdpa_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: fl
     return out * valid
 
 
+def reference_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, scale: float | None = None):
+    """Packed ``(T, H, D)`` reference: plain attention on every sequence; tokens past the last one -> 0."""
+    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        if e > a:
+            seq = lambda t: t[a:e].transpose(0, 1)[None]  # noqa: E731  (1, H, L, D)
+            o = reference_attention(seq(q), seq(k), seq(v), causal=causal, scale=scale)
+            out[a:e] = o[0].transpose(0, 1)
+    return out
+
+
+def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """``(T, H, D)`` packed -> ``(B, H, max_seqlen, D)`` zero-padded (what padded SDPA consumes)."""
+    B = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
+    pos = torch.arange(max_seqlen, device=x.device)
+    valid = pos[None, :] < lens[:, None]  # (B, M)
+    idx = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))  # (B, M)
+    padded = x[idx] * valid[:, :, None, None]  # (B, M, H, D)
+    return padded.transpose(1, 2)
+
+
+def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, scale=None):
+    """Packed attention the usual way: pad to ``max_seqlen``, mask padded keys, SDPA, unpack."""
+    B = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    pos = torch.arange(max_seqlen, device=q.device)
+    key_ok = pos[None, :] < lens[:, None]  # (B, M)
+    mask = key_ok[:, None, None, :]  # (B, 1, 1, M)
+    if causal:
+        mask = mask & torch.ones(max_seqlen, max_seqlen, dtype=torch.bool, device=q.device).tril()
+    mask = mask | torch.eye(max_seqlen, dtype=torch.bool, device=q.device)  # padded rows: no NaN
+    qp, kp, vp = (pad_packed(t, cu_seqlens, max_seqlen) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)  # (B, H, M, D)
+    o = o.transpose(1, 2)  # (B, M, H, D)
+    out = q.new_zeros(q.shape)
+    tok = (cu_seqlens[:-1].long()[:, None] + pos[None, :])[key_ok]  # (T_valid,)
+    return out.index_put((tok,), o[key_ok])
+
+
 # ----------------------------------------------------------------------------- backend switch
+_FUSED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
+                 "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+
+
 def fused_available() -> tuple[bool, str]:
-    """Whether the fused kernels from csrc/attention can be used, and why not."""
-    return False, "fused attention kernels are not built yet"
+    """Whether the fused kernels from csrc/attention can be used, and why not.
+
+    The first call builds the extension (or loads it from the cache); later calls are free.
+    """
+    from parallel.kernels import _attention_ops
+
+    res = _attention_ops.load()
+    return res.ok, ("fused kernels " + res.reason) if res.ok else res.reason
+
+
+def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
+    """Per-call gate: device, dtype and head size the kernels handle."""
+    dev = q.device.type
+    if dev not in _FUSED_DTYPES:
+        return False, f"no fused kernel for device {dev!r}"
+    if q.dtype not in _FUSED_DTYPES[dev]:
+        return False, f"no fused {dev} kernel for dtype {q.dtype}"
+    if dev == "cuda":
+        if not torch.ops.rag_attn.fwd.has_kernel_for_dispatch_key("CUDA"):
+            return False, "extension was built without CUDA kernels"
+        if q.shape[-1] > 256:
+            return False, f"head size {q.shape[-1]} > 256"
+    return True, "supported"
 
 
 def select_backend(requested: str, q: torch.Tensor) -> tuple[str, str]:
@@ -102,11 +169,18 @@ def select_backend(requested: str, q: torch.Tensor) -> tuple[str, str]:
     if requested in ("sdpa", "reference"):
         return requested, "requested"
     ok, why = fused_available()
+    if ok:
+        ok, why_not = _fused_supports(q)
+        why = why if ok else why_not
     if requested == "fused":
         if not ok:
             raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
         return "fused", "requested"
     return ("fused", why) if ok else ("sdpa", f"fused unavailable: {why}")
+
+
+def _scale(q, scale):
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
@@ -115,4 +189,31 @@ def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str =
     _log_once(chosen, reason)
     if chosen == "reference":
         return reference_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
+    if chosen == "fused":
+        from parallel.kernels._attention_ops import fused_forward
+
+        if seg_offsets is not None:
+            seg_offsets = seg_offsets.to(device=q.device, dtype=torch.int32)
+        return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
+                             scale=_scale(q, scale))
     return sdpa_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, backend: str = "auto",
+                     scale=None):
+    """Packed variable-length attention over ``(T, H, D)`` tensors (FlashAttention's varlen API).
+
+    ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
+    sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
+    """
+    chosen, reason = select_backend(backend, q)
+    _log_once(chosen, reason)
+    if chosen == "reference":
+        return reference_varlen_attention(q, k, v, cu_seqlens, causal=causal, scale=scale)
+    if chosen == "fused":
+        from parallel.kernels._attention_ops import fused_forward
+
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
+                             scale=_scale(q, scale))
+    return sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
