@@ -1,0 +1,28 @@
+"""rag_mm's model-agnostic parallel runtime. Never imports rag_mm or retriever.
+
+Names are resolved lazily so ``import parallel.kernels`` does not pull in the partitioner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "auto_partition": "parallel.partition",
+    "partition_trace": "parallel.partition",
+    "baseline_partition": "parallel.partition",
+    "Partition": "parallel.partition",
+    "InfeasiblePartition": "parallel.balance",
+    "CostConfig": "parallel.cost",
+    "trace_model": "parallel.trace",
+    "TraceResult": "parallel.trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'parallel' has no attribute {name!r}")
