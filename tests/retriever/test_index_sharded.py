@@ -1,0 +1,90 @@
+"""Sharded search on 2 gloo ranks equals one Flat index over all documents, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retriever.index import FaissIndex, build_index
+from retriever.sharded import ShardedIndex, shard_bounds
+from tests.distributed import run_ranks
+
+DIM, K = 24, 10
+
+
+def _data(n_docs: int, n_queries: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_docs, DIM)).astype(np.float32)
+    q = rng.standard_normal((n_queries, DIM)).astype(np.float32)
+    ids = rng.permutation(5 * n_docs)[:n_docs].astype(np.int64)  # sparse, shuffled global ids
+    return x, q, ids
+
+
+def _sharded_search(rank, world, doc_split, query_split, metric, seed):
+    """Rank ``rank`` holds docs [doc_split[rank]) and asks queries [query_split[rank])."""
+    x, q, ids = _data(doc_split[-1], query_split[-1], seed)
+    d0, d1 = doc_split[rank], doc_split[rank + 1]
+    q0, q1 = query_split[rank], query_split[rank + 1]
+    shard = FaissIndex(DIM, "Flat", metric).add(x[d0:d1], ids[d0:d1])
+    sharded = ShardedIndex(shard)
+    assert sharded.num_docs() == len(x)
+    mine = q[q0:q1]
+    # Rank 0 asks with torch, rank 1 with numpy: both forms come back in kind.
+    s, i = sharded.search(torch.from_numpy(mine) if rank == 0 else mine, K)
+    assert isinstance(s, torch.Tensor) == (rank == 0)
+    return np.asarray(s), np.asarray(i)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "doc_split, query_split, metric",
+    [
+        ((0, 700, 1001), (0, 7, 30), "ip"),  # uneven shards, uneven query batches (7 vs 23)
+        ((0, 4, 1001), (0, 30, 30), "l2"),  # a shard smaller than k; rank 1 asks nothing
+    ],
+)
+def test_two_rank_sharded_search_equals_one_flat_index(doc_split, query_split, metric):
+    out = run_ranks(_sharded_search, 2, doc_split, query_split, metric, 0)
+    x, q, ids = _data(doc_split[-1], query_split[-1], 0)
+    ref_s, ref_i = (
+        FaissIndex(DIM, "Flat", metric).add(x, ids).search(q, K)
+    )  # one index, all queries
+    got_s = np.concatenate([s for s, _ in out])
+    got_i = np.concatenate([i for _, i in out])
+    assert got_i.shape == (query_split[-1], K)
+    np.testing.assert_array_equal(got_i, ref_i)
+    np.testing.assert_array_equal(got_s, ref_s)
+
+
+def _sharded_ties(rank, world):
+    # Every vector is stored twice, once on each rank (ids v and v + 100): every score ties
+    # across shards, and the merge must order the pair by id, like the single index does.
+    x = np.random.default_rng(1).standard_normal((100, DIM)).astype(np.float32)
+    start, stop = shard_bounds(200, rank, world)
+    assert (start, stop) == ((0, 100), (100, 200))[rank]
+    shard = FaissIndex(DIM, "Flat", "ip").add(x, np.arange(start, stop))
+    return ShardedIndex(shard).search(x[:5] if rank == 0 else x[5:12], 7)
+
+
+@pytest.mark.multirank
+def test_sharded_ties_are_broken_by_id():
+    out = run_ranks(_sharded_ties, 2)
+    x = np.random.default_rng(1).standard_normal((100, DIM)).astype(np.float32)
+    ref_s, ref_i = build_index(np.concatenate([x, x]), factory="Flat").search(x[:12], 7)
+    got_s = np.concatenate([s for s, _ in out])
+    got_i = np.concatenate([i for _, i in out])
+    np.testing.assert_array_equal(got_i, ref_i)
+    np.testing.assert_array_equal(got_s, ref_s)
+    assert (got_i[:, 1] - got_i[:, 0] == 100).all()  # the pair, lower id first
+    assert got_i[0, 0] == 0
+
+
+def test_shard_bounds_cover_every_document_once():
+    for n in (0, 1, 7, 1000, 1001):
+        for world in (1, 2, 3, 8):
+            spans = [shard_bounds(n, r, world) for r in range(world)]
+            assert spans[0][0] == 0 and spans[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            sizes = [b - a for a, b in spans]
+            assert max(sizes) - min(sizes) <= 1
