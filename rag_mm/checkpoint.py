@@ -1,0 +1,125 @@
+"""Atomic, verified checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a directory ``step_XXXXXXXX`` holding DCP's files, ``trainer_state.json`` and a
+``manifest.json`` with the size and SHA-256 of every file. It is written as ``*.tmp`` and renamed
+only after every rank finished and the manifest is on disk, so a crash never leaves a directory
+that looks complete. ``latest_valid`` re-checks the manifest and skips (with a warning) a
+checkpoint whose files are missing, truncated or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from rag_mm.distributed import barrier, broadcast_object
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_main: bool) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    final = root / f"step_{step:08d}"
+    tmp = root / f"step_{step:08d}.tmp"
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    barrier()
+    if is_main:
+        _write_atomic(tmp / STATE, json.dumps(trainer_state))
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _prune(root, keep)
+    barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("step_*.tmp"):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if ``ckpt`` is complete and unaltered, else the reason it is not."""
+    man = ckpt / MANIFEST
+    if not man.is_file():
+        return "no manifest (incomplete write)"
+    try:
+        files = json.loads(man.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        return f"unreadable manifest: {exc}"
+    for name, meta in files.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"missing file {name}"
+        if p.stat().st_size != meta["bytes"]:
+            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)"
+        if _sha256(p) != meta["sha256"]:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def latest_valid(root: Path) -> Path | None:
+    """The newest verified checkpoint under ``root`` (rank 0 decides; all ranks get the answer)."""
+    choice = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for ckpt in sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True):
+            why = verify(ckpt)
+            if why is None:
+                choice = str(ckpt)
+                break
+            log.warning("skipping damaged checkpoint %s: %s", ckpt, why)
+    choice = broadcast_object(choice)
+    return Path(choice) if choice else None
+
+
+def load(ckpt: Path, state: dict) -> dict:
+    """Load DCP tensors into ``state`` in place (collective); return the trainer state JSON."""
+    why = verify(ckpt)
+    if why is not None:
+        raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
+    dcp.load(state, checkpoint_id=str(ckpt))
+    return json.loads((ckpt / STATE).read_text())

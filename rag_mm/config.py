@@ -1,0 +1,214 @@
+"""Typed configuration: one dataclass per Hydra group, registered in Hydra's ConfigStore.
+
+YAML files under ``conf/`` only choose and override; every field is declared (with its reason)
+here, so a typo in a key is rejected by Hydra and a bad value by ``validate`` before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """The reader: an open_clip vision tower feeding a joint text-image transformer."""
+
+    name: str = "small"  # label for logs and run names
+    dim: int = 128  # transformer width; the demo needs little capacity, speed matters on 2 cores
+    layers: int = 4  # transformer blocks: 2 to find the fact's slot, 2 to copy it is the minimum
+    heads: int = 4  # attention heads; must divide dim
+    mlp_ratio: float = 4.0  # MLP hidden size = mlp_ratio * dim, as in GPT-2 / ViT
+    dropout: float = 0.0  # off: the demo data is clean and deterministic tests need no RNG here
+    vision_width: int = 128  # open_clip ViT width
+    vision_layers: int = 2  # open_clip ViT depth; pictures are simple shapes
+    vision_head_width: int = 32  # open_clip uses head width rather than head count
+    patch_size: int = 8  # 32 px pictures -> 4 x 4 = 16 patch tokens per image
+    image_size: int = 32  # must match the data's pictures
+    vision_checkpoint: str | None = None  # local path of pretrained open_clip visual weights
+    max_doc_text: int = 40  # document text tokens kept per document (the demo's passages are ~21)
+    max_question: int = 24  # question tokens kept
+    max_answer: int = 8  # answer tokens kept, EOT included
+    max_segment_len: int = 128  # learned positions within a segment (doc or query)
+    attention_backend: str = "auto"  # auto | fused | sdpa | reference (see parallel.kernels.attention)
+    tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
+
+
+@dataclass
+class DataConfig:
+    """Where the shards are and how they are read."""
+
+    root: str = "data/knowledge_world"  # base directory; the patterns below are relative to it
+    corpus: str = "corpus/corpus-{000000..000000}.tar"  # document memory shards (brace expansion)
+    train: str = "train/train-{000000..000005}.tar"  # training query shards
+    val: str = "val/val-{000000..000000}.tar"  # periodic evaluation
+    test: str = "test/test-{000000..000000}.tar"  # final evaluation
+    batch_size: int = 32  # queries per rank per micro-step
+    eval_batch_size: int = 128  # larger: no backward pass in evaluation
+    num_workers: int = 1  # loader processes per rank; 2 cores leave room for one
+    shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
+    augment: bool = True  # random crop and colour jitter on training query pictures
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay (the GPT-3 / Chinchilla recipe)."""
+
+    lr: float = 1e-3  # peak learning rate; small model, short run
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.01  # applied to matrices only, not norms, biases or embeddings
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.98  # shorter second-moment memory than 0.999: stabler on short runs
+    eps: float = 1e-8  # AdamW denominator guard
+    warmup_steps: int = 100  # linear warm-up from 0
+    grad_clip: float = 1.0  # global-norm clipping threshold (0 disables)
+    grad_accum: int = 1  # micro-steps per optimizer step
+    precision: str = "fp32"  # fp32 | bf16 (bf16 autocast on matmuls, fp32 master weights)
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are laid out; the product of the degrees must equal the world size."""
+
+    dp: int = -1  # data-parallel degree; -1 = world_size / (pp * tp)
+    pp: int = 1  # pipeline stages for the reader
+    tp: int = 1  # tensor-parallel degree
+    microbatches: int = 1  # pipeline microbatches per step (pp > 1)
+    schedule: str = "1f1b"  # pipeline schedule name (pp > 1)
+    backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    grad_reduce: str = "pg"  # gradient all-reduce path: pg (process group) | auto | shm | hier_int8
+    timeout_s: int = 600  # collective timeout: a dead rank fails the job instead of hanging it
+
+
+@dataclass
+class RetrieverConfig:
+    """Which documents the reader sees."""
+
+    mode: str = "oracle"  # oracle (gold document) | none (closed book) | learned
+    top_k: int = 1  # documents per query given to the reader
+
+
+@dataclass
+class TrainConfig:
+    """The whole run. Groups are filled by conf/config.yaml's defaults list."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+
+    name: str = "default"  # run name; the run directory is runs/<name> unless run_dir is set
+    run_dir: str = MISSING  # where config, logs, checkpoints and metrics go
+    seed: int = 0  # global seed (model init, data order, augmentation)
+    max_steps: int = 1000  # optimizer steps
+    log_every: int = 20  # steps between console / TensorBoard lines
+    eval_every: int = 250  # steps between validation passes (0 = only at the end)
+    ckpt_every: int = 250  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    resume: str = "auto"  # auto (newest valid checkpoint in run_dir) | never | <checkpoint path>
+    deterministic: bool = False  # deterministic algorithms and seeded workers (bitwise resumable)
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # intra-op threads per rank (0 = torch default)
+    progress: bool = True  # rich progress bar on rank 0 when attached to a terminal
+    stop_after_steps: int = 0  # testing aid: exit cleanly after this many steps (0 = never)
+
+
+ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "reference")
+RETRIEVAL_MODES = ("oracle", "none", "learned")
+PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
+
+
+def _positive(errors: list[str], key: str, value: Any) -> None:
+    if value is None or value <= 0:
+        errors.append(f"{key} must be positive (got {value})")
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Reject values that cannot work, naming every bad key at once. Runs before any work."""
+    e: list[str] = []
+    m, d, o, p, r = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.retriever
+    for key in ("dim", "layers", "heads", "mlp_ratio", "vision_width", "vision_layers", "vision_head_width",
+                "patch_size", "image_size", "max_doc_text", "max_question", "max_answer", "max_segment_len"):
+        _positive(e, f"model.{key}", getattr(m, key))
+    if m.dim > 0 and m.heads > 0 and m.dim % m.heads:
+        e.append(f"model.heads ({m.heads}) must divide model.dim ({m.dim})")
+    if m.image_size > 0 and m.patch_size > 0 and m.image_size % m.patch_size:
+        e.append(f"model.patch_size ({m.patch_size}) must divide model.image_size ({m.image_size})")
+    if m.vision_width > 0 and m.vision_head_width > 0 and m.vision_width % m.vision_head_width:
+        e.append(f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})")
+    if m.attention_backend not in ATTENTION_BACKENDS:
+        e.append(f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})")
+    if m.max_answer < 2:
+        e.append(f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})")
+    for key in ("batch_size", "eval_batch_size", "shuffle_buffer"):
+        _positive(e, f"data.{key}", getattr(d, key))
+    if d.num_workers < 0:
+        e.append(f"data.num_workers must be >= 0 (got {d.num_workers})")
+    _positive(e, "optim.lr", o.lr)
+    _positive(e, "optim.grad_accum", o.grad_accum)
+    if o.warmup_steps < 0:
+        e.append(f"optim.warmup_steps must be >= 0 (got {o.warmup_steps})")
+    if o.grad_clip < 0:
+        e.append(f"optim.grad_clip must be >= 0 (got {o.grad_clip})")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        e.append(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
+    if o.precision not in PRECISIONS:
+        e.append(f"optim.precision must be one of {PRECISIONS} (got {o.precision!r})")
+    if r.mode not in RETRIEVAL_MODES:
+        e.append(f"retriever.mode must be one of {RETRIEVAL_MODES} (got {r.mode!r})")
+    if r.mode == "learned":
+        e.append("retriever.mode=learned: the learned retriever is not available in this build")
+    if r.mode == "oracle" and r.top_k != 1:
+        e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {r.top_k})")
+    if r.top_k < 0:
+        e.append(f"retriever.top_k must be >= 0 (got {r.top_k})")
+    for key in ("max_steps", "log_every"):
+        _positive(e, key, getattr(cfg, key))
+    for key in ("eval_every", "ckpt_every", "stop_after_steps", "threads"):
+        if getattr(cfg, key) < 0:
+            e.append(f"{key} must be >= 0 (got {getattr(cfg, key)})")
+    _positive(e, "keep_checkpoints", cfg.keep_checkpoints)
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        e.append(f"device must be auto, cpu or cuda (got {cfg.device!r})")
+    # parallel layout
+    for key in ("pp", "tp", "microbatches", "timeout_s"):
+        _positive(e, f"parallel.{key}", getattr(p, key))
+    if p.dp == 0 or p.dp < -1:
+        e.append(f"parallel.dp must be positive or -1 for 'the remaining ranks' (got {p.dp})")
+    if p.schedule not in SCHEDULES:
+        e.append(f"parallel.schedule must be one of {SCHEDULES} (got {p.schedule!r})")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        e.append(f"parallel.backend must be auto, gloo or nccl (got {p.backend!r})")
+    if p.grad_reduce not in GRAD_REDUCE:
+        e.append(f"parallel.grad_reduce must be one of {GRAD_REDUCE} (got {p.grad_reduce!r})")
+    if p.pp > 0 and p.tp > 0:
+        if p.dp == -1:
+            if world_size % (p.pp * p.tp):
+                e.append(f"world size {world_size} is not divisible by parallel.pp * parallel.tp = {p.pp * p.tp}")
+        elif p.dp > 0 and p.dp * p.pp * p.tp != world_size:
+            e.append(f"parallel.dp * parallel.pp * parallel.tp = {p.dp}*{p.pp}*{p.tp} = {p.dp * p.pp * p.tp} "
+                     f"does not match the world size {world_size}")
+        if p.tp > 1 and m.heads > 0 and m.heads % p.tp:
+            e.append(f"parallel.tp ({p.tp}) must divide model.heads ({m.heads})")
+        if p.pp > 1 or p.tp > 1:
+            e.append("parallel.pp > 1 and parallel.tp > 1 need the pipeline / tensor-parallel runtime, "
+                     "which is not available in this build")
+    if e:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml (and its groups) are type-checked by Hydra."""
+    # One schema node for the whole tree: group YAMLs merge into its typed sub-nodes, so an
+    # unknown key or a wrongly typed value in any group is rejected by Hydra itself.
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

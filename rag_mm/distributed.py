@@ -1,0 +1,71 @@
+"""Process-group set-up from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Join the process group torchrun describes (or run alone); pick the device and backend."""
+    world = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        be = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
+        dist.init_process_group(be, timeout=timedelta(seconds=timeout_s), device_id=dev if be == "nccl" else None)
+        log.info("rank %d/%d joined the %s process group (device %s)", rank, world, be, dev)
+    return DistEnv(rank, world, local_rank, dev)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_object(obj):
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,71 @@
+"""Run outputs: metrics.jsonl (every record), TensorBoard scalars, console progress (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Writes only on the main rank; other ranks get a logger that does nothing."""
+
+    def __init__(self, run_dir: Path, enabled: bool, total_steps: int, progress: bool) -> None:
+        self.enabled = enabled
+        self.total = total_steps
+        self._tb = None
+        self._bar = None
+        self._task = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"))
+        except Exception as exc:  # tensorboard missing or broken: keep training, say so
+            log.warning("TensorBoard disabled: %s", exc)
+        if progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=total_steps, info="")
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        record = {"time": time.time(), "kind": prefix, **record}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
+                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def progress(self, step: int, info: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+        else:
+            log.info("step %d/%d %s", step, self.total, info)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()

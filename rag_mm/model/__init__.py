@@ -1,0 +1,3 @@
+from rag_mm.model.reader import Reader, ReaderOutput
+
+__all__ = ["Reader", "ReaderOutput"]

@@ -1,0 +1,55 @@
+"""Transformer blocks of the reader: pre-norm attention + MLP, single-device code (nanoGPT style).
+
+Attention goes through ``parallel.kernels.attention.attention`` only, so the backend switch
+(fused kernel, SDPA, reference) is decided in one place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel.kernels.attention import attention
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, hd)
+        y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)  # (B, H, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, D)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, ratio: float, dropout: float) -> None:
+        super().__init__()
+        hidden = int(dim * ratio)
+        self.fc = nn.Linear(dim, hidden)
+        self.proj = nn.Linear(hidden, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float, backend: str) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = SelfAttention(dim, heads, dropout, backend)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, mlp_ratio, dropout)
+
+    def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), seg_offsets)
+        return x + self.mlp(self.ln2(x))

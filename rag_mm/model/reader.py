@@ -1,0 +1,189 @@
+"""The reader: a joint text-image transformer over retrieved documents and the query.
+
+Sequence of one example (packed left, padded right to the batch's longest)::
+
+    [doc_1 patches, doc_1 text] ... [doc_k patches, doc_k text] [query patches, question, answer]
+     └──────── segment 0 ───────┘     └──────── segment k-1 ──┘  └────────── segment k ─────────┘
+
+Documents attend within themselves; the query segment attends to all documents and causally to
+itself (``parallel.kernels.attention`` layout). Positions restart in every segment, so documents
+form an unordered set. The loss is next-token cross-entropy on the answer tokens only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import open_clip
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from open_clip.model import CLIPVisionCfg
+
+from rag_mm.model.blocks import Block
+
+log = logging.getLogger(__name__)
+
+IGNORE = -100  # label of positions without a loss (F.cross_entropy's ignore_index)
+# token types: which part of the sequence a slot belongs to
+DOC_IMAGE, DOC_TEXT, QUERY_IMAGE, QUESTION, ANSWER = range(5)
+
+
+@dataclass
+class ReaderOutput:
+    loss: torch.Tensor  # () mean NLL over every answer token in the batch
+    nll: torch.Tensor  # (B,) mean NLL of each example's answer tokens
+    correct: torch.Tensor  # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
+    logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
+    labels: torch.Tensor  # (M,) their targets
+    example: torch.Tensor  # (M,) example index of each prediction position
+
+
+def build_vision_tower(cfg) -> nn.Module:
+    """An open_clip ViT that also returns its patch tokens (random init or a local checkpoint)."""
+    vcfg = CLIPVisionCfg(
+        layers=cfg.vision_layers,
+        width=cfg.vision_width,
+        head_width=cfg.vision_head_width,
+        patch_size=cfg.patch_size,
+        image_size=cfg.image_size,
+        output_tokens=True,
+    )
+    tower = open_clip.model._build_vision_tower(embed_dim=cfg.vision_width, vision_cfg=vcfg)
+    tower.proj = None  # the reader uses patch tokens only; an unused projection would stall DDP
+    if cfg.vision_checkpoint:
+        state = torch.load(cfg.vision_checkpoint, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+        # accept a whole open_clip CLIP state dict: keep the 'visual.' entries
+        if any(k.startswith("visual.") for k in state):
+            state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
+        missing, unexpected = tower.load_state_dict(state, strict=False)
+        log.info("vision tower: loaded %s (missing %d, unexpected %d keys)", cfg.vision_checkpoint, len(missing), len(unexpected))
+    return tower
+
+
+class Reader(nn.Module):
+    def __init__(self, cfg, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.vision = build_vision_tower(cfg)
+        self.image_proj = nn.Linear(cfg.vision_width, cfg.dim)
+        self.tok_emb = nn.Embedding(vocab_size, cfg.dim)
+        self.pos_emb = nn.Embedding(cfg.max_segment_len, cfg.dim)
+        self.type_emb = nn.Embedding(5, cfg.dim)
+        self.blocks = nn.ModuleList(
+            Block(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.dropout, cfg.attention_backend) for _ in range(cfg.layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * layers).
+        for name, p in self.named_parameters():
+            if name.startswith("vision."):
+                continue  # open_clip initialises its own tower
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") and "blocks" in name else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    # ------------------------------------------------------------------------------ assembly
+    def _slots(self, image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len):
+        """Every candidate token in a fixed layout: embeddings, validity, positions, labels, segment."""
+        B, P = image.shape[0], self.num_patches
+        k = 0 if doc_image is None else doc_image.shape[1]
+        dev = image.device
+        # vision tower once over the query pictures and every document picture
+        pics = image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])  # (B*k + B, 3, H, W)
+        _, patches = self.vision(pics)  # (B*k + B, P, Wv)
+        patches = self.image_proj(patches)  # (B*k + B, P, D)
+        q_patches = patches[B * k:]  # (B, P, D)
+
+        parts, valid, pos, typ, seg = [], [], [], [], []
+        ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
+        for j in range(k):
+            Lt = doc_ids.shape[2]
+            parts += [patches[:B * k].view(B, k, P, -1)[:, j], self.tok_emb(doc_ids[:, j])]
+            valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lt)[None] < doc_len[:, j, None]]
+            pos += [ar(P).expand(B, P), (P + ar(Lt)).expand(B, Lt)]
+            typ += [torch.full((B, P), DOC_IMAGE, device=dev), torch.full((B, Lt), DOC_TEXT, device=dev)]
+            seg += [torch.full((B, P + Lt), j, device=dev)]
+        Lq = q_ids.shape[1]
+        La = a_ids.shape[1] - 1  # the final answer token (EOT) is only ever a target, never an input
+        parts += [q_patches, self.tok_emb(q_ids), self.tok_emb(a_ids[:, :La])]
+        valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lq)[None] < q_len[:, None], ar(La)[None] < (a_len - 1)[:, None]]
+        pos += [ar(P).expand(B, P), (P + ar(Lq)).expand(B, Lq), P + q_len[:, None] + ar(La)[None]]
+        typ += [torch.full((B, P), QUERY_IMAGE, device=dev), torch.full((B, Lq), QUESTION, device=dev),
+                torch.full((B, La), ANSWER, device=dev)]
+        seg += [torch.full((B, P + Lq + La), k, device=dev)]
+
+        # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
+        n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
+        labels = torch.full((B, n_before + Lq + La), IGNORE, dtype=torch.long, device=dev)
+        anchor = n_before + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))  # question end or last patch
+        labels[ar(B), anchor] = a_ids[:, 0]
+        if La > 0:
+            nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1:La + 1], IGNORE)  # (B, La)
+            labels[:, n_before + Lq:] = nxt
+        return (torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(pos, 1), torch.cat(typ, 1),
+                torch.cat(seg, 1), labels, k)
+
+    def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None):
+        """Pack each example's valid tokens to the left: x (B, S, D), labels (B, S), seg_offsets (B, k+2)."""
+        emb, valid, pos, typ, seg, labels, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        if int(pos.max()) >= self.cfg.max_segment_len:
+            raise ValueError(f"a segment has {int(pos.max()) + 1} tokens > model.max_segment_len={self.cfg.max_segment_len}")
+        x = emb + self.pos_emb(pos) + self.type_emb(typ)  # (B, N, D)
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid slots first, in order
+        S = int(valid.sum(1).max())
+        order = order[:, :S]
+        x = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))  # (B, S, D)
+        keep = torch.gather(valid, 1, order)
+        labels = torch.gather(labels, 1, order).masked_fill(~keep, IGNORE)
+        counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
+        seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
+        return x, labels, seg_offsets
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> ReaderOutput:
+        """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None."""
+        x, labels, seg_offsets = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        for block in self.blocks:
+            x = block(x, seg_offsets)
+        where = labels != IGNORE  # (B, S)
+        h = self.ln_f(x[where])  # (M, D): only answer positions need the vocabulary projection
+        logits = self.lm_head(h).float()  # (M, V)
+        target = labels[where]
+        example = where.nonzero()[:, 0]
+        tok_nll = F.cross_entropy(logits, target, reduction="none")  # (M,)
+        B = image.shape[0]
+        count = torch.zeros(B, device=x.device).index_add_(0, example, torch.ones_like(tok_nll))
+        nll = torch.zeros(B, device=x.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
+        wrong = torch.zeros(B, device=x.device).index_add_(0, example, (logits.argmax(-1) != target).float())
+        return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logits, target, example)
+
+    @torch.no_grad()
+    def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407):
+        """Greedy answers (list of token-id lists), one full forward per generated token."""
+        B, dev = image.shape[0], image.device
+        out = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(self.cfg.max_answer):
+            a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)  # placeholder target at the end
+            a_len = torch.full((B,), a_ids.shape[1], device=dev)
+            res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+            last = torch.zeros(B, dtype=torch.long, device=dev)
+            last[res.example] = torch.arange(len(res.example), device=dev)  # the last prediction of each example
+            nxt = res.logits[last].argmax(-1).masked_fill(done, eot_id)
+            out = torch.cat([out, nxt[:, None]], 1)
+            done |= nxt == eot_id
+            if bool(done.all()):
+                break
+        return [[t for t in row if t != eot_id] for row in out.tolist()]

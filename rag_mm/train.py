@@ -1,0 +1,52 @@
+"""The main job.
+
+    python -m rag_mm.train +experiment=demo                         # one process
+    torchrun --nproc_per_node=2 -m rag_mm.train +experiment=demo    # data parallel, one node
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rag_mm.config import ConfigError, register_configs
+
+register_configs()
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format=f"%(asctime)s | rank {rank} | %(levelname)s | %(name)s | %(message)s",
+        force=True,
+    )
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    _setup_logging()
+    from rag_mm.trainer import Trainer  # heavy imports after the config is known to parse
+
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as exc:
+        print(f"rag_mm.train: {exc}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        trainer.restore()
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.env.is_main:
+        print(json.dumps(summary, indent=1))
+    logging.getLogger(__name__).info("run directory: %s", OmegaConf.select(cfg, "run_dir"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The training loop: build -> (restore) -> fit -> close.
+
+One process per rank (torchrun); data parallel with DDP over every rank. Checkpoints, metrics
+and the resolved config live in ``cfg.run_dir``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from rag_mm import checkpoint
+from rag_mm.config import ConfigError, validate
+from rag_mm.data.documents import DocumentStore
+from rag_mm.data.pipeline import StreamSpec, expand_urls, make_loader
+from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.distributed import all_reduce_sum, cleanup, init_distributed, world_size_from_env
+from rag_mm.evaluate import _inputs, evaluate
+from rag_mm.metrics import MetricsLogger
+from rag_mm.model import Reader
+from rag_mm.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
+
+
+def check_shards(cfg) -> None:
+    """Fail before any work if a local shard pattern matches no file."""
+    for split in ("corpus", "train", "val", "test"):
+        urls = expand_urls(cfg.data.root, getattr(cfg.data, split))
+        local = [u for u in urls if not u.startswith(("pipe:", "http:", "https:", "s3:", "gs:"))]
+        missing = [u for u in local if not Path(u).is_file()]
+        if missing:
+            raise ConfigError(
+                f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
+                f"(data.root={cfg.data.root!r}; generate the demo data with "
+                f"`python -m rag_mm.data.knowledge_world out={cfg.data.root}`)"
+            )
+
+
+class Trainer:
+    def __init__(self, cfg, log_metrics: bool = True) -> None:
+        validate(cfg, world_size_from_env())
+        check_shards(cfg)
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.device = self.env.device
+        torch.manual_seed(cfg.seed)
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.tok = get_tokenizer()
+        m = cfg.model
+        self.store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text)
+        log.info("document memory: %d documents (%s dropped)", len(self.store), self.store.skipped or "none")
+        self.model = Reader(m, self.tok.vocab_size).to(self.device)
+        self.dp_model = self.model
+        if self.env.world_size > 1:
+            self.dp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self._register_grad_reduce()
+        self.opt = build_optimizer(self.model, cfg.optim)
+        self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
+        self.step = 0
+        self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
+        self.skipped: dict[int, dict[str, int]] = {}  # per loader worker: cumulative dropped samples
+        self.train_time = 0.0
+        self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
+        self._stop_signal = False
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info("reader: %.2f M parameters, world size %d, device %s", n_params / 1e6, self.env.world_size, self.device)
+
+    def _register_grad_reduce(self) -> None:
+        kind = self.cfg.parallel.grad_reduce
+        if kind == "pg":
+            return
+        from parallel.comm_hooks import make_grad_reduce_hook
+
+        hook, state = make_grad_reduce_hook(kind)
+        self.dp_model.register_comm_hook(state, hook)
+        log.info("gradient reduction: %s", kind)
+
+    # ------------------------------------------------------------------------------ retrieval
+    def fetch_docs(self, batch: dict) -> dict | None:
+        mode = self.cfg.retriever.mode
+        if mode == "none":
+            return None
+        if mode == "oracle":
+            gold = batch["doc_id"]
+            if bool((gold < 0).any()):
+                raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
+            return self.store.fetch(gold[:, None])
+        raise ValueError(f"unknown retriever.mode {mode!r}")
+
+    # ------------------------------------------------------------------------------ data
+    def _stream(self, split: str, train: bool, skip_batches: int = 0):
+        c = self.cfg
+        spec = StreamSpec(
+            urls=expand_urls(c.data.root, getattr(c.data, split)),
+            image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
+            batch_size=c.data.batch_size if train else c.data.eval_batch_size,
+            seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
+            rank=self.env.rank, world_size=self.env.world_size, skip_batches=skip_batches,
+        )
+        return make_loader(spec, c.data.num_workers)
+
+    def evaluate_split(self, split: str, max_batches: int = 0) -> dict:
+        return evaluate(self.model, self._stream(split, train=False), self.fetch_docs, self.device, max_batches)
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self) -> Path:
+        trainer_state = {
+            "step": self.step,
+            "consumed": self.consumed,
+            "train_time": self.train_time,
+            "scheduler": self.sched.state_dict(),
+            "skipped": self.skipped,
+        }
+        path = checkpoint.save(self.ckpt_dir, self.step, self._state(), trainer_state, self.cfg.keep_checkpoints, self.env.is_main)
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def restore(self) -> None:
+        """Resume according to ``cfg.resume``: auto | never | a checkpoint path."""
+        r = self.cfg.resume
+        if r == "never":
+            return
+        path = checkpoint.latest_valid(self.ckpt_dir) if r == "auto" else Path(r)
+        if path is None:
+            log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
+            return
+        state = self._state()
+        ts = checkpoint.load(path, state)
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.sched.load_state_dict(ts["scheduler"])
+        self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
+        self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ------------------------------------------------------------------------------ training
+    def _on_sigterm(self, signum, frame) -> None:
+        log.warning("received signal %d: checkpointing after this step, then exiting", signum)
+        self._stop_signal = True
+
+    def _skipped_total(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for counts in self.skipped.values():
+            for k, v in counts.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def fit(self) -> dict:
+        c = self.cfg
+        prev = signal.signal(signal.SIGTERM, self._on_sigterm)
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16) if c.optim.precision == "bf16" else contextlib.nullcontext()
+        )
+        it = iter(self._stream("train", train=True, skip_batches=self.consumed))
+        accum = c.optim.grad_accum
+        samples_per_step = c.data.batch_size * accum * self.env.world_size
+        bad_steps, window_t, window_steps = 0, time.perf_counter(), 0
+        stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
+        try:
+            while self.step < c.max_steps:
+                t0 = time.perf_counter()
+                loss_sum = torch.zeros((), device=self.device)
+                for micro in range(accum):
+                    batch = next(it)
+                    self.consumed += 1
+                    wid, counts = batch["skipped"]
+                    if counts:
+                        self.skipped[wid] = counts
+                    docs = self.fetch_docs(batch)
+                    sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
+                    with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
+                        out = self.dp_model(**_inputs(batch, docs, self.device))
+                    (out.loss / accum).backward()
+                    loss_sum += out.loss.detach() / accum
+                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip or float("inf"))
+                # every rank must take the same decision, so agree on finiteness
+                finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))
+                if finite.item() < self.env.world_size:
+                    self.opt.zero_grad(set_to_none=True)
+                    bad_steps += 1
+                    log.warning("non-finite loss or gradient at step %d: step skipped (%d in a row)", self.step, bad_steps)
+                    if bad_steps > MAX_NONFINITE_STEPS:
+                        raise FloatingPointError(f"{bad_steps} consecutive non-finite steps: aborting (lower optim.lr?)")
+                    continue
+                bad_steps = 0
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.step += 1
+                dt = time.perf_counter() - t0
+                self.train_time += dt
+                window_steps += 1
+                if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
+                    elapsed = time.perf_counter() - window_t
+                    rec = {
+                        "step": self.step, "loss": loss.item(), "lr": self.sched.get_last_lr()[0],
+                        "grad_norm": float(gnorm), "samples_per_s": samples_per_step * window_steps / elapsed,
+                        "skipped": sum(self._skipped_total().values()),
+                    }
+                    self.metrics.log(rec)
+                    self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
+                    window_t, window_steps = time.perf_counter(), 0
+                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
+                    val = self.evaluate_split("val")
+                    self.metrics.log({"step": self.step, **val}, prefix="val")
+                    log.info("step %d val: acc %.3f (seen %.3f, held-out %.3f)", self.step, val["acc"], val["acc_seen"], val["acc_heldout"])
+                stopping = self._stop_signal or (stop_at is not None and self.step >= stop_at)
+                if (c.ckpt_every and self.step % c.ckpt_every == 0) or stopping:
+                    self.save()
+                if stopping:
+                    log.warning("stopping at step %d (%s)", self.step, "signal" if self._stop_signal else "stop_after_steps")
+                    return {"stopped_at": self.step, "loss": loss_sum.item()}
+            if not (c.ckpt_every and self.step % c.ckpt_every == 0):
+                self.save()
+            return self.finish(loss_sum.item())
+        finally:
+            signal.signal(signal.SIGTERM, prev)
+
+    def finish(self, last_loss: float) -> dict:
+        """Final evaluation on val and test; metrics.json in the run directory."""
+        val, test = self.evaluate_split("val"), self.evaluate_split("test")
+        world = {}
+        world_json = Path(self.cfg.data.root) / "world.json"
+        if world_json.is_file():
+            world = json.loads(world_json.read_text())
+        summary = {
+            "step": self.step,
+            "final_train_loss": last_loss,
+            "train_time_s": self.train_time,
+            "samples_per_s": self.step * self.cfg.data.batch_size * self.cfg.optim.grad_accum * self.env.world_size / max(self.train_time, 1e-9),
+            "world_size": self.env.world_size,
+            "retrieval": self.cfg.retriever.mode,
+            "val": val,
+            "test": test,
+            "chance_accuracy": world.get("chance_accuracy", float("nan")),
+            "skipped_samples": self._skipped_total(),
+            "skipped_documents": self.store.skipped,
+        }
+        if self.env.is_main:
+            self.metrics.log({"step": self.step, **test}, prefix="test")
+            (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def close(self) -> None:
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.barrier()
+        cleanup()
+
+
