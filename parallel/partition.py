@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -311,6 +311,7 @@ def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: li
               k: int, cfg: CostConfig, objective: str, policy: str) -> Partition:
     from .cost import rank_of_stage
 
+    units = costs.units  # replica-adjusted: what the balancer saw
     n = len(units)
     ranks = [rank_of_stage(s, costs.num_ranks, cfg) for s in range(k)]
     mods = trace.modules
