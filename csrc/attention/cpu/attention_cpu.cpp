@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -26,63 +27,19 @@
 
 #include "../layout.h"
 #include "blas.h"
+#include "vec.h"
 
 namespace rag_attn::cpu {
 namespace {
 
 // Query rows per item and keys per inner step. 64 x 256 fp32 scores (64 KiB) plus the output
 // accumulator stay in L2 (1 MiB per core here); larger key blocks amortise the BLAS call overhead.
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 256;
-
-// exp for x <= ~88 (Cody-Waite reduction to [-ln2/2, ln2/2], degree-6 Taylor, 2^n by exponent
-// bits): branch-free so the loops below vectorise; relative error ~2e-7, below fp32 rounding of the
-// sums. Inputs below -87 flush to 0.
-inline float exp_fast(float x) {
-  const bool tiny = x < -87.0f;
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(float));
-  return tiny ? 0.0f : p * two_n;
+int64_t env_or(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : dflt;
 }
-inline double exp_fast(double x) { return std::exp(x); }
-
-template <typename acc_t>
-inline acc_t row_max(const acc_t* x, int64_t n) {
-  acc_t m = -std::numeric_limits<acc_t>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
-// x[j] = exp(x[j] - sub) for j < n, returning the sum.
-template <typename acc_t>
-inline acc_t exp_sub_sum(acc_t* x, int64_t n, acc_t sub) {
-  acc_t s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < n; ++j) {
-    const acc_t e = exp_fast(x[j] - sub);
-    x[j] = e;
-    s += e;
-  }
-  return s;
-}
-
-template <typename dst_t, typename src_t>
-inline void convert(dst_t* dst, const src_t* src, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) dst[j] = dst_t(src[j]);
-}
+const int64_t kBlockQ = env_or("RAG_ATTN_BQ", 64);
+const int64_t kBlockK = env_or("RAG_ATTN_BK", 256);
 
 // Number of keys in [kb, kb + n) that row `row` may see (all of them unless causal).
 inline int64_t visible(bool causal, int64_t row, int64_t kb, int64_t n) {
@@ -143,11 +100,7 @@ void forward_impl(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
             std::fill(row + nv, row + n, acc_t(0));
             l_i[i] = l_i[i] * alpha + s;
             m_i[i] = m_new;
-            if (alpha != acc_t(1)) {
-              acc_t* a = acc.data() + i * D;
-#pragma omp simd
-              for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-            }
+            if (alpha != acc_t(1)) scale_row(acc.data() + i * D, D, alpha);
             if constexpr (kNeedCast) convert(p_cast.data() + i * kBlockK, row, n);
           }
           const scalar_t* P;
@@ -229,12 +182,7 @@ void backward_impl(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
               const int64_t nv = visible(it.causal, it.r0 + i, kb, n);
               const acc_t li = acc_t(L[i]);
               const acc_t dii = di[i];
-#pragma omp simd
-              for (int64_t j = 0; j < nv; ++j) {
-                const acc_t e = exp_fast(p[j] - li);
-                p[j] = e;
-                dp[j] = e * (dp[j] - dii);  // dS
-              }
+              softmax_grad_row(p, dp, nv, li, dii);  // p = P, dp = dS
               for (int64_t j = nv; j < n; ++j) p[j] = dp[j] = acc_t(0);
               if constexpr (kNeedCast) {
                 convert(p_cast.data() + i * kBlockK, p, n);
