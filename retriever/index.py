@@ -81,7 +81,8 @@ NPROBE_FRACTION = 1 / 64
 HNSW_QUANTIZER_MIN_DOCS = 2_000_000
 
 
-def _nlist_for(num_docs: int) -> int:
+def ivf_nlist(num_docs: int) -> int:
+    """IVF list count for a memory: 4·sqrt(N) as a power of two, capped by N/39 and 2^18."""
     nlist = 2 ** round(math.log2(4 * math.sqrt(num_docs)))
     return int(max(16, min(nlist, 2 ** int(math.log2(max(num_docs // 39, 16))), 2**18)))
 
@@ -98,7 +99,7 @@ def default_factory(num_docs: int, dim: int, memory_budget_bytes: int | None = N
         memory_budget_bytes is None or 4 * dim * num_docs <= memory_budget_bytes
     ):
         return "Flat"
-    nlist = _nlist_for(num_docs)
+    nlist = ivf_nlist(num_docs)
     coarse = f"IVF{nlist}_HNSW32" if num_docs >= HNSW_QUANTIZER_MIN_DOCS else f"IVF{nlist}"
     if memory_budget_bytes is not None and 4 * dim * num_docs > memory_budget_bytes:
         m = max(1, dim // 8)
