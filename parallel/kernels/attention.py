@@ -96,7 +96,7 @@ def reference_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, sca
     bounds = cu_seqlens.tolist()
     for a, e in zip(bounds[:-1], bounds[1:]):
         if e > a:
-            seq = lambda t: t[a:e].transpose(0, 1)[None]  # noqa: E731  (1, H, L, D)
+            seq = lambda t, a=a, e=e: t[a:e].transpose(0, 1)[None]  # noqa: E731  (1, H, L, D)
             o = reference_attention(seq(q), seq(k), seq(v), causal=causal, scale=scale)
             out[a:e] = o[0].transpose(0, 1)
     return out
@@ -104,7 +104,6 @@ def reference_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, sca
 
 def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """``(T, H, D)`` packed -> ``(B, H, max_seqlen, D)`` zero-padded (what padded SDPA consumes)."""
-    B = cu_seqlens.numel() - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
     pos = torch.arange(max_seqlen, device=x.device)
     valid = pos[None, :] < lens[:, None]  # (B, M)
@@ -115,7 +114,6 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> to
 
 def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, scale=None):
     """Packed attention the usual way: pad to ``max_seqlen``, mask padded keys, SDPA, unpack."""
-    B = cu_seqlens.numel() - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     pos = torch.arange(max_seqlen, device=q.device)
     key_ok = pos[None, :] < lens[:, None]  # (B, M)
