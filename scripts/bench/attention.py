@@ -1,0 +1,163 @@
+"""Fused attention (csrc/attention) against SDPA on the CPU: TFLOP/s and peak extra memory.
+
+    python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick]
+
+Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
+
+* dense / causal: ``rag_attn`` vs ``F.scaled_dot_product_attention(is_causal=...)``;
+  FLOPs = 4*B*S^2*H*D, half for causal (FlashAttention's convention).
+* packed: 4 sequences of lengths S, S/2, S/4, S/4 (50% padding at max length S) through
+  ``varlen_attention`` vs padding to S + key-padding mask + SDPA + unpacking.
+* retrieval: 8 documents of 0.1*S and a 0.2*S query, vs SDPA with the dense layout mask.
+  For packed and retrieval the TFLOP/s count only useful FLOPs (4*H*D per allowed query-key pair),
+  so the ratio equals the speed-up.
+
+Timings interleave the two implementations and report medians; peak extra memory is the growth of
+the process's peak RSS during one call, measured in a fresh subprocess per point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from parallel.kernels import attention as A  # noqa: E402
+
+H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implementations
+
+
+def make_case(case: str, S: int, D: int, dtype: torch.dtype):
+    """Returns (fused_fn, sdpa_fn, useful_flops)."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    scale = D**-0.5
+    if case in ("dense", "causal"):
+        q, k, v = (rnd(1, H, S, D) for _ in range(3))
+        c = case == "causal"
+        flops = 4 * S * S * H * D / (2 if c else 1)
+        return (lambda: A.attention(q, k, v, causal=c, backend="fused"),
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale), flops)
+    if case == "packed":
+        lens = [S, S // 2, S // 4, S // 4]  # mean S/2: 50% padding when padded to S
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        T = int(cu[-1])
+        q, k, v = (rnd(T, H, D) for _ in range(3))
+        flops = sum(4 * L * L * H * D for L in lens)
+        return (lambda: A.varlen_attention(q, k, v, cu, S, backend="fused"),
+                lambda: A.sdpa_varlen_attention(q, k, v, cu, S), flops)
+    if case == "retrieval":
+        doc, n_docs = S // 10, 8
+        bounds = [i * doc for i in range(n_docs + 1)] + [S]
+        seg = torch.tensor([bounds], dtype=torch.int32)
+        q, k, v = (rnd(1, H, S, D) for _ in range(3))
+        pairs = int(A.layout_mask(seg, S).sum())
+        return (lambda: A.attention(q, k, v, seg_offsets=seg, backend="fused"),
+                lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
+    raise ValueError(case)
+
+
+def time_pair(f1, f2, reps: int) -> tuple[float, float]:
+    f1(), f2()  # warm-up
+    t1, t2 = [], []
+    for _ in range(reps):
+        for fn, acc in ((f1, t1), (f2, t2)):
+            t = time.perf_counter()
+            with torch.no_grad():
+                fn()
+            acc.append(time.perf_counter() - t)
+    return statistics.median(t1), statistics.median(t2)
+
+
+def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: int) -> float:
+    """Peak RSS growth of one call, in a fresh process (ru_maxrss is a high-water mark)."""
+    code = (
+        "import resource, torch, sys; sys.path.insert(0, %r)\n"  # noqa: UP031
+        "from scripts.bench.attention import make_case\n"
+        "torch.set_num_threads(%d)\n"
+        "from parallel.kernels import attention as A; A.fused_available()\n"
+        "pick = lambda c: c[0] if %r == 'fused' else c[1]\n"
+        "with torch.no_grad(): pick(make_case(%r, 64, %d, getattr(torch, %r)))()\n"  # lazy init
+        "fn = pick(make_case(%r, %d, %d, getattr(torch, %r)))\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"  # inputs exist already
+        "with torch.no_grad(): fn()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n"
+    ) % (str(Path(__file__).resolve().parents[2]), threads, impl, case, D, dtype, case, S, D, dtype)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_attention.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="seq 512 and 1024 only, no memory")
+    ap.add_argument("--memory-seqs", default="512,1024,2048,4096")
+    ap.add_argument("--memory-only", action="store_true", help="add the memory table to an existing --out")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    ok, why = A.fused_available()
+    if not ok:
+        sys.exit(f"fused attention unavailable: {why}")
+    seqs = [512, 1024] if args.quick else [512, 1024, 2048, 4096]
+    results = []
+    if args.memory_only:
+        seqs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for D in (64, 128):
+            for case in ("dense", "causal", "packed", "retrieval"):
+                for S in seqs:
+                    fused, sdpa, flops = make_case(case, S, D, dtype)
+                    reps = args.reps if S <= 2048 else max(2, args.reps // 2)
+                    t_f, t_s = time_pair(fused, sdpa, reps)
+                    row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
+                               fused_tflops=flops / t_f / 1e12, sdpa_tflops=flops / t_s / 1e12,
+                               fused_ms=t_f * 1e3, sdpa_ms=t_s * 1e3, speedup=t_s / t_f)
+                    results.append(row)
+                    print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} fused {row['fused_tflops']*1e3:7.1f} "
+                          f"GFLOP/s  sdpa {row['sdpa_tflops']*1e3:7.1f} GFLOP/s  x{row['speedup']:.2f}", flush=True)
+    memory = []
+    if not args.quick:
+        for case in ("dense", "retrieval"):
+            for S in [int(s) for s in args.memory_seqs.split(",")]:
+                row = dict(case=case, dtype="float32", head_dim=64, seq=S)
+                for impl in ("fused", "sdpa"):
+                    row[f"{impl}_peak_extra_mib"] = peak_extra_mib(case, S, 64, "float32", impl, args.threads)
+                memory.append(row)
+                print(f"memory {case:<9} S={S:<5} fused +{row['fused_peak_extra_mib']:.1f} MiB  "
+                      f"sdpa +{row['sdpa_peak_extra_mib']:.1f} MiB", flush=True)
+
+    def summary(case, dtype):
+        sp = [r["speedup"] for r in results if r["case"] == case and r["dtype"] == dtype]
+        return dict(min=min(sp), median=statistics.median(sp), max=max(sp)) if sp else None
+
+    report = dict(
+        machine=dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
+                     torch=torch.__version__, note="shared 2-core machine; compare ratios within one run"),
+        flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
+        targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
+        speedup_summary={f"{c}/{d}": summary(c, d) for c in ("dense", "causal", "packed", "retrieval")
+                         for d in ("float32", "bfloat16")},
+        results=results, memory=memory,
+    )
+    if args.memory_only:
+        report = json.loads(Path(args.out).read_text())
+        report["memory"] = memory
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report.get("speedup_summary"), indent=1))
+
+
+if __name__ == "__main__":
+    main()
