@@ -39,6 +39,8 @@ struct GroupHeader {
   int64_t nranks;
   int64_t half_bytes;         // bytes of one half of one rank's double buffer
   int64_t abort_rank;         // -1, or the rank that gave up (others then fail fast)
+  int64_t abort_peer;         // the rank it gave up on
+  int64_t abort_why;          // 1: that rank died, 2: it timed out
   int32_t pids[kMaxRanks];    // pid of each local rank, for liveness checks
   Counter mapped;             // how many ranks mapped the segment
   Counter arrive[kMaxRanks];  // barrier counters, one cache line per rank

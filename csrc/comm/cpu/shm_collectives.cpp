@@ -214,6 +214,8 @@ at::Tensor reduce_scatter(const at::Tensor& x, int64_t handle) {
 template <class Ready>
 void chan_wait(Channel& c, Ready ready, const char* what) {
   const int peer = 1 - c.side;
+  TORCH_CHECK(__atomic_load_n(&c.hdr->abort_side, __ATOMIC_ACQUIRE) < 0, "rmm_comm shm ", what, " (rank ",
+              c.src_rank, " -> rank ", c.dst_rank, "): the channel was aborted earlier");
   wait_until(ready, [&](double waited) {
     int64_t ab = __atomic_load_n(&c.hdr->abort_side, __ATOMIC_ACQUIRE);
     if (ab >= 0 && ab != c.side) {

@@ -78,6 +78,11 @@ bool pid_alive(int32_t pid) {
 }
 
 void Group::barrier(const char* what) {
+  // An aborted group stays unusable: its peers may be gone or out of step.
+  int64_t ab0 = __atomic_load_n(&hdr->abort_rank, __ATOMIC_ACQUIRE);
+  TORCH_CHECK(ab0 < 0, "rmm_comm shm ", what, ": local rank ", ab0,
+              " aborted the group because local rank ", hdr->abort_peer,
+              hdr->abort_why == 1 ? " died" : " timed out", "; the group cannot be used any more");
   const uint64_t target = ++barrier_seq;
   store_rel(&hdr->arrive[rank].v, target);
   for (int p = 0; p < nranks; ++p) {
@@ -88,16 +93,21 @@ void Group::barrier(const char* what) {
                  int64_t ab = __atomic_load_n(&hdr->abort_rank, __ATOMIC_ACQUIRE);
                  if (ab >= 0 && ab != rank) {
                    TORCH_CHECK(false, "rmm_comm shm ", what, ": local rank ", ab,
-                               " aborted the group (see its error); local rank ", rank,
+                               " aborted the group because local rank ", hdr->abort_peer,
+                               hdr->abort_why == 1 ? " died" : " timed out", "; local rank ", rank,
                                " gives up too");
                  }
                  if (!pid_alive(hdr->pids[p])) {
+                   hdr->abort_peer = p;
+                   hdr->abort_why = 1;
                    __atomic_store_n(&hdr->abort_rank, static_cast<int64_t>(rank), __ATOMIC_RELEASE);
                    TORCH_CHECK(false, "rmm_comm shm ", what, ": local rank ", p, " (pid ",
                                hdr->pids[p], ") died during the collective; local rank ", rank,
                                " cannot complete it");
                  }
                  if (waited > timeout_s) {
+                   hdr->abort_peer = p;
+                   hdr->abort_why = 2;
                    __atomic_store_n(&hdr->abort_rank, static_cast<int64_t>(rank), __ATOMIC_RELEASE);
                    TORCH_CHECK(false, "rmm_comm shm ", what, ": local rank ", rank,
                                " timed out after ", timeout_s, " s waiting for local rank ", p,
