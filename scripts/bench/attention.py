@@ -13,7 +13,7 @@ Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512.
   so the ratio equals the speed-up.
 
 Timings interleave the two implementations and report medians; peak extra memory is the growth of
-the process's peak RSS during one call, measured in a fresh subprocess per point.
+the process's peak RSS (VmHWM) during one call, in a fresh subprocess per point (Linux only).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def time_pair(f1, f2, reps: int) -> tuple[float, float]:
 
 
 def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: int) -> float:
-    """Peak RSS growth of one call, in a fresh process (ru_maxrss is a high-water mark)."""
+    """Peak RSS growth of one call (Linux VmHWM, reset through /proc/self/clear_refs first)."""
     code = (
         "import resource, torch, sys; sys.path.insert(0, %r)\n"  # noqa: UP031
         "from scripts.bench.attention import make_case\n"
@@ -89,9 +89,11 @@ def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: in
         "pick = lambda c: c[0] if %r == 'fused' else c[1]\n"
         "with torch.no_grad(): pick(make_case(%r, 64, %d, getattr(torch, %r)))()\n"  # lazy init
         "fn = pick(make_case(%r, %d, %d, getattr(torch, %r)))\n"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"  # inputs exist already
+        "hwm = lambda: int([ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0].split()[1])\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"  # reset the peak to the current RSS
+        "base = hwm()\n"  # inputs exist already
         "with torch.no_grad(): fn()\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)\n"
+        "print((hwm() - base) / 1024)\n"
     ) % (str(Path(__file__).resolve().parents[2]), threads, impl, case, D, dtype, case, S, D, dtype)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
