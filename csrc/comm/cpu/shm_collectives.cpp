@@ -1,9 +1,9 @@
 // CPU kernels of the shared-memory collectives and point-to-point channel.
 //
-// all_reduce: one-shot (copy in -> barrier -> every rank sums all buffers) for two ranks and
-// small messages; two-shot (copy in -> barrier -> each rank sums its slice in place -> barrier
-// -> every rank copies all slices out) otherwise, which reads n instead of n*world bytes per
-// rank. Both walk the message in chunks of one buffer half, alternating halves, so one barrier
+// all_reduce: one-shot (copy in -> barrier -> every rank sums all buffers) for small messages;
+// two-shot otherwise (publish the slices others reduce -> barrier -> each rank sums its own
+// slice -> barrier -> every rank copies the other reduced slices out), which moves about 2n
+// bytes per rank instead of (world + 2) n. Both walk the message in chunks of one buffer half, alternating halves, so one barrier
 // per phase suffices: a rank can only overwrite a half after every peer passed the barrier
 // that follows its last read of that half. Sums run in rank order with fp32 accumulation, so
 // every rank gets bitwise-identical results (vLLM's custom all-reduce does the same).
@@ -81,35 +81,48 @@ void check_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.is_contiguous(), "rmm_comm::", op, ": input must be contiguous");
 }
 
-// One-shot message limit for more than two ranks (vLLM uses 256-512 KB for 4-8 GPUs).
+// One-shot message limit (vLLM uses 256-512 KB for 4-8 GPUs; one barrier instead of two).
 constexpr int64_t kOneShotBytes = 256 * 1024;
 
 template <class T>
 void all_reduce_impl(Group& g, const T* in, T* out, int64_t n) {
   const int W = g.nranks;
   const int64_t C = g.half_bytes / static_cast<int64_t>(sizeof(T));  // elements per chunk
-  const bool one_shot = W <= 2 || n * static_cast<int64_t>(sizeof(T)) <= kOneShotBytes;
+  const bool one_shot = n * static_cast<int64_t>(sizeof(T)) <= kOneShotBytes;
   const T* srcs[kMaxRanks];
   for (int64_t off = 0; off < n; off += C) {
     const int64_t c = std::min(C, n - off);
     const uint64_t b = g.chunk_seq++;
     T* mine = reinterpret_cast<T*>(g.buf(g.rank, b));
-    copy_bytes(mine, in + off, c * sizeof(T));
-    g.barrier("all_reduce (copy-in)");
-    for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r, b));
     if (one_shot) {
+      copy_bytes(mine, in + off, c * sizeof(T));
+      g.barrier("all_reduce (copy-in)");
+      for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r, b));
       reduce_into(out + off, srcs, W, c);
       continue;
     }
-    // Two-shot: slice boundaries on 16-element (64-byte for fp32) multiples.
-    auto bound = [&](int r) { return std::min(c, ((c * r / W) + 15) / 16 * 16); };
-    const int64_t s0 = bound(g.rank), s1 = g.rank + 1 == W ? c : bound(g.rank + 1);
-    for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r, b)) + s0;
-    reduce_into(mine + s0, srcs, W, s1 - s0);
+    // Two-shot. Slice r (boundaries on 16-element multiples) is reduced by rank r, so a rank
+    // publishes only the other slices, reads its own from `in`, and writes the reduced slice
+    // into its own buffer (where its unpublished slice would be) and into `out`.
+    auto lo = [&](int r) { return std::min(c, ((c * r / W) + 15) / 16 * 16); };
+    auto hi = [&](int r) { return r + 1 == W ? c : lo(r + 1); };
+    for (int r = 0; r < W; ++r) {
+      if (r != g.rank && hi(r) > lo(r)) copy_bytes(mine + lo(r), in + off + lo(r), (hi(r) - lo(r)) * sizeof(T));
+    }
+    g.barrier("all_reduce (copy-in)");
+    const int64_t s0 = lo(g.rank), s1 = hi(g.rank);
+    for (int r = 0; r < W; ++r) {
+      srcs[r] = r == g.rank ? in + off + s0 : reinterpret_cast<const T*>(g.buf(r, b)) + s0;
+    }
+    if (s1 > s0) {
+      reduce_into(out + off + s0, srcs, W, s1 - s0);
+      copy_bytes(mine + s0, out + off + s0, (s1 - s0) * sizeof(T));
+    }
     g.barrier("all_reduce (reduce-scatter)");
     for (int r = 0; r < W; ++r) {
-      const int64_t a = bound(r), e = r + 1 == W ? c : bound(r + 1);
-      if (e > a) copy_bytes(out + off + a, reinterpret_cast<const T*>(g.buf(r, b)) + a, (e - a) * sizeof(T));
+      if (r != g.rank && hi(r) > lo(r)) {
+        copy_bytes(out + off + lo(r), reinterpret_cast<const T*>(g.buf(r, b)) + lo(r), (hi(r) - lo(r)) * sizeof(T));
+      }
     }
   }
 }
