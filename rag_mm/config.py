@@ -207,8 +207,36 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
 
 
+def check_shards(cfg: Any) -> None:
+    """Fail before any work if a local shard pattern matches no file."""
+    from rag_mm.data.urls import expand_urls, missing_local_shards
+
+    for split in ("corpus", "train", "val", "test"):
+        urls = expand_urls(cfg.data.root, getattr(cfg.data, split))
+        missing = missing_local_shards(urls)
+        if missing:
+            raise ConfigError(
+                f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
+                f"(data.root={cfg.data.root!r}; generate the demo data with "
+                f"`python -m rag_mm.data.knowledge_world out={cfg.data.root}`)"
+            )
+
+
 def register_configs() -> None:
     """Register the schema so conf/config.yaml (and its groups) are type-checked by Hydra."""
     # One schema node for the whole tree: group YAMLs merge into its typed sub-nodes, so an
     # unknown key or a wrongly typed value in any group is rejected by Hydra itself.
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose(overrides: list[str] | None = None, config_dir: str | None = None):
+    """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests, notebooks)."""
+    from pathlib import Path
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    conf = config_dir or str(Path(__file__).resolve().parents[1] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides or []))

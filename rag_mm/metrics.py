@@ -31,7 +31,13 @@ class MetricsLogger:
         except Exception as exc:  # tensorboard missing or broken: keep training, say so
             log.warning("TensorBoard disabled: %s", exc)
         if progress and sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -14,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rag_mm.config import ConfigError, register_configs
+from rag_mm.config import ConfigError, check_shards, register_configs, validate
 
 register_configs()
 
@@ -31,13 +31,17 @@ def _setup_logging() -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     _setup_logging()
-    from rag_mm.trainer import Trainer  # heavy imports after the config is known to parse
+    from rag_mm.distributed import world_size_from_env
 
-    try:
-        trainer = Trainer(cfg)
+    try:  # reject bad values before any heavy import or work
+        validate(cfg, world_size_from_env())
+        check_shards(cfg)
     except ConfigError as exc:
         print(f"rag_mm.train: {exc}", file=sys.stderr)
         sys.exit(2)
+    from rag_mm.trainer import Trainer
+
+    trainer = Trainer(cfg)
     try:
         trainer.restore()
         summary = trainer.fit()

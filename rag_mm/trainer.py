@@ -19,10 +19,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from rag_mm import checkpoint
-from rag_mm.config import ConfigError, validate
+from rag_mm.config import check_shards, validate
 from rag_mm.data.documents import DocumentStore
-from rag_mm.data.pipeline import StreamSpec, expand_urls, make_loader
+from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import all_reduce_sum, cleanup, init_distributed, world_size_from_env
 from rag_mm.evaluate import _inputs, evaluate
 from rag_mm.metrics import MetricsLogger
@@ -31,20 +32,6 @@ from rag_mm.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
-
-
-def check_shards(cfg) -> None:
-    """Fail before any work if a local shard pattern matches no file."""
-    for split in ("corpus", "train", "val", "test"):
-        urls = expand_urls(cfg.data.root, getattr(cfg.data, split))
-        local = [u for u in urls if not u.startswith(("pipe:", "http:", "https:", "s3:", "gs:"))]
-        missing = [u for u in local if not Path(u).is_file()]
-        if missing:
-            raise ConfigError(
-                f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
-                f"(data.root={cfg.data.root!r}; generate the demo data with "
-                f"`python -m rag_mm.data.knowledge_world out={cfg.data.root}`)"
-            )
 
 
 class Trainer:

@@ -1,0 +1,107 @@
+import torch
+
+from rag_mm.config import ModelConfig
+from rag_mm.model import Reader
+from rag_mm.model.reader import IGNORE
+
+EOT = 49407
+
+
+def tiny_reader(**kw):
+    cfg = ModelConfig(dim=32, layers=2, heads=2, vision_width=32, vision_layers=1, vision_head_width=16,
+                      attention_backend="reference", **kw)
+    torch.manual_seed(0)
+    return Reader(cfg, vocab_size=49408).eval()
+
+
+def batch(B=3, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randint(1, 1000, s, generator=g)  # noqa: E731
+    return dict(
+        image=torch.randn(B, 3, 32, 32, generator=g),
+        q_ids=r(B, 6), q_len=torch.tensor([6, 3, 1])[:B],
+        a_ids=torch.cat([r(B, 2), torch.full((B, 1), EOT)], 1), a_len=torch.tensor([3, 2, 3])[:B],
+        doc_image=torch.randn(B, k, 3, 32, 32, generator=g), doc_ids=r(B, k, 10),
+        doc_len=torch.tensor([[10, 4], [7, 7], [1, 9]])[:B, :k],
+    )
+
+
+def test_assembly_offsets_and_labels():
+    m = tiny_reader()
+    b = batch()
+    x, labels, seg = m.assemble(**b)
+    P = m.num_patches  # 16
+    doc_counts = (P + b["doc_len"]).tolist()
+    query = (P + b["q_len"] + b["a_len"] - 1).tolist()
+    for i in range(3):
+        assert seg[i].tolist() == [0, doc_counts[i][0], sum(doc_counts[i]), sum(doc_counts[i]) + query[i]]
+    # one label per answer token, EOT included, in order
+    for i in range(3):
+        got = labels[i][labels[i] != IGNORE].tolist()
+        assert got == b["a_ids"][i, : b["a_len"][i]].tolist()
+    assert x.shape == (3, int(seg[:, -1].max()), 32)
+
+
+def test_documents_are_isolated_and_query_is_causal():
+    m = tiny_reader()
+    b = batch()
+    out1 = m(**b)
+    # changing a document token the example has marked invalid (beyond doc_len) changes nothing
+    b2 = {k: v.clone() for k, v in b.items()}
+    b2["doc_ids"][0, 1, 8] += 1  # doc_len[0, 1] = 4: padding
+    assert torch.allclose(m(**b2).logits, out1.logits)
+    # the answer's last token never influences earlier predictions (causal query)
+    x, labels, seg = m.assemble(**b)
+    h1 = _hidden(m, x, seg)
+    x2 = x.clone()
+    last = int(seg[0, -1]) - 1
+    x2[0, last] += 1.0
+    h2 = _hidden(m, x2, seg)
+    assert torch.allclose(h1[0, :last], h2[0, :last], atol=1e-6) and not torch.allclose(h1[0, last], h2[0, last])
+    # a document's hidden states do not depend on the other document
+    x3 = x.clone()
+    d1 = slice(int(seg[0, 1]), int(seg[0, 2]))
+    x3[0, d1] += 1.0
+    h3 = _hidden(m, x3, seg)
+    assert torch.allclose(h1[0, : int(seg[0, 1])], h3[0, : int(seg[0, 1])], atol=1e-6)
+
+
+def _hidden(m, x, seg):
+    for blk in m.blocks:
+        x = blk(x, seg)
+    return x
+
+
+def test_backends_agree_and_closed_book_runs():
+    b = batch()
+    ref = tiny_reader()
+    sdpa = tiny_reader(**{})
+    for blk in sdpa.blocks:
+        blk.attn.backend = "sdpa"
+    assert torch.allclose(ref(**b).loss, sdpa(**b).loss, atol=1e-5)
+    closed = {k: v for k, v in b.items() if not k.startswith("doc_")}
+    out = ref(**closed)
+    assert out.nll.shape == (3,) and torch.isfinite(out.loss)
+
+
+def test_teacher_forced_argmax_reproduces_greedy_generation():
+    torch.manual_seed(1)
+    m = tiny_reader()
+    b = batch()
+    gen = m.generate(b["image"], b["q_ids"], b["q_len"], b["doc_image"], b["doc_ids"], b["doc_len"], eot_id=EOT)
+    assert all(len(g) > 0 for g in gen)
+    # feed each example its own greedy tokens: every argmax must reproduce the next greedy token
+    a = [g + [EOT] for g in gen]
+    L = max(len(x) for x in a)
+    a_ids = torch.tensor([x + [0] * (L - len(x)) for x in a])
+    a_len = torch.tensor([len(x) for x in a])
+    out = m(**{**b, "a_ids": a_ids, "a_len": a_len})
+    pred = out.logits.argmax(-1)
+    for i, g in enumerate(gen):
+        mine = pred[out.example == i][: len(g)].tolist()
+        assert mine == g
+
+
+def test_tied_embeddings_share_storage():
+    m = tiny_reader()
+    assert m.lm_head.weight is m.tok_emb.weight

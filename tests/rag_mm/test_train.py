@@ -1,0 +1,129 @@
+"""The training job end to end on a tiny world: config errors, corrupt data, resume, DDP."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from rag_mm.config import compose
+from rag_mm.trainer import Trainer
+from tests.distributed import free_port
+from tests.rag_mm.conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_module(args: list[str], env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", **(env_extra or {})}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_config_is_rejected_before_work(tmp_path):
+    """Every bad key is named in one message; the job exits non-zero before doing anything."""
+    bad = {
+        "model.layers=0": "model.layers must be positive",
+        "model.heads=3": "model.heads (3) must divide model.dim (128)",
+        "retriever.mode=psychic": "retriever.mode must be one of",
+        "parallel.dp=3": "does not match the world size 1",
+        "optim.precision=fp8": "optim.precision must be one of",
+    }
+    res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", *bad])
+    assert res.returncode == 2
+    for message in bad.values():
+        assert message in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing started
+
+
+def test_unknown_key_and_missing_data_are_rejected(tmp_path):
+    res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", "model.widht=3"])
+    assert res.returncode != 0 and "widht" in res.stderr and "Traceback" not in res.stderr
+    res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", f"data.root={tmp_path}/nowhere"])
+    assert res.returncode == 2 and "data.corpus" in res.stderr and "knowledge_world" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def _final_loss(root, run_dir, *extra):
+    cfg = compose(tiny_overrides(root, run_dir, "deterministic=true", *extra))
+    t = Trainer(cfg)
+    try:
+        t.restore()
+        out = t.fit()
+    finally:
+        t.close()
+    return out, t
+
+
+def test_resume_after_checkpoint_matches_uninterrupted_run(tiny_world, tmp_path):
+    full, t_full = _final_loss(tiny_world, tmp_path / "full")
+    part, _ = _final_loss(tiny_world, tmp_path / "split", "stop_after_steps=3")
+    assert part["stopped_at"] == 3
+    resumed, t_res = _final_loss(tiny_world, tmp_path / "split")
+    assert resumed["step"] == full["step"] == 6
+    assert abs(resumed["final_train_loss"] - full["final_train_loss"]) <= 1e-6
+    for (n, a), (_, b) in zip(t_full.model.state_dict().items(), t_res.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    summary = json.loads((tmp_path / "split" / "metrics.json").read_text())
+    assert {"val", "test", "skipped_samples"} <= set(summary)
+
+
+def _corrupt_copy(src: Path, dst: Path) -> None:
+    """Copy the tiny world, then damage it in every way the pipeline must survive."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    shard = dst / "train" / "train-000000.tar"
+    members = []
+    with tarfile.open(shard) as t:
+        for m in t:
+            members.append((m, t.extractfile(m).read()))
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as t:
+        for i, (m, data) in enumerate(members):
+            if i == 0 and m.name.endswith(".json"):
+                data = b"{not json"
+            if m.name.endswith(".png") and i in (3, 4, 5):
+                data = b"\x89PNG broken"
+            if i in (6, 7, 8) and m.name.endswith(".txt"):
+                continue  # a sample without its question
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    shard.write_bytes(out.getvalue())
+    other = dst / "train" / "train-000001.tar"
+    other.write_bytes(other.read_bytes()[: other.stat().st_size // 2 + 100])  # truncated mid-member
+
+
+def test_corrupt_shards_are_skipped_and_counted(tiny_world, tmp_path):
+    bad = tmp_path / "bad_world"
+    _corrupt_copy(tiny_world, bad)
+    out, _ = _final_loss(bad, tmp_path / "run", "max_steps=12", "ckpt_every=0")
+    assert out["step"] == 12  # training went on
+    skipped = out["skipped_samples"]
+    assert skipped.get("bad_json", 0) >= 1 and skipped.get("bad_image", 0) >= 1 and skipped.get("missing_key", 0) >= 1
+    assert any(k.startswith("tar:") for k in skipped)
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())["skipped_samples"]
+    assert saved == skipped
+
+
+@pytest.mark.multirank
+def test_torchrun_two_ranks_ddp(tiny_world, tmp_path):
+    run_dir = tmp_path / "ddp"
+    args = [
+        "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m", "rag_mm.train", *tiny_overrides(tiny_world, run_dir, "max_steps=4", "ckpt_every=2"),
+    ]
+    res = run_module(args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["world_size"] == 2 and summary["step"] == 4
+    assert summary["test"]["n"] == 24  # both ranks' shares of the test split were counted once
+    assert (run_dir / "checkpoints" / "step_00000004" / "manifest.json").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
