@@ -17,6 +17,10 @@ _EXPORTS = {
     "CostConfig": "parallel.cost",
     "trace_model": "parallel.trace",
     "TraceResult": "parallel.trace",
+    "parallelize": "parallel.api",
+    "ParallelConfig": "parallel.api",
+    "ParallelModel": "parallel.api",
+    "PipelineError": "parallel.api",
 }
 
 __all__ = sorted(_EXPORTS)

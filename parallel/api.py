@@ -1,0 +1,566 @@
+"""``parallelize``: the one call that turns a single-device model into a parallel one.
+
+    pmodel = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=8), example_inputs)
+    loss = pmodel.train_step(inputs, target=target, loss_fn=fn)   # fwd + bwd, mean loss on every rank
+    opt = torch.optim.AdamW(pmodel.parameters())                  # this rank's parameters
+    opt.step(); pmodel.zero_grad()
+
+Every rank builds the same model (same seed or checkpoint) and passes the same example; every rank
+of one pipeline passes the same batch to ``train_step`` (data loaders shard by ``pmodel.dp_rank``
+/ ``pmodel.dp_size``, not by the global rank).
+
+The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama`` followed by
+``parallelize_llama`` per model part; DESIGN.md §7.1):
+
+1. mesh: the (pp, dp) grid of process groups, pp outermost as in ``ParallelConfig``;
+2. partition: traced and balanced on the *unsharded* model (rank 0 traces, every rank gets the
+   same ``Partition``: timings differ between ranks, placements must not);
+3. pipeline stages: the eager runtime's plan (which calls each stage runs, which tensors cross
+   each cut) is derived on the full model, then parameters of other stages are freed;
+4. per stage part, in torchtitan's order: tensor parallel -> activation checkpointing ->
+   FSDP / data parallel (the ``STAGE_HOOKS`` below; issue 6 registers TP, AC and FSDP there);
+5. data parallel over the remaining ranks: parameters broadcast from dp rank 0 now, gradients
+   averaged after every step (unless an FSDP hook took over).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ParallelConfig
+from .partition import Partition, auto_partition, baseline_partition
+from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
+from .pipeline.p2p import PipelineError, Transport
+from .pipeline.schedule import Action, forward_only, pipeline_order, stage_rank, stages_per_rank
+from .timeline import Event
+
+log = logging.getLogger(__name__)
+
+COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved", "looped_bfs": "interleaved",
+                 "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
+BASELINES = ("uniform", "parameters", "time")
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+@dataclass
+class Groups:
+    """Where this rank sits in the (pp, dp) grid."""
+
+    rank: int  # global rank
+    pp_rank: int  # index along the pipeline
+    pp_size: int
+    dp_rank: int  # index among the replicas of this pipeline rank
+    dp_size: int
+    pp_ranks: list[int]  # global ranks of this pipeline, by pipeline index
+    pp_group: Any  # process group of this pipeline (None: the default group)
+    dp_group: Any  # process group of this rank's replicas (None if dp_size == 1)
+
+
+def build_groups(cfg: ParallelConfig) -> Groups:
+    """The (pp, dp) grid with pp outermost: rank = pp_rank * dp + dp_rank. dp is everything the
+    pipeline leaves (dp_replicate x dp_shard x tp until the TP/FSDP hooks claim their part)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pp = cfg.pp
+    if world % pp:
+        raise ValueError(f"world size {world} is not divisible by pp={pp}")
+    dp = world // pp
+    pp_rank, dp_rank = divmod(rank, dp)
+    pp_ranks = [i * dp + dp_rank for i in range(pp)]
+    pp_group = dp_group = None
+    if dist.is_initialized() and dp > 1:
+        for d in range(dp):  # every rank creates every group, in the same order
+            g = dist.new_group([i * dp + d for i in range(pp)])
+            if d == dp_rank:
+                pp_group = g
+        for i in range(pp):
+            g = dist.new_group([i * dp + d for d in range(dp)])
+            if i == pp_rank:
+                dp_group = g
+    return Groups(rank, pp_rank, pp, dp_rank, dp, pp_ranks, pp_group, dp_group)
+
+
+# ----------------------------------------------------------------------------- hooks
+
+# Functions applied to this rank's model after the pipeline split, in this order, each as
+# ``fn(model, local_module_names, cfg, groups) -> None``. Issue 6 appends tensor parallel,
+# activation checkpointing and FSDP here; an FSDP hook that reduces gradients itself sets
+# ``groups.dp_size``-wide reduction off by returning "reduces_grads".
+STAGE_HOOKS: dict[str, Callable[..., Any]] = {}
+
+
+def register_stage_hook(name: str, fn: Callable[..., Any]) -> None:
+    """Register ``fn`` to run on every rank's stage part (ordered by registration)."""
+    STAGE_HOOKS[name] = fn
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def split_microbatches(inputs: Any, m: int) -> list[Any]:
+    """Split dim 0 of every tensor in a tuple / list / dict (nested) into m chunks; everything
+    else is repeated."""
+    def split(x: Any) -> list[Any]:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            parts = list(torch.tensor_split(x, m, dim=0))
+            return parts
+        if isinstance(x, Mapping):
+            cols = {k: split(v) for k, v in x.items()}
+            return [type(x)({k: cols[k][i] for k in x}) if type(x) is not dict else {k: cols[k][i] for k in x}
+                    for i in range(m)]
+        if isinstance(x, list | tuple):
+            cols = [split(v) for v in x]
+            return [type(x)(c[i] for c in cols) if isinstance(x, list | tuple) else None for i in range(m)]
+        return [x] * m
+
+    if inputs is None:
+        return [None] * m
+    return split(inputs)
+
+
+def _as_call(inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, list | tuple):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _default_loss(out: Any, target: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = getattr(out, "loss", None) if not isinstance(out, Mapping) else out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise ValueError("train_step needs loss_fn(model_output, target) unless the model returns a loss")
+
+
+# ----------------------------------------------------------------------------- partition
+
+
+def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, num_stages: int, v: int,
+                   trace_loss_fn: Callable | None = None) -> Partition:
+    """Rank 0 traces and partitions; every rank receives the same Partition."""
+    obj: list[Any] = [None]
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        sched = COST_SCHEDULE[cfg.schedule]
+        kw = dict(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v)
+        if cfg.partition == "auto":
+            part = auto_partition(model, example_inputs, num_stages, cfg.objective, cfg.memory_cap_bytes,
+                                  loss_fn=trace_loss_fn, **kw)
+        elif cfg.partition in BASELINES:
+            from .cost import CostConfig
+            from .trace import trace_model
+
+            trace = trace_model(model, example_inputs, loss_fn=trace_loss_fn)
+            part = baseline_partition(trace, num_stages, cfg.partition,
+                                      CostConfig(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v))
+        elif os.path.exists(cfg.partition):
+            part = Partition.load(cfg.partition)
+        else:
+            raise ValueError(f"partition must be auto, {', '.join(BASELINES)} or a JSON file (got {cfg.partition!r})")
+        obj[0] = part.to_dict()
+        for p in model.parameters():  # tracing ran backward passes
+            p.grad = None
+    if dist.is_initialized():
+        dist.broadcast_object_list(obj, src=0)
+    part = Partition.from_dict(obj[0])
+    if part.num_stages != num_stages:
+        raise ValueError(f"the partition has {part.num_stages} stages, the config needs {num_stages}")
+    return part
+
+
+# ----------------------------------------------------------------------------- the wrapper
+
+
+class ParallelModel(nn.Module):
+    """This rank's part of a parallelized model, with ``train_step`` over the pipeline."""
+
+    def __init__(self, model: nn.Module, cfg: ParallelConfig, groups: Groups, partition: Partition | None,
+                 plan: Plan | None, stages: dict[int, EagerStage], order: list[Action] | None,
+                 transport: Transport | None, held: set[int], replicated: list[str], local_stages: list[int]):
+        super().__init__()
+        self.module = model
+        self.cfg = cfg
+        self.groups = groups
+        self.partition = partition
+        self.plan = plan
+        self.stages = stages
+        self.order = order
+        self.transport = transport
+        self._held = held
+        self._replicated = replicated  # canonical names held by more than one pipeline rank
+        self.local_stages = local_stages
+        self.events: list[Event] = []  # timeline of the last step
+        self.record_timeline = True
+        self.dp_reduce = True  # False once an FSDP hook reduces gradients itself
+
+    # --- identity
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.groups.pp_rank
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.partition is None or (self.partition.num_stages - 1) in self.local_stages
+
+    # --- parameters by original names
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+                         ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in self.module.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate):
+            if id(p) in self._held:
+                yield name, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def _local_keys(self) -> set[str]:
+        keys = set()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in self._held:
+                keys.add(name)
+        mods = self.partition.module_stages if self.partition is not None else None
+        for name, _ in self.module.named_buffers(remove_duplicate=False):
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            st = mods.get(owner) if mods is not None else None
+            if st is None or set(st) & set(self.local_stages):
+                keys.add(name)
+        return keys
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """This rank's parameters and buffers under their original names."""
+        keys = self._local_keys()
+        return {k: v for k, v in self.module.state_dict(keep_vars=False).items() if k in keys}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, gathered over the pipeline (a collective; every rank gets it)."""
+        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        if not dist.is_initialized() or self.groups.pp_size == 1:
+            return mine
+        parts: list[Any] = [None] * self.groups.pp_size
+        dist.all_gather_object(parts, mine, group=self.groups.pp_group)
+        out: dict[str, torch.Tensor] = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = False, assign: bool = False):  # type: ignore[override]
+        """Load the entries this rank holds (a full or a per-rank state dict both work)."""
+        keys = self._local_keys()
+        return self.module.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def forward(self, *args, **kwargs):
+        if self.partition is not None and self.partition.num_stages > 1:
+            raise RuntimeError("a pipelined model runs through train_step / predict, not __call__")
+        return self.module(*args, **kwargs)
+
+    # --- training
+    def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                   weight_fn: Callable[[Any, Any], float] | None = None) -> torch.Tensor:
+        """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
+
+        ``inputs``: tuple of positional or dict of keyword arguments; dim 0 of every tensor is
+        split into ``cfg.microbatches``. ``loss_fn(output, target_microbatch)`` (default: the
+        output's ``loss``). The step loss is ``sum_i w_i loss_i / sum_i w_i`` with ``w_i =
+        weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means); gradients are
+        those of that loss. A per-token mean loss gives the full-batch mean when ``w_i`` is the
+        microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``)."""
+        m = self.cfg.microbatches
+        loss_fn = loss_fn or _default_loss
+        mbs = split_microbatches(inputs, m)
+        tgts = split_microbatches(target, m)
+        w = [float(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)]
+        total_w = sum(w)
+        if total_w <= 0:
+            raise ValueError("microbatch weights sum to zero")
+        self.events = []
+        losses: dict[int, torch.Tensor] = {}
+        rec = self.events.append if self.record_timeline else None
+        rank = self.groups.rank
+        if not self.stages:  # no pipeline: gradient accumulation over the microbatches
+            for i in range(m):
+                t0 = time.perf_counter()
+                args, kwargs = _as_call(mbs[i])
+                loss = loss_fn(self.module(*args, **kwargs), tgts[i])
+                (loss * (w[i] / total_w)).backward()
+                losses[i] = loss.detach()
+                if rec:
+                    rec(Event(rank, "B", 0, i, t0, time.perf_counter()))
+        else:
+            self.transport.wait_s = 0.0
+            for a in self.order:
+                st = self.stages[a.stage]
+                t0 = time.perf_counter()
+                if a.kind == "F":
+                    args, kwargs = _as_call(mbs[a.mb])
+                    out = st.forward(a.mb, args, kwargs)
+                    if st.is_last:
+                        loss = loss_fn(out, tgts[a.mb])
+                        st.set_loss(a.mb, loss * (w[a.mb] / total_w))
+                        losses[a.mb] = loss.detach()
+                elif a.kind == "B":
+                    st.backward(a.mb)
+                elif a.kind == "I":
+                    st.backward_input(a.mb)
+                elif a.kind == "W":
+                    st.backward_weight(a.mb)
+                if rec:
+                    rec(Event(rank, a.kind, a.stage, a.mb, t0, time.perf_counter()))
+            self.transport.flush()
+        t0 = time.perf_counter()
+        self._sync_grads()
+        if self.is_last_stage:
+            step_loss = sum(losses[i].float() * w[i] for i in range(m)) / total_w
+        else:
+            step_loss = torch.zeros((), dtype=torch.float32)
+        step_loss = self._share_loss(step_loss)
+        if rec:
+            rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
+        return step_loss
+
+    def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Every rank gets the mean over data-parallel replicas of the last stage's loss."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return loss.detach()
+        t = loss.detach().float().reshape(1).to(self._device()).clone()
+        if self.partition is None or self.partition.num_stages == 1 or not self.stages:
+            dist.all_reduce(t)  # every rank is a last stage
+            return (t / dist.get_world_size())[0]
+        dist.all_reduce(t)  # one last stage per pipeline: sum over the replicas
+        return (t / self.groups.dp_size)[0]
+
+    def _device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def _sync_grads(self) -> None:
+        if not dist.is_initialized():
+            return
+        # 1. parameters replicated over pipeline ranks (tied embeddings, container-owned
+        #    parameters): sum their gradients over the pipeline, as Megatron does for tied embeddings
+        if self._replicated and self.groups.pp_size > 1:
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            flat = []
+            for n in self._replicated:
+                p = params[n]
+                mine = id(p) in self._held
+                flat.append(p.grad.reshape(-1) if mine and p.grad is not None else
+                            torch.zeros(self._numel[n], dtype=p.dtype, device=self._device()))
+            buf = torch.cat(flat)
+            dist.all_reduce(buf, group=self.groups.pp_group)
+            off = 0
+            for n in self._replicated:
+                p, k = params[n], self._numel[n]
+                if id(p) in self._held:
+                    p.grad = buf[off:off + k].view_as(p).clone()
+                off += k
+        # 2. data parallel: average every local gradient over the replicas of this pipeline rank
+        if self.groups.dp_size > 1 and self.dp_reduce:
+            ps = [p for p in self.parameters() if p.requires_grad]
+            for p in ps:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if ps:
+                buf = torch.cat([p.grad.reshape(-1) for p in ps])
+                dist.all_reduce(buf, group=self.groups.dp_group)
+                buf /= self.groups.dp_size
+                off = 0
+                for p in ps:
+                    p.grad.copy_(buf[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+
+    # --- evaluation
+    @torch.no_grad()
+    def predict(self, inputs: Any, output_fn: Callable[[Any, Any], Any] | None = None,
+                extra: Any = None) -> list[Any]:
+        """Forward-only over the pipeline: ``output_fn(output, extra_microbatch)`` on the last stage
+        for each microbatch (default: the output itself); the list of results (picklable) is
+        broadcast to every rank of the pipeline."""
+        m = self.cfg.microbatches
+        mbs = split_microbatches(inputs, m)
+        ext = split_microbatches(extra, m)
+        fn = output_fn or (lambda out, _: out)
+        if not self.stages:
+            res = []
+            for i in range(m):
+                args, kwargs = _as_call(mbs[i])
+                res.append(fn(self.module(*args, **kwargs), ext[i]))
+            return res
+        res: list[Any] = [None] * m
+        for a in forward_only(self.local_stages, m):
+            st = self.stages[a.stage]
+            args, kwargs = _as_call(mbs[a.mb])
+            out = st.forward(a.mb, args, kwargs, grad=False)
+            if st.is_last:
+                res[a.mb] = fn(out, ext[a.mb])
+        self.transport.flush()
+        last = self.groups.pp_ranks[stage_rank(self.partition.num_stages - 1, self.groups.pp_size, self.cfg.schedule)]
+        box = [res]
+        dist.broadcast_object_list(box, src=last, group=self.groups.pp_group)
+        return box[0]
+
+
+# ----------------------------------------------------------------------------- parallelize
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
+                trace_loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                timeout_s: float = 300.0, partition: Partition | None = None) -> ParallelModel:
+    """Spread ``model`` over the ranks as ``cfg`` says (see the module doc for the order).
+
+    ``example_inputs``: one batch (tuple of positional or dict of keyword arguments) shaped like
+    the training batches; ``trace_loss_fn(output) -> scalar`` for tracing when the output is not
+    a scalar or a dataclass with tensors (default: sum of means of the outputs). ``timeout_s``:
+    how long a pipeline receive waits before raising ``PipelineError``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg.validate(world)
+    # 1. mesh
+    groups = build_groups(cfg)
+    if cfg.tp > 1 and "tensor_parallel" not in STAGE_HOOKS:
+        raise NotImplementedError("tp > 1 needs the tensor-parallel stage hook (parallel.tp, issue 6)")
+    v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
+    k = cfg.pp * v
+    if cfg.pp == 1:
+        held = {id(p) for p in model.parameters()}
+        pm = ParallelModel(model, cfg, groups, None, None, {}, None, None, held, [], [0])
+        _run_hooks(pm, cfg, groups)
+        _broadcast_dp(pm)
+        return pm
+    # 2. partition
+    if partition is None:
+        partition = make_partition(model, cfg, example_inputs, k, v, trace_loss_fn)
+    # 3. pipeline stages: plan on the full model, then free what other ranks hold
+    heads: dict[str, int] = {}
+    for u, s in zip(partition.units, partition.unit_stage):
+        if u.kind == "module":
+            heads[u.module] = s
+    replayer = Replayer(model, set(heads))
+    probe_in = split_microbatches(example_inputs, cfg.microbatches)[0] if _batch(example_inputs) >= cfg.microbatches \
+        else example_inputs
+    args, kwargs = _as_call(probe_in)
+    plan = build_plan(replayer, heads, k, args, kwargs)
+    for p in model.parameters():
+        p.grad = None
+    local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == groups.pp_rank]
+    held_stages = _held_stages(model, partition, k)
+    held: set[int] = set()
+    ranks_of: dict[str, set[int]] = {}
+    canon: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        canon[id(p)] = name
+        st = held_stages.get(name, set())
+        ranks_of[name] = {stage_rank(s, cfg.pp, cfg.schedule) for s in st}
+        if st & set(local):
+            held.add(id(p))
+    replicated = sorted(n for n, r in ranks_of.items() if len(r) > 1)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        if id(p) not in held:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's: free it
+    device = next((p.device for p in model.parameters() if id(p) in held), torch.device("cpu"))
+    stage_ranks = [groups.pp_ranks[stage_rank(s, cfg.pp, cfg.schedule)] for s in range(k)]
+    transport = Transport(stage_ranks, timeout_s, device)
+    local_params = [p for p in model.parameters() if id(p) in held]
+    stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
+    order = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)[groups.pp_rank]
+    pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
+    pm._numel = numel
+    # 4. per-stage hooks (TP -> AC -> FSDP, issue 6)
+    _run_hooks(pm, cfg, groups)
+    # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
+    _broadcast_replicated(pm)
+    _broadcast_dp(pm)
+    log.info("pipeline rank %d: stages %s, %d parameters\n%s", groups.pp_rank, local,
+             sum(p.numel() for p in pm.parameters()), plan.describe())
+    return pm
+
+
+def _batch(inputs: Any) -> int:
+    args, kwargs = _as_call(inputs)
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 0
+
+
+def _held_stages(model: nn.Module, part: Partition, k: int) -> dict[str, set[int]]:
+    """Stages holding each canonical parameter: where the partition put it (shared ones on every
+    stage that uses them), and parameters of container code (run by every stage) everywhere."""
+    in_units = {m for u in part.units if u.kind == "module" for m in u.modules}
+    out: dict[str, set[int]] = {}
+    for name, _ in model.named_parameters():
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        st = set(part.param_stages.get(name, []))
+        if owner not in in_units:
+            st = set(range(k))  # container-owned: the container's code runs on every stage
+        out[name] = st
+    return out
+
+
+def _run_hooks(pm: ParallelModel, cfg: ParallelConfig, groups: Groups) -> None:
+    for name, fn in STAGE_HOOKS.items():
+        if fn(pm, cfg, groups) == "reduces_grads":
+            pm.dp_reduce = False
+            log.info("stage hook %s reduces data-parallel gradients itself", name)
+
+
+def _broadcast_replicated(pm: ParallelModel) -> None:
+    if not dist.is_initialized() or not pm._replicated:
+        return
+    params = dict(pm.module.named_parameters(remove_duplicate=False))
+    held_stages = _held_stages(pm.module, pm.partition, pm.partition.num_stages)
+    flat = []
+    for n in pm._replicated:
+        first = min(stage_rank(s, pm.groups.pp_size, pm.cfg.schedule) for s in held_stages[n])
+        p = params[n]
+        flat.append(p.detach().reshape(-1).clone() if first == pm.groups.pp_rank else
+                    torch.zeros(pm._numel[n], dtype=p.dtype, device=pm._device()))
+    buf = torch.cat(flat)
+    dist.all_reduce(buf, group=pm.groups.pp_group)
+    off = 0
+    for n in pm._replicated:
+        p, k = params[n], pm._numel[n]
+        if id(p) in pm._held:
+            with torch.no_grad():
+                p.copy_(buf[off:off + k].view_as(p))
+        off += k
+
+
+def _broadcast_dp(pm: ParallelModel) -> None:
+    if not dist.is_initialized() or pm.groups.dp_size == 1:
+        return
+    src = pm.groups.pp_rank * pm.groups.dp_size  # dp rank 0 of this pipeline rank
+    for p in pm.parameters():
+        dist.broadcast(p.data, src=src, group=pm.groups.dp_group)
+
+
+__all__ = ["ParallelConfig", "ParallelModel", "parallelize", "register_stage_hook", "split_microbatches",
+           "PipelineError", "Groups", "build_groups"]

@@ -1,0 +1,107 @@
+"""Pipeline timeline: per-rank forward / backward / weight-gradient events per microbatch.
+
+Each rank records ``Event(rank, kind, stage, mb, start, end)`` with ``time.perf_counter`` (the
+system-wide monotonic clock on Linux, so ranks of one host share a time base; ranks on other hosts
+are aligned by their step start). ``gather`` collects them on every rank, ``to_chrome_trace``
+writes Chrome's trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing: one row per
+rank), ``plot`` draws a PNG, and ``bubble_fraction`` measures the idle share of the step:
+
+    bubble = 1 - sum over ranks of busy time / (ranks x step time)
+
+to compare with the theory (p - 1) / (m + p - 1) for GPipe / 1F1B (research/parallel.md §8).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "loss": "#8172b3", "sync": "#937860"}
+COMPUTE = ("F", "B", "I", "W", "loss")
+
+
+@dataclass
+class Event:
+    rank: int  # pipeline rank (row of the timeline)
+    kind: str  # F | B | I | W | loss | sync
+    stage: int  # pipeline stage (-1 for whole-rank work such as the gradient sync)
+    mb: int  # microbatch (-1 if none)
+    start: float  # seconds (perf_counter)
+    end: float
+
+
+def gather(events: list[Event], group=None) -> list[Event]:
+    """All ranks' events on every rank (a collective: call it on every rank of ``group``)."""
+    if not dist.is_initialized():
+        return list(events)
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, [asdict(e) for e in events], group=group)
+    return [Event(**d) for part in out for d in part]
+
+
+def _span(events: list[Event]) -> tuple[float, float]:
+    return min(e.start for e in events), max(e.end for e in events)
+
+
+def bubble_fraction(events: list[Event]) -> float:
+    """Idle share of the step over all ranks (compute events only; sends overlap compute)."""
+    comp = [e for e in events if e.kind in COMPUTE]
+    if not comp:
+        return 0.0
+    t0, t1 = _span(comp)
+    ranks = sorted({e.rank for e in comp})
+    busy = sum(e.end - e.start for e in comp)
+    return max(0.0, 1.0 - busy / (len(ranks) * (t1 - t0)))
+
+
+def theory_bubble(p: int, m: int, v: int = 1) -> float:
+    """GPipe / 1F1B idle share (p - 1) / (m + p - 1); interleaving divides the bubble by v."""
+    b = (p - 1) / v
+    return b / (m + b)
+
+
+def to_chrome_trace(events: list[Event], path: str) -> None:
+    """Chrome trace-event JSON: one process per rank, complete ("X") events in microseconds."""
+    if not events:
+        raise ValueError("no events recorded")
+    t0 = min(e.start for e in events)
+    out = []
+    for r in sorted({e.rank for e in events}):
+        out.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+    for e in events:
+        name = f"{e.kind}{e.mb}" if e.mb >= 0 else e.kind
+        out.append({"name": name, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": 0,
+                    "ts": (e.start - t0) * 1e6, "dur": max((e.end - e.start) * 1e6, 0.01),
+                    "args": {"stage": e.stage, "microbatch": e.mb}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+
+
+def plot(events: list[Event], path: str, title: str = "") -> None:
+    """A Gantt chart (PNG): one row per rank, boxes labelled with the microbatch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(e.start for e in events)
+    ranks = sorted({e.rank for e in events})
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
+    for e in events:
+        y = ranks.index(e.rank)
+        x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
+        ax.barh(y, w, left=x, height=0.8, color=COLORS.get(e.kind, "#999999"), edgecolor="black", linewidth=0.3)
+        if e.mb >= 0 and w > 0:
+            ax.text(x + w / 2, y, f"{e.kind}{e.mb}", ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    bf = bubble_fraction(events)
+    ax.set_title(f"{title} bubble {bf:.1%}".strip())
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, list(COLORS), loc="upper right", fontsize=7, ncol=len(COLORS))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
