@@ -325,6 +325,7 @@ class ShmReduceScatter(_RSBase):
 
     def __init__(self, shm: K.ShmGroup):
         self.shm = shm
+        self.shm_calls = 0  # reduce-scatters served through shared memory
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -334,6 +335,7 @@ class ShmReduceScatter(_RSBase):
         if (sum_like and input_tensor.device.type == "cpu" and input_tensor.dtype in K.SHM_DTYPES
                 and dist.get_world_size(group) == self.shm.world):
             self.shm.reduce_scatter_tensor(output_tensor, input_tensor)
+            self.shm_calls += 1
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(self.shm.world)
             return None

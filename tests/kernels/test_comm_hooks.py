@@ -88,3 +88,33 @@ def test_make_hook_rejects_unknown_kind():
 
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
         make_grad_reduce_hook("nccl_magic")
+
+
+def _fsdp(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from parallel.comm_hooks import ShmReduceScatter
+
+    grads = []
+    for custom in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(17, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3))
+        fully_shard(net)
+        rs = ShmReduceScatter(K.ShmGroup())
+        if custom:
+            net.set_custom_reduce_scatter(rs)
+        x = torch.randn(6, 17, generator=torch.Generator().manual_seed(rank))
+        net(x).square().mean().backward()
+        assert rs.shm_calls == (1 if custom else 0)
+        grads.append([p.grad.to_local().clone() for p in net.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return len(grads[0])
+
+
+def test_fsdp2_shm_reduce_scatter_matches_default():
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        pytest.skip("FSDP2 without a pluggable reduce-scatter")
+    assert run_ranks(_fsdp, 2, timeout_s=120) == [4, 4]
