@@ -67,14 +67,21 @@ _PARAM_NAMES = {"nprobe": "nprobe", "ef_search": "efSearch", "k_factor": "k_fact
 # ---------------------------------------------------------------------------------------------
 
 # Below this many documents exact search is the default: Flat needs no training, loses nothing,
-# and at 2 threads answers ~3,700 queries/s over 100k x 256 (it scales as 1/N: ~370 q/s at 1M),
-# which is faster than a training step consumes queries. Above it, IVF pays for itself.
+# and costs 2*N*d FLOPs per query -- 51 MFLOP at 100k x 256, ~4,000 queries/s on this machine's
+# 2 idle cores (it answers ~370 q/s at 1M) -- more than a training step asks for. Above it, the
+# approximate index pays for itself.
 FLAT_MAX_DOCS = 100_000
-# IVF lists: faiss's guideline is K ~ 4..16 * sqrt(N); 4*sqrt(N) rounded to a power of two keeps
-# lists ~250 vectors long at 1M (4096 lists) so a probe scans little besides the wanted list.
-# Training k-means needs >= 39 points per list (faiss warns below), so nlist is capped by N/39.
-# Fraction of the lists probed by default. On the 1M x 256 benchmark (overlapping clusters),
-# IVF4096,Flat at nprobe=64 (1/64 of the lists) reached recall@10 0.96 at ~13x Flat's queries/s.
+# IVF lists: faiss's guideline is K ~ 4..16 * sqrt(N); 4*sqrt(N) rounded to a power of two gives
+# 4096 lists of ~250 vectors at 1M. k-means wants >= 39 training points per list (faiss warns
+# below), so nlist is capped by N/39.
+# Fraction of the lists probed by default. 1M x 256 benchmark (BENCHMARKS.md, "Retrieval index"):
+# IVF4096,Flat reached recall@10 0.994 / 0.998 / 0.9994 at nprobe 8 / 32 / 64, i.e. 128x / 43x /
+# 23x Flat's queries/s. We take nprobe = nlist/64 (64 at 1M): a wide recall margin for memories
+# whose clusters overlap more than the generated ones (at 100k, with ~50 vectors per cluster,
+# the same generator needed 1/32 of the lists for 0.96), still > 10x Flat. HNSW32 was slower at
+# equal recall (0.973 at 54x, 0.987 at 35x), took 3.3x longer to build (318 s vs 97 s on 2
+# threads), has no GPU version and must be rebuilt from scratch on refresh, whereas IVF keeps its
+# centroids (DocumentIndex.rebuild(retrain=False)). So IVF-Flat is the default above Flat.
 NPROBE_FRACTION = 1 / 64
 # Above this many documents the coarse quantizer itself (nlist x d) becomes slow to scan, so it is
 # replaced by an HNSW graph over the centroids (faiss "IVFx_HNSW32" tier for 1M-10M+).
@@ -93,7 +100,8 @@ def default_factory(num_docs: int, dim: int, memory_budget_bytes: int | None = N
     Flat (exact) for small memories; IVF-Flat beyond ``FLAT_MAX_DOCS`` (recall@10 >= 0.95 at
     >= 10x Flat's speed on the 1M benchmark); an HNSW coarse quantizer from 2M documents. When the
     raw vectors (4 * dim bytes each) would not fit ``memory_budget_bytes``, IVF-PQ with
-    dim/8 one-byte codes (32x smaller) -- at a recall cost, see BENCHMARKS.md.
+    dim/8 one-byte codes (32x smaller) -- at a large recall cost (0.57 recall@10 on the 1M
+    benchmark; re-ranking with ",RFlat" recovers it but keeps the raw vectors).
     """
     if num_docs <= FLAT_MAX_DOCS and (
         memory_budget_bytes is None or 4 * dim * num_docs <= memory_budget_bytes
@@ -120,10 +128,12 @@ def default_search_params(factory: str) -> dict[str, int]:
         # At least 8 probes: with few lists a fixed fraction would probe only one or two.
         params["nprobe"] = min(nlist, max(8, round(nlist * NPROBE_FRACTION)))
     elif re.match(r"^(IDMap2?,)?HNSW", factory):
-        # efSearch 128: HNSW32 reached recall@10 ~0.97 on the 1M benchmark (see BENCHMARKS.md).
+        # efSearch 128: HNSW32 reached recall@10 0.987 at 35x Flat's q/s on the 1M benchmark.
         params["ef_search"] = 128
     if "RFlat" in factory or factory.startswith("Refine"):
-        params["k_factor"] = 4  # re-rank 4k candidates with exact distances
+        # Re-rank 8k candidates exactly: on the 1M benchmark IVF4096,PQ32 + RFlat reached recall@10
+        # 0.945 with k_factor 4 (the PQ shortlist misses neighbours) and 0.989 with 8.
+        params["k_factor"] = 8
     return params
 
 

@@ -226,7 +226,7 @@ def test_default_factory_by_size():
     # Raw vectors over the memory budget: PQ codes of dim/8 bytes.
     assert default_factory(1_000_000, 256, memory_budget_bytes=100 * 2**20) == "IVF4096,PQ32np"
     assert default_search_params("HNSW32") == {"ef_search": 128}
-    assert default_search_params("IVF1024,PQ32,RFlat") == {"nprobe": 16, "k_factor": 4}
+    assert default_search_params("IVF1024,PQ32,RFlat") == {"nprobe": 16, "k_factor": 8}
 
 
 def test_fingerprint_tracks_content():
