@@ -12,6 +12,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from retriever.config import RetrieverConfig
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
@@ -39,6 +41,7 @@ class ModelConfig:
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
     attention_backend: str = "auto"  # auto | fused | sdpa | reference (see parallel.kernels.attention)
     tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
+    copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
 
 
 @dataclass
@@ -88,14 +91,6 @@ class ParallelConfig:
 
 
 @dataclass
-class RetrieverConfig:
-    """Which documents the reader sees."""
-
-    mode: str = "oracle"  # oracle (gold document) | none (closed book) | learned
-    top_k: int = 1  # documents per query given to the reader
-
-
-@dataclass
 class TrainConfig:
     """The whole run. Groups are filled by conf/config.yaml's defaults list."""
 
@@ -122,7 +117,6 @@ class TrainConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "reference")
-RETRIEVAL_MODES = ("oracle", "none", "learned")
 PRECISIONS = ("fp32", "bf16")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
@@ -164,14 +158,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     if o.precision not in PRECISIONS:
         e.append(f"optim.precision must be one of {PRECISIONS} (got {o.precision!r})")
-    if r.mode not in RETRIEVAL_MODES:
-        e.append(f"retriever.mode must be one of {RETRIEVAL_MODES} (got {r.mode!r})")
-    if r.mode == "learned":
-        e.append("retriever.mode=learned: the learned retriever is not available in this build")
-    if r.mode == "oracle" and r.top_k != 1:
-        e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {r.top_k})")
-    if r.top_k < 0:
-        e.append(f"retriever.top_k must be >= 0 (got {r.top_k})")
+    e += r.validate()
+    if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
+        e.append(f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})")
     for key in ("max_steps", "log_every"):
         _positive(e, key, getattr(cfg, key))
     for key in ("eval_every", "ckpt_every", "stop_after_steps", "threads"):

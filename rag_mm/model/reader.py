@@ -39,6 +39,7 @@ class ReaderOutput:
     logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
     labels: torch.Tensor  # (M,) their targets
     example: torch.Tensor  # (M,) example index of each prediction position
+    doc_attention: torch.Tensor | None = None  # (B, k) copy-attention mass of the answer positions on each document
 
 
 def build_vision_tower(cfg) -> nn.Module:
@@ -64,6 +65,35 @@ def build_vision_tower(cfg) -> nn.Module:
     return tower
 
 
+class CopyHead(nn.Module):
+    """Pointer-generator mixing (See et al. 2017, arXiv 1704.04368): p(w) = g p_vocab(w) +
+    (1 - g) sum_{s: token(s) = w} a_s, with a an attention of the answer position over the text
+    tokens before it (documents and question). Gradients reach the attention scores directly,
+    so "find the fact and copy it" needs no value/output circuit to be learned first."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, 1)
+
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, gen_logp):
+        """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
+        h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable); gen_logp (M, V).
+        Returns log p (M, V) and the copy attention (M, S)."""
+        D = h_all.shape[-1]
+        keys = self.k(h_all)[rows_ex]  # (M, S, D)
+        scores = torch.einsum("md,msd->ms", self.q(h_rows), keys) / math.sqrt(D)  # (M, S)
+        S = h_all.shape[1]
+        tok = tok_all[rows_ex]  # (M, S)
+        allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
+        attn = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
+        copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), attn * allowed)  # (M, V)
+        g = torch.sigmoid(self.gate(h_rows)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
+        logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
+        return logp, attn
+
+
 class Reader(nn.Module):
     def __init__(self, cfg, vocab_size: int) -> None:
         super().__init__()
@@ -81,6 +111,7 @@ class Reader(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.copy = CopyHead(cfg.dim) if cfg.copy_head else None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -106,7 +137,8 @@ class Reader(nn.Module):
         patches = self.image_proj(patches)  # (B*k + B, P, D)
         q_patches = patches[B * k:]  # (B, P, D)
 
-        parts, valid, pos, typ, seg = [], [], [], [], []
+        parts, valid, pos, typ, seg, toks = [], [], [], [], [], []
+        no_tok = lambda n: torch.full((B, n), -1, dtype=torch.long, device=dev)  # noqa: E731  pictures are not copyable
         ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
         for j in range(k):
             Lt = doc_ids.shape[2]
@@ -115,6 +147,7 @@ class Reader(nn.Module):
             pos += [ar(P).expand(B, P), (P + ar(Lt)).expand(B, Lt)]
             typ += [torch.full((B, P), DOC_IMAGE, device=dev), torch.full((B, Lt), DOC_TEXT, device=dev)]
             seg += [torch.full((B, P + Lt), j, device=dev)]
+            toks += [no_tok(P), doc_ids[:, j]]
         Lq = q_ids.shape[1]
         La = a_ids.shape[1] - 1  # the final answer token (EOT) is only ever a target, never an input
         parts += [q_patches, self.tok_emb(q_ids), self.tok_emb(a_ids[:, :La])]
@@ -123,6 +156,7 @@ class Reader(nn.Module):
         typ += [torch.full((B, P), QUERY_IMAGE, device=dev), torch.full((B, Lq), QUESTION, device=dev),
                 torch.full((B, La), ANSWER, device=dev)]
         seg += [torch.full((B, P + Lq + La), k, device=dev)]
+        toks += [no_tok(P), q_ids, a_ids[:, :La]]
 
         # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
         n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
@@ -133,11 +167,14 @@ class Reader(nn.Module):
             nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1:La + 1], IGNORE)  # (B, La)
             labels[:, n_before + Lq:] = nxt
         return (torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(pos, 1), torch.cat(typ, 1),
-                torch.cat(seg, 1), labels, k)
+                torch.cat(seg, 1), labels, torch.cat(toks, 1), k)
 
     def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None):
-        """Pack each example's valid tokens to the left: x (B, S, D), labels (B, S), seg_offsets (B, k+2)."""
-        emb, valid, pos, typ, seg, labels, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        """Pack each example's valid tokens to the left.
+
+        Returns x (B, S, D), labels (B, S), seg_offsets (B, k+2), token ids (B, S) (-1 = picture/padding).
+        """
+        emb, valid, pos, typ, seg, labels, toks, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
         if int(pos.max()) >= self.cfg.max_segment_len:
             raise ValueError(f"a segment has {int(pos.max()) + 1} tokens > model.max_segment_len={self.cfg.max_segment_len}")
         x = emb + self.pos_emb(pos) + self.type_emb(typ)  # (B, N, D)
@@ -147,27 +184,49 @@ class Reader(nn.Module):
         x = torch.gather(x, 1, order[..., None].expand(-1, -1, x.shape[-1]))  # (B, S, D)
         keep = torch.gather(valid, 1, order)
         labels = torch.gather(labels, 1, order).masked_fill(~keep, IGNORE)
+        toks = torch.gather(toks, 1, order).masked_fill(~keep, -1)
         counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
         seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
-        return x, labels, seg_offsets
+        return x, labels, seg_offsets, toks
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> ReaderOutput:
         """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None."""
-        x, labels, seg_offsets = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        x, labels, seg_offsets, toks = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
         for block in self.blocks:
             x = block(x, seg_offsets)
         where = labels != IGNORE  # (B, S)
-        h = self.ln_f(x[where])  # (M, D): only answer positions need the vocabulary projection
-        logits = self.lm_head(h).float()  # (M, V)
+        rows = where.nonzero()  # (M, 2): example, position
+        example = rows[:, 0]
         target = labels[where]
-        example = where.nonzero()[:, 0]
-        tok_nll = F.cross_entropy(logits, target, reduction="none")  # (M,)
         B = image.shape[0]
+        if self.copy is None:
+            h = self.ln_f(x[where])  # (M, D): only answer positions need the vocabulary projection
+            logp = F.log_softmax(self.lm_head(h).float(), -1)  # (M, V)
+            doc_attention = None
+        else:
+            h_all = self.ln_f(x)  # (B, S, D): every text token may be copied
+            h = h_all[where]
+            logp, attn = self.copy(h, example, rows[:, 1], h_all, toks, F.log_softmax(self.lm_head(h).float(), -1))
+            doc_attention = self._doc_mass(attn, example, seg_offsets, B)
+        tok_nll = F.nll_loss(logp, target, reduction="none")  # (M,)
         count = torch.zeros(B, device=x.device).index_add_(0, example, torch.ones_like(tok_nll))
         nll = torch.zeros(B, device=x.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
-        wrong = torch.zeros(B, device=x.device).index_add_(0, example, (logits.argmax(-1) != target).float())
-        return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logits, target, example)
+        wrong = torch.zeros(B, device=x.device).index_add_(0, example, (logp.argmax(-1) != target).float())
+        return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logp, target, example, doc_attention)
+
+    @staticmethod
+    def _doc_mass(attn, example, seg_offsets, B):
+        """Copy-attention mass on each document segment, averaged over an example's answer positions: (B, k)."""
+        k = seg_offsets.shape[1] - 2
+        if k == 0:
+            return None
+        S = attn.shape[1]
+        pos = torch.arange(S, device=attn.device)
+        seg = torch.searchsorted(seg_offsets[example, 1:].contiguous(), pos.expand(len(example), S).contiguous(), right=True)  # (M, S)
+        per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(1, seg.clamp(max=k), attn)[:, :k]
+        count = torch.zeros(B, device=attn.device).index_add_(0, example, torch.ones(len(example), device=attn.device))
+        return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc) / count.clamp_min(1)[:, None]
 
     @torch.no_grad()
     def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407):

@@ -1,0 +1,70 @@
+"""RetrieverConfig: how the retriever is built, trained and kept fresh (the ``retriever/`` Hydra group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("oracle", "none", "learned")
+LOSSES = ("contrastive", "pdist", "emdr", "adist")
+FUSIONS = ("sum", "image", "text")
+
+
+@dataclass
+class RetrieverConfig:
+    """Which documents the reader sees, and, in learned mode, the dual encoder that picks them."""
+
+    mode: str = "oracle"  # oracle (gold document) | none (closed book) | learned (dual encoder + faiss)
+    top_k: int = 1  # documents per query given to the reader
+    # -- dual encoder (open_clip towers) -------------------------------------------------------
+    embed_dim: int = 64  # joint embedding size searched by faiss
+    vision_width: int = 64  # open_clip ViT width of each tower
+    vision_layers: int = 2  # ViT depth; the demo's pictures are simple
+    vision_head_width: int = 32  # open_clip sets heads by head width
+    patch_size: int = 8  # 32 px pictures -> 16 patches
+    text_width: int = 64  # open_clip text transformer width
+    text_layers: int = 1  # text depth; questions and passages are short
+    text_heads: int = 2  # text attention heads
+    context_length: int = 32  # text tokens incl. start/end markers (CLIP uses 77; ours are short)
+    fusion: str = "sum"  # how image and text embeddings combine: sum (learned weights) | image | text
+    shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
+    checkpoint: str | None = None  # local open_clip state dict to initialise both towers
+    # -- training --------------------------------------------------------------------------------
+    loss: str = "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
+    loss_weight: float = 1.0  # lambda: total = reader NLL + lambda * retriever loss
+    contrastive_steps: int = -1  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
+    contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
+    gold_temperature: float = 0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
+    query_side_only: bool = False  # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
+    # -- index and refresh -----------------------------------------------------------------------
+    index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
+    refresh_every: int = 50  # steps between re-embedding the memory (0 = never)
+    refresh_background: bool = False  # rebuild in a background thread while training goes on
+    encode_batch_size: int = 256  # documents per forward pass when (re-)embedding the memory
+    eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
+
+    def validate(self) -> list[str]:
+        """Problems with these values (empty when fine); keys are prefixed ``retriever.``."""
+        e = []
+        if self.mode not in MODES:
+            e.append(f"retriever.mode must be one of {MODES} (got {self.mode!r})")
+        if self.loss not in LOSSES:
+            e.append(f"retriever.loss must be one of {LOSSES} (got {self.loss!r})")
+        if self.fusion not in FUSIONS:
+            e.append(f"retriever.fusion must be one of {FUSIONS} (got {self.fusion!r})")
+        if self.mode == "oracle" and self.top_k != 1:
+            e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {self.top_k})")
+        if self.mode == "learned" and self.top_k < 1:
+            e.append(f"retriever.top_k must be >= 1 with retriever.mode=learned (got {self.top_k})")
+        if self.top_k < 0:
+            e.append(f"retriever.top_k must be >= 0 (got {self.top_k})")
+        for key in ("embed_dim", "vision_width", "vision_layers", "vision_head_width", "patch_size", "text_width",
+                    "text_layers", "text_heads", "context_length", "encode_batch_size"):
+            if getattr(self, key) <= 0:
+                e.append(f"retriever.{key} must be positive (got {getattr(self, key)})")
+        if self.gold_temperature <= 0:
+            e.append(f"retriever.gold_temperature must be positive (got {self.gold_temperature})")
+        if self.refresh_every < 0:
+            e.append(f"retriever.refresh_every must be >= 0 (got {self.refresh_every})")
+        if self.text_width % max(self.text_heads, 1):
+            e.append(f"retriever.text_heads ({self.text_heads}) must divide retriever.text_width ({self.text_width})")
+        return e

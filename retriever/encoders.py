@@ -1,0 +1,95 @@
+"""The dual encoder: open_clip towers embedding queries (picture + question) and documents
+(picture + passage) into one space searched by faiss.
+
+Each side is an open_clip ``CLIP`` (vision + text tower); the two towers' normalised outputs are
+fused by a learned weighted sum. Query and document sides are separate encoders unless
+``shared_towers`` (Contriever/Atlas share one); ``query_side_only`` freezes the document side.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import open_clip
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+
+from retriever.config import RetrieverConfig
+
+log = logging.getLogger(__name__)
+
+SOT, EOT = 49406, 49407  # CLIP BPE start/end-of-text ids (open_clip.tokenizer.SimpleTokenizer)
+VOCAB = 49408  # CLIP BPE vocabulary size
+
+
+def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -> torch.Tensor:
+    """Right-padded ids without markers (N, L) -> open_clip text input [SOT, ids..., EOT, 0...] (N, ctx)."""
+    N = ids.shape[0]
+    body = min(ids.shape[1], context_length - 2)
+    out = torch.zeros(N, context_length, dtype=torch.long, device=ids.device)
+    out[:, 0] = SOT
+    out[:, 1 : 1 + body] = ids[:, :body]
+    n = lengths.clamp(max=body)
+    pos = torch.arange(context_length, device=ids.device)
+    out = out.masked_fill(pos[None] > n[:, None], 0)  # drop padding that sat inside the body
+    out[torch.arange(N, device=ids.device), 1 + n] = EOT  # open_clip pools at the EOT (argmax id)
+    return out
+
+
+class Encoder(nn.Module):
+    """One side of the dual encoder: (picture, text tokens) -> unit vector (N, embed_dim)."""
+
+    def __init__(self, cfg: RetrieverConfig, image_size: int) -> None:
+        super().__init__()
+        self.fusion = cfg.fusion
+        self.clip = open_clip.CLIP(
+            embed_dim=cfg.embed_dim,
+            vision_cfg=CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width, head_width=cfg.vision_head_width,
+                                     patch_size=cfg.patch_size, image_size=image_size),
+            text_cfg=CLIPTextCfg(context_length=cfg.context_length, vocab_size=VOCAB, width=cfg.text_width,
+                                 heads=cfg.text_heads, layers=cfg.text_layers),
+        )
+        del self.clip.logit_scale  # the dual encoder keeps its own temperature
+        self.mix = nn.Parameter(torch.ones(2))  # learned weights of the image and text embeddings
+        if cfg.checkpoint:
+            state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state)
+            missing, unexpected = self.clip.load_state_dict(state, strict=False)
+            log.info("retriever tower: loaded %s (missing %d, unexpected %d)", cfg.checkpoint, len(missing), len(unexpected))
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """image (N, 3, H, W), text (N, ctx) open_clip tokens -> (N, embed_dim), unit norm."""
+        if self.fusion == "image":
+            return F.normalize(self.clip.encode_image(image), dim=-1) + 0 * self.mix.sum()
+        if self.fusion == "text":
+            return F.normalize(self.clip.encode_text(text), dim=-1) + 0 * self.mix.sum()
+        img = F.normalize(self.clip.encode_image(image), dim=-1)
+        txt = F.normalize(self.clip.encode_text(text), dim=-1)
+        return F.normalize(self.mix[0] * img + self.mix[1] * txt, dim=-1)
+
+
+class DualEncoder(nn.Module):
+    """Query and document encoders plus the score temperature (CLIP's learnable logit scale)."""
+
+    def __init__(self, cfg: RetrieverConfig, image_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.query = Encoder(cfg, image_size)
+        self.doc = self.query if cfg.shared_towers else Encoder(cfg, image_size)
+        # log(1/0.07): CLIP's initial temperature (Radford et al. 2021)
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+        if cfg.query_side_only:
+            if cfg.shared_towers:
+                raise ValueError("retriever.query_side_only needs separate towers (retriever.shared_towers=false)")
+            self.doc.requires_grad_(False)
+
+    def scale(self) -> torch.Tensor:
+        return self.logit_scale.clamp(max=4.6052).exp()  # at most 100, as CLIP clamps it
+
+    def embed_queries(self, image, q_ids, q_len) -> torch.Tensor:
+        return self.query(image, clip_tokens(q_ids, q_len, self.cfg.context_length))
+
+    def embed_docs(self, image, text_ids, text_len) -> torch.Tensor:
+        return self.doc(image, clip_tokens(text_ids, text_len, self.cfg.context_length))
