@@ -19,6 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from rag_mm import faults
+from rag_mm.checkpoint_safety import WeightsOnlyLoadPlanner, check_metadata
 from rag_mm.distributed import barrier, broadcast_object
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_
         tmp.mkdir(parents=True)
     barrier()
     dcp.save(state, checkpoint_id=str(tmp))
+    faults.inject("save", step, dist.get_rank() if dist.is_initialized() else 0)
     barrier()
     if is_main:
         _write_atomic(tmp / STATE, json.dumps(trainer_state))
@@ -121,5 +124,6 @@ def load(ckpt: Path, state: dict) -> dict:
     why = verify(ckpt)
     if why is not None:
         raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
-    dcp.load(state, checkpoint_id=str(ckpt))
+    check_metadata(ckpt)  # DCP unpickles .metadata and non-tensor entries: allow plain data only
+    dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner())
     return json.loads((ckpt / STATE).read_text())

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from rag_mm import checkpoint
+from rag_mm import checkpoint, faults, preemption
 from rag_mm.config import check_shards, validate
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
@@ -28,7 +28,11 @@ from rag_mm.distributed import all_reduce_sum, cleanup, init_distributed, world_
 from rag_mm.evaluate import _inputs, evaluate
 from rag_mm.metrics import MetricsLogger
 from rag_mm.model import Reader
+from rag_mm.model.rag import RagModel
+from retriever.encoders import DualEncoder
+from retriever.memory import RetrievalMemory
 from rag_mm.optim import build_optimizer, build_scheduler
+from rag_mm.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
@@ -45,6 +49,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         self.device = self.env.device
+        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.parallel.timeout_s)  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -53,11 +58,19 @@ class Trainer:
         self.store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text)
         log.info("document memory: %d documents (%s dropped)", len(self.store), self.store.skipped or "none")
         self.model = Reader(m, self.tok.vocab_size).to(self.device)
-        self.dp_model = self.model
+        retriever = memory = None
+        if cfg.retriever.mode == "learned":
+            retriever = DualEncoder(cfg.retriever, m.image_size).to(self.device)
+            memory = RetrievalMemory(retriever, self.store.images, self.store.text_ids, self.store.text_len,
+                                     self.store.ids, factory=cfg.retriever.index_factory,
+                                     batch_size=cfg.retriever.encode_batch_size, device=self.device)
+        self.rag = RagModel(self.model, self.store, cfg.retriever, retriever, memory)
+        self.memory = memory
+        self.dp_model = self.rag
         if self.env.world_size > 1:
-            self.dp_model = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            self.dp_model = DDP(self.rag, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             self._register_grad_reduce()
-        self.opt = build_optimizer(self.model, cfg.optim)
+        self.opt = build_optimizer(self.rag, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
         self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
@@ -66,7 +79,9 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         self._stop_signal = False
         n_params = sum(p.numel() for p in self.model.parameters())
-        log.info("reader: %.2f M parameters, world size %d, device %s", n_params / 1e6, self.env.world_size, self.device)
+        n_retr = sum(p.numel() for p in retriever.parameters()) if retriever is not None else 0
+        log.info("reader: %.2f M parameters, retriever: %.2f M, world size %d, device %s",
+                 n_params / 1e6, n_retr / 1e6, self.env.world_size, self.device)
 
     def _register_grad_reduce(self) -> None:
         kind = self.cfg.parallel.grad_reduce
@@ -79,16 +94,19 @@ class Trainer:
         log.info("gradient reduction: %s", kind)
 
     # ------------------------------------------------------------------------------ retrieval
-    def fetch_docs(self, batch: dict) -> dict | None:
-        mode = self.cfg.retriever.mode
-        if mode == "none":
-            return None
-        if mode == "oracle":
-            gold = batch["doc_id"]
-            if bool((gold < 0).any()):
-                raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
-            return self.store.fetch(gold[:, None])
-        raise ValueError(f"unknown retriever.mode {mode!r}")
+    def refresh_index(self) -> None:
+        """Re-embed the memory with the current document encoder (learned mode)."""
+        if self.memory is None:
+            return
+        r = self.cfg.retriever
+        self.watch.at("index refresh (all_gather of document embeddings)", self.step)
+        self.memory.refresh(background=r.refresh_background and self.memory.index._current is not None, step=self.step)
+        if self.memory.refresh_seconds:
+            log.info("index refresh at step %d: %.2fs", self.step, self.memory.refresh_seconds[-1])
+
+    def _ensure_index(self) -> None:
+        if self.memory is not None and self.memory.index._current is None:
+            self.refresh_index()
 
     # ------------------------------------------------------------------------------ data
     def _stream(self, split: str, train: bool, skip_batches: int = 0):
@@ -103,11 +121,15 @@ class Trainer:
         return make_loader(spec, c.data.num_workers)
 
     def evaluate_split(self, split: str, max_batches: int = 0) -> dict:
-        return evaluate(self.model, self._stream(split, train=False), self.fetch_docs, self.device, max_batches)
+        self.watch.at(f"evaluation on {split} (all_reduce of counts)")
+        self._ensure_index()
+        examples = self.run_dir / "retrieved_examples.json" if self.env.is_main and self.memory is not None else None
+        return evaluate(self.rag, self._stream(split, train=False), self.device, max_batches,
+                        examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.opt)
+        model_sd, optim_sd = get_state_dict(self.rag, self.opt)
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self) -> Path:
@@ -118,6 +140,7 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "skipped": self.skipped,
         }
+        self.watch.at("checkpoint save (DCP write + barriers)")
         path = checkpoint.save(self.ckpt_dir, self.step, self._state(), trainer_state, self.cfg.keep_checkpoints, self.env.is_main)
         log.info("checkpoint saved: %s", path)
         return path
@@ -127,13 +150,14 @@ class Trainer:
         r = self.cfg.resume
         if r == "never":
             return
+        self.watch.at("checkpoint restore")
         path = checkpoint.latest_valid(self.ckpt_dir) if r == "auto" else Path(r)
         if path is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             return
         state = self._state()
         ts = checkpoint.load(path, state)
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.rag, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
@@ -162,24 +186,34 @@ class Trainer:
         samples_per_step = c.data.batch_size * accum * self.env.world_size
         bad_steps, window_t, window_steps = 0, time.perf_counter(), 0
         stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
+        r = c.retriever
+        refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
+        self._ensure_index()
         try:
             while self.step < c.max_steps:
+                self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
+                faults.inject("step", self.step, self.env.rank)
+                self.watch.at("forward/backward (DDP gradient all_reduce)", self.step)
                 t0 = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
+                r_loss_sum, hits = torch.zeros((), device=self.device), 0.0
                 for micro in range(accum):
                     batch = next(it)
                     self.consumed += 1
                     wid, counts = batch["skipped"]
                     if counts:
                         self.skipped[wid] = counts
-                    docs = self.fetch_docs(batch)
                     sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
                     with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
-                        out = self.dp_model(**_inputs(batch, docs, self.device))
+                        out = self.dp_model(**_inputs(batch, self.device))
                     (out.loss / accum).backward()
-                    loss_sum += out.loss.detach() / accum
-                gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip or float("inf"))
+                    loss_sum += out.reader.loss.detach() / accum
+                    if out.retriever_loss is not None:
+                        r_loss_sum += out.retriever_loss / accum
+                        hits += float((out.doc_ids == batch["doc_id"][:, None]).any(1).float().mean()) / accum
+                gnorm = torch.nn.utils.clip_grad_norm_(self.rag.parameters(), c.optim.grad_clip or float("inf"))
                 # every rank must take the same decision, so agree on finiteness
+                self.watch.at("all_reduce: non-finite check")
                 finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))
                 if finite.item() < self.env.world_size:
                     self.opt.zero_grad(set_to_none=True)
@@ -196,7 +230,10 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.train_time += dt
                 window_steps += 1
+                if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
+                    self.refresh_index()
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    self.watch.at("all_reduce: training loss")
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
                     elapsed = time.perf_counter() - window_t
                     rec = {
@@ -204,6 +241,9 @@ class Trainer:
                         "grad_norm": float(gnorm), "samples_per_s": samples_per_step * window_steps / elapsed,
                         "skipped": sum(self._skipped_total().values()),
                     }
+                    if self.memory is not None:
+                        rec["retriever_loss"] = float(r_loss_sum)
+                        rec[f"train_recall@{r.top_k}"] = hits
                     self.metrics.log(rec)
                     self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
                     window_t, window_steps = time.perf_counter(), 0
@@ -211,6 +251,9 @@ class Trainer:
                     val = self.evaluate_split("val")
                     self.metrics.log({"step": self.step, **val}, prefix="val")
                     log.info("step %d val: acc %.3f (seen %.3f, held-out %.3f)", self.step, val["acc"], val["acc_seen"], val["acc_heldout"])
+                self.watch.at("all_reduce: stop-signal agreement")
+                if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
+                    self._stop_signal = True
                 stopping = self._stop_signal or (stop_at is not None and self.step >= stop_at)
                 if (c.ckpt_every and self.step % c.ckpt_every == 0) or stopping:
                     self.save()
@@ -242,14 +285,30 @@ class Trainer:
             "chance_accuracy": world.get("chance_accuracy", float("nan")),
             "skipped_samples": self._skipped_total(),
             "skipped_documents": self.store.skipped,
+            **self._refresh_summary(),
         }
         if self.env.is_main:
             self.metrics.log({"step": self.step, **test}, prefix="test")
             (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=1))
         return summary
 
+    def _refresh_summary(self) -> dict:
+        if self.memory is None:
+            return {}
+        self.memory.wait()
+        secs = self.memory.refresh_seconds
+        total = sum(secs)
+        return {"index_refreshes": len(secs), "refresh_time_s": total,
+                "refresh_fraction": total / max(total + self.train_time, 1e-9) if not self.cfg.retriever.refresh_background else None,
+                "refresh_mode": "off" if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
+                else ("background" if self.cfg.retriever.refresh_background else "sync")}
+
     def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()
         self.metrics.close()
+        self.watch.at("close (final barrier)")
+        self.watch.close()
         if dist.is_initialized():
             dist.barrier()
         cleanup()
