@@ -76,13 +76,16 @@ FLAT_MAX_DOCS = 100_000
 # below), so nlist is capped by N/39.
 # Fraction of the lists probed by default. 1M x 256 benchmark (BENCHMARKS.md, "Retrieval index"):
 # IVF4096,Flat reached recall@10 0.994 / 0.998 / 0.9994 at nprobe 8 / 32 / 64, i.e. 128x / 43x /
-# 23x Flat's queries/s. We take nprobe = nlist/64 (64 at 1M): a wide recall margin for memories
-# whose clusters overlap more than the generated ones (at 100k, with ~50 vectors per cluster,
-# the same generator needed 1/32 of the lists for 0.96), still > 10x Flat. HNSW32 was slower at
-# equal recall (0.973 at 54x, 0.987 at 35x), took 3.3x longer to build (318 s vs 97 s on 2
-# threads), has no GPU version and must be rebuilt from scratch on refresh, whereas IVF keeps its
+# 23x Flat's queries/s (a repeat run: 295x / 64x / 36x). We take nprobe = nlist/128 (32 at 1M):
+# recall stays far above 0.95, and it scans ~12k vectors per query (32 lists of ~244 plus 4096
+# centroids), 84x fewer dot products than Flat, so it keeps > 10x even on an idle machine where
+# Flat's BLAS runs at full speed (the benchmark machine was loaded). Memories whose clusters
+# overlap more need more probes (at 100k, ~50 vectors per cluster, the same generator needed
+# 1/32 of the lists for 0.96): measure yours with `scripts/bench/index.py --embeddings`. HNSW32
+# was slower at equal recall (0.973 at 54x, 0.987 at 35x), took 3.3x longer to build (318 s vs
+# 97 s), has no GPU version and is rebuilt from scratch on refresh, whereas IVF keeps its
 # centroids (DocumentIndex.rebuild(retrain=False)). So IVF-Flat is the default above Flat.
-NPROBE_FRACTION = 1 / 64
+NPROBE_FRACTION = 1 / 128
 # Above this many documents the coarse quantizer itself (nlist x d) becomes slow to scan, so it is
 # replaced by an HNSW graph over the centroids (faiss "IVFx_HNSW32" tier for 1M-10M+).
 HNSW_QUANTIZER_MIN_DOCS = 2_000_000

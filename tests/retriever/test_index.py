@@ -221,12 +221,12 @@ def test_read_metadata_without_loading(saved):
 def test_default_factory_by_size():
     assert default_factory(50_000, 256) == "Flat"
     assert default_factory(1_000_000, 256) == "IVF4096,Flat"
-    assert default_search_params("IVF4096,Flat") == {"nprobe": 64}
+    assert default_search_params("IVF4096,Flat") == {"nprobe": 32}
     assert default_factory(10_000_000, 256).startswith("IVF16384_HNSW32,")
     # Raw vectors over the memory budget: PQ codes of dim/8 bytes.
     assert default_factory(1_000_000, 256, memory_budget_bytes=100 * 2**20) == "IVF4096,PQ32np"
     assert default_search_params("HNSW32") == {"ef_search": 128}
-    assert default_search_params("IVF1024,PQ32,RFlat") == {"nprobe": 16, "k_factor": 8}
+    assert default_search_params("IVF1024,PQ32,RFlat") == {"nprobe": 8, "k_factor": 8}
 
 
 def test_fingerprint_tracks_content():
