@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from retriever.config import RetrieverConfig
+from retriever.config import validate as validate_retriever
 
 
 class ConfigError(ValueError):
@@ -158,7 +159,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"optim.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     if o.precision not in PRECISIONS:
         e.append(f"optim.precision must be one of {PRECISIONS} (got {o.precision!r})")
-    e += r.validate()
+    e += validate_retriever(r)
     if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
         e.append(f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})")
     for key in ("max_steps", "log_every"):

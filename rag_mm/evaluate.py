@@ -8,6 +8,8 @@ exactly when every gold token (EOT included) is the argmax given the gold prefix
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import sys
 from pathlib import Path
@@ -16,43 +18,105 @@ import torch
 
 from rag_mm.distributed import all_reduce_sum
 
+RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
+
 
 @torch.no_grad()
-def evaluate(model, loader, fetch_docs, device, max_batches: int = 0) -> dict:
-    """Run ``model`` over ``loader``; ``fetch_docs(batch)`` returns the documents for a batch."""
-    was_training = model.training
-    model.eval()
-    # [n_seen, correct_seen, nll_seen, n_heldout, correct_heldout, nll_heldout]
-    acc = torch.zeros(6, dtype=torch.float64)
+def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
+             n_examples: int = 0, tokenizer=None) -> dict:
+    """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
+
+    Every rank evaluates its share of the split; the sums are all-reduced. ``examples_path``
+    (main rank only) receives a few queries with their retrieved documents for inspection.
+    """
+    was_training = rag.training
+    rag.eval()
+    learned = rag.rcfg.mode == "learned"
+    # per group (seen, held-out): n, correct, nll, then recall hits for each k in RECALL_AT
+    width = 3 + len(RECALL_AT)
+    acc = torch.zeros(2 * width, dtype=torch.float64)
+    examples: list[dict] = []
     for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
             break
-        docs = fetch_docs(batch)
-        out = model(**_inputs(batch, docs, device))
-        held = batch["heldout"].to(device)
+        out = rag(**_inputs(batch, device), retriever_loss=False, search_k=max(RECALL_AT) if learned else 0)
+        held = batch["heldout"]
+        correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
+        hits = []
+        if learned:
+            gold = batch["doc_id"][:, None]
+            hits = [(out.doc_ids[:, :k] == gold).any(1) for k in RECALL_AT]
         for j, mask in enumerate((~held, held)):
-            acc[3 * j] += float(mask.sum())
-            acc[3 * j + 1] += float((out.correct & mask).sum())
-            acc[3 * j + 2] += float((out.nll * mask).sum())
+            base = j * width
+            acc[base] += float(mask.sum())
+            acc[base + 1] += float((correct & mask).sum())
+            acc[base + 2] += float((nll * mask).sum())
+            for h, hit in enumerate(hits):
+                acc[base + 3 + h] += float((hit & mask).sum())
+        if examples_path is not None and len(examples) < n_examples:
+            examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
     acc = all_reduce_sum(acc)
-    model.train(was_training)
-    n_s, c_s, l_s, n_h, c_h, l_h = acc.tolist()
-    n = n_s + n_h
-    return {
+    rag.train(was_training)
+    seen, held = acc[:width].tolist(), acc[width:].tolist()
+    n = seen[0] + held[0]
+    res = {
         "n": int(n),
-        "acc": (c_s + c_h) / max(n, 1),
-        "acc_seen": c_s / n_s if n_s else float("nan"),
-        "acc_heldout": c_h / n_h if n_h else float("nan"),
-        "nll": (l_s + l_h) / max(n, 1),
-        "n_seen": int(n_s),
-        "n_heldout": int(n_h),
+        "acc": (seen[1] + held[1]) / max(n, 1),
+        "acc_seen": seen[1] / seen[0] if seen[0] else float("nan"),
+        "acc_heldout": held[1] / held[0] if held[0] else float("nan"),
+        "nll": (seen[2] + held[2]) / max(n, 1),
+        "n_seen": int(seen[0]),
+        "n_heldout": int(held[0]),
     }
+    if learned:
+        for h, k in enumerate(RECALL_AT):
+            res[f"recall@{k}"] = (seen[3 + h] + held[3 + h]) / max(n, 1)
+            res[f"recall@{k}_heldout"] = held[3 + h] / held[0] if held[0] else float("nan")
+    if examples_path is not None and examples:
+        examples_path.parent.mkdir(parents=True, exist_ok=True)
+        examples_path.write_text(json.dumps(examples, indent=1))
+    return res
 
 
-def _inputs(batch: dict, docs: dict | None, device) -> dict:
+def _png_b64(img: torch.Tensor) -> str:
+    """Normalised (3, H, W) picture -> base64 PNG (for the notebooks' gallery)."""
+    from PIL import Image
+
+    from rag_mm.data.pipeline import MEAN, STD
+
+    x = ((img.cpu() * STD + MEAN).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(x).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
+    """A few queries with what the reader answered and which documents it was given."""
+    n = min(n, len(batch["key"]))
+    if n <= 0 or out.doc_ids is None:
+        return []
+    k = rag.rcfg.top_k
+    ids = out.doc_ids[:n, :k]
+    docs = {name: t.to(device) for name, t in rag.store.fetch(ids).items()}
+    x = _inputs(batch, device)
+    pred = rag.reader.generate(x["image"][:n], x["q_ids"][:n], x["q_len"][:n], docs["doc_image"], docs["doc_ids"],
+                               docs["doc_len"], eot_id=tokenizer.eot_id)
+    rows = rag.store.rows(ids)
+    res = []
+    for i in range(n):
+        res.append({
+            "key": batch["key"][i], "question": batch["question"][i], "answer": batch["answer"][i],
+            "prediction": tokenizer.decode(pred[i]), "heldout": bool(batch["heldout"][i]),
+            "gold_doc_id": int(batch["doc_id"][i]), "query_image": _png_b64(batch["image"][i]),
+            "retrieved": [{"doc_id": int(ids[i, j]), "passage": rag.store.passages[int(rows[i, j])],
+                           "image": _png_b64(rag.store.images[int(rows[i, j])])} for j in range(ids.shape[1])],
+        })
+    return res
+
+
+def _inputs(batch: dict, device) -> dict:
     x = {k: batch[k].to(device, non_blocking=True) for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
-    if docs:
-        x.update({k: v.to(device, non_blocking=True) for k, v in docs.items()})
+    x["gold"] = batch["doc_id"].to(device, non_blocking=True)
     return x
 
 

@@ -42,29 +42,30 @@ class RetrieverConfig:
     encode_batch_size: int = 256  # documents per forward pass when (re-)embedding the memory
     eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
 
-    def validate(self) -> list[str]:
-        """Problems with these values (empty when fine); keys are prefixed ``retriever.``."""
-        e = []
-        if self.mode not in MODES:
-            e.append(f"retriever.mode must be one of {MODES} (got {self.mode!r})")
-        if self.loss not in LOSSES:
-            e.append(f"retriever.loss must be one of {LOSSES} (got {self.loss!r})")
-        if self.fusion not in FUSIONS:
-            e.append(f"retriever.fusion must be one of {FUSIONS} (got {self.fusion!r})")
-        if self.mode == "oracle" and self.top_k != 1:
-            e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {self.top_k})")
-        if self.mode == "learned" and self.top_k < 1:
-            e.append(f"retriever.top_k must be >= 1 with retriever.mode=learned (got {self.top_k})")
-        if self.top_k < 0:
-            e.append(f"retriever.top_k must be >= 0 (got {self.top_k})")
-        for key in ("embed_dim", "vision_width", "vision_layers", "vision_head_width", "patch_size", "text_width",
-                    "text_layers", "text_heads", "context_length", "encode_batch_size"):
-            if getattr(self, key) <= 0:
-                e.append(f"retriever.{key} must be positive (got {getattr(self, key)})")
-        if self.gold_temperature <= 0:
-            e.append(f"retriever.gold_temperature must be positive (got {self.gold_temperature})")
-        if self.refresh_every < 0:
-            e.append(f"retriever.refresh_every must be >= 0 (got {self.refresh_every})")
-        if self.text_width % max(self.text_heads, 1):
-            e.append(f"retriever.text_heads ({self.text_heads}) must divide retriever.text_width ({self.text_width})")
-        return e
+
+def validate(cfg) -> list[str]:
+    """Problems with a RetrieverConfig (or a DictConfig of one); empty when fine."""
+    e = []
+    if cfg.mode not in MODES:
+        e.append(f"retriever.mode must be one of {MODES} (got {cfg.mode!r})")
+    if cfg.loss not in LOSSES:
+        e.append(f"retriever.loss must be one of {LOSSES} (got {cfg.loss!r})")
+    if cfg.fusion not in FUSIONS:
+        e.append(f"retriever.fusion must be one of {FUSIONS} (got {cfg.fusion!r})")
+    if cfg.mode == "oracle" and cfg.top_k != 1:
+        e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {cfg.top_k})")
+    if cfg.mode == "learned" and cfg.top_k < 1:
+        e.append(f"retriever.top_k must be >= 1 with retriever.mode=learned (got {cfg.top_k})")
+    if cfg.top_k < 0:
+        e.append(f"retriever.top_k must be >= 0 (got {cfg.top_k})")
+    for key in ("embed_dim", "vision_width", "vision_layers", "vision_head_width", "patch_size", "text_width",
+                "text_layers", "text_heads", "context_length", "encode_batch_size"):
+        if getattr(cfg, key) <= 0:
+            e.append(f"retriever.{key} must be positive (got {getattr(cfg, key)})")
+    if cfg.gold_temperature <= 0:
+        e.append(f"retriever.gold_temperature must be positive (got {cfg.gold_temperature})")
+    if cfg.refresh_every < 0:
+        e.append(f"retriever.refresh_every must be >= 0 (got {cfg.refresh_every})")
+    if cfg.text_width % max(cfg.text_heads, 1):
+        e.append(f"retriever.text_heads ({cfg.text_heads}) must divide retriever.text_width ({cfg.text_width})")
+    return e

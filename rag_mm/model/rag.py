@@ -1,0 +1,104 @@
+"""Retrieval + reading in one module, so data parallel wraps a single forward.
+
+``RagModel.forward`` takes a batch of queries and, by ``retriever.mode``:
+
+* ``none``: the reader answers closed-book;
+* ``oracle``: the reader gets each query's gold document;
+* ``learned``: the query encoder embeds the query, faiss returns the top-k documents, the reader
+  reads them jointly, and the retriever is trained by the reader (Atlas' losses) plus, during
+  warm-up, in-batch contrastive learning against the gold documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from rag_mm.data.documents import DocumentStore
+from rag_mm.model.reader import Reader, ReaderOutput
+from retriever import losses
+from retriever.encoders import DualEncoder
+from retriever.memory import RetrievalMemory
+
+
+@dataclass
+class RagOutput:
+    loss: torch.Tensor  # () reader NLL + lambda * retriever loss
+    reader: ReaderOutput  # the joint read over the top-k documents
+    retriever_loss: torch.Tensor | None  # () the retriever's part (before lambda)
+    doc_ids: torch.Tensor | None  # (B, k) documents given to the reader
+    scores: torch.Tensor | None  # (B, k) retriever scores of those documents
+
+
+class RagModel(nn.Module):
+    def __init__(self, reader: Reader, store: DocumentStore, rcfg, retriever: DualEncoder | None = None,
+                 memory: RetrievalMemory | None = None) -> None:
+        super().__init__()
+        self.reader = reader
+        self.retriever = retriever
+        self.rcfg = rcfg
+        self.store = store  # host tensors, not parameters
+        self.memory = memory
+        self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
+
+    def _docs(self, ids: torch.Tensor, device) -> dict:
+        return {k: v.to(device, non_blocking=True) for k, v in self.store.fetch(ids).items()}
+
+    def forward(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = True,
+                search_k: int = 0) -> RagOutput:
+        """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle, contrastive)."""
+        mode = self.rcfg.mode
+        q = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len)
+        if mode == "none":
+            out = self.reader(**q)
+            return RagOutput(out.loss, out, None, None, None)
+        if mode == "oracle":
+            if gold is None or bool((gold < 0).any()):
+                raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
+            ids = gold[:, None].cpu()
+            out = self.reader(**q, **self._docs(ids, image.device))
+            return RagOutput(out.loss, out, None, ids, None)
+        return self._learned(q, gold, retriever_loss, search_k)
+
+    def _learned(self, q: dict, gold, want_loss: bool, search_k: int) -> RagOutput:
+        cfg, enc, dev = self.rcfg, self.retriever, q["image"].device
+        B, k = q["image"].shape[0], cfg.top_k
+        q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
+        _, ids = self.memory.search(q_emb, max(k, search_k))  # (B, max(k, search_k)) nearest first
+        top = ids[:, :k]
+        docs = self._docs(top, dev)
+        out = self.reader(**q, **docs)
+        if not want_loss:
+            return RagOutput(out.loss, out, None, ids, None)
+
+        # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
+        d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
+                               docs["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
+        scores = enc.scale() * torch.einsum("be,bke->bk", q_emb, d_emb)  # (B, k)
+        r_loss = scores.new_zeros(())
+        if cfg.loss in ("pdist", "emdr") and k > 1:
+            nll = self._per_document_nll(q, docs)  # (B, k)
+            if cfg.loss == "pdist":
+                r_loss = losses.perplexity_distillation(scores, nll, cfg.gold_temperature)
+            else:
+                loglik = -nll * (q["a_len"].to(nll.dtype)[:, None])  # mean NLL -> summed log-likelihood
+                r_loss = losses.emdr2(scores, loglik)
+        elif cfg.loss == "adist" and k > 1 and out.doc_attention is not None:
+            r_loss = losses.attention_distillation(scores, out.doc_attention)
+        else:
+            r_loss = r_loss + 0.0 * scores.sum()  # keeps every retriever parameter in the graph (DDP)
+        if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0:
+            g_docs = self._docs(gold[:, None].cpu(), dev)
+            g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])
+            r_loss = r_loss + cfg.contrastive_weight * losses.contrastive(q_emb, g_emb, gold.to(dev), enc.scale())
+        return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+
+    @torch.no_grad()
+    def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
+        """The reader's answer NLL with each retrieved document alone: (B, k) (Atlas' gold score)."""
+        B, k = docs["doc_ids"].shape[:2]
+        rep = {name: t.repeat_interleave(k, 0) for name, t in q.items()}  # (B*k, ...)
+        single = {name: t.flatten(0, 1)[:, None] for name, t in docs.items()}  # (B*k, 1, ...)
+        return self.reader(**rep, **single).nll.view(B, k)
