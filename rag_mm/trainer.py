@@ -29,10 +29,10 @@ from rag_mm.evaluate import _inputs, evaluate
 from rag_mm.metrics import MetricsLogger
 from rag_mm.model import Reader
 from rag_mm.model.rag import RagModel
-from retriever.encoders import DualEncoder
-from retriever.memory import RetrievalMemory
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.watchdog import Watchdog
+from retriever.encoders import DualEncoder
+from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
