@@ -1,0 +1,11 @@
+"""Tensor parallelism on DTensor: a registry of rules, plan discovery from the traced dataflow,
+vocabulary-parallel embedding / LM head / cross-entropy, and sequence parallel."""
+
+from parallel.tp.loss import vocab_parallel_cross_entropy
+from parallel.tp.plan import TPEntry, TPPlan, apply_plan, apply_tp, discover_plan, find_block_lists, tied_modules
+from parallel.tp.registry import LinearKind, register_linear_kind, register_tp_rule, unregister_tp_rule
+from parallel.tp.rules import TPContext
+
+__all__ = ["LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp", "discover_plan",
+           "find_block_lists", "register_linear_kind", "register_tp_rule", "tied_modules",
+           "unregister_tp_rule", "vocab_parallel_cross_entropy"]

@@ -1,0 +1,392 @@
+"""Find a tensor-parallel plan for an arbitrary model from the dataflow seen while tracing.
+
+A column->row pair is read off the traced module graph, not off names: linear A is a column
+source of linear B when A's output reaches B passing only through parameter-free modules
+(activations, dropout) and the parent's own code (reshape, attention, rotary, products), and no
+other linear on the way. B is row-parallel when every linear that reaches it reaches only B.
+With one source whose width is k times B's input (GPT-2's c_attn: q|k|v, 3 x hidden) the source
+is fused and sharded per block. Head counts on the pair's owner are divided by tp.
+
+Left replicated, and logged: modules that share a parameter (tied embeddings / LM heads; SMP
+makes the same choice), linears without a partner (other than the LM head), anything whose width
+does not divide.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel.tp.registry import linear_kind, log, module_rule
+from parallel.tp.rules import HEAD_ATTRS, SIZE_ATTRS, TPContext, _with_sp
+from parallel.trace import TraceResult
+
+
+@dataclass
+class TPEntry:
+    role: str  # colwise | rowwise | vocab_embedding | lm_head | rule:<name> | sequence_local | replicate
+    blocks: int = 1  # fused equal blocks of a colwise weight
+    group: int = -1  # pair id (colwise sources and their rowwise sink share it)
+    reason: str = ""  # why (for replicate) or what (for the log)
+
+
+@dataclass
+class TPPlan:
+    entries: dict[str, TPEntry] = field(default_factory=dict)
+    owners: dict[int, str] = field(default_factory=dict)  # pair id -> module owning its head counts
+    regions: list[tuple[str, str]] = field(default_factory=list)  # SP: (first block, last block)
+    log: list[str] = field(default_factory=list)
+
+    def pairs(self) -> dict[int, tuple[list[str], str]]:
+        out: dict[int, tuple[list[str], str]] = {}
+        for name, e in self.entries.items():
+            if e.group >= 0:
+                srcs, sink = out.get(e.group, ([], ""))
+                if e.role == "colwise":
+                    srcs.append(name)
+                else:
+                    sink = name
+                out[e.group] = (srcs, sink)
+        return out
+
+    def table(self) -> str:
+        rows = [f"{'module':50s} {'role':18s} note"]
+        for n, e in self.entries.items():
+            note = e.reason or (f"blocks={e.blocks}" if e.blocks > 1 else "")
+            rows.append(f"{n:50s} {e.role:18s} {note}")
+        return "\n".join(rows)
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def tied_modules(model: nn.Module) -> dict[str, str]:
+    """Module name -> tied parameter description, for every module that shares a parameter."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    out = {}
+    for names in by_id.values():
+        if len(names) > 1:
+            for n in names:
+                out[n.rpartition(".")[0]] = " = ".join(names)
+    return out
+
+
+def _lca(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts):
+        if all(p == level[0] for p in level):
+            common.append(level[0])
+        else:
+            break
+    return ".".join(common)
+
+
+def find_block_lists(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """(ModuleList name, [block names]) for every list of >= 2 modules of one class: the layers."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) >= 2:
+            kids = list(m.named_children())
+            if len({type(c) for _, c in kids}) == 1 and _has_params(kids[0][1]):
+                out.append((name, [f"{name}.{k}" if name else k for k, _ in kids]))
+    # keep the outermost lists only (a block's own Sequential MLP is not a layer list)
+    return [(n, b) for n, b in out if not any(n != o and n.startswith(o + ".") for o, _ in out)]
+
+
+def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str]) -> dict[str, set[str]]:
+    """Run one forward (under autograd, on any device incl. meta) and return, for each linear-like
+    module, the linears whose outputs reach its input through parameter-free computation only:
+    the autograd graph is walked back from each linear's input and stops at the output of any
+    module that holds parameters (a linear: a source; a norm, an embedding: a barrier)."""
+    mods = dict(model.named_modules())
+    barrier: dict[Any, str] = {}  # grad_fn of a parameterised module's output -> module name
+    inputs: dict[str, list[Any]] = {}
+    handles = []
+
+    def pre(name):
+        def hook(mod, args, kwargs):
+            ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+            inputs.setdefault(name, []).extend(t.grad_fn for t in ts)
+        return hook
+
+    def post(name):
+        def hook(mod, args, kwargs, out):
+            outs = [out] if isinstance(out, torch.Tensor) else [o for o in (out if isinstance(out, tuple | list) else ()) if isinstance(o, torch.Tensor)]
+            for o in outs:
+                if o.grad_fn is not None:
+                    barrier.setdefault(o.grad_fn, name)
+        return hook
+
+    for n, m in mods.items():
+        if any(True for _ in m.parameters(recurse=False)) or n in linears:
+            if n in linears:
+                handles.append(m.register_forward_pre_hook(pre(n), with_kwargs=True))
+            handles.append(m.register_forward_hook(post(n), with_kwargs=True))
+    try:
+        with torch.enable_grad():
+            if isinstance(example_inputs, dict):
+                model(**example_inputs)
+            else:
+                model(*(example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)))
+    finally:
+        for h in handles:
+            h.remove()
+    memo: dict[Any, frozenset[str]] = {}
+
+    def sources(node) -> frozenset[str]:
+        if node in barrier:
+            return frozenset([barrier[node]])
+        if node in memo:
+            return memo[node]
+        out: set[str] = set()
+        stack, seen = [node], {node}
+        while stack:
+            nd = stack.pop()
+            for nxt, _ in nd.next_functions:
+                if nxt is None or nxt in seen:
+                    continue
+                seen.add(nxt)
+                if nxt in barrier:
+                    out.add(barrier[nxt])
+                elif nxt in memo:
+                    out |= memo[nxt]
+                else:
+                    stack.append(nxt)
+        memo[node] = frozenset(out)
+        return memo[node]
+
+    return {b: {s for g in gs for s in sources(g) if s in linears and s != b} for b, gs in inputs.items()}
+
+
+def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[str, set[str]]:
+    succ: dict[str, set[str]] = {}
+    for a, b, _ in trace.edges():
+        if a != b:
+            succ.setdefault(a, set()).add(b)
+    out: dict[str, set[str]] = {}
+    for a in linears:
+        seen, q = {a}, deque([a])
+        while q:
+            for nxt in succ.get(q.popleft(), ()):
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                if nxt in linears:
+                    out.setdefault(nxt, set()).add(a)
+                elif nxt in mods and not _has_params(mods[nxt]):
+                    q.append(nxt)
+    return out
+
+
+def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, example_inputs: Any = None, *,
+                  sequence_parallel: bool = False, loss_fn=None, shard_embedding: bool = True,
+                  shard_lm_head: bool = True) -> TPPlan:
+    """The TP plan for ``model`` at degree ``tp`` (see module doc). Raises ValueError, before
+    anything is changed, when tp does not divide a head count or a width the plan needs."""
+    if trace is None and example_inputs is None:
+        raise ValueError("tp plan discovery needs example inputs (or a TraceResult) to see the dataflow")
+    mods = dict(model.named_modules())
+    plan = TPPlan()
+    tied = tied_modules(model)
+    for n, desc in tied.items():
+        if n in mods and _has_params(mods[n]):
+            plan.entries[n] = TPEntry("replicate", reason=f"tied parameter ({desc}): left replicated")
+
+    claimed: list[str] = []  # subtrees owned by module rules
+    for n, m in mods.items():
+        if n in plan.entries or any(n.startswith(c + ".") for c in claimed):
+            continue
+        r = module_rule(m)
+        if r is not None:
+            plan.entries[n] = TPEntry(f"rule:{r[1]}")
+            claimed.append(n)
+            for attr in HEAD_ATTRS:  # fail before sharding anything
+                v = getattr(m, attr, None)
+                if isinstance(v, int) and not isinstance(v, bool) and v % tp:
+                    raise ValueError(f"tp={tp} does not divide the head count {n}.{attr}={v}; choose a tp that divides it")
+
+    def free(n: str) -> bool:
+        return not any(n == c or n.startswith(c + ".") for c in claimed) and n not in plan.entries
+
+    linears = {n for n, m in mods.items() if linear_kind(m) is not None and free(n)}
+    if example_inputs is not None:
+        sources_of = linear_dataflow(model, example_inputs, linears)
+    else:  # a stored trace only: its module-level edges (containers' own code is not resolved)
+        sources_of = _edges_dataflow(trace, mods, linears)
+    R: dict[str, set[str]] = {a: set() for a in linears}
+    for b, srcs in sources_of.items():
+        for a in srcs:
+            R[a].add(b)
+    order = {n: i for i, n in enumerate(mods)}
+    sources: dict[str, list[str]] = {}
+    for a in sorted(R, key=lambda n: order[n]):
+        for b in R[a]:
+            sources.setdefault(b, []).append(a)
+    used: set[str] = set()
+    gid = 0
+    for b, srcs in sorted(sources.items(), key=lambda kv: order.get(kv[0], 1 << 30)):
+        if b in used or any(s in used for s in srcs) or any(R[s] != {b} for s in srcs):
+            continue
+        kb = linear_kind(mods[b])
+        width = kb.in_features(mods[b])
+        blocks = {}
+        ok = True
+        for s in srcs:
+            out = linear_kind(mods[s]).out_features(mods[s])
+            k = out // width if len(srcs) == 1 and out % width == 0 and out > width else 1
+            blocks[s] = k
+            if (out // k) % tp:
+                ok = False
+                plan.log.append(f"{s} -> {b}: width {out} not divisible by tp={tp}; left replicated")
+        if width % tp:
+            ok = False
+        if not ok:
+            continue
+        owner = _lca(srcs + [b])
+        # validate head counts now, so a bad layout fails before anything is sharded
+        for mn, m in mods.items():
+            if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn):
+                for attr in HEAD_ATTRS:
+                    v = getattr(m, attr, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and v % tp:
+                        raise ValueError(f"tp={tp} does not divide the head count {mn or type(model).__name__}.{attr}={v}; "
+                                         f"choose a tp that divides it")
+        for s in srcs:
+            plan.entries[s] = TPEntry("colwise", blocks[s], gid)
+        plan.entries[b] = TPEntry("rowwise", 1, gid)
+        plan.owners[gid] = owner
+        used.update(srcs + [b])
+        gid += 1
+
+    # the vocabulary: the width of a final linear (one feeding no other linear) or config.vocab_size
+    vocab = {linear_kind(mods[n]).out_features(mods[n]) for n in linears - used
+             if not R.get(n) and linear_kind(mods[n]).out_features(mods[n]) > linear_kind(mods[n]).in_features(mods[n])}
+    vocab &= {m.num_embeddings for m in mods.values() if isinstance(m, nn.Embedding)}
+    if isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+        vocab.add(model.config.vocab_size)
+    for n in sorted(linears - used, key=lambda n: order[n]):
+        m = mods[n]
+        out = linear_kind(m).out_features(m)
+        if shard_lm_head and out in vocab and out % tp == 0 and not R.get(n):
+            plan.entries[n] = TPEntry("lm_head", reason="vocab-sharded; output gathered (or DTensor with loss_parallel)")
+        else:
+            plan.entries[n] = TPEntry("replicate", reason="no row-parallel partner in the dataflow")
+    for n, m in mods.items():
+        if isinstance(m, nn.Embedding) and free(n):
+            if shard_embedding and m.num_embeddings in vocab and m.num_embeddings % tp == 0 and m.max_norm is None:
+                plan.entries[n] = TPEntry("vocab_embedding")
+            else:
+                plan.entries[n] = TPEntry("replicate", reason="small or indivisible embedding")
+
+    if sequence_parallel:
+        pair_mods = [n for n, e in plan.entries.items() if e.role in ("colwise", "rowwise") or e.role.startswith("rule:")]
+        for _, blocks in find_block_lists(model):
+            inside = [blk for blk in blocks if any(p.startswith(blk + ".") for p in pair_mods)]
+            if len(inside) != len(blocks):
+                continue
+            plan.regions.append((blocks[0], blocks[-1]))
+            for blk in blocks:
+                for mn, m in mods.items():
+                    if mn.startswith(blk + ".") and free(mn) and any(True for _ in m.parameters(recurse=False)):
+                        if not any(mn.startswith(c + ".") for c in pair_mods):
+                            plan.entries[mn] = TPEntry("sequence_local")
+        if not plan.regions:
+            plan.log.append("sequence_parallel: no layer list with sharded pairs found; off")
+    for n, e in plan.entries.items():
+        if e.role == "replicate" and e.reason.startswith("tied"):
+            log.info("tp: %s %s", n, e.reason)
+    return plan
+
+
+def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+               loss_parallel: bool = False, seq_dim: int = 1) -> TPContext:
+    """Shard ``model`` in place following ``plan``; returns the context (with its log)."""
+    ctx = TPContext(mesh, sequence_parallel=sequence_parallel and bool(plan.regions), seq_dim=seq_dim,
+                    loss_parallel=loss_parallel)
+    for msg in plan.log:
+        ctx.note(msg)
+    mods = dict(model.named_modules())
+    # head counts first (validated by discover_plan): the owner of each pair and its subtree
+    done: set[tuple[int, str]] = set()
+    for gid, owner in plan.owners.items():
+        for mn, m in mods.items():
+            if mn == owner or (owner and mn.startswith(owner + ".")):
+                if plan.entries.get(mn, TPEntry("")).role.startswith("rule:"):
+                    continue
+                srcs, _ = plan.pairs()[gid]
+                width = linear_kind(mods[srcs[0]]).out_features(mods[srcs[0]]) // plan.entries[srcs[0]].blocks
+                for attr in HEAD_ATTRS:
+                    v = getattr(m, attr, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and (id(m), attr) not in done:
+                        ctx.divide_attr(m, attr)
+                        done.add((id(m), attr))
+                for attr in SIZE_ATTRS:
+                    v = getattr(m, attr, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and v == width and (id(m), attr) not in done:
+                        ctx.divide_attr(m, attr)
+                        done.add((id(m), attr))
+    groups: dict[int, object] = {}
+    ready: set[str] = set()  # SP: colwise sources whose input a parent gathers
+    lists = [first.rpartition(".")[0] + "." for first, _ in plan.regions]
+    plain = _with_sp(ctx, False)  # modules outside the sequence-parallel layer lists
+
+    def ctx_of(n: str) -> TPContext:
+        return ctx if ctx.sequence_parallel and any(n.startswith(p) for p in lists) else plain
+
+    if ctx.sequence_parallel:
+        for gid, (srcs, _) in plan.pairs().items():
+            top = _lca(srcs)
+            if len(srcs) > 1 and top not in srcs and top in mods and ctx_of(top) is ctx:
+                ctx.gather_input(mods[top])  # HF attention reads the sequence length off its input
+                ready.update(srcs)
+    for n, e in plan.entries.items():
+        m, c = mods[n], ctx_of(n)
+        if e.role == "colwise":
+            owner = groups.setdefault(e.group, type("TPInput", (), {})())
+            c.colwise(m, e.blocks, input_group=owner, input_ready=n in ready)
+        elif e.role == "rowwise":
+            c.rowwise(m)
+        elif e.role == "vocab_embedding":
+            plain.vocab_embedding(m)
+        elif e.role == "lm_head":
+            plain.colwise(m, gather_output=True)
+        elif e.role == "sequence_local":
+            if c.sequence_parallel:
+                c.sequence_local(m)
+        elif e.role.startswith("rule:"):
+            fn, _ = module_rule(m)
+            fn(m, c)
+        if e.role != "replicate":
+            ctx.note(f"{n}: {e.role}" + (f" (blocks={e.blocks})" if e.blocks > 1 else ""))
+        else:
+            ctx.note(f"{n}: replicated ({e.reason})")
+    if ctx.sequence_parallel:
+        for first, last in plan.regions:
+            ctx.sequence_region(mods[first], mods[last])
+            ctx.note(f"sequence parallel over {first} .. {last}")
+    return ctx
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, trace: TraceResult | None = None,
+             plan: TPPlan | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
+             loss_fn=None, seq_dim: int = 1) -> TPPlan:
+    """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan; its
+    ``log`` says what was sharded, what was left replicated and why."""
+    if mesh.size() == 1:
+        return plan or TPPlan()
+    if plan is None:
+        plan = discover_plan(model, mesh.size(), trace, example_inputs, sequence_parallel=sequence_parallel,
+                             loss_fn=loss_fn)
+    ctx = apply_plan(model, plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                     seq_dim=seq_dim)
+    plan.log = ctx.log
+    return plan

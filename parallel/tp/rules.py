@@ -1,0 +1,288 @@
+"""Sharded forms of modules, and the context rules use to build them.
+
+Parameters become DTensors on the tensor-parallel mesh under their original names (``Shard`` for
+plain column/row layouts, ``_StridedShard`` for fused blocks such as q|k|v, so ``full_tensor()``
+and distributed checkpoints see the single-device layout). Forwards run on the local shards with
+explicit collectives (``parallel.tp.comm``), Megatron style: per column->row pair one all-reduce
+forward and one backward, or with sequence parallel one all-gather + one reduce-scatter each way.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from parallel.tp import comm
+from parallel.tp.registry import linear_kind, log, register_tp_rule
+
+try:  # private in torch 2.11-2.14; the placement FSDP2 itself uses for TP x FSDP on one dim
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = None
+
+# attributes holding a head count: divided by tp on the module that owns a sharded pair
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "heads",
+              "num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# attributes holding the projected width (GPT-2's ``split_size``, BERT's ``all_head_size``)
+SIZE_ATTRS = ("split_size", "all_head_size", "inner_dim")
+
+
+def local(t):
+    """The local shard of a DTensor parameter (differentiable); plain tensors pass through."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class TPContext:
+    """What a rule needs: the 1-D tp mesh, its group, and the options of this parallelization."""
+
+    mesh: DeviceMesh
+    sequence_parallel: bool = False
+    seq_dim: int = 1  # sequence dimension of activations inside blocks (batch first)
+    loss_parallel: bool = False  # LM head returns vocab-sharded DTensor logits
+    log: list[str] = field(default_factory=list)  # what was sharded, left alone, and why
+    sharded: set = field(default_factory=set)  # ids of modules already given a sharded form
+
+    def __post_init__(self):
+        self.group = self.mesh.get_group()
+        self.size = self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
+
+    def note(self, msg: str) -> None:
+        self.log.append(msg)
+        log.info("tp: %s", msg)
+
+    # ------------------------------------------------------------------ parameters
+    def shard_param(self, m: nn.Module, pname: str, dim: int, blocks: int = 1) -> None:
+        """Replace ``m.<pname>`` by a DTensor sharded on ``dim``; with ``blocks`` > 1 the dimension
+        holds that many equal fused blocks and each rank keeps its slice of every block."""
+        p = m._parameters[pname]
+        n = p.shape[dim]
+        if n % (self.size * blocks):
+            raise ValueError(f"tp={self.size}: {type(m).__name__}.{pname} dimension {dim} of size {n} "
+                             f"is not divisible into {blocks} block(s) x {self.size} shards")
+        if blocks == 1:
+            loc, placement = p.detach().chunk(self.size, dim)[self.rank], Shard(dim)
+        else:
+            loc = torch.cat([b.chunk(self.size, dim)[self.rank] for b in p.detach().chunk(blocks, dim)], dim)
+            placement = _StridedShard(dim, split_factor=blocks)
+        d = DTensor.from_local(loc.contiguous(), self.mesh, [placement], run_check=False,
+                               shape=p.shape, stride=p.stride())
+        m._parameters[pname] = nn.Parameter(d, requires_grad=p.requires_grad)
+
+    def divide_attr(self, m: nn.Module, attr: str, strict: bool = True) -> None:
+        v = getattr(m, attr)
+        if v % self.size:
+            raise ValueError(f"tp={self.size} does not divide {type(m).__name__}.{attr}={v}: "
+                             f"choose a tp that divides the head count")
+        setattr(m, attr, v // self.size)
+        self.note(f"{type(m).__name__}.{attr}: {v} -> {v // self.size} per rank")
+
+    def _enter(self, x: torch.Tensor, cache_owner) -> torch.Tensor:
+        """Input of a column-parallel layer: identity fwd / all-reduce bwd (or all-gather over the
+        sequence under SP). Layers sharing one input (q, k, v) share one collective."""
+        if cache_owner is not None:
+            c = getattr(cache_owner, "_tp_in_cache", None)
+            if c is not None and c[0]() is x and c[1]() is not None:
+                return c[1]()
+        y = comm.gather_seq(x, self.seq_dim, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        if cache_owner is not None:
+            cache_owner._tp_in_cache = (weakref.ref(x), weakref.ref(y))
+        return y
+
+    def _exit(self, y: torch.Tensor) -> torch.Tensor:
+        """Output of a row-parallel layer: all-reduce (or reduce-scatter over the sequence)."""
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(y, self.seq_dim, self.group)
+        return comm.reduce_from_tp(y, self.group)
+
+    # ------------------------------------------------------------------ module forms
+    def colwise(self, m: nn.Module, blocks: int = 1, *, gather_output: bool = False,
+                input_group: object | None = None, sequence_input: bool | None = None,
+                input_ready: bool = False) -> None:
+        """Column-parallel linear: output features sharded (``blocks`` fused equal blocks).
+        ``input_ready``: the input was already gathered by ``gather_input`` on a parent."""
+        kind = linear_kind(m)
+        ctx = self
+        self.shard_param(m, "weight", kind.out_dim, blocks)
+        fused_bias = m._parameters.get("bias") is not None and blocks > 1
+        if m._parameters.get("bias") is not None and not fused_bias:
+            self.shard_param(m, "bias", 0)
+        seq_in = self.sequence_parallel if sequence_input is None else sequence_input
+        sub = self if seq_in == self.sequence_parallel else _with_sp(self, seq_in)
+
+        def forward(self_, x):
+            if not input_ready:
+                x = sub._enter(x, input_group)
+            b = self_.bias
+            if fused_bias:  # full bias kept replicated; this rank's slice of each block
+                b = comm.grad_all_reduce(b, ctx.group).view(blocks, ctx.size, -1)[:, ctx.rank].reshape(-1)
+            y = kind.compute(x, local(self_.weight), local(b) if b is not None else None)
+            if gather_output:
+                if ctx.loss_parallel:
+                    return DTensor.from_local(y, ctx.mesh, [Shard(y.dim() - 1)], run_check=False)
+                return comm.gather_last(y, ctx.group)
+            return y
+
+        m.forward = types.MethodType(forward, m)
+        self.sharded.add(id(m))
+
+    def rowwise(self, m: nn.Module) -> None:
+        """Row-parallel linear: input features sharded, output summed over ranks, bias added once."""
+        kind = linear_kind(m)
+        ctx = self
+        self.shard_param(m, "weight", 1 - kind.out_dim)
+
+        def forward(self_, x):
+            y = ctx._exit(kind.compute(x, local(self_.weight), None))
+            if self_.bias is None:
+                return y
+            # under SP each rank adds the bias to its own sequence chunk: sum its gradient
+            return y + (comm.grad_all_reduce(self_.bias, ctx.group) if ctx.sequence_parallel else self_.bias)
+
+        m.forward = types.MethodType(forward, m)
+        self.sharded.add(id(m))
+
+    def vocab_embedding(self, m: nn.Embedding) -> None:
+        """Vocabulary-parallel embedding: each rank holds V/tp rows; ids outside give zeros; sum."""
+        if m.max_norm is not None:
+            raise ValueError("vocab-parallel embedding does not support max_norm")
+        self.shard_param(m, "weight", 0)
+        ctx = self
+        n = m.num_embeddings // self.size
+        start = self.rank * n
+
+        def forward(self_, ids):
+            outside = (ids < start) | (ids >= start + n)
+            pad = self_.padding_idx
+            pad = pad - start if pad is not None and start <= pad < start + n else None
+            y = F.embedding((ids - start).masked_fill(outside, 0), local(self_.weight), pad,
+                            None, 2.0, self_.scale_grad_by_freq, self_.sparse)
+            return comm.reduce_from_tp(y.masked_fill(outside[..., None], 0.0), ctx.group)
+
+        m.forward = types.MethodType(forward, m)
+        self.sharded.add(id(m))
+
+    def sequence_local(self, m: nn.Module) -> None:
+        """A module that runs on this rank's sequence chunk with replicated parameters (norms,
+        layer scales under SP): its parameter gradients are summed over the tp group."""
+        ctx = self
+        orig = type(m).forward
+        names = [n for n, p in m._parameters.items() if p is not None]
+
+        def forward(self_, *args, **kwargs):
+            saved = {n: self_._parameters[n] for n in names}
+            try:
+                for n in names:
+                    self_._parameters[n] = comm.grad_all_reduce(local(saved[n]), ctx.group)
+                return orig(self_, *args, **kwargs)
+            finally:
+                self_._parameters.update(saved)
+
+        m.forward = types.MethodType(forward, m)
+        self.sharded.add(id(m))
+
+    def gather_input(self, m: nn.Module) -> None:
+        """Sequence parallel: all-gather ``m``'s hidden-state input over the sequence (reduce-scatter
+        its gradient), for modules that read the sequence length from their input (HF attention)."""
+        ctx = self
+        m.register_forward_pre_hook(
+            lambda mod, a, k: _map_hidden(a, k, lambda t: comm.gather_seq(t, ctx.seq_dim, ctx.group)), with_kwargs=True)
+
+    def sequence_region(self, first: nn.Module, last: nn.Module) -> None:
+        """Hidden states are split over the sequence at ``first``'s input and gathered again at
+        ``last``'s output (the residual stream between them stays sharded)."""
+        ctx = self
+
+        def pre(mod, args, kwargs):
+            return _map_hidden(args, kwargs, lambda t: comm.split_seq(t, ctx.seq_dim, ctx.group))
+
+        def post(mod, args, kwargs, out):
+            if isinstance(out, torch.Tensor):
+                return comm.gather_from_seq(out, ctx.seq_dim, ctx.group)
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                return (comm.gather_from_seq(out[0], ctx.seq_dim, ctx.group), *out[1:])
+            raise TypeError(f"sequence parallel: cannot find the hidden states in {type(out).__name__}")
+
+        first.register_forward_pre_hook(pre, with_kwargs=True)
+        last.register_forward_hook(post, with_kwargs=True)
+
+
+def _map_hidden(args, kwargs, fn):
+    """Apply ``fn`` to the hidden states among a forward's inputs: ``hidden_states=`` if given,
+    else the first positional tensor, else the first tensor keyword."""
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], fn(a), *args[i + 1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: fn(kwargs[key])}
+
+
+def _with_sp(ctx: TPContext, sp: bool) -> TPContext:
+    c = TPContext.__new__(TPContext)
+    c.__dict__.update(ctx.__dict__)
+    c.sequence_parallel = sp
+    return c
+
+
+# ----------------------------------------------------------------------------- built-in module rules
+
+
+@register_tp_rule(nn.MultiheadAttention, name="multihead_attention")
+def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
+    """nn.MultiheadAttention (open_clip, timm-style towers): fused in_proj split per head block
+    (column), out_proj row-parallel, num_heads per rank. Self-attention only."""
+    if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+        raise NotImplementedError("tp: nn.MultiheadAttention with kdim/vdim, bias_k/v or add_zero_attn")
+    ctx.divide_attr(m, "num_heads")
+    ctx.shard_param(m, "in_proj_weight", 0, blocks=3)
+    has_bias = m.in_proj_bias is not None
+    ctx.rowwise(m.out_proj)
+
+    def forward(self_, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):
+        if not (query is key and key is value):
+            raise NotImplementedError("tp: sharded nn.MultiheadAttention supports self-attention only")
+        x = query if self_.batch_first else query.transpose(0, 1)  # (B, L, E)
+        x = ctx._enter(x, None)
+        b = None
+        if has_bias:
+            b = comm.grad_all_reduce(self_.in_proj_bias, ctx.group).view(3, ctx.size, -1)[:, ctx.rank].reshape(-1)
+        qkv = F.linear(x, local(self_.in_proj_weight), b)  # (B, L, 3 E/tp)
+        q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, h, L, hd)
+        mask = _sdpa_mask(attn_mask, key_padding_mask, q)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self_.dropout if self_.training else 0.0,
+                                           is_causal=is_causal and mask is None)
+        y = self_.out_proj(y.transpose(1, 2).flatten(2))  # (B, L, E)
+        return (y if self_.batch_first else y.transpose(0, 1)), None
+
+    m.forward = types.MethodType(forward, m)
+    ctx.sharded.add(id(m))
+
+
+def _sdpa_mask(attn_mask, key_padding_mask, q):
+    """MHA masks (bool True = masked out, or additive float) as one SDPA mask (additive float)."""
+    def additive(mk):
+        if mk is None:
+            return None
+        if mk.dtype == torch.bool:
+            return torch.zeros(mk.shape, dtype=q.dtype, device=q.device).masked_fill(mk, float("-inf"))
+        return mk.to(q.dtype)
+
+    mask = additive(attn_mask)
+    if mask is not None and mask.dim() == 3:
+        raise NotImplementedError("tp: per-head 3-D attn_mask for sharded nn.MultiheadAttention")
+    kp = additive(key_padding_mask)
+    if kp is not None:
+        kp = kp[:, None, None, :]  # (B, 1, 1, L)
+        mask = kp if mask is None else mask + kp
+    return mask
