@@ -10,6 +10,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,3 +128,37 @@ def test_torchrun_two_ranks_ddp(tiny_world, tmp_path):
     assert summary["test"]["n"] == 24  # both ranks' shares of the test split were counted once
     assert (run_dir / "checkpoints" / "step_00000004" / "manifest.json").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("retriever.loss=pdist",),
+        ("retriever.loss=emdr", "retriever.refresh_background=true"),
+        ("retriever.loss=adist", "retriever.contrastive_steps=2"),
+        ("retriever.loss=contrastive", "retriever.query_side_only=true"),
+    ],
+    ids=["pdist", "emdr-background", "adist", "contrastive-query-side"],
+)
+def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
+    overrides = ["retriever=learned", "retriever.top_k=3", "retriever.refresh_every=2", "max_steps=4",
+                 "retriever.embed_dim=16", "retriever.vision_width=32", "retriever.vision_layers=1",
+                 "retriever.text_width=32", *extra]
+    cfg = compose(tiny_overrides(tiny_world, tmp_path / "run", *overrides))
+    t = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in t.rag.retriever.named_parameters()}
+    try:
+        out = t.fit()
+    finally:
+        t.close()
+    after = dict(t.rag.retriever.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert any(n.startswith("query.") for n in changed)
+    doc_changed = any(n.startswith("doc.") for n in changed)
+    assert doc_changed == ("retriever.query_side_only=true" not in extra)
+    assert {"recall@1", "recall@5", "recall@10"} <= set(out["test"])
+    assert out["index_refreshes"] == (1 if "retriever.query_side_only=true" in extra else 2)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(r["retriever_loss"]) for r in records if r["kind"] == "train")
+    examples = json.loads((tmp_path / "run" / "retrieved_examples.json").read_text())
+    assert examples and len(examples[0]["retrieved"]) == 3 and examples[0]["query_image"]

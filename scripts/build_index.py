@@ -1,0 +1,187 @@
+"""Encode a corpus with the retriever's document tower and build, save and check a faiss index.
+
+    python scripts/build_index.py corpus='data/knowledge_world/corpus/corpus-{000000..000000}.tar' \
+        checkpoint=runs/demo out=runs/demo/memory.index [factory=auto] [queries=<query shards>]
+    torchrun --nproc_per_node=2 scripts/build_index.py ...     # each rank encodes 1/W of the corpus
+
+``checkpoint`` is a run directory (its newest valid checkpoint and saved config are used), one
+checkpoint directory, or empty for a freshly initialised encoder (sizes from ``retriever.*``
+overrides). Reports encode and build time, queries/s, recall@k of the index against exact
+search, and, when ``queries`` are given, recall@k of each query's gold document. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rag_mm import checkpoint as ckpt  # noqa: E402
+from rag_mm.data.documents import DocumentStore  # noqa: E402
+from rag_mm.data.urls import expand_urls  # noqa: E402
+from retriever.config import RetrieverConfig  # noqa: E402
+from retriever.encoders import DualEncoder  # noqa: E402
+from retriever.index import FaissIndex, build_index, default_factory, fingerprint  # noqa: E402
+
+
+@dataclass
+class BuildConfig:
+    """What to encode, with which encoder, into which index."""
+
+    corpus: str = "data/knowledge_world/corpus/corpus-{000000..000000}.tar"  # document shards (brace expansion)
+    root: str = ""  # prefix for relative shard paths
+    checkpoint: str = ""  # run dir, checkpoint dir, or empty for a fresh encoder
+    out: str = "memory.index"  # where the index file goes
+    factory: str = "auto"  # faiss index_factory string; auto = Flat up to 100k docs, IVF beyond
+    k: int = 10  # recall@k against exact search
+    queries: str = ""  # optional query shards: gold-document recall@k with the query tower
+    num_queries: int = 1000  # documents reused as queries when no query shards are given
+    image_size: int = 32  # pictures are resized to this
+    max_text: int = 40  # document tokens kept
+    batch_size: int = 256  # documents per forward pass
+    threads: int = 0  # torch/faiss threads (0 = default)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # tower sizes when no checkpoint config
+
+
+def _dist() -> tuple[int, int]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def load_encoder(cfg: BuildConfig) -> tuple[DualEncoder, str]:
+    """The dual encoder from a run's checkpoint (and its saved config), or a fresh one."""
+    rcfg, path = cfg.retriever, None
+    if cfg.checkpoint:
+        p = Path(cfg.checkpoint)
+        if (p / "checkpoints").is_dir():  # a run directory
+            saved = p / ".hydra" / "config.yaml"
+            if saved.is_file():
+                rcfg = OmegaConf.merge(OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever)
+                cfg.image_size = int(OmegaConf.load(saved).model.image_size)
+            path = ckpt.latest_valid(p / "checkpoints")
+            if path is None:
+                raise SystemExit(f"build_index: no valid checkpoint under {p / 'checkpoints'}")
+        else:
+            path = p
+    enc = DualEncoder(rcfg, cfg.image_size)  # type: ignore[arg-type]
+    if path is not None:
+        why = ckpt.verify(path)
+        if why:
+            raise SystemExit(f"build_index: checkpoint {path} failed verification: {why}")
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": {f"retriever.{k}": v for k, v in enc.state_dict().items()}}
+        dcp.load(state, checkpoint_id=str(path))
+        enc.load_state_dict({k[len("retriever."):]: v for k, v in state["model"].items()})
+    return enc.eval(), str(path or "fresh")
+
+
+@torch.no_grad()
+def encode(enc: DualEncoder, store: DocumentStore, rows: range, batch: int, progress: bool) -> torch.Tensor:
+    from rich.progress import Progress
+
+    out = []
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("encoding documents", total=len(rows))
+        for s in range(rows.start, rows.stop, batch):
+            idx = torch.arange(s, min(rows.stop, s + batch))
+            out.append(enc.embed_docs(store.images[idx], store.text_ids[idx], store.text_len[idx]))
+            bar.advance(task, len(idx))
+    return torch.cat(out) if out else torch.zeros(0, enc.cfg.embed_dim)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BuildConfig), OmegaConf.from_dotlist(argv)))
+    except Exception as exc:
+        print(f"build_index: error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rank, world = _dist()
+    urls = expand_urls(cfg.root, cfg.corpus)
+    missing = [u for u in urls if not u.startswith(("pipe:", "http")) and not Path(u).is_file()]
+    if missing:
+        print(f"build_index: error: corpus shard not found: {missing[0]}", file=sys.stderr)
+        return 2
+    enc, source = load_encoder(cfg)
+    store = DocumentStore.load(urls, cfg.image_size, cfg.max_text)
+    N = len(store)
+
+    t0 = time.perf_counter()
+    per = -(-N // world)  # each rank encodes a contiguous 1/W; rank 0 gathers
+    mine = encode(enc, store, range(min(N, rank * per), min(N, (rank + 1) * per)), cfg.batch_size, rank == 0 and sys.stderr.isatty())
+    if world > 1:
+        buf = torch.zeros(per, enc.cfg.embed_dim)
+        buf[: len(mine)] = mine
+        parts = [torch.zeros_like(buf) for _ in range(world)]
+        dist.all_gather(parts, buf)
+        emb = torch.cat(parts)[:N]
+    else:
+        emb = mine
+    encode_s = time.perf_counter() - t0
+    if rank != 0:
+        dist.destroy_process_group()
+        return 0
+
+    x = emb.numpy().astype(np.float32)
+    ids = store.ids.numpy()
+    factory = default_factory(N, x.shape[1]) if cfg.factory == "auto" else cfg.factory
+    t0 = time.perf_counter()
+    index = build_index(x, ids, factory=factory, metric="ip", encoder_hash=fingerprint(enc.state_dict()),
+                        corpus_hash=fingerprint(ids, store.passages))
+    build_s = time.perf_counter() - t0
+    saved = index.save(cfg.out)
+    loaded = FaissIndex.load(saved, dim=x.shape[1], encoder_hash=index.meta.encoder_hash, corpus_hash=index.meta.corpus_hash)
+
+    # queries: real query shards through the query tower, or held-out documents' own embeddings
+    gold = None
+    if cfg.queries:
+        from rag_mm.data.pipeline import StreamSpec, make_loader
+
+        spec = StreamSpec(urls=expand_urls(cfg.root, cfg.queries), image_size=cfg.image_size, max_question=24,
+                          max_answer=8, batch_size=cfg.batch_size, train=False)
+        qs, gold = [], []
+        with torch.no_grad():
+            for b in make_loader(spec, 0):
+                qs.append(enc.embed_queries(b["image"], b["q_ids"], b["q_len"]))
+                gold.append(b["doc_id"])
+        q, gold = torch.cat(qs).numpy(), torch.cat(gold).numpy()
+    else:
+        pick = np.random.default_rng(0).choice(N, min(cfg.num_queries, N), replace=False)
+        q = x[pick]
+    k = min(cfg.k, N)
+    t0 = time.perf_counter()
+    _, found = loaded.search(q, k)
+    search_s = time.perf_counter() - t0
+    exact = build_index(x, ids, factory="Flat")
+    _, truth = exact.search(q, k)
+    recall_vs_exact = float(np.mean([len(set(f) & set(t)) / k for f, t in zip(found, truth)]))
+    report = {
+        "index": str(saved), "factory": factory, "num_docs": N, "dim": int(x.shape[1]), "encoder": source,
+        "world_size": world, "encode_s": round(encode_s, 3), "build_s": round(build_s, 3),
+        "queries": int(len(q)), "queries_per_s": round(len(q) / max(search_s, 1e-9), 1),
+        f"recall@{k}_vs_exact": recall_vs_exact,
+    }
+    if gold is not None:
+        for r in sorted({1, 5, k}):
+            report[f"gold_recall@{r}"] = float(np.mean([g in f[:r] for g, f in zip(gold, found)]))
+    print(json.dumps(report))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

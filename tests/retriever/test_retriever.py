@@ -1,0 +1,115 @@
+"""Dual encoder, retriever losses, memory refresh, and the index build script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from retriever import losses
+from retriever.config import RetrieverConfig, validate
+from retriever.encoders import EOT, SOT, DualEncoder, clip_tokens
+from retriever.memory import RetrievalMemory
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = dict(embed_dim=16, vision_width=32, vision_layers=1, vision_head_width=16, text_width=32, text_layers=1,
+             text_heads=2, context_length=16)
+
+
+def test_clip_tokens_places_markers():
+    t = clip_tokens(torch.tensor([[5, 6, 7, 0], [8, 0, 0, 0]]), torch.tensor([3, 1]), 6)
+    assert t.tolist() == [[SOT, 5, 6, 7, EOT, 0], [SOT, 8, EOT, 0, 0, 0]]
+    long = clip_tokens(torch.arange(1, 11)[None], torch.tensor([10]), 6)  # truncated, EOT kept last
+    assert long.tolist() == [[SOT, 1, 2, 3, 4, EOT]]
+
+
+def test_dual_encoder_shapes_sharing_and_query_side_only():
+    enc = DualEncoder(RetrieverConfig(**SMALL), 32)
+    q = enc.embed_queries(torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 2, 1]))
+    assert q.shape == (3, 16) and torch.allclose(q.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert enc.doc is not enc.query
+    shared = DualEncoder(RetrieverConfig(**SMALL, shared_towers=True), 32)
+    assert shared.doc is shared.query
+    frozen = DualEncoder(RetrieverConfig(**SMALL, query_side_only=True), 32)
+    assert not any(p.requires_grad for p in frozen.doc.parameters())
+    assert all(p.requires_grad for p in frozen.query.parameters())
+    with pytest.raises(ValueError, match="separate towers"):
+        DualEncoder(RetrieverConfig(**SMALL, query_side_only=True, shared_towers=True), 32)
+
+
+def test_config_validation_names_keys():
+    errs = validate(RetrieverConfig(mode="learned", top_k=0, loss="magic", text_heads=3))
+    text = "\n".join(errs)
+    assert "retriever.top_k" in text and "retriever.loss" in text and "retriever.text_heads" in text
+
+
+def test_losses_point_the_retriever_at_the_reader():
+    scores = torch.zeros(2, 3, requires_grad=True)
+    nll = torch.tensor([[2.0, 0.1, 3.0], [0.5, 4.0, 4.0]])  # the reader prefers doc 1, then doc 0
+    for loss in (losses.perplexity_distillation(scores, nll, 0.1), losses.emdr2(scores, -nll),
+                 losses.attention_distillation(scores, torch.softmax(-nll, -1))):
+        (g,) = torch.autograd.grad(loss, scores)
+        # gradient descent raises the score of the document the reader found most useful
+        assert (-g).argmax(-1).tolist() == [1, 0]
+    # contrastive: aligned pairs give a lower loss than shuffled ones; shared golds count as positives
+    q = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+    gold = torch.tensor([0, 1, 2, 2])
+    aligned = losses.contrastive(q, q, gold, torch.tensor(10.0))
+    shuffled = losses.contrastive(q, q.roll(1, 0), gold, torch.tensor(10.0))
+    assert aligned < shuffled
+
+
+def _memory(n=40, factory="Flat"):
+    torch.manual_seed(0)
+    enc = DualEncoder(RetrieverConfig(**SMALL), 32)
+    mem = RetrievalMemory(enc, torch.randn(n, 3, 32, 32), torch.randint(1, 100, (n, 6)), torch.full((n,), 6),
+                          torch.arange(100, 100 + n), factory=factory, batch_size=16)
+    return enc, mem
+
+
+def test_memory_refresh_sync_and_background():
+    enc, mem = _memory()
+    mem.refresh()
+    emb = mem.embed()
+    scores, ids = mem.search(emb[:5], 3)
+    assert ids[:, 0].tolist() == [100, 101, 102, 103, 104]  # each document finds itself first
+    v = mem.index.version
+    with torch.no_grad():  # the encoder changes; a background refresh embeds a snapshot
+        for p in enc.doc.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    new = mem.embed()
+    mem.refresh(background=True, step=1)
+    mem.wait()
+    assert mem.index.version == v + 1 and len(mem.refresh_seconds) == 2
+    _, ids2 = mem.search(new[:5], 1)
+    assert ids2[:, 0].tolist() == [100, 101, 102, 103, 104]
+    mem.close()
+
+
+def test_build_index_script_round_trip(tmp_path):
+    from rag_mm.data.knowledge_world import WorldConfig, generate
+
+    world = tmp_path / "w"
+    generate(WorldConfig(out=str(world), num_entities=20, train_queries_per_entity=1, val_queries_per_entity=1,
+                         test_queries_per_entity=1, shard_size=64))
+    out = tmp_path / "memory.index"
+    args = [sys.executable, "scripts/build_index.py", f"corpus={world}/corpus/corpus-000000.tar", f"out={out}",
+            f"queries={world}/test/test-000000.tar", "k=5", *[f"retriever.{k}={v}" for k, v in SMALL.items()]]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["num_docs"] == 20 and report["recall@5_vs_exact"] == 1.0 and report["queries"] == 20
+    from retriever.errors import IndexMismatchError
+    from retriever.index import FaissIndex
+
+    idx = FaissIndex.load(out, dim=16)
+    assert idx.ntotal == 20
+    with pytest.raises(IndexMismatchError):
+        FaissIndex.load(out, dim=16, encoder_hash="another encoder")
+    bad = subprocess.run([sys.executable, "scripts/build_index.py", f"corpus={tmp_path}/none.tar"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not found" in bad.stderr
