@@ -41,7 +41,9 @@ def stages_per_rank(schedule: str, requested: int) -> int:
         return 1
     if schedule in V_SHAPED:
         return 2
-    return max(requested, 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return max(requested, 2)  # with one stage per rank these are plain 1F1B / GPipe
+    return max(requested, 1)  # zero_bubble (ZB1P) also runs with one stage per rank (ZB-H1)
 
 
 def stage_rank(stage: int, p: int, schedule: str) -> int:

@@ -1,0 +1,237 @@
+"""Pipeline execution: gradient equivalence with single-process training on gloo ranks, schedules,
+the dead-rank error, data parallel x pipeline, and the timeline export."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.parallel.pipeline_cases import make_case, reference
+
+RTOL = 1e-4
+
+
+def _compare(pm, loss, ref_loss, ref_grads) -> list[str]:
+    """Mismatches (empty when the pipeline equals the reference within fp32 rtol 1e-4)."""
+    bad = []
+    if abs(float(loss) - ref_loss) > RTOL * abs(ref_loss) + 1e-6:
+        bad.append(f"loss {float(loss)} != {ref_loss}")
+    n = 0
+    for name, p in pm.named_parameters():
+        r = ref_grads.get(name)
+        g = p.grad
+        if r is None and g is None:
+            continue
+        n += 1
+        r = torch.zeros_like(p) if r is None else r
+        g = torch.zeros_like(r) if g is None else g
+        tol = RTOL * (r.abs() + r.abs().max() * 1e-2)  # rtol 1e-4, with a floor at 1% of the tensor's scale
+        if not bool(((g - r).abs() <= tol).all()):
+            bad.append(f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| {float(r.abs().max()):.3g})")
+    if n == 0 and any(True for _ in pm.parameters()):
+        bad.append("this rank checked no gradient")
+    return bad
+
+
+def _equivalence_worker(rank, world, name, schedules, m, partition, pp=None):
+    import parallel
+
+    out = {}
+    for schedule in schedules:
+        model, inputs, target, loss_fn, weight_fn = make_case(name)
+        ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
+        cfg = parallel.ParallelConfig(pp=pp or world, microbatches=m, schedule=schedule, partition=partition)
+        pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+        loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        bad = _compare(pm, loss, ref_loss, ref_grads)
+        # a second step accumulates into .grad like plain autograd
+        pm.zero_grad()
+        loss2 = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        bad += [f"step 2: {b}" for b in _compare(pm, loss2, ref_loss, ref_grads)]
+        out[schedule] = bad
+    return out
+
+
+def _check(results, label):
+    for rank, per in enumerate(results):
+        for schedule, bad in per.items():
+            assert not bad, f"{label} {schedule} rank {rank}: " + "; ".join(bad[:5])
+
+
+FAST = [  # (model, ranks, schedules, partition): every capability once, in about two minutes
+    ("reader", 2, ("gpipe", "1f1b", "zero_bubble"), "auto"),
+    ("reader", 4, ("gpipe", "1f1b"), "auto"),
+    ("gpt2", 2, ("gpipe", "1f1b", "interleaved_1f1b"), "auto"),
+    ("gpt2", 4, ("gpipe", "1f1b"), "uniform"),
+]
+SLOW = [
+    (name, world, ("gpipe", "1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()), part)
+    for name in ("reader", "gpt2", "llama", "bert", "t5") for world in (2, 4) for part in ("auto", "uniform")
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,world,schedules,partition", FAST, ids=[f"{c[0]}-{c[1]}" for c in FAST])
+def test_pipeline_matches_single_process(name, world, schedules, partition):
+    _check(run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=240), name)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world,schedules,partition", SLOW, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in SLOW])
+def test_pipeline_grid(name, world, schedules, partition):
+    _check(run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=600), name)
+
+
+# ----------------------------------------------------------------------------- pp x dp
+
+
+def _pp_dp_worker(rank, world):
+    import parallel
+    from tests.parallel.pipeline_cases import hf_case
+
+    model, inputs, target, loss_fn, _ = hf_case("gpt2", b=16)
+    ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
+    cfg = parallel.ParallelConfig(pp=2, dp_shard=-1, microbatches=4, schedule="1f1b", partition="uniform")
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    lo, hi = pm.dp_rank * 8, (pm.dp_rank + 1) * 8  # each replica its half of the global batch
+    loss = pm.train_step((inputs[0][lo:hi],), target=target[lo:hi], loss_fn=loss_fn)
+    return (pm.pp_rank, pm.dp_rank), _compare(pm, loss, ref_loss, ref_grads)
+
+
+@pytest.mark.multirank
+def test_pipeline_with_data_parallel():
+    res = run_ranks(_pp_dp_worker, 4, timeout_s=240)
+    assert sorted(r[0] for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for where, bad in res:
+        assert not bad, f"pp/dp {where}: {bad[:5]}"
+
+
+# ----------------------------------------------------------------------------- failure
+
+
+def _dead_rank_worker(rank, world):
+    import parallel
+    from parallel.pipeline.p2p import PipelineError
+
+    model, inputs, target, loss_fn, _ = make_case("gpt2")
+    cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule="1f1b", partition="uniform")
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=30)
+    pm.train_step(inputs, target=target, loss_fn=loss_fn)  # one good step
+    if rank == 1:
+        calls = {"n": 0}
+
+        def die(*_):
+            calls["n"] += 1
+            if calls["n"] == 2:  # mid-step: after the first microbatch went through
+                os._exit(3)
+
+        next(iter(pm.stages.values())).replayer.model.register_forward_pre_hook(die)
+    try:
+        pm.train_step(inputs, target=target, loss_fn=loss_fn)
+    except PipelineError as e:
+        return f"PipelineError: {e}"
+    return "no error"
+
+
+def _dead_rank_collect(rank, world, path):
+    out = _dead_rank_worker(rank, world)
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(out)
+    return out
+
+
+@pytest.mark.multirank
+def test_dead_rank_reports_peer(tmp_path):
+    """Rank 1 exits mid-step; rank 0 stops with a PipelineError naming its peer (not a hang)."""
+    path = str(tmp_path / "result")
+    with pytest.raises(AssertionError) as info:
+        run_ranks(_dead_rank_collect, 2, path, timeout_s=90)
+    assert "ranks [1] returned nothing" in str(info.value), str(info.value)
+    text = open(f"{path}.0").read()
+    assert text.startswith("PipelineError"), text
+    assert "rank 1" in text and "microbatch" in text, text
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+def _timeline_worker(rank, world, schedule):
+    import parallel
+    from parallel.timeline import gather
+
+    model, inputs, target, loss_fn, _ = make_case("gpt2")
+    cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule=schedule, partition="uniform", stages_per_rank=2)
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    pm.train_step(inputs, target=target, loss_fn=loss_fn)
+    return gather(pm.events)
+
+
+@pytest.mark.multirank
+def test_timeline_export(tmp_path):
+    from parallel.timeline import bubble_fraction, plot, theory_bubble, to_chrome_trace
+
+    events = run_ranks(_timeline_worker, 2, "zero_bubble", timeout_s=240)[0]
+    kinds = {(e.rank, e.kind) for e in events}
+    assert {(0, "F"), (1, "F"), (0, "I"), (0, "W"), (1, "I"), (1, "W")} <= kinds
+    for r in (0, 1):  # 2 stages per rank x 4 microbatches, each forward recorded once
+        fs = sorted((e.stage, e.mb) for e in events if e.rank == r and e.kind == "F")
+        assert fs == sorted((s, i) for s in (r, r + 2) for i in range(4)), fs
+    path = tmp_path / "trace.json"
+    to_chrome_trace(events, str(path))
+    trace = json.loads(path.read_text())["traceEvents"]
+    xs = [e for e in trace if e["ph"] == "X"]
+    assert len(xs) == len(events) and {e["pid"] for e in xs} == {0, 1}
+    assert all(e["dur"] > 0 and e["ts"] >= 0 for e in xs)
+    png = tmp_path / "timeline.png"
+    plot(events, str(png), title="zero_bubble p=2 m=4")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bf = bubble_fraction(events)
+    assert 0.0 <= bf < 1.0
+    assert theory_bubble(2, 4) == pytest.approx(1 / 5)
+
+
+# ----------------------------------------------------------------------------- single-process pieces
+
+
+def test_schedule_orders_are_complete():
+    from parallel.pipeline.schedule import pipeline_order
+
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]:
+        for p, m in [(2, 4), (4, 8)]:
+            order = pipeline_order(schedule, p, v, m)  # raises if a stage misses or repeats work
+            assert sorted(order) == list(range(p))
+    one = pipeline_order("1f1b", 4, 1, 8)
+    assert [a.kind for a in one[0][:4]] == ["F", "F", "F", "F"]  # p - 1 warm-up forwards, then 1F1B
+    assert [a.kind for a in one[3][:4]] == ["F", "B", "F", "B"]
+
+
+def test_tree_roundtrip_keeps_structure():
+    from dataclasses import dataclass
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from parallel.pipeline.tree import flatten, unflatten
+
+    @dataclass
+    class Out:
+        loss: torch.Tensor
+        extra: object = None
+
+    obj = (CausalLMOutputWithPast(logits=torch.ones(2, 3)), {"a": [torch.zeros(1), 3, None]}, Out(torch.ones(())))
+    spec, leaves = flatten(obj)
+    assert len(leaves) == 3
+    back = unflatten(spec, [t + 1 for t in leaves])
+    assert isinstance(back[0], CausalLMOutputWithPast) and torch.equal(back[0].logits, torch.full((2, 3), 2.0))
+    assert back[1]["a"][1:] == [3, None] and isinstance(back[2], Out) and float(back[2].loss) == 2.0
+
+
+def test_split_microbatches():
+    from parallel.api import split_microbatches
+
+    parts = split_microbatches({"x": torch.arange(8).view(8, 1), "flag": True}, 4)
+    assert len(parts) == 4 and parts[1]["x"].flatten().tolist() == [2, 3] and parts[3]["flag"] is True
