@@ -1,0 +1,287 @@
+"""Per-rank bodies of the tensor-parallel tests (module level: ``run_ranks`` spawns them)."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from parallel.trace import default_loss
+
+_REGISTERED: list = []  # the reader's user rule, registered once per process
+
+
+def reader_factory(layers: int = 2):
+    from rag_mm.config import ModelConfig
+    from rag_mm.model import Reader
+
+    cfg = ModelConfig(dim=64, layers=layers, heads=4, vision_width=64, vision_layers=1, vision_head_width=32,
+                      attention_backend="reference")
+    model = Reader(cfg, vocab_size=96)
+    g = torch.Generator().manual_seed(1)
+    B = 2
+    inputs = dict(
+        image=torch.randn(B, 3, 32, 32, generator=g),
+        q_ids=torch.randint(0, 96, (B, 6), generator=g), q_len=torch.tensor([6, 4]),
+        a_ids=torch.randint(0, 96, (B, 4), generator=g), a_len=torch.tensor([4, 3]),
+        doc_image=torch.randn(B, 1, 3, 32, 32, generator=g),
+        doc_ids=torch.randint(0, 96, (B, 1, 5), generator=g), doc_len=torch.tensor([[5], [3]]),
+    )
+    return model, inputs
+
+
+def reader_loss(out):
+    return out.loss
+
+
+def register_reader_rule():
+    """rag_mm's SelfAttention computes its head width as ``D // self.heads`` from the replicated
+    input, so it is registered as a user rule with a width-agnostic forward (the way a user adds
+    a rule for their own attention class)."""
+    from rag_mm.model.blocks import SelfAttention
+
+    from parallel.kernels.attention import attention
+    from parallel.tp import register_tp_rule
+
+    def forward(self, x, seg_offsets):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H/tp, S, hd)
+        y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)
+        return self.dropout(self.proj(y.transpose(1, 2).flatten(2)))
+
+    def shard_reader_attention(m, ctx):
+        ctx.colwise(m.qkv, blocks=3)
+        ctx.rowwise(m.proj)
+        ctx.divide_attr(m, "heads")
+        m.forward = types.MethodType(forward, m)
+
+    if not _REGISTERED:
+        register_tp_rule(SelfAttention, shard_reader_attention)
+        _REGISTERED.append(shard_reader_attention)
+    return _REGISTERED[0]
+
+
+def factory(name: str):
+    if name == "reader":
+        register_reader_rule()
+        return reader_factory()
+    from tests.parallel.partition_models import MODELS
+
+    return MODELS[name]()
+
+
+def run(model, inputs, loss_fn):
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return loss_fn(out)
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def compare_grads(ref: torch.nn.Module, model: torch.nn.Module) -> dict:
+    """Gradient agreement: ``param`` = largest max|g - g_ref| / max|g_ref| over parameters whose
+    gradient is not negligible (max|g_ref| > 1e-3 of the largest; e.g. attention key biases have a
+    zero gradient in exact arithmetic), ``global`` = largest max|g - g_ref| over all parameters
+    relative to the largest gradient entry. Also the names of the DTensor parameters."""
+    refp = dict(ref.named_parameters())
+    pairs = []
+    for n, p in model.named_parameters():
+        r = refp[n].grad
+        if r is None:
+            assert p.grad is None or float(full(p.grad).abs().max()) == 0.0, n
+            continue
+        assert p.grad is not None, f"{n}: no gradient"
+        pairs.append((n, full(p.grad), r, isinstance(p, DTensor)))
+    scale = max(float(r.abs().max()) for _, _, r, _ in pairs)
+    per, glob = 0.0, 0.0
+    for n, g, r, _ in pairs:
+        assert g.shape == r.shape, n
+        d = float((g - r).abs().max())
+        glob = max(glob, d / scale)
+        if float(r.abs().max()) > 1e-3 * scale:
+            per = max(per, d / float(r.abs().max()))
+    return dict(gerr=per, gerr_global=glob, dtensors=[n for n, _, _, d in pairs if d])
+
+
+def lm_loss(ids):
+    def loss_fn(out):
+        lg = out.logits
+        if isinstance(lg, DTensor):
+            from parallel.tp import vocab_parallel_cross_entropy
+
+            return vocab_parallel_cross_entropy(lg, ids)
+        return F.cross_entropy(lg.flatten(0, 1).float(), ids.flatten())
+    return loss_fn
+
+
+def loss_for(name, inputs):
+    if name == "reader":
+        return reader_loss
+    if name in ("gpt2", "llama", "bert"):
+        return lm_loss(inputs[0] if isinstance(inputs, tuple) else inputs["input_ids"])
+    return default_loss
+
+
+def prepare(name):
+    """The model (dropout off, so runs are deterministic), a reference copy, inputs, loss."""
+    torch.manual_seed(0)
+    model, inputs = factory(name)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model, copy.deepcopy(model), inputs, loss_for(name, inputs)
+
+
+def tp_equivalence(rank, world, name, sequence_parallel=False, loss_parallel=False):
+    from parallel.tp import apply_tp
+
+    model, ref, inputs, loss_fn = prepare(name)
+    ref_loss = run(ref, inputs, loss_fn)
+    ref_loss.backward()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = apply_tp(model, mesh, inputs, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    loss = run(model, inputs, loss_fn)
+    loss.backward()
+    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
+                roles={n: e.role for n, e in plan.entries.items()}, log=plan.log)
+
+
+
+def suite(rank, world, names, sp_names=(), lp_names=()):
+    """TP equivalence for several models in one process group (amortises start-up)."""
+    out = {}
+    for n in names:
+        out[n] = tp_equivalence(rank, world, n)
+    for n in sp_names:
+        out[n + "+sp"] = tp_equivalence(rank, world, n, sequence_parallel=True)
+    for n in lp_names:
+        out[n + "+loss_parallel"] = tp_equivalence(rank, world, n, loss_parallel=True)
+    return out
+
+
+def _kind(op) -> str:
+    s = str(op)
+    for k in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        if k in s:
+            return k
+    return s
+
+
+def layer_collectives(rank, world, name="llama", sequence_parallel=False):
+    """Forward collectives issued inside each transformer layer, counted by torch's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from parallel.spmd import find_blocks
+    from parallel.tp import apply_tp
+
+    model, _, inputs, _ = prepare(name)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    apply_tp(model, mesh, inputs, sequence_parallel=sequence_parallel)
+    per_layer = []
+    mode = CommDebugMode()
+    start = {}
+
+    def totals():
+        out = {}
+        for op, c in mode.get_comm_counts().items():
+            out[_kind(op)] = out.get(_kind(op), 0) + c
+        return out
+
+    def pre(mod, args):
+        start[id(mod)] = totals()
+
+    def post(mod, args, out):
+        t0, t1 = start.pop(id(mod)), totals()
+        per_layer.append({k: v - t0.get(k, 0) for k, v in t1.items() if v - t0.get(k, 0)})
+
+    for b in find_blocks(model):
+        b.register_forward_pre_hook(pre)
+        b.register_forward_hook(post)
+    with torch.no_grad(), mode:
+        run(model, inputs, lambda o: o)
+    return per_layer
+
+
+def spmd_case(rank, world, cfg_kw, name="reader", steps=1):
+    """parallelize_spmd on the 4-D mesh vs one process: loss, gradients, and parameters after
+    clipping + an AdamW step."""
+    from parallel.config import ParallelConfig
+    from parallel.fsdp import clip_grad_norm_
+    from parallel.mesh import build_mesh
+    from parallel.spmd import parallelize_spmd
+
+    model, ref, inputs, loss_fn = prepare(name)
+    cfg = ParallelConfig(**cfg_kw)
+    mesh = build_mesh(cfg, world, "cpu")
+    parallelize_spmd(model, cfg, mesh, inputs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=False)
+    res = {}
+    for step in range(steps + 1):
+        ref_loss = run(ref, inputs, loss_fn)
+        ref_loss.backward()
+        loss = run(model, inputs, loss_fn)
+        loss.backward()
+        if step == 0:
+            res.update(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model))
+        if step == steps:
+            res.update(loss_after=float(loss), ref_after=float(ref_loss))
+            break
+        n = clip_grad_norm_(model.parameters(), 0.5)
+        rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        res.setdefault("norm", (float(n), float(rn)))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    refp = dict(ref.named_parameters())
+    res["perr"] = max(float((full(p.detach()) - refp[n].detach()).abs().max()) for n, p in model.named_parameters())
+    res["names_equal"] = [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    return res
+
+
+def meta_fsdp_case(rank, world):
+    """Build the reader on the meta device, shard it with FSDP2 over 2 ranks, materialise only
+    the shards, load the reference weights with DCP's set_model_state_dict, compare losses."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from parallel.config import ParallelConfig
+    from parallel.memory import local_param_bytes, materialize, meta_init
+    from parallel.mesh import build_mesh
+    from parallel.spmd import parallelize_spmd
+
+    _, ref, inputs, loss_fn = prepare("reader")
+    with meta_init():
+        torch.manual_seed(0)
+        model, _ = reader_factory()
+    on_meta = all(p.is_meta for p in model.parameters())
+    cfg = ParallelConfig(dp_shard=world)
+    parallelize_spmd(model, cfg, build_mesh(cfg, world, "cpu"))
+    materialize(model, "cpu")
+    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+    loss = run(model, inputs, loss_fn)
+    ref_loss = run(ref, inputs, loss_fn)
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    sd_err = max(float((full_sd[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full_sd)
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    return dict(on_meta=on_meta, loss=float(loss), ref=float(ref_loss), local=local_param_bytes(model),
+                total=total, sd_err=sd_err, keys_equal=set(full_sd) == set(ref.state_dict()))
+
+
+def api_case(rank, world, cfg_kw):
+    """parallel.parallelize routes tp / dp_shard through parallelize_spmd; train_step matches."""
+    from parallel import ParallelConfig, parallelize
+
+    model, ref, inputs, _ = prepare("reader")
+    pm = parallelize(model, ParallelConfig(**cfg_kw), inputs)
+    loss = pm.train_step(inputs, loss_fn=lambda out, target: out.loss)
+    ref_loss = run(ref, inputs, reader_loss)
+    ref_loss.backward()
+    names = [n for n, _ in pm.named_parameters()]
+    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
+                names_ok=set(names) == {n for n, _ in ref.named_parameters()})
