@@ -444,6 +444,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     cfg.validate(world)
     # 1. mesh
     groups = build_groups(cfg)
+    from . import spmd  # noqa: F401  (registers the TP -> AC -> FSDP stage hook, issue 6)
     if cfg.tp > 1 and "tensor_parallel" not in STAGE_HOOKS:
         raise NotImplementedError("tp > 1 needs the tensor-parallel stage hook (parallel.tp, issue 6)")
     v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
@@ -451,7 +452,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if cfg.pp == 1:
         held = {id(p) for p in model.parameters()}
         pm = ParallelModel(model, cfg, groups, None, None, {}, None, None, held, [], [0])
+        pm.example_inputs = example_inputs  # the TP planner traces the dataflow on it
         _run_hooks(pm, cfg, groups)
+        pm._held = {id(p) for p in model.parameters()}  # TP / FSDP replaced them by DTensors
         _broadcast_dp(pm)
         return pm
     # 2. partition
@@ -555,7 +558,7 @@ def _broadcast_replicated(pm: ParallelModel) -> None:
 
 
 def _broadcast_dp(pm: ParallelModel) -> None:
-    if not dist.is_initialized() or pm.groups.dp_size == 1:
+    if not dist.is_initialized() or pm.groups.dp_size == 1 or not pm.dp_reduce:  # FSDP / TP own it
         return
     src = pm.groups.pp_rank * pm.groups.dp_size  # dp rank 0 of this pipeline rank
     for p in pm.parameters():
