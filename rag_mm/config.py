@@ -40,6 +40,7 @@ class ModelConfig:
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
+    max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
     attention_backend: str = "auto"  # auto | fused | sdpa | reference (see parallel.kernels.attention)
     tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
     copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
@@ -133,7 +134,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     e: list[str] = []
     m, d, o, p, r = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.retriever
     for key in ("dim", "layers", "heads", "mlp_ratio", "vision_width", "vision_layers", "vision_head_width",
-                "patch_size", "image_size", "max_doc_text", "max_question", "max_answer", "max_segment_len"):
+                "patch_size", "image_size", "max_doc_text", "max_question", "max_answer", "max_segment_len", "max_docs"):
         _positive(e, f"model.{key}", getattr(m, key))
     if m.dim > 0 and m.heads > 0 and m.dim % m.heads:
         e.append(f"model.heads ({m.heads}) must divide model.dim ({m.dim})")
@@ -160,6 +161,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if o.precision not in PRECISIONS:
         e.append(f"optim.precision must be one of {PRECISIONS} (got {o.precision!r})")
     e += validate_retriever(r)
+    if r.top_k > m.max_docs:
+        e.append(f"retriever.top_k ({r.top_k}) must be <= model.max_docs ({m.max_docs})")
     if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
         e.append(f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})")
     for key in ("max_steps", "log_every"):

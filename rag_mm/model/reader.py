@@ -65,25 +65,59 @@ def build_vision_tower(cfg) -> nn.Module:
     return tower
 
 
+def segment_ids(seg_offsets: torch.Tensor, S: int) -> torch.Tensor:
+    """(B, n_seg + 1) offsets -> (B, S) segment index of each position (n_seg for padding)."""
+    pos = torch.arange(S, device=seg_offsets.device).expand(seg_offsets.shape[0], S).contiguous()
+    return torch.searchsorted(seg_offsets[:, 1:].contiguous(), pos, right=True)
+
+
 class CopyHead(nn.Module):
     """Pointer-generator mixing (See et al. 2017, arXiv 1704.04368): p(w) = g p_vocab(w) +
     (1 - g) sum_{s: token(s) = w} a_s, with a an attention of the answer position over the text
     tokens before it (documents and question). Gradients reach the attention scores directly,
-    so "find the fact and copy it" needs no value/output circuit to be learned first."""
+    so "find the fact and copy it" needs no value/output circuit to be learned first.
+
+    Keys are "smeared" over the two tokens before each position (Olsson et al. 2022, "In-context
+    learning and induction heads"): the key of "forest" in "habitat: forest" also carries
+    "habitat", so matching the question's attribute to the fact is a single learned bilinear map.
+    """
+
+    SMEAR = 2  # previous tokens mixed into each key: attribute name and separator
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.q = nn.Linear(dim, dim)
+        self.q_question = nn.Linear(dim, dim, bias=False)  # the pooled question joins the query (DrQA)
+        self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
         self.k = nn.Linear(dim, dim)
+        self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
         self.gate = nn.Linear(dim, 1)
 
-    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, gen_logp):
+    def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
+        """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
+        the same segment (documents stay independent)."""
+        S = h_all.shape[1]
+        k = self.k(h_all)
+        for lag, proj in enumerate(self.k_prev, start=1):
+            prev = F.pad(proj(h_all), (0, 0, lag, 0))[:, :S]  # (B, S, D) shifted right by lag
+            same = seg_id == F.pad(seg_id, (lag, 0), value=-1)[:, :S]  # (B, S) same segment as s - lag
+            k = k + prev * same[..., None]
+        return k
+
+    def question_vector(self, h_all: torch.Tensor, is_question: torch.Tensor) -> torch.Tensor:
+        """Attention-pooled question encoding (Chen et al. 2017, DrQA): (B, S, D) -> (B, D)."""
+        w = self.pool(h_all).squeeze(-1).masked_fill(~is_question, float("-inf"))  # (B, S)
+        return torch.einsum("bs,bsd->bd", torch.softmax(w, -1).nan_to_num(0.0), h_all)
+
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp):
         """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
-        h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable); gen_logp (M, V).
+        h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable), seg_id (B, S)
+        segment of each position, is_question (B, S); gen_logp (M, V).
         Returns log p (M, V) and the copy attention (M, S)."""
         D = h_all.shape[-1]
-        keys = self.k(h_all)[rows_ex]  # (M, S, D)
-        scores = torch.einsum("md,msd->ms", self.q(h_rows), keys) / math.sqrt(D)  # (M, S)
+        keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
+        query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
+        scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
         S = h_all.shape[1]
         tok = tok_all[rows_ex]  # (M, S)
         allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
@@ -104,6 +138,7 @@ class Reader(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.max_segment_len, cfg.dim)
         self.type_emb = nn.Embedding(5, cfg.dim)
+        self.rank_emb = nn.Embedding(cfg.max_docs, cfg.dim)
         self.blocks = nn.ModuleList(
             Block(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.dropout, cfg.attention_backend) for _ in range(cfg.layers)
         )
@@ -142,7 +177,8 @@ class Reader(nn.Module):
         ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
         for j in range(k):
             Lt = doc_ids.shape[2]
-            parts += [patches[:B * k].view(B, k, P, -1)[:, j], self.tok_emb(doc_ids[:, j])]
+            rank = self.rank_emb.weight[j]  # retrieval rank of the document (FiD reads documents in rank order)
+            parts += [patches[:B * k].view(B, k, P, -1)[:, j] + rank, self.tok_emb(doc_ids[:, j]) + rank]
             valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lt)[None] < doc_len[:, j, None]]
             pos += [ar(P).expand(B, P), (P + ar(Lt)).expand(B, Lt)]
             typ += [torch.full((B, P), DOC_IMAGE, device=dev), torch.full((B, Lt), DOC_TEXT, device=dev)]
@@ -172,9 +208,12 @@ class Reader(nn.Module):
     def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None):
         """Pack each example's valid tokens to the left.
 
-        Returns x (B, S, D), labels (B, S), seg_offsets (B, k+2), token ids (B, S) (-1 = picture/padding).
+        Returns x (B, S, D), labels (B, S), seg_offsets (B, k+2), token ids (B, S) (-1 = picture/padding),
+        token types (B, S) (DOC_IMAGE ... ANSWER; -1 = padding).
         """
         emb, valid, pos, typ, seg, labels, toks, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        if k > self.cfg.max_docs:
+            raise ValueError(f"{k} documents per query > model.max_docs={self.cfg.max_docs}")
         if int(pos.max()) >= self.cfg.max_segment_len:
             raise ValueError(f"a segment has {int(pos.max()) + 1} tokens > model.max_segment_len={self.cfg.max_segment_len}")
         x = emb + self.pos_emb(pos) + self.type_emb(typ)  # (B, N, D)
@@ -185,14 +224,15 @@ class Reader(nn.Module):
         keep = torch.gather(valid, 1, order)
         labels = torch.gather(labels, 1, order).masked_fill(~keep, IGNORE)
         toks = torch.gather(toks, 1, order).masked_fill(~keep, -1)
+        typ = torch.gather(typ, 1, order).masked_fill(~keep, -1)
         counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
         seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
-        return x, labels, seg_offsets, toks
+        return x, labels, seg_offsets, toks, typ
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> ReaderOutput:
         """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None."""
-        x, labels, seg_offsets, toks = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        x, labels, seg_offsets, toks, typ = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
         for block in self.blocks:
             x = block(x, seg_offsets)
         where = labels != IGNORE  # (B, S)
@@ -207,8 +247,10 @@ class Reader(nn.Module):
         else:
             h_all = self.ln_f(x)  # (B, S, D): every text token may be copied
             h = h_all[where]
-            logp, attn = self.copy(h, example, rows[:, 1], h_all, toks, F.log_softmax(self.lm_head(h).float(), -1))
-            doc_attention = self._doc_mass(attn, example, seg_offsets, B)
+            seg_id = segment_ids(seg_offsets, x.shape[1])
+            logp, attn = self.copy(h, example, rows[:, 1], h_all, toks, seg_id, typ == QUESTION,
+                                   F.log_softmax(self.lm_head(h).float(), -1))
+            doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2)
         tok_nll = F.nll_loss(logp, target, reduction="none")  # (M,)
         count = torch.zeros(B, device=x.device).index_add_(0, example, torch.ones_like(tok_nll))
         nll = torch.zeros(B, device=x.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
@@ -216,14 +258,11 @@ class Reader(nn.Module):
         return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logp, target, example, doc_attention)
 
     @staticmethod
-    def _doc_mass(attn, example, seg_offsets, B):
-        """Copy-attention mass on each document segment, averaged over an example's answer positions: (B, k)."""
-        k = seg_offsets.shape[1] - 2
+    def _doc_mass(attn, example, seg_id, B, k):
+        """Copy-attention mass on each of the k document segments, averaged over an example's answer positions: (B, k)."""
         if k == 0:
             return None
-        S = attn.shape[1]
-        pos = torch.arange(S, device=attn.device)
-        seg = torch.searchsorted(seg_offsets[example, 1:].contiguous(), pos.expand(len(example), S).contiguous(), right=True)  # (M, S)
+        seg = seg_id[example]  # (M, S)
         per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(1, seg.clamp(max=k), attn)[:, :k]
         count = torch.zeros(B, device=attn.device).index_add_(0, example, torch.ones(len(example), device=attn.device))
         return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc) / count.clamp_min(1)[:, None]
