@@ -319,6 +319,7 @@ class ParallelModel(nn.Module):
             for a in self.order:
                 st = self.stages[a.stage]
                 t0 = time.perf_counter()
+                w0 = self.transport.wait_s
                 if a.kind == "F":
                     args, kwargs = _as_call(mbs[a.mb])
                     out = st.forward(a.mb, args, kwargs)
@@ -332,8 +333,11 @@ class ParallelModel(nn.Module):
                     st.backward_input(a.mb)
                 elif a.kind == "W":
                     st.backward_weight(a.mb)
-                if rec:
-                    rec(Event(rank, a.kind, a.stage, a.mb, t0, time.perf_counter()))
+                if rec:  # receives happen at the start of an action: the event is the compute after them
+                    waited = self.transport.wait_s - w0
+                    if waited > 0:
+                        rec(Event(rank, "wait", a.stage, a.mb, t0, t0 + waited))
+                    rec(Event(rank, a.kind, a.stage, a.mb, t0 + waited, time.perf_counter()))
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()

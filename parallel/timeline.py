@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "loss": "#8172b3", "sync": "#937860"}
+COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "loss": "#8172b3", "sync": "#937860", "wait": "#dddddd"}
 COMPUTE = ("F", "B", "I", "W", "loss")
 
 
