@@ -42,9 +42,25 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: int
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         be = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
-        dist.init_process_group(be, timeout=timedelta(seconds=timeout_s), device_id=dev if be == "nccl" else None)
+        dist.init_process_group(be, timeout=timedelta(seconds=timeout_s), device_id=dev if be == "nccl" else None,
+                                **_restart_safe_store(rank, world, timeout_s))
         log.info("rank %d/%d joined the %s process group (device %s)", rank, world, be, dev)
     return DistEnv(rank, world, local_rank, dev)
+
+
+def _restart_safe_store(rank: int, world: int, timeout_s: int) -> dict:
+    """Under torchrun, a store namespace of our own per restart of the worker group.
+
+    torchrun's agent keeps one TCP store across ``--max-restarts``; on torch 2.14 a restarted
+    group's gloo rendezvous reads the dead group's addresses from it and hangs or fails
+    ("connectFullMesh failed ... Connection refused"). A prefix per restart keeps them apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"rag_mm/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
