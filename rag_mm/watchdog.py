@@ -106,7 +106,7 @@ class Watchdog:
                 lines.append(f"  rank {r}: no report (never started, or the store is gone)  <- stuck or dead?")
                 continue
             mark = "  <- behind: stuck or dead?" if p["seq"] < self.seq else ""
-            lines.append(f"  rank {r}: step {p['step']}, in '{p['what']}' (reported {max(now - p["time"], 0.0):.1f} s ago){mark}")
+            lines.append(f"  rank {r}: step {p['step']}, in '{p['what']}' (reported {max(now - p['time'], 0.0):.1f} s ago){mark}")
         return "\n".join(lines)
 
     def stuck_ranks(self) -> list[int]:
