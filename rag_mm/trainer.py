@@ -251,7 +251,7 @@ class Trainer:
                     val = self.evaluate_split("val")
                     self.metrics.log({"step": self.step, **val}, prefix="val")
                     log.info("step %d val: acc %.3f (seen %.3f, held-out %.3f)", self.step, val["acc"], val["acc_seen"], val["acc_heldout"])
-                self.watch.at("all_reduce: stop-signal agreement")
+                self.watch.at("all_reduce: stop-signal agreement", self.step)
                 if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
                     self._stop_signal = True
                 stopping = self._stop_signal or (stop_at is not None and self.step >= stop_at)
