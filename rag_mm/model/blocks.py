@@ -23,10 +23,11 @@ class SelfAttention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
-        B, S, D = x.shape
-        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, hd)
+        # head width comes from the projection, not from x: under tensor parallelism qkv holds
+        # this rank's heads only (self.heads is divided in place), and the code stays the same
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, hd)
         y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)  # (B, H, S, hd)
-        y = y.transpose(1, 2).reshape(B, S, D)
+        y = y.transpose(1, 2).flatten(2)  # (B, S, H * hd)
         return self.dropout(self.proj(y))
 
 
