@@ -19,8 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from rag_mm import faults
-from rag_mm.checkpoint_safety import WeightsOnlyLoadPlanner, check_metadata
+from rag_mm import checkpoint_safety, faults
 from rag_mm.distributed import barrier, broadcast_object
 
 log = logging.getLogger(__name__)
@@ -124,6 +123,5 @@ def load(ckpt: Path, state: dict) -> dict:
     why = verify(ckpt)
     if why is not None:
         raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
-    check_metadata(ckpt)  # DCP unpickles .metadata and non-tensor entries: allow plain data only
-    dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner())
+    checkpoint_safety.load(state, ckpt)  # DCP unpickles .metadata and non-tensor entries: plain data only
     return json.loads((ckpt / STATE).read_text())

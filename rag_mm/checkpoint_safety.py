@@ -90,3 +90,20 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         torch.save(obj, clean)
         clean.seek(0)
         super().load_bytes(read_item, clean)
+
+
+def load(state: dict, ckpt: Path) -> None:
+    """``dcp.load`` into ``state`` in place, with both guards; a refusal raises UnsafeCheckpointError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_metadata(ckpt)
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner())
+    except CheckpointException as exc:  # DCP wraps each rank's failure: surface ours as itself
+        for failure in getattr(exc, "failures", {}).values():
+            if isinstance(failure, UnsafeCheckpointError):
+                raise failure from exc
+            if "UnsafeCheckpointError" in str(failure):
+                raise UnsafeCheckpointError(f"{ckpt}: {failure}") from exc
+        raise
