@@ -37,8 +37,9 @@ def minmax_partition(
     then ``C[s][j] = min_i C[s-1][i] + cut[j]`` over starts with ``cost(s-1, i, j) <= bound``.
     """
     n = len(costs.units)
-    if n < k:
-        raise InfeasiblePartition(f"{n} units cannot fill {k} stages")
+    mods = sum(u.kind == "module" for u in costs.units)
+    if mods < k:
+        raise InfeasiblePartition(f"{mods} module units ({n} units in all) cannot give each of {k} stages a module")
     bad = np.zeros(n + 1, dtype=bool)
     for j in forbidden:
         if 0 < j < n:

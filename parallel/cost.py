@@ -3,6 +3,10 @@
 - compute: measured forward+backward seconds of its units (FLOPs / ``flops_per_s`` when the trace
   ran on the meta device), plus the time to send and receive the activations crossing its two
   cuts forward and their gradients backward: ``2 * (bytes_in + bytes_out) / bandwidth``;
+  a container's own code (a "self" unit: mask set-up, token packing, the loop over blocks) is
+  charged to *every* stage that enters the container, i.e. every stage ending after the self
+  unit, because the eager pipeline replays the containers' Python on each stage up to the
+  stage's last call (pipeline/eager.py);
 - memory: ``params * (1 + grad_factor + optimizer_factor) + buffers + activations * in-flight
   microbatches`` for the stage's rank under the chosen schedule;
 - the objective mixes them as SageMaker's library does (research/parallel.md §1.3):
@@ -75,28 +79,41 @@ class StageCosts:
         self.units, self.cfg, self.num_stages = units, cfg, num_stages
         self.num_ranks = num_stages // cfg.stages_per_rank
         t = np.array([u.time if timed else u.flops / cfg.flops_per_s for u in units], dtype=np.float64)
+        own = np.array([u.kind == "self" for u in units], dtype=bool)
+        is_mod = np.array([u.kind == "module" for u in units], dtype=np.float64)
         state = 1.0 + cfg.grad_factor + cfg.optimizer_factor
         pm = np.array([u.param_bytes * state + u.buffer_bytes for u in units], dtype=np.float64)
         act = np.array([u.act_bytes for u in units], dtype=np.float64)
         self.unit_time, self.unit_static, self.unit_act = t, pm, act
-        self.PT = np.concatenate([[0.0], np.cumsum(t)])
+        # time of ordinary units in [i, j) plus the replayed container code entered before j
+        self.PT = np.concatenate([[0.0], np.cumsum(np.where(own, 0.0, t))])
+        self.PS = np.concatenate([[0.0], np.cumsum(np.where(own, t, 0.0))])
+        # module units in [i, j): a stage without one runs no module call (an idle rank)
+        self.PC = np.concatenate([[0.0], np.cumsum(is_mod)])
         self.PM = np.concatenate([[0.0], np.cumsum(pm)])
         self.PA = np.concatenate([[0.0], np.cumsum(act)])
         self.cut = np.asarray(cut, dtype=np.float64)  # (n + 1,) bytes crossing the cut before unit j
         self.comm_time = 2.0 * self.cut / cfg.bandwidth  # activations forward + gradients backward
         self.inflight = np.array([inflight(s, self.num_ranks, cfg) for s in range(num_stages)])
         # normalisers for mixing time and memory (SageMaker normalises both before weighting)
-        self.total_time = max(float(self.PT[-1]), 1e-30)
+        self.total_time = max(float(self.PT[-1] + self.PS[-1]), 1e-30)
         self.total_mem = max(float(self.PM[-1] + self.PA[-1] * self.inflight.max()), 1e-30)
 
+    def compute_time(self, i: int, j: int) -> float:
+        """Forward+backward seconds of a stage on units [i, j), replayed container code included."""
+        return float(self.PT[j] - self.PT[i] + self.PS[j])
+
     def time(self, i: int, j: int) -> float:
-        return float(self.PT[j] - self.PT[i] + self.comm_time[i] + self.comm_time[j])
+        return self.compute_time(i, j) + float(self.comm_time[i] + self.comm_time[j])
 
     def memory(self, s: int, i: int, j: int) -> float:
         return float(self.PM[j] - self.PM[i] + (self.PA[j] - self.PA[i]) * self.inflight[s])
 
     def cost(self, s: int, i: int, j: int, cap: float | None = None) -> float:
-        """Objective of stage ``s`` covering units [i, j); inf if over the memory cap."""
+        """Objective of stage ``s`` covering units [i, j); inf if over the memory cap or if the
+        stage holds no module call."""
+        if self.PC[j] - self.PC[i] < 1:
+            return math.inf
         mem = self.memory(s, i, j)
         cap = self.cfg.memory_cap if cap is None else cap
         if cap is not None and mem > cap:
@@ -106,13 +123,13 @@ class StageCosts:
 
     def cost_all_i(self, s: int, j: int, cap: float | None) -> np.ndarray:
         """``cost(s, i, j)`` for every i in [0, j), vectorised: shape (j,)."""
-        t = self.PT[j] - self.PT[:j] + self.comm_time[:j] + self.comm_time[j]
+        t = self.PT[j] - self.PT[:j] + self.PS[j] + self.comm_time[:j] + self.comm_time[j]
         mem = self.PM[j] - self.PM[:j] + (self.PA[j] - self.PA[:j]) * self.inflight[s]
         w = self.cfg.memory_weight
         c = (1 - w) * t / self.total_time + w * mem / self.total_mem
         if cap is not None:
             c = np.where(mem > cap, np.inf, c)
-        return c
+        return np.where(self.PC[j] - self.PC[:j] < 1, np.inf, c)
 
     def unit_memory(self, k: int, s: int = 0) -> float:
         return float(self.unit_static[k] + self.unit_act[k] * self.inflight[s])

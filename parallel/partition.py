@@ -259,14 +259,21 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             else:
                 out.append(u)
         units = out
-    while len(units) < k:
+    while sum(u.kind == "module" for u in units) < k:  # every stage needs a module call to run
         cand = [i for i, u in enumerate(units) if u.kind == "module" and u.expandable]
         if not cand:
-            raise InfeasiblePartition(f"the model has only {len(units)} placeable units; cannot make {k} stages")
+            raise InfeasiblePartition(
+                f"the model has only {sum(u.kind == 'module' for u in units)} placeable modules "
+                f"({[u.name for u in units if u.kind == 'module']}); cannot give each of {k} stages one "
+                "(use fewer stages)")
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
         units[i:i + 1] = b.expand(units[i])
 
-    # phase B: solve; descend into the bottleneck (or an over-cap unit) while that helps
+    # phase B: solve; descend into the bottleneck (or an over-cap unit) while that helps. A finer
+    # cut is not always better: the expanded container's own code is replayed on every later
+    # stage (cost.py), so keep the best unit sequence seen.
+    best_units: list[Unit] | None = None
+    best_cost = float("inf")
     for _ in range(REFINE_ROUNDS):
         costs = _costs(units, trace, cfg, k, policy)
         forbidden = _forbidden_cuts(units, trace, policy)
@@ -284,8 +291,12 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             i = max(cand, key=lambda j: costs.unit_memory(j))
             units[i:i + 1] = b.expand(units[i])
             continue
-        ideal = ((1 - cfg.memory_weight) + cfg.memory_weight * (costs.PM[-1] + costs.PA[-1] * costs.inflight.mean())
-                 / costs.total_mem) / k
+        if best < best_cost * (1 - 1e-9):
+            best_units, best_cost = list(units), best
+        # ideal: the units spread evenly, each stage also replaying all container code
+        replay = costs.PS[-1] * (k - 1) / costs.total_time
+        ideal = ((1 - cfg.memory_weight) * (1 + replay) + cfg.memory_weight
+                 * (costs.PM[-1] + costs.PA[-1] * costs.inflight.mean()) / costs.total_mem) / k
         if best <= (1 + REFINE_SLACK) * ideal:
             break
         s = max(range(k), key=lambda t: costs.cost(t, bounds[t], bounds[t + 1], cap))
@@ -295,6 +306,19 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             break
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
         units[i:i + 1] = b.expand(units[i])
+    # the hand-written layer list (what the baselines cut) is also a candidate: it exposes less
+    # container code than a deep descent, so it may balance better
+    layers = layer_units(b)
+    if sum(u.kind == "module" for u in layers) >= k:
+        lc = _costs(layers, trace, cfg, k, policy)
+        try:
+            _, lbest = minmax_partition(lc, k, cap, _forbidden_cuts(layers, trace, policy), tolerance=0.0)
+            if lbest < best_cost * (1 - 1e-9):
+                best_units, best_cost = layers, lbest
+        except InfeasiblePartition:
+            pass
+    if best_units is not None:
+        units = best_units
     costs = _costs(units, trace, cfg, k, policy)
     bounds, _ = minmax_partition(costs, k, cap, _forbidden_cuts(units, trace, policy), tolerance=COMM_TOLERANCE)
     return units, costs, bounds
@@ -351,7 +375,9 @@ def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: li
         pbytes = sum(trace.param_sizes[p][0] for p in held)
         buf = sum(units[i].buffer_bytes for i in idx)
         act = sum(units[i].act_bytes for i in idx)
-        ctime = sum(float(costs.unit_time[i]) for i in idx)
+        # own units, plus the container code the stage replays up to its last unit (cost.py)
+        ctime = sum(float(costs.unit_time[i]) for i in idx if units[i].kind != "self")
+        ctime += float(costs.PS[idx[-1] + 1]) if idx else 0.0
         time = ctime + 2.0 * (comm_in[s] + comm_out[s]) / cfg.bandwidth
         mem = pbytes * state + buf + act * float(costs.inflight[s])
         w = cfg.memory_weight
