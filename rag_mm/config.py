@@ -193,9 +193,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                      f"does not match the world size {world_size}")
         if p.tp > 1 and m.heads > 0 and m.heads % p.tp:
             e.append(f"parallel.tp ({p.tp}) must divide model.heads ({m.heads})")
-        if p.pp > 1 or p.tp > 1:
-            e.append("parallel.pp > 1 and parallel.tp > 1 need the pipeline / tensor-parallel runtime, "
-                     "which is not available in this build")
+        if p.tp > 1:
+            e.append("parallel.tp > 1 needs the tensor-parallel runtime, which is not wired into the trainer yet")
+        if p.pp > 1:
+            from rag_mm.pipelined import check as check_pipeline
+
+            e += check_pipeline(cfg)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
 

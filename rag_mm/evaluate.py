@@ -23,10 +23,11 @@ RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 
 @torch.no_grad()
 def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
-             n_examples: int = 0, tokenizer=None) -> dict:
+             n_examples: int = 0, tokenizer=None, replicas: int = 1) -> dict:
     """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
 
-    Every rank evaluates its share of the split; the sums are all-reduced. ``examples_path``
+    Every rank evaluates its share of the split; the sums are all-reduced (and divided by
+    ``replicas``, the ranks that see each batch: the stages of a pipeline). ``examples_path``
     (main rank only) receives a few queries with their retrieved documents for inspection.
     """
     was_training = rag.training
@@ -55,7 +56,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
                 acc[base + 3 + h] += float((hit & mask).sum())
         if examples_path is not None and len(examples) < n_examples:
             examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
-    acc = all_reduce_sum(acc)
+    acc = all_reduce_sum(acc) / replicas
     rag.train(was_training)
     seen, held = acc[:width].tolist(), acc[width:].tolist()
     n = seen[0] + held[0]

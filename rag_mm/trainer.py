@@ -30,6 +30,7 @@ from rag_mm.metrics import MetricsLogger
 from rag_mm.model import Reader
 from rag_mm.model.rag import RagModel
 from rag_mm.optim import build_optimizer, build_scheduler
+from rag_mm.pipelined import PipelinedRag
 from rag_mm.watchdog import Watchdog
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
@@ -67,10 +68,15 @@ class Trainer:
         self.rag = RagModel(self.model, self.store, cfg.retriever, retriever, memory)
         self.memory = memory
         self.dp_model = self.rag
-        if self.env.world_size > 1:
+        self.pipe = None  # parallel.pp > 1: the reader pipelined, the retriever on every rank
+        self.data_rank, self.data_size = self.env.rank, self.env.world_size  # who draws which batches
+        if cfg.parallel.pp > 1:
+            self.pipe = PipelinedRag(self.rag, cfg, self.device)
+            self.data_rank, self.data_size = self.pipe.dp_rank, self.pipe.dp_size  # a pipeline shares a batch
+        elif self.env.world_size > 1:
             self.dp_model = DDP(self.rag, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             self._register_grad_reduce()
-        self.opt = build_optimizer(self.rag, cfg.optim)
+        self.opt = build_optimizer(self.pipe or self.rag, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
         self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
@@ -116,7 +122,7 @@ class Trainer:
             image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
             batch_size=c.data.batch_size if train else c.data.eval_batch_size,
             seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
-            rank=self.env.rank, world_size=self.env.world_size, skip_batches=skip_batches,
+            rank=self.data_rank, world_size=self.data_size, skip_batches=skip_batches,
         )
         return make_loader(spec, c.data.num_workers)
 
@@ -124,11 +130,16 @@ class Trainer:
         self.watch.at(f"evaluation on {split} (all_reduce of counts)")
         self._ensure_index()
         examples = self.run_dir / "retrieved_examples.json" if self.env.is_main and self.memory is not None else None
+        if self.pipe is not None:  # forward-only over the pipeline; every stage counts the batch
+            return evaluate(self.pipe, self._stream(split, train=False), self.device, max_batches,
+                            replicas=self.env.world_size // self.data_size)
         return evaluate(self.rag, self._stream(split, train=False), self.device, max_batches,
                         examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
+        if self.pipe is not None:  # each rank its stages' part, under the RagModel's names
+            return {"model": self.pipe.model_state(), "optim": self.pipe.optim_state(self.opt)}
         model_sd, optim_sd = get_state_dict(self.rag, self.opt)
         return {"model": model_sd, "optim": optim_sd}
 
@@ -157,7 +168,8 @@ class Trainer:
             return
         state = self._state()
         ts = checkpoint.load(path, state)
-        set_state_dict(self.rag, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.pipe is None:  # the pipeline's state was loaded in place
+            set_state_dict(self.rag, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
@@ -183,7 +195,7 @@ class Trainer:
         )
         it = iter(self._stream("train", train=True, skip_batches=self.consumed))
         accum = c.optim.grad_accum
-        samples_per_step = c.data.batch_size * accum * self.env.world_size
+        samples_per_step = c.data.batch_size * accum * self.data_size
         bad_steps, window_t, window_steps = 0, time.perf_counter(), 0
         stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
         r = c.retriever
@@ -204,14 +216,19 @@ class Trainer:
                     if counts:
                         self.skipped[wid] = counts
                     sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
-                    with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
-                        out = self.dp_model(**_inputs(batch, self.device))
-                    (out.loss / accum).backward()
+                    if self.pipe is not None:  # forward and backward over the pipeline stages
+                        out = self.pipe.train_step(_inputs(batch, self.device), scale=1 / accum)
+                    else:
+                        with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
+                            out = self.dp_model(**_inputs(batch, self.device))
+                        (out.loss / accum).backward()
                     loss_sum += out.reader.loss.detach() / accum
                     if out.retriever_loss is not None:
                         r_loss_sum += out.retriever_loss / accum
                         hits += float((out.doc_ids == batch["doc_id"][:, None]).any(1).float().mean()) / accum
-                gnorm = torch.nn.utils.clip_grad_norm_(self.rag.parameters(), c.optim.grad_clip or float("inf"))
+                clip = self.pipe.clip_grad_norm_ if self.pipe is not None else \
+                    lambda n: torch.nn.utils.clip_grad_norm_(self.rag.parameters(), n)
+                gnorm = clip(c.optim.grad_clip or float("inf"))
                 # every rank must take the same decision, so agree on finiteness
                 self.watch.at("all_reduce: non-finite check")
                 finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))
@@ -277,7 +294,7 @@ class Trainer:
             "step": self.step,
             "final_train_loss": last_loss,
             "train_time_s": self.train_time,
-            "samples_per_s": self.step * self.cfg.data.batch_size * self.cfg.optim.grad_accum * self.env.world_size / max(self.train_time, 1e-9),
+            "samples_per_s": self.step * self.cfg.data.batch_size * self.cfg.optim.grad_accum * self.data_size / max(self.train_time, 1e-9),
             "world_size": self.env.world_size,
             "retrieval": self.cfg.retriever.mode,
             "val": val,

@@ -1,0 +1,243 @@
+"""The RagModel with its reader pipelined (``parallel.pp > 1``).
+
+The reader is cut into stages by ``parallel.parallelize`` (traced, balanced, eager replay); the
+retriever stays whole on every rank. Every rank of one pipeline draws the same batch, so in
+``learned`` mode each of them runs the query encoder, the faiss search and the contrastive loss
+identically (same batch, same seed) and feeds the same documents to the reader pipeline.
+
+Supported: ``retriever.mode`` none / oracle, and learned with ``retriever.loss=contrastive``
+(the reader-driven losses need the reader's per-document outputs on the retriever's rank).
+
+Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
+weighted by their answer-token count: the step loss and gradients equal the full batch's.
+Gradients of the pipelined reader are averaged over data-parallel replicas by ``ParallelModel``;
+the retriever's here, over the same replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import parallel
+from rag_mm.model.rag import RagModel, RagOutput
+
+log = logging.getLogger(__name__)
+
+
+def check(cfg) -> list[str]:
+    """Config errors of a pipelined run (empty when it can run), each naming its keys."""
+    p, r = cfg.parallel, cfg.retriever
+    e = []
+    if p.pp <= 1:
+        return e
+    if p.tp > 1:
+        e.append(f"parallel.pp={p.pp} with parallel.tp={p.tp} is not supported (pipeline x tensor parallel)")
+    if r.mode == "learned" and r.loss != "contrastive":
+        e.append(f"parallel.pp > 1 with retriever.mode=learned needs retriever.loss=contrastive (got "
+                 f"retriever.loss={r.loss!r}: the reader-driven losses need the whole reader on the retriever's rank)")
+    if cfg.optim.precision != "fp32":
+        e.append(f"parallel.pp > 1 supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
+    if cfg.data.batch_size % p.microbatches:
+        e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({cfg.data.batch_size})")
+    if cfg.data.eval_batch_size % p.microbatches:
+        e.append(f"parallel.microbatches ({p.microbatches}) must divide data.eval_batch_size ({cfg.data.eval_batch_size})")
+    return e
+
+
+def _answer_tokens(inputs: dict, _target=None) -> float:
+    """Tokens in the reader's loss: every answer token after the first (a_len - 1 per example)."""
+    return float((inputs["a_len"] - 1).clamp_min(0).sum())
+
+
+class PipelinedRag:
+    """Stands where the RagModel (or its DDP wrapper) stands in the trainer."""
+
+    def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
+        self.rag, self.cfg, self.device = rag, cfg, device
+        p = cfg.parallel
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.pcfg = parallel.ParallelConfig(pp=p.pp, dp_replicate=world // p.pp, dp_shard=1,
+                                            microbatches=p.microbatches, schedule=p.schedule, partition="auto")
+        # the same example on every rank: rank 0 traces it, every rank plans the replay on it
+        example = self._example(cfg.data.batch_size)
+        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s))
+        if self.pmodel.groups.rank == 0:
+            log.info("reader pipeline partition:\n%s", self.pmodel.partition.table())
+        self.training = True
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def dp_rank(self) -> int:
+        return self.pmodel.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.pmodel.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pmodel.pp_rank
+
+    @property
+    def rcfg(self):
+        return self.rag.rcfg
+
+    @property
+    def store(self):
+        return self.rag.store
+
+    def named_parameters(self):
+        """This rank's trainable parameters under the RagModel's names (held reader part + retriever)."""
+        for n, q in self.pmodel.named_parameters():
+            yield f"reader.{n}", q
+        if self.rag.retriever is not None:
+            for n, q in self.rag.retriever.named_parameters():
+                yield f"retriever.{n}", q
+
+    def parameters(self):
+        return (q for _, q in self.named_parameters())
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        self.rag.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # ------------------------------------------------------------------ inputs
+    def _example(self, b: int) -> dict:
+        """A fixed synthetic batch shaped like the training batches (longest question / answer)."""
+        m, g = self.cfg.model, torch.Generator().manual_seed(0)
+        vocab = self.rag.reader.tok_emb.num_embeddings
+        x = {
+            "image": torch.randn(b, 3, m.image_size, m.image_size, generator=g),
+            "q_ids": torch.randint(0, vocab, (b, m.max_question), generator=g),
+            "q_len": torch.full((b,), m.max_question),
+            "a_ids": torch.randint(0, vocab, (b, m.max_answer), generator=g),
+            "a_len": torch.full((b,), m.max_answer),
+        }
+        if self.rcfg.mode != "none":
+            ids = torch.as_tensor(self.store.ids[:1]).repeat(b, self.rcfg.top_k)  # (b, k)
+            x.update(self.store.fetch(ids))
+        return {k: v.to(self.device) for k, v in x.items()}
+
+    def _reader_inputs(self, inputs: dict, train: bool, search_k: int = 0):
+        """(reader inputs, retriever loss or None, retrieved ids or None), as RagModel.forward."""
+        rag, mode = self.rag, self.rcfg.mode
+        q = {k: inputs[k] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
+        if mode == "none":
+            return q, None, None
+        gold = inputs.get("gold")
+        if mode == "oracle":
+            if gold is None or bool((gold < 0).any()):
+                raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
+            ids = gold[:, None].cpu()
+            return {**q, **rag._docs(ids, self.device)}, None, ids
+        # learned, contrastive: identical on every rank of the pipeline
+        enc, r = rag.retriever, self.rcfg
+        with torch.set_grad_enabled(train):
+            q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
+        _, ids = rag.memory.search(q_emb.detach(), max(r.top_k, search_k))  # (B, max(k, search_k))
+        docs = rag._docs(ids[:, :r.top_k], self.device)
+        r_loss = None
+        if train:
+            r_loss = q_emb.sum() * 0.0  # keeps the query tower in the graph
+            if rag.contrastive_on and gold is not None and r.contrastive_weight > 0:
+                from retriever import losses
+
+                g_docs = rag._docs(gold[:, None].cpu(), self.device)
+                g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])
+                r_loss = r_loss + r.contrastive_weight * losses.contrastive(q_emb, g_emb, gold.to(self.device), enc.scale())
+        return {**q, **docs}, r_loss, ids
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, inputs: dict, scale: float = 1.0) -> RagOutput:
+        """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad);
+        a RagOutput of detached values, the reader loss being the batch's (every rank)."""
+        x, r_loss, ids = self._reader_inputs(inputs, train=True)
+        loss = self.pmodel.train_step(x, loss_fn=lambda out, _: out.loss * scale, weight_fn=_answer_tokens) / scale
+        r_det = None
+        if r_loss is not None:
+            (self.rcfg.loss_weight * scale * r_loss).backward()
+            self._average_retriever_grads()
+            r_det = r_loss.detach()
+        total = loss + (self.rcfg.loss_weight * r_det if r_det is not None else 0.0)
+        return RagOutput(total, SimpleNamespace(loss=loss), r_det, ids, None)
+
+    def _average_retriever_grads(self) -> None:
+        """Mean over data-parallel replicas (pipeline ranks of one replica hold equal gradients).
+        Linear, so calling it after every accumulated micro-step is exact."""
+        g = self.pmodel.groups
+        if g.dp_size == 1 or self.rag.retriever is None:
+            return
+        ps = [q for q in self.rag.retriever.parameters() if q.grad is not None]
+        buf = torch.cat([q.grad.reshape(-1) for q in ps])
+        dist.all_reduce(buf, group=g.dp_group)
+        buf /= g.dp_size
+        off = 0
+        for q in ps:
+            q.grad.copy_(buf[off:off + q.numel()].view_as(q))
+            off += q.numel()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping over the whole model: the reader's squared norms are summed over
+        the pipeline (a replicated tied weight counted once), the retriever's counted once."""
+        pm = self.pmodel
+        sq = torch.zeros((), dtype=torch.float64)
+        copies = {n: len({pm.partition.stage_rank[s] for s in pm.partition.param_stages.get(n, [0])})
+                  for n in pm._replicated}
+        for n, q in pm.named_parameters():
+            if q.grad is not None:
+                sq += q.grad.detach().double().pow(2).sum().cpu() / copies.get(n, 1)
+        if dist.is_initialized() and pm.groups.pp_size > 1:
+            dist.all_reduce(sq, group=pm.groups.pp_group)
+        if self.rag.retriever is not None:
+            for q in self.rag.retriever.parameters():
+                if q.grad is not None:
+                    sq += q.grad.detach().double().pow(2).sum().cpu()
+        norm = sq.sqrt().float()
+        if math.isfinite(max_norm) and float(norm) > max_norm:
+            coef = max_norm / (float(norm) + 1e-6)
+            for q in self.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(coef)
+        return norm
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def __call__(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = False,
+                 search_k: int = 0) -> RagOutput:
+        """Forward-only over the pipeline (what ``evaluate`` needs: per-example correct and NLL)."""
+        inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
+        x, _, ids = self._reader_inputs(inputs, train=False, search_k=search_k)
+        res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
+        correct = torch.cat([c for c, _ in res])
+        nll = torch.cat([n for _, n in res])
+        reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
+        return RagOutput(reader.loss, reader, None, ids, None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def model_state(self) -> dict:
+        """This rank's part of the RagModel's state under its original names (DCP writes each key
+        once; together the ranks hold every key)."""
+        sd = {f"reader.{k}": v for k, v in self.pmodel.state_dict().items()}
+        if self.rag.retriever is not None:
+            sd.update({f"retriever.{k}": v for k, v in self.rag.retriever.state_dict().items()})
+        return sd
+
+    def optim_state(self, opt: torch.optim.Optimizer) -> dict:
+        """Optimizer state per parameter name (created now if the optimizer has not stepped yet,
+        so a restore has tensors to load into); param groups come from the config."""
+        names = {id(q): n for n, q in self.named_parameters()}
+        if not opt.state:
+            for group in opt.param_groups:
+                for q in group["params"]:
+                    opt.state[q] = {"step": torch.zeros((), dtype=torch.float32),
+                                    "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+        return {names[id(q)]: st for q, st in opt.state.items()}
