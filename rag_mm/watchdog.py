@@ -3,9 +3,11 @@
 A collective that times out (or fails because a peer died) says little by itself: gloo reports
 "Timed out waiting 600000ms for recv", on the rank that waited, not on the one that is late. So
 each rank publishes where it is -- ``(seq, step, what)`` -- to the c10d TCP store that torchrun
-(or rank 0) already hosts, every time the trainer enters an operation that involves its peers.
-Ranks run the same program, so equal ``seq`` means the same place; a rank with a smaller ``seq``
-has not arrived yet. Two uses:
+(or rank 0) already hosts. The trainer marks every operation that involves its peers (``at``:
+a few attribute writes, no I/O); a background thread publishes the latest mark at most every
+``PUBLISH_EVERY_S``, so a job of thousands of ranks puts about one store write per rank-second on
+the store, not several per step. Ranks run the same program, so equal ``seq`` means the same
+place; a rank with a smaller ``seq`` has not arrived yet. Two uses:
 
 - ``explain(exc)``: when a collective raises, the error names this rank, the operation, the step
   and the ranks that were behind (the stuck ones) with what they were last doing.
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 10  # store round trips are local-network quick; a dead store must not hang us
+PUBLISH_EVERY_S = 0.5  # reports lag at most this; a stuck rank is stuck for far longer
 
 
 def _client(prefix: str):
@@ -49,6 +52,7 @@ class Watchdog:
         self._pub = self._reader = None
         self._stop = threading.Event()
         self._warned = -1
+        self._published = -1
         if world_size <= 1:
             return
         # keys of an earlier incarnation (before a torchrun restart) must not be read as progress
@@ -64,18 +68,19 @@ class Watchdog:
     # ---------------------------------------------------------------------------- reporting
     def at(self, what: str, step: int | None = None) -> None:
         """This rank now enters ``what`` (an operation its peers also run) at ``step``."""
-        self.seq += 1
         self.what, self.since = what, time.monotonic()
         if step is not None:
             self.step = step
-        self._publish()
+        self.seq += 1  # last: the publisher thread reads seq to decide whether to publish
 
     def _publish(self) -> None:
         if self._pub is None:
             return
+        seq = self.seq
         try:
-            self._pub.set(str(self.rank), json.dumps({"seq": self.seq, "step": self.step, "what": self.what,
+            self._pub.set(str(self.rank), json.dumps({"seq": seq, "step": self.step, "what": self.what,
                                                       "time": time.time()}))
+            self._published = seq
         except Exception as exc:  # the store went away (its host died): stop reporting
             log.warning("watchdog: cannot publish progress: %s", exc)
             self._pub = None
@@ -116,6 +121,7 @@ class Watchdog:
     def explain(self, exc: BaseException) -> str:
         """A message naming this rank, its operation and step, and the ranks that were behind."""
         waited = time.monotonic() - self.since
+        self._publish()  # let the peers (and the report) see where this rank failed
         stuck = self.stuck_ranks()
         who = (f"stuck rank(s): {', '.join(map(str, stuck))}" if stuck
                else "no rank was behind (a peer may have died inside the same operation)")
@@ -126,7 +132,9 @@ class Watchdog:
     # ---------------------------------------------------------------------------- watching
     def _watch(self) -> None:
         warn_after = max(self.timeout_s / 4, 1.0)
-        while not self._stop.wait(min(warn_after / 4, 5.0)):
+        while not self._stop.wait(PUBLISH_EVERY_S):
+            if self._published != self.seq:
+                self._publish()
             if self._warned == self.seq or time.monotonic() - self.since < warn_after:
                 continue
             try:
