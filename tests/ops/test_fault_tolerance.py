@@ -72,20 +72,23 @@ def test_sigkill_every_point_restart_matches_uninterrupted(tiny_world, tmp_path,
 
 
 def test_sigterm_checkpoints_exits_cleanly_and_resumes(tiny_world, tmp_path):
-    """A real SIGTERM from outside, mid-training: exit 0, a valid checkpoint at the stop step."""
+    """A real SIGTERM mid-training to every process of the job (as SLURM and container runtimes
+    send it; a DataLoader worker included): exit 0, a valid checkpoint at the stop step."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "rag_mm.train",
-            *tiny_overrides(tiny_world, run_dir, "max_steps=500", "log_every=1", "ckpt_every=0", "deterministic=true")]
+            *tiny_overrides(tiny_world, run_dir, "max_steps=500", "log_every=1", "ckpt_every=0", "deterministic=true",
+                            "data.num_workers=1")]
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(args, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(args, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=err, text=True,
+                                start_new_session=True)
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None, err_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         out, _ = proc.communicate(timeout=300)
     stderr = err_path.read_text()
     assert proc.returncode == 0, stderr[-3000:]
