@@ -96,7 +96,7 @@ def _pp_dp_worker(rank, world):
 
     model, inputs, target, loss_fn, _ = hf_case("gpt2", b=16)
     ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
-    cfg = parallel.ParallelConfig(pp=2, dp_shard=-1, microbatches=4, schedule="1f1b", partition="uniform")
+    cfg = parallel.ParallelConfig(pp=2, dp_replicate=2, microbatches=4, schedule="1f1b", partition="uniform")
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
     lo, hi = pm.dp_rank * 8, (pm.dp_rank + 1) * 8  # each replica its half of the global batch
     loss = pm.train_step((inputs[0][lo:hi],), target=target[lo:hi], loss_fn=loss_fn)
