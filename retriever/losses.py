@@ -11,16 +11,22 @@ import torch
 import torch.nn.functional as F
 
 
-def contrastive(q: torch.Tensor, d: torch.Tensor, q_doc: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """InfoNCE of queries against the batch's gold documents (both directions, as CLIP).
+def contrastive(q: torch.Tensor, d: torch.Tensor, q_doc: torch.Tensor, scale: torch.Tensor,
+                hard: torch.Tensor | None = None, hard_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """InfoNCE of queries against the batch's gold documents (both directions, as CLIP), plus
+    optional hard negatives for the query side (DPR, Karpukhin et al. 2020).
 
-    q, d: (B, E) unit vectors; q_doc: (B,) gold document id of each query. Queries that share a
-    gold document all count as positives of it (multi-positive targets).
+    q, d: (B, E) unit vectors; q_doc: (B,) gold document id of each query; hard: (N, E) more
+    document embeddings (e.g. what the index retrieved) with ids hard_doc (N,). Every candidate
+    whose id is a query's gold id counts as a positive of it (multi-positive targets).
     """
     logits = scale * q @ d.t()  # (B, B)
     pos = (q_doc[:, None] == q_doc[None, :]).float()  # (B, B)
-    q2d = -(pos / pos.sum(1, keepdim=True) * F.log_softmax(logits, 1)).sum(1).mean()
     d2q = -(pos / pos.sum(0, keepdim=True) * F.log_softmax(logits, 0)).sum(0).mean()
+    if hard is not None:
+        logits = torch.cat([logits, scale * q @ hard.t()], 1)  # (B, B + N)
+        pos = torch.cat([pos, (q_doc[:, None] == hard_doc[None, :]).float()], 1)
+    q2d = -(pos / pos.sum(1, keepdim=True) * F.log_softmax(logits, 1)).sum(1).mean()
     return 0.5 * (q2d + d2q)
 
 

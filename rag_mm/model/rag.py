@@ -92,7 +92,9 @@ class RagModel(nn.Module):
         if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0:
             g_docs = self._docs(gold[:, None].cpu(), dev)
             g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])
-            r_loss = r_loss + cfg.contrastive_weight * losses.contrastive(q_emb, g_emb, gold.to(dev), enc.scale())
+            # the retrieved documents are the hardest negatives there are (same colours, other shape)
+            r_loss = r_loss + cfg.contrastive_weight * losses.contrastive(
+                q_emb, g_emb, gold.to(dev), enc.scale(), d_emb.flatten(0, 1), top.flatten().to(dev))
         return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
 
     @torch.no_grad()

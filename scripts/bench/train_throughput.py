@@ -2,9 +2,11 @@
 
     python scripts/bench/train_throughput.py [--threads 2] [--steps 20] [--precision fp32|bf16] [overrides...]
 
-FLOPs per step are counted by torch.utils.flop_counter on one real forward + backward (so the
-vision tower, attention and the answer-only LM head are all included, nothing estimated); the
-peak is a large matmul measured in the same process with the same threads and dtype.
+FLOPs per step are counted by torch.utils.flop_counter on one real forward + backward (the
+vision tower, every projection and MLP, the answer-only LM head), nothing estimated. The counter
+does not see inside the attention kernels (SDPA's masked CPU path or the fused op), so MFU here
+excludes the QK^T and PV products: a slight undercount at the demo's ~60-180 tokens. The peak is
+a large matmul measured in the same process with the same threads and dtype.
 MFU = (FLOPs per step / seconds per step) / peak. Prints one JSON object.
 """
 
