@@ -1,0 +1,73 @@
+"""The document memory: every corpus document decoded once and held as tensors.
+
+The reader fetches documents by id; the retriever (learned mode) embeds them. Holding the
+memory in RAM suits corpora up to a few million small documents; larger ones belong in a
+sharded store (one shard per rank), which the sharded faiss search already assumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+import webdataset as wds
+
+from rag_mm.data.pipeline import SkipCounter, decode_image, image_to_tensor
+from rag_mm.data.tokenizer import get_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DocumentStore:
+    """Documents as tensors, row i holding document ``ids[i]``."""
+
+    ids: torch.Tensor  # (N,) int64 document ids as found in the corpus json (or running numbers)
+    images: torch.Tensor  # (N, 3, H, W) normalised pictures
+    text_ids: torch.Tensor  # (N, Lt) token ids, right-padded
+    text_len: torch.Tensor  # (N,) valid tokens per row
+    passages: list[str]  # raw text, for inspection
+    skipped: dict[str, int]  # corrupt documents dropped while loading
+
+    def __post_init__(self) -> None:
+        self._row = {int(d): i for i, d in enumerate(self.ids.tolist())}
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    def rows(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """Map document ids (any shape) to row indices; unknown ids raise KeyError."""
+        flat = [self._row[int(d)] for d in doc_ids.reshape(-1).tolist()]
+        return torch.tensor(flat, dtype=torch.long).view(doc_ids.shape)
+
+    def fetch(self, doc_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Documents for a (B, k) id tensor: images (B, k, 3, H, W), text (B, k, Lt), lengths (B, k)."""
+        r = self.rows(doc_ids)
+        return {"doc_image": self.images[r], "doc_ids": self.text_ids[r], "doc_len": self.text_len[r]}
+
+    @classmethod
+    def load(cls, urls: list[str], image_size: int, max_text: int) -> DocumentStore:
+        tok = get_tokenizer()
+        counter = SkipCounter()
+        ids, images, texts, passages = [], [], [], []
+        for sample in wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)):
+            try:
+                img = image_to_tensor(decode_image(sample), image_size)
+                text = sample["txt"].decode("utf-8")
+                meta = json.loads(sample["json"]) if "json" in sample else {}
+            except Exception as exc:
+                counter.counts["bad_document"] += 1
+                log.warning("skipping document %s: %s", sample.get("__key__"), exc)
+                continue
+            ids.append(int(meta.get("doc_id", len(ids))))
+            images.append(img)
+            texts.append(tok.encode(text))
+            passages.append(text)
+        if not ids:
+            raise RuntimeError(f"no readable document in {urls[:3]}{'...' if len(urls) > 3 else ''}")
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate doc_id values in the corpus")
+        text_ids, text_len = tok.pad(texts, max_text)
+        return cls(torch.tensor(ids), torch.stack(images), text_ids, text_len, passages, dict(counter.counts))

@@ -1,0 +1,269 @@
+"""Query streams over webdataset shards: split, shuffle, decode, augment, tokenise, batch.
+
+Training streams are infinite and deterministic: shard order and the sample shuffle are seeded
+by (seed, epoch), augmentation by (seed, epoch, sample key). A rank that resumes after ``n``
+batches replays its stream and drops what it had consumed, so no sample is seen twice or
+skipped. Corrupt input (a truncated tar, an undecodable picture, bad JSON, a missing key) is
+dropped and counted, never slept on (webdataset's ``warn_and_continue`` sleeps 0.5 s per error).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import signal
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import webdataset as wds
+from PIL import Image
+
+from rag_mm.data.tokenizer import get_tokenizer
+
+
+log = logging.getLogger(__name__)
+
+# CLIP's normalisation constants (open_clip.constants.OPENAI_DATASET_MEAN / STD).
+MEAN = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(3, 1, 1)
+STD = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(3, 1, 1)
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+
+
+def image_to_tensor(img: Image.Image, size: int) -> torch.Tensor:
+    """PIL picture -> normalised float tensor (3, size, size)."""
+    img = img.convert("RGB")
+    if img.size != (size, size):
+        img = img.resize((size, size), Image.BICUBIC)
+    x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+    return (x - MEAN) / STD
+
+
+def decode_image(sample: dict) -> Image.Image:
+    for key in IMAGE_KEYS:
+        if key in sample:
+            img = Image.open(io.BytesIO(sample[key]))
+            img.load()  # force the decode here, where errors are caught and counted
+            return img
+    raise KeyError(f"no image member ({'/'.join(IMAGE_KEYS)})")
+
+
+class SkipCounter:
+    """Counts dropped input by reason. One per stream (per loader worker)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def tar_error(self, exn: Exception) -> bool:
+        """webdataset handler: count and go on with the next member or shard (no sleep)."""
+        self.counts[f"tar:{type(exn).__name__}"] += 1
+        log.warning("skipping unreadable tar data: %s", exn)
+        return True
+
+
+def _augment(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """Random crop (pad 2, crop back) and per-channel brightness jitter on a (3, H, W) tensor."""
+    pad = 2
+    H, W = x.shape[1:]
+    xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]
+    i, j = rng.randint(0, 2 * pad), rng.randint(0, 2 * pad)
+    x = xp[:, i : i + H, j : j + W]
+    return x + torch.tensor([rng.uniform(-0.1, 0.1) for _ in range(3)]).view(3, 1, 1)
+
+
+@dataclass
+class StreamSpec:
+    """What one query stream reads and how."""
+
+    urls: list[str]
+    image_size: int
+    max_question: int
+    max_answer: int
+    batch_size: int
+    seed: int = 0
+    shuffle_buffer: int = 1000
+    augment: bool = False
+    train: bool = True  # infinite, shuffled, split by node and worker; else one ordered pass
+    rank: int = 0
+    world_size: int = 1
+    skip_batches: int = 0  # batches this rank already consumed (resume)
+
+
+class QueryStream(torch.utils.data.IterableDataset):
+    """Batches of queries; see the module docstring for the guarantees."""
+
+    def __init__(self, spec: StreamSpec) -> None:
+        super().__init__()
+        if not spec.urls:
+            raise ValueError("no shard URLs")
+        self.spec = spec
+
+    # -- stages -------------------------------------------------------------------------------
+    def _shards(self, epoch: int) -> list[str]:
+        s = self.spec
+        urls = list(s.urls)
+        if s.train:
+            random.Random(f"{s.seed}-shards-{epoch}").shuffle(urls)
+            if len(urls) >= s.world_size:
+                urls = urls[s.rank :: s.world_size]
+        return urls
+
+    def _raw_samples(self, urls: list[str], counter: SkipCounter) -> Iterator[dict]:
+        pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error))
+        yield from pipe
+
+    def _decode(self, sample: dict, counter: SkipCounter) -> dict | None:
+        s = self.spec
+        tok = get_tokenizer()
+        try:
+            img = decode_image(sample)
+            if "txt" not in sample:
+                raise KeyError("no txt member (the question)")
+            meta = json.loads(sample["json"]) if "json" in sample else {}
+            if "answer" not in meta:
+                raise KeyError("json has no 'answer'")
+            question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
+        except KeyError as exc:
+            counter.counts["missing_key"] += 1
+            log.warning("skipping sample %s: %s", sample.get("__key__"), exc)
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            counter.counts["bad_json"] += 1
+            log.warning("skipping sample %s: bad JSON/text: %s", sample.get("__key__"), exc)
+            return None
+        except Exception as exc:  # PIL raises several types for broken pictures
+            counter.counts["bad_image"] += 1
+            log.warning("skipping sample %s: undecodable image: %s", sample.get("__key__"), exc)
+            return None
+        answer = str(meta["answer"])
+        return {
+            "key": sample["__key__"],
+            "image": image_to_tensor(img, s.image_size),
+            "question": question,
+            "answer": answer,
+            "q_ids": tok.encode(question)[: s.max_question],
+            "a_ids": (tok.encode(answer)[: s.max_answer - 1]) + [tok.eot_id],
+            "doc_id": int(meta.get("doc_id", -1)),
+            "heldout": bool(meta.get("heldout", False)),
+            "attribute": str(meta.get("attribute", "")),
+        }
+
+    def _samples(self, counter: SkipCounter, worker: int, num_workers: int) -> Iterator[dict]:
+        s = self.spec
+        epoch = 0
+        while True:
+            urls = self._shards(epoch)
+            if s.train:
+                urls = urls[worker::num_workers] if len(urls) >= num_workers else urls
+            raw = self._raw_samples(urls, counter)
+            if s.train:
+                raw = _seeded_shuffle(raw, s.shuffle_buffer, random.Random(f"{s.seed}-{epoch}-{s.rank}-{worker}"))
+            n_seen = 0
+            for i, sample in enumerate(raw):
+                if not s.train and (i % s.world_size != s.rank or (i // s.world_size) % num_workers != worker):
+                    continue  # evaluation: every rank reads all shards and keeps its share
+                out = self._decode(sample, counter)
+                if out is None:
+                    continue
+                n_seen += 1
+                out["epoch"] = epoch
+                yield out
+            if not s.train:
+                return
+            if n_seen == 0:
+                raise RuntimeError(f"no valid sample in {len(urls)} shard(s) of rank {s.rank}: {urls[:3]}")
+            epoch += 1
+
+    def __iter__(self) -> Iterator[dict]:
+        s = self.spec
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        counter = SkipCounter()
+        # The DataLoader deals batches round-robin from worker 0, so batch g of this rank's
+        # stream comes from worker g % W. After a resume at batch n, loader worker w must play
+        # the part of stream worker (w + n) % W, which had produced every W-th of the n batches.
+        if s.train:
+            worker = (worker + s.skip_batches) % num_workers
+        skip = len(range(worker, s.skip_batches, num_workers)) if s.train else 0
+        batch: list[dict] = []
+        for sample in self._samples(counter, worker, num_workers):
+            if skip:
+                batch.append(sample)
+                if len(batch) == s.batch_size:
+                    batch, skip = [], skip - 1
+                continue
+            if s.train and s.augment:
+                rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
+                sample["image"] = _augment(sample["image"], rng)
+            batch.append(sample)
+            if len(batch) == s.batch_size:
+                yield collate(batch, counter)
+                batch = []
+        if batch:  # evaluation keeps the partial last batch
+            yield collate(batch, counter)
+
+
+def _seeded_shuffle(it: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
+    """Reservoir-style shuffle with a private RNG (webdataset's uses global state per worker)."""
+    buf: list[dict] = []
+    for sample in it:
+        if len(buf) < bufsize:
+            buf.append(sample)
+            continue
+        j = rng.randrange(len(buf))
+        yield buf[j]
+        buf[j] = sample
+    rng.shuffle(buf)
+    yield from buf
+
+
+def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
+    """Stack samples into a batch of tensors (padding text) plus their metadata."""
+    tok = get_tokenizer()
+    q_ids, q_len = tok.pad([s["q_ids"] for s in samples], max(len(s["q_ids"]) for s in samples))
+    a_ids, a_len = tok.pad([s["a_ids"] for s in samples], max(len(s["a_ids"]) for s in samples))
+    info = torch.utils.data.get_worker_info()
+    return {
+        "image": torch.stack([s["image"] for s in samples]),  # (B, 3, H, W)
+        "q_ids": q_ids, "q_len": q_len,  # (B, Lq), (B,)
+        "a_ids": a_ids, "a_len": a_len,  # (B, La), (B,) with EOT
+        "doc_id": torch.tensor([s["doc_id"] for s in samples], dtype=torch.long),  # (B,) gold, -1 unknown
+        "heldout": torch.tensor([s["heldout"] for s in samples], dtype=torch.bool),
+        "attribute": [s["attribute"] for s in samples],
+        "question": [s["question"] for s in samples],
+        "answer": [s["answer"] for s in samples],
+        "key": [s["key"] for s in samples],
+        # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
+        "skipped": (info.id if info else 0, dict(counter.counts) if counter else {}),
+    }
+
+
+def make_loader(spec: StreamSpec, num_workers: int) -> torch.utils.data.DataLoader:
+    """A DataLoader over a QueryStream (batching happens in the stream)."""
+    return torch.utils.data.DataLoader(
+        QueryStream(spec),
+        batch_size=None,
+        num_workers=num_workers,
+        persistent_workers=False,
+        prefetch_factor=4 if num_workers > 0 else None,
+        worker_init_fn=_ignore_sigterm if num_workers > 0 else None,
+    )
+
+
+def _ignore_sigterm(_worker_id: int) -> None:
+    """SLURM and container runtimes send SIGTERM to every process of the job: the main process
+    checkpoints and then shuts its loader down; a worker dying on the signal first would crash the
+    step instead. (Workers still exit when the main process goes away.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def dist_info() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

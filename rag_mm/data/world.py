@@ -1,0 +1,96 @@
+"""The knowledge world: entities with a drawn appearance and random facts (DESIGN.md §5).
+
+Everything here is deterministic given a seed. Facts are drawn independently of appearance, so
+no model can infer them from a picture: only a document that states them can answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# Appearance vocabulary. 8 shapes x 8 hues x 4 textures x 7 secondary hues = 1792 distinct looks,
+# far more than the few hundred entities the demo uses, so every entity looks unique.
+SHAPES = ("circle", "square", "triangle", "diamond", "hexagon", "star", "cross", "ring")
+HUES = {  # well-separated RGB colours so colour jitter never moves one onto another
+    "red": (220, 40, 40),
+    "orange": (240, 140, 20),
+    "yellow": (230, 220, 30),
+    "green": (40, 170, 60),
+    "cyan": (30, 200, 210),
+    "blue": (40, 70, 220),
+    "purple": (150, 50, 200),
+    "black": (25, 25, 25),
+}
+TEXTURES = ("solid", "stripes", "dots", "checker")
+
+# Facts: every value is a single token of open_clip's BPE, so answers are one token plus EOT.
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "habitat": ("forest", "desert", "ocean", "mountain", "swamp", "tundra", "cave", "river"),
+    "diet": ("fish", "berries", "insects", "seeds", "leaves", "roots", "mice", "honey"),
+    "season": ("spring", "summer", "autumn", "winter", "dawn", "dusk", "night", "noon"),
+    "region": ("north", "south", "east", "west", "island", "valley", "lake", "canyon"),
+}
+# Several phrasings per attribute so the reader must map a question to the fact it asks for.
+QUESTIONS: dict[str, tuple[str, ...]] = {
+    "habitat": ("where does this creature live?", "what is the habitat of this creature?",
+                "in which place is this creature found?"),
+    "diet": ("what does this creature eat?", "what is the diet of this creature?",
+             "which food does this creature like?"),
+    "season": ("when is this creature active?", "in which season is this creature awake?",
+               "at what time does this creature come out?"),
+    "region": ("which region does this creature come from?", "what is the home region of this creature?",
+               "from where does this creature originate?"),
+}
+_SYLLABLES = ("ka", "lo", "mi", "ru", "ze", "po", "ta", "vi", "nu", "sha", "gri", "bel", "dor", "fen", "quo", "xa")
+
+
+@dataclass(frozen=True)
+class Entity:
+    """One creature of the world: its document id, name, appearance and facts."""
+
+    doc_id: int
+    name: str
+    shape: str
+    hue: str
+    texture: str
+    hue2: str
+    facts: dict[str, str]
+
+    def passage(self) -> str:
+        """The document text: every fact, in a fixed order, then the name."""
+        parts = [f"{attr}: {self.facts[attr]}." for attr in ATTRIBUTES]
+        return " ".join(parts) + f" name: {self.name}."
+
+
+def make_entities(num_entities: int, seed: int) -> list[Entity]:
+    """Draw ``num_entities`` entities with distinct appearances and independent random facts."""
+    looks = [
+        (s, h, t, h2)
+        for s in SHAPES
+        for h in HUES
+        for t in TEXTURES
+        for h2 in HUES
+        if h2 != h
+    ]
+    if num_entities > len(looks):
+        raise ValueError(f"num_entities={num_entities} exceeds the {len(looks)} distinct appearances")
+    rng = random.Random(seed)
+    rng.shuffle(looks)
+    names: set[str] = set()
+    out = []
+    for i in range(num_entities):
+        while True:
+            name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+            if name not in names:
+                names.add(name)
+                break
+        facts = {attr: rng.choice(values) for attr, values in ATTRIBUTES.items()}
+        s, h, t, h2 = looks[i]
+        out.append(Entity(i, name, s, h, t, h2, facts))
+    return out
+
+
+def chance_accuracy() -> float:
+    """Exact-match accuracy of guessing: the mean over attributes of 1 / number of values."""
+    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / len(ATTRIBUTES)
