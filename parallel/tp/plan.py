@@ -236,6 +236,15 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
     for b, srcs in sorted(sources.items(), key=lambda kv: order.get(kv[0], 1 << 30)):
         if b in used or any(s in used for s in srcs) or any(R[s] != {b} for s in srcs):
             continue
+        owner = _lca(srcs + [b])
+        # validate head counts now, so a bad layout fails before anything is sharded
+        for mn, m in mods.items():
+            if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn):
+                for attr in HEAD_ATTRS:
+                    v = getattr(m, attr, None)
+                    if isinstance(v, int) and not isinstance(v, bool) and v % tp:
+                        raise ValueError(f"tp={tp} does not divide the head count {mn or type(model).__name__}.{attr}={v}; "
+                                         f"choose a tp that divides it")
         kb = linear_kind(mods[b])
         width = kb.in_features(mods[b])
         blocks = {}
@@ -251,15 +260,6 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             ok = False
         if not ok:
             continue
-        owner = _lca(srcs + [b])
-        # validate head counts now, so a bad layout fails before anything is sharded
-        for mn, m in mods.items():
-            if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn):
-                for attr in HEAD_ATTRS:
-                    v = getattr(m, attr, None)
-                    if isinstance(v, int) and not isinstance(v, bool) and v % tp:
-                        raise ValueError(f"tp={tp} does not divide the head count {mn or type(model).__name__}.{attr}={v}; "
-                                         f"choose a tp that divides it")
         for s in srcs:
             plan.entries[s] = TPEntry("colwise", blocks[s], gid)
         plan.entries[b] = TPEntry("rowwise", 1, gid)
