@@ -79,7 +79,23 @@ def timm_resnet():
     return timm.create_model("resnet18", pretrained=False, num_classes=10), (torch.randn(2, 3, 64, 64),)
 
 
+def rag_mm_reader():
+    from rag_mm.config import ModelConfig
+    from rag_mm.model import Reader
+
+    cfg = ModelConfig(dim=64, layers=6, heads=4, vision_width=64, vision_layers=2, vision_head_width=32)
+    B, k = 2, 2
+    inputs = {
+        "image": torch.randn(B, 3, 32, 32), "q_ids": torch.randint(1, 1000, (B, 8)), "q_len": torch.tensor([8, 5]),
+        "a_ids": torch.tensor([[5, 49407], [7, 49407]]), "a_len": torch.tensor([2, 2]),
+        "doc_image": torch.randn(B, k, 3, 32, 32), "doc_ids": torch.randint(1, 1000, (B, k, 20)),
+        "doc_len": torch.tensor([[20, 12], [16, 20]]),
+    }
+    return Reader(cfg, vocab_size=49408), inputs
+
+
 MODELS = {
+    "rag_mm_reader": rag_mm_reader,
     "gpt2": gpt2,
     "bert": bert,
     "llama": llama,
