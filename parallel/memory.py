@@ -126,9 +126,21 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
         if init_fn is not None:
             init_fn(model)
         else:
-            for m in model.modules():
-                if hasattr(m, "reset_parameters") and any(True for _ in m.parameters(recurse=False)):
+            uncovered = []
+            for name, m in model.named_modules():
+                own = list(m.named_parameters(recurse=False))
+                if not own:
+                    continue
+                if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
+                else:  # e.g. open_clip's class/positional embeddings set in __init__: to_empty left garbage
+                    uncovered += [f"{name}.{n}" if name else n for n, _ in own]
+                    for _, p in own:
+                        nn.init.normal_(p, std=0.02) if p.dim() >= 2 else nn.init.zeros_(p)
+            if uncovered:
+                log.warning("materialize: %d parameters have no reset_parameters() (%s%s): initialised "
+                            "N(0, 0.02) / zeros; pass init_fn for the model's own initialisation",
+                            len(uncovered), ", ".join(uncovered[:4]), "..." if len(uncovered) > 4 else "")
     return model
 
 
