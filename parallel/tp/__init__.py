@@ -2,8 +2,21 @@
 vocabulary-parallel embedding / LM head / cross-entropy, and sequence parallel."""
 
 from parallel.tp.loss import vocab_parallel_cross_entropy
-from parallel.tp.plan import TPEntry, TPPlan, apply_plan, apply_tp, discover_plan, find_block_lists, tied_modules
-from parallel.tp.registry import LinearKind, register_linear_kind, register_tp_rule, unregister_tp_rule
+from parallel.tp.plan import (
+           TPEntry,
+           TPPlan,
+           apply_plan,
+           apply_tp,
+           discover_plan,
+           find_block_lists,
+           tied_modules,
+)
+from parallel.tp.registry import (
+           LinearKind,
+           register_linear_kind,
+           register_tp_rule,
+           unregister_tp_rule,
+)
 from parallel.tp.rules import TPContext
 
 __all__ = ["LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp", "discover_plan",

@@ -343,7 +343,7 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
         return ctx if ctx.sequence_parallel and any(n.startswith(p) for p in lists) else plain
 
     if ctx.sequence_parallel:
-        for gid, (srcs, _) in plan.pairs().items():
+        for _gid, (srcs, _) in plan.pairs().items():
             top = _lca(srcs)
             if len(srcs) > 1 and top not in srcs and top in mods and ctx_of(top) is ctx:
                 ctx.gather_input(mods[top])  # HF attention reads the sequence length off its input

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from parallel.tp import comm
 from parallel.tp.registry import linear_kind, log, register_tp_rule

@@ -27,7 +27,6 @@ from PIL import Image
 
 from rag_mm.data.tokenizer import get_tokenizer
 
-
 log = logging.getLogger(__name__)
 
 # CLIP's normalisation constants (open_clip.constants.OPENAI_DATASET_MEAN / STD).

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def _reader(dim, layers):
     from rag_mm.config import ModelConfig
-    from rag_mm.model import Reader
 
     torch.manual_seed(0)
     cfg = ModelConfig(dim=dim, layers=layers, heads=max(1, dim // 64), vision_width=128, vision_layers=2,
@@ -60,11 +59,10 @@ def _state_bytes(model, opt) -> int:
 
 
 def dp_rank_fn(rank, world, mode, dim, layers):
-    from rag_mm.model import Reader
-
     from parallel.config import ParallelConfig
     from parallel.mesh import build_mesh
     from parallel.spmd import parallelize_spmd
+    from rag_mm.model import Reader
 
     cfg, inputs = _reader(dim, layers)
     rss0 = _rss()
@@ -86,9 +84,8 @@ def dp_rank_fn(rank, world, mode, dim, layers):
 
 
 def activation_bytes(dim, layers, mode):
-    from rag_mm.model import Reader
-
     from parallel.memory import apply_activation_checkpointing
+    from rag_mm.model import Reader
 
     cfg, inputs = _reader(dim, layers)
     model = Reader(cfg, vocab_size=1000)

@@ -72,7 +72,7 @@ def test_killed_rank_fails_peers_and_leaves_no_segment(world):
                 continue
             errors[rank] = payload[0]
         assert sorted(errors) == list(range(world - 1)), f"survivors did not fail: {errors}"
-        for r, msg in errors.items():
+        for _r, msg in errors.items():
             # the detecting rank names the dead one; the others may report the abort instead
             assert f"local rank {victim}" in msg and "all_reduce" in msg, msg
             assert "died" in msg or "aborted" in msg, msg

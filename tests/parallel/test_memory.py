@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.memory import (OffloadActivations, apply_activation_checkpointing, apply_activation_offload,
-                             materialize, meta_init)
+from parallel.memory import (
+    OffloadActivations,
+    apply_activation_checkpointing,
+    apply_activation_offload,
+    materialize,
+    meta_init,
+)
 from parallel.spmd import find_blocks
 from tests.parallel import tp_cases
 

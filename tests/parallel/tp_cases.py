@@ -42,10 +42,9 @@ def register_reader_rule():
     """rag_mm's SelfAttention computes its head width as ``D // self.heads`` from the replicated
     input, so it is registered as a user rule with a width-agnostic forward (the way a user adds
     a rule for their own attention class)."""
-    from rag_mm.model.blocks import SelfAttention
-
     from parallel.kernels.attention import attention
     from parallel.tp import register_tp_rule
+    from rag_mm.model.blocks import SelfAttention
 
     def forward(self, x, seg_offsets):
         B, S, _ = x.shape
@@ -248,7 +247,11 @@ def spmd_case(rank, world, cfg_kw, name="reader", steps=1):
 def meta_fsdp_case(rank, world):
     """Build the reader on the meta device, shard it with FSDP2 over 2 ranks, materialise only
     the shards, load the reference weights with DCP's set_model_state_dict, compare losses."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     from parallel.config import ParallelConfig
     from parallel.memory import local_param_bytes, materialize, meta_init
