@@ -27,6 +27,7 @@ def _setup_logging() -> None:
         format=f"%(asctime)s | rank {rank} | %(levelname)s | %(name)s | %(message)s",
         force=True,
     )
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every CPU-feature probe
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
