@@ -106,12 +106,12 @@ class Trainer:
             return
         r = self.cfg.retriever
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
-        self.memory.refresh(background=r.refresh_background and self.memory.index._current is not None, step=self.step)
+        self.memory.refresh(background=r.refresh_background, step=self.step)
         if self.memory.refresh_seconds:
             log.info("index refresh at step %d: %.2fs", self.step, self.memory.refresh_seconds[-1])
 
     def _ensure_index(self) -> None:
-        if self.memory is not None and self.memory.index._current is None:
+        if self.memory is not None and not self.memory.built:
             self.refresh_index()
 
     # ------------------------------------------------------------------------------ data

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from retriever.encoders import DualEncoder
-from retriever.index import DocumentIndex, build_index, default_factory, fingerprint
+from retriever.index import DocumentIndex, build_index, default_factory
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +39,14 @@ class RetrievalMemory:
         self.refresh_seconds: list[float] = []  # wall time of each refresh (embedding + index build)
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
-        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.doc_ids)
+
+    @property
+    def built(self) -> bool:
+        """Whether an index has been built yet (the first refresh always runs synchronously)."""
+        return self.index._current is not None
 
     # ------------------------------------------------------------------------------ embedding
     @torch.no_grad()
@@ -51,12 +54,12 @@ class RetrievalMemory:
         """Embeddings (n, E) of ``rows`` (default all) with ``encoder`` (default the live one)."""
         enc = encoder or self.encoder
         rows = rows if rows is not None else range(len(self))
-        out = []
-        for s in range(rows.start, rows.stop, self.batch_size * (rows.step or 1)):
-            idx = torch.arange(s, min(rows.stop, s + self.batch_size * (rows.step or 1)), rows.step or 1)
+        out = [torch.zeros(0, self._dim())]
+        for s in range(rows.start, rows.stop, self.batch_size):
+            idx = slice(s, min(rows.stop, s + self.batch_size))
             out.append(enc.embed_docs(self.images[idx].to(self.device), self.text_ids[idx].to(self.device),
                                       self.text_len[idx].to(self.device)).float().cpu())
-        return torch.cat(out) if out else torch.zeros(0, 1)
+        return torch.cat(out)
 
     def _embed_sharded(self) -> torch.Tensor:
         """Each rank embeds a contiguous 1/W of the memory; all-gather assembles the whole."""
@@ -65,7 +68,7 @@ class RetrievalMemory:
         W, r, N = dist.get_world_size(), dist.get_rank(), len(self)
         per = -(-N // W)
         mine = self.embed(rows=range(min(N, r * per), min(N, (r + 1) * per)))
-        buf = torch.zeros(per, mine.shape[1] if len(mine) else self._dim())
+        buf = torch.zeros(per, self._dim())
         buf[: len(mine)] = mine
         parts = [torch.zeros_like(buf) for _ in range(W)]
         dist.all_gather(parts, buf)
@@ -82,27 +85,26 @@ class RetrievalMemory:
     # ------------------------------------------------------------------------------ refresh
     def refresh(self, background: bool = False, step: int = 0) -> None:
         """Re-embed the memory and swap the new index in (now, or when the worker finishes)."""
-        if not background or self.index._current is None:  # the first build is always synchronous
+        if not background or not self.built:
             t = time.perf_counter()
             emb = self._embed_sharded()
             self.index.swap(self._build(emb, f"step{step}"))
             self.refresh_seconds.append(time.perf_counter() - t)
             return
-        with self._lock:
-            if self._pending is not None and not self._pending.done():
-                log.info("index refresh at step %d skipped: the previous one is still running", step)
-                return
-            frozen = _FrozenDocSide(self.encoder)  # training keeps changing the live weights
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-refresh")
+        if self._pending is not None and not self._pending.done():
+            log.info("index refresh at step %d skipped: the previous one is still running", step)
+            return
+        frozen = _FrozenDocSide(self.encoder)  # training keeps changing the live weights
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-refresh")
 
-            def job() -> None:
-                t = time.perf_counter()
-                emb = self.embed(encoder=frozen)
-                self.index.swap(self._build(emb, f"step{step}"))
-                self.refresh_seconds.append(time.perf_counter() - t)
+        def job() -> None:
+            t = time.perf_counter()
+            emb = self.embed(encoder=frozen)
+            self.index.swap(self._build(emb, f"step{step}"))
+            self.refresh_seconds.append(time.perf_counter() - t)
 
-            self._pending = self._pool.submit(job)
+        self._pending = self._pool.submit(job)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -121,8 +123,6 @@ class RetrievalMemory:
         scores, ids = self.index.search(queries.detach().float().cpu().numpy(), k)
         return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(np.ascontiguousarray(ids))
 
-    def corpus_fingerprint(self) -> str:
-        return fingerprint(self.doc_ids, self.text_ids, self.images.shape)
 
 
 class _FrozenDocSide:

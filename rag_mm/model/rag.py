@@ -28,7 +28,7 @@ class RagOutput:
     loss: torch.Tensor  # () reader NLL + lambda * retriever loss
     reader: ReaderOutput  # the joint read over the top-k documents
     retriever_loss: torch.Tensor | None  # () the retriever's part (before lambda)
-    doc_ids: torch.Tensor | None  # (B, k) documents given to the reader
+    doc_ids: torch.Tensor | None  # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
     scores: torch.Tensor | None  # (B, k) retriever scores of those documents
 
 
