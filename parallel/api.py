@@ -448,7 +448,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     cfg.validate(world)
     # 1. mesh
     groups = build_groups(cfg)
-    from . import spmd  # noqa: F401  (registers the TP -> AC -> FSDP stage hook, issue 6)
+    from . import spmd  # registers the TP -> AC -> FSDP stage hook (issue 6)
     if cfg.tp > 1 and "tensor_parallel" not in STAGE_HOOKS:
         raise NotImplementedError("tp > 1 needs the tensor-parallel stage hook (parallel.tp, issue 6)")
     v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
@@ -489,6 +489,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
             held.add(id(p))
     replicated = sorted(n for n, r in ranks_of.items() if len(r) > 1)
     numel = {n: p.numel() for n, p in model.named_parameters()}
+    # a TP plan is read off the whole model's dataflow: found before the split, applied to each
+    # stage's part by the TP stage hook (issue 6)
+    tp_plan = spmd.discover_tp_plan(model, cfg, example_inputs) if cfg.tp > 1 else None
     for p in model.parameters():
         if id(p) not in held:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's: free it
@@ -500,6 +503,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     order = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)[groups.pp_rank]
     pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
     pm._numel = numel
+    pm.tp_plan = tp_plan
     # 4. per-stage hooks (TP -> AC -> FSDP, issue 6)
     _run_hooks(pm, cfg, groups)
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0

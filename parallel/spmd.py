@@ -56,6 +56,93 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
     return tp_plan
 
 
+def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any) -> TPPlan:
+    """The TP plan of the whole model (``parallel.parallelize`` calls it before the pipeline
+    split: pairs are read off the dataflow of the full forward)."""
+    from parallel.tp import discover_plan
+
+    if cfg.sequence_parallel and cfg.pp > 1:
+        raise NotImplementedError("sequence_parallel with pp > 1: activations would cross the pipeline cuts "
+                                  "sharded over the sequence; use sequence_parallel=False under pp")
+    return discover_plan(model, cfg.tp, example_inputs=example_inputs)
+
+
+def _stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
+    """The part of the whole-model ``plan`` that this pipeline rank applies: entries whose modules
+    are held by this rank alone. A pair whose column and row halves sit on different pipeline
+    ranks (or on several) is left replicated, so every tensor crossing a cut is a plain,
+    replicated tensor. Returns the stage plan and notes on what was dropped."""
+    def only_mine(mod: str) -> bool:
+        holders = {r for n, rs in rank_of.items() if n == mod or n.startswith(mod + ".") for r in rs}
+        return holders == {me}
+
+    out, notes = TPPlan(log=list(plan.log)), []
+    for gid, (srcs, sink) in plan.pairs().items():
+        mods = srcs + [sink]
+        holders = [only_mine(m) for m in mods]
+        if all(holders):
+            for m in mods:
+                out.entries[m] = plan.entries[m]
+            out.owners[gid] = plan.owners[gid]
+        elif any(holders):
+            notes.append(f"pair {srcs} -> {sink} is cut by the pipeline: left replicated")
+    for n, e in plan.entries.items():
+        if e.group < 0 and e.role != "replicate" and only_mine(n):
+            out.entries[n] = e
+    return out, notes
+
+
+def _pipeline_stage_hook(pm, cfg: ParallelConfig) -> str | None:
+    """TP -> AC -> FSDP on this pipeline rank's part, on the stage's (dp_replicate, dp_shard, tp)
+    sub-mesh. The eager runtime keeps replaying the whole model's Python, so the replayer's call
+    interception is re-installed over the forwards TP replaces, and the rank's parameter list is
+    refreshed (TP / FSDP swap parameters for DTensors)."""
+    from parallel.api import _held_stages
+    from parallel.mesh import build_mesh
+    from parallel.pipeline.schedule import stage_rank
+    from parallel.tp.plan import apply_plan
+
+    if cfg.cpu_offload or cfg.mixed_precision != "fp32" or cfg.dp_shard > 1 or (cfg.tp > 1 and cfg.dp_replicate > 1):
+        raise NotImplementedError("pp > 1 composes with tp (3-D: pp x tp), dp_replicate (without tp) and "
+                                  "activation checkpointing / offload; FSDP options under pp (dp_shard, "
+                                  "cpu_offload, mixed_precision) and tp x dp_replicate under pp are not wired "
+                                  "into the pipeline runtime yet")
+    model = pm.module
+    named = list(model.named_parameters(remove_duplicate=False))
+    held_names = {n for n, p in named if id(p) in pm._held}
+    # 1. tensor parallel with the whole-model plan, restricted to this rank's modules, on this
+    #    rank's slice of the (pp, dp_replicate, dp_shard, tp) mesh
+    if cfg.tp > 1:
+        mesh = build_mesh(cfg)
+        k = pm.partition.num_stages
+        rank_of = {n: {stage_rank(s, cfg.pp, cfg.schedule) for s in st}
+                   for n, st in _held_stages(model, pm.partition, k).items()}
+        plan, notes = _stage_plan(pm.tp_plan, rank_of, pm.pp_rank)
+        for msg in notes:
+            log.info("tp under pp: %s", msg)
+        replayer = next(iter(pm.stages.values())).replayer
+        mods = dict(model.named_modules())
+        wrapped = [n for n in replayer.heads if n and "forward" in mods[n].__dict__]
+        for n in wrapped:  # the class forward back, so TP's forwards replace the real one ...
+            del mods[n].__dict__["forward"]
+        apply_plan(model, plan, mesh["tp"])
+        for n in wrapped:  # ... and the interception wraps whatever forward the module has now
+            replayer._wrap(mods[n], n)
+    # 2. activation checkpointing / offload of the blocks this rank holds
+    held = [b for b in find_blocks(model) if all(p.numel() for p in b.parameters())]
+    apply_activation_checkpointing(held, cfg.activation_checkpointing, cfg.ac_every)
+    if cfg.activation_offload:
+        apply_activation_offload(held)
+    # (3. FSDP2 over the stage's dp_shard ranks would go here: rejected above for now)
+    new = dict(model.named_parameters(remove_duplicate=False))
+    pm._held = {id(new[n]) for n in held_names}
+    local = [new[n] for n in held_names if new[n].requires_grad]
+    for st in pm.stages.values():
+        st.params = list({id(p): p for p in local}.values())
+    # tp ranks hold shards (TP reduces inside the layers): no data-parallel averaging over them
+    return "reduces_grads" if cfg.tp > 1 else None
+
+
 def _stage_hook(pm, cfg: ParallelConfig, groups) -> str | None:
     """``parallel.api`` stage hook: TP -> AC -> FSDP on the model ``parallelize`` prepared."""
     wanted = (cfg.tp > 1 or cfg.dp_shard > 1 or cfg.activation_checkpointing != "none" or cfg.activation_offload
@@ -63,14 +150,7 @@ def _stage_hook(pm, cfg: ParallelConfig, groups) -> str | None:
     if not wanted:
         return None
     if cfg.pp > 1:
-        if cfg.tp > 1 or cfg.dp_shard > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
-            raise NotImplementedError("pp > 1 combined with tp / dp_shard / FSDP options is not supported yet "
-                                      "(issue 6: the 3-D layout is not wired into the pipeline runtime)")
-        held = [b for b in find_blocks(pm.module) if all(p.numel() for p in b.parameters())]
-        apply_activation_checkpointing(held, cfg.activation_checkpointing, cfg.ac_every)
-        if cfg.activation_offload:
-            apply_activation_offload(held)
-        return None
+        return _pipeline_stage_hook(pm, cfg)
     from parallel.mesh import build_mesh
 
     mesh = build_mesh(cfg)

@@ -288,3 +288,45 @@ def api_case(rank, world, cfg_kw):
     names = [n for n, _ in pm.named_parameters()]
     return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
                 names_ok=set(names) == {n for n, _ in ref.named_parameters()})
+
+
+def pp_tp_case(rank, world, name, cfg_kw, m=4):
+    """3-D (pp x tp [x dp]) through ``parallel.parallelize`` against one process: the step loss
+    and every gradient (full tensors of the TP shards), over two steps (accumulation)."""
+    import parallel
+    from tests.parallel.pipeline_cases import make_case, reference
+
+    if name == "reader":
+        register_reader_rule()
+    model, inputs, target, loss_fn, weight_fn = make_case(name)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Dropout):
+            mod.p = 0.0
+    ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
+    cfg = parallel.ParallelConfig(microbatches=m, schedule="1f1b", **cfg_kw)
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    res = dict(pp_rank=pm.pp_rank, losses=[], err=0.0, n=0, dtensors=[], names=[])
+    for _ in range(2):
+        pm.zero_grad()
+        loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        res["losses"].append(float(loss))
+        for n, p in pm.named_parameters():
+            r, g = ref_grads.get(n), p.grad
+            if r is None and g is None:
+                continue
+            g = full(g) if g is not None else torch.zeros_like(r)
+            r = torch.zeros_like(g) if r is None else r
+            # relative to the tensor's scale (a floor at 1% of its largest entry, as the pipeline tests)
+            err = float(((g - r).abs() / (r.abs() + r.abs().max() * 1e-2 + 1e-12)).max())
+            res["err"] = max(res["err"], err)
+            res["n"] += 1
+            if isinstance(p, DTensor):
+                res["dtensors"].append(n)
+    res["ref"] = ref_loss
+    res["names"] = sorted(n for n, _ in pm.named_parameters())
+    return res
+
+
+def pp_tp_suite(rank, world, cases):
+    """``pp_tp_case`` for several (model, config) pairs in one process group."""
+    return {f"{name}:{sorted(kw.items())}": pp_tp_case(rank, world, name, kw) for name, kw in cases}
