@@ -84,7 +84,8 @@ class ParallelConfig:
 
     dp: int = -1  # data-parallel degree; -1 = world_size / (pp * tp)
     pp: int = 1  # pipeline stages for the reader
-    tp: int = 1  # tensor-parallel degree
+    tp: int = 1  # tensor-parallel degree of the reader (its attention heads / MLP split over tp ranks)
+    dp_shard: int = 1  # of dp, ranks that shard the reader's parameters, gradients and Adam state (FSDP2); 1 = replicate (DDP)
     microbatches: int = 1  # pipeline microbatches per step (pp > 1)
     schedule: str = "1f1b"  # pipeline schedule name (pp > 1)
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
@@ -193,9 +194,14 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                      f"does not match the world size {world_size}")
         if p.tp > 1 and m.heads > 0 and m.heads % p.tp:
             e.append(f"parallel.tp ({p.tp}) must divide model.heads ({m.heads})")
-        if p.tp > 1:
-            e.append("parallel.tp > 1 needs the tensor-parallel runtime, which is not wired into the trainer yet")
-        if p.pp > 1:
+        vh = m.vision_width // m.vision_head_width if m.vision_head_width > 0 else 0
+        if p.tp > 1 and vh and vh % p.tp:
+            e.append(f"parallel.tp ({p.tp}) must divide the vision heads (model.vision_width / "
+                     f"model.vision_head_width = {vh})")
+        dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
+        if p.dp_shard < 1 or (dp > 0 and dp % p.dp_shard):
+            e.append(f"parallel.dp_shard ({p.dp_shard}) must be >= 1 and divide the data-parallel degree ({dp})")
+        if p.pp > 1 or p.tp > 1 or p.dp_shard > 1:
             from rag_mm.pipelined import check as check_pipeline
 
             e += check_pipeline(cfg)

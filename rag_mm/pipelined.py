@@ -1,7 +1,10 @@
-"""The RagModel with its reader pipelined (``parallel.pp > 1``).
+"""The RagModel with its reader spread by ``parallel.parallelize``: pipelined (``parallel.pp >
+1``), tensor parallel (``parallel.tp > 1``), FSDP2-sharded (``parallel.dp_shard > 1``), or pp x tp.
 
-The reader is cut into stages by ``parallel.parallelize`` (traced, balanced, eager replay); the
-retriever stays whole on every rank. Every rank of one pipeline draws the same batch, so in
+The reader is cut into stages by ``parallel.parallelize`` (traced, balanced, eager replay), and
+each stage's part is tensor-parallel over ``tp`` ranks / sharded over ``dp_shard``; the
+retriever stays whole on every rank. Every rank of one model replica (its pipeline stages and
+tensor-parallel ranks) draws the same batch. Every rank of one pipeline draws the same batch, so in
 ``learned`` mode each of them runs the query encoder, the faiss search and the contrastive loss
 identically (same batch, same seed) and feeds the same documents to the reader pipeline.
 
@@ -22,6 +25,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import parallel
 from rag_mm.model.rag import RagModel, RagOutput
@@ -33,15 +37,18 @@ def check(cfg) -> list[str]:
     """Config errors of a pipelined run (empty when it can run), each naming its keys."""
     p, r = cfg.parallel, cfg.retriever
     e = []
-    if p.pp <= 1:
+    if p.pp <= 1 and p.tp <= 1 and p.dp_shard <= 1:
         return e
-    if p.tp > 1:
-        e.append(f"parallel.pp={p.pp} with parallel.tp={p.tp} is not supported (pipeline x tensor parallel)")
+    what = f"parallel.pp={p.pp}, tp={p.tp}, dp_shard={p.dp_shard}"
+    if p.pp > 1 and p.dp_shard > 1:
+        e.append(f"{what}: FSDP (dp_shard > 1) under a pipeline is not supported yet; use dp_shard=1")
+    if p.pp > 1 and p.tp > 1 and p.dp not in (-1, 1):
+        e.append(f"{what}: pp x tp with data parallel replicas (dp={p.dp}) is not supported yet; use dp=1")
     if r.mode == "learned" and r.loss != "contrastive":
-        e.append(f"parallel.pp > 1 with retriever.mode=learned needs retriever.loss=contrastive (got "
+        e.append(f"{what} with retriever.mode=learned needs retriever.loss=contrastive (got "
                  f"retriever.loss={r.loss!r}: the reader-driven losses need the whole reader on the retriever's rank)")
     if cfg.optim.precision != "fp32":
-        e.append(f"parallel.pp > 1 supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
+        e.append(f"{what} supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
     if cfg.data.batch_size % p.microbatches:
         e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({cfg.data.batch_size})")
     if cfg.data.eval_batch_size % p.microbatches:
@@ -61,23 +68,26 @@ class PipelinedRag:
         self.rag, self.cfg, self.device = rag, cfg, device
         p = cfg.parallel
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.pcfg = parallel.ParallelConfig(pp=p.pp, dp_replicate=world // p.pp, dp_shard=1,
+        dp = world // (p.pp * p.tp)  # model replicas (each: pp x tp ranks)
+        self.pcfg = parallel.ParallelConfig(pp=p.pp, tp=p.tp, dp_replicate=dp // p.dp_shard, dp_shard=p.dp_shard,
                                             microbatches=p.microbatches, schedule=p.schedule, partition="auto")
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
         self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s))
-        if self.pmodel.groups.rank == 0:
+        if self.pmodel.groups.rank == 0 and self.pmodel.partition is not None:
             log.info("reader pipeline partition:\n%s", self.pmodel.partition.table())
         self.training = True
 
     # ------------------------------------------------------------------ layout
     @property
     def dp_rank(self) -> int:
-        return self.pmodel.dp_rank
+        """Which share of the data this rank draws: its replica's index (the tp ranks of a stage,
+        innermost in the mesh, share it)."""
+        return self.pmodel.dp_rank // self.pcfg.tp
 
     @property
     def dp_size(self) -> int:
-        return self.pmodel.dp_size
+        return self.pmodel.dp_size // self.pcfg.tp
 
     @property
     def pp_rank(self) -> int:
@@ -194,7 +204,10 @@ class PipelinedRag:
                   for n in pm._replicated}
         for n, q in pm.named_parameters():
             if q.grad is not None:
-                sq += q.grad.detach().double().pow(2).sum().cpu() / copies.get(n, 1)
+                g2 = q.grad.detach().double().pow(2).sum()
+                if isinstance(g2, DTensor):  # a TP / FSDP shard: the sum over its mesh (a collective)
+                    g2 = g2.full_tensor()
+                sq += g2.cpu() / copies.get(n, 1)
         if dist.is_initialized() and pm.groups.pp_size > 1:
             dist.all_reduce(sq, group=pm.groups.pp_group)
         if self.rag.retriever is not None:
@@ -229,7 +242,37 @@ class PipelinedRag:
         sd = {f"reader.{k}": v for k, v in self.pmodel.state_dict().items()}
         if self.rag.retriever is not None:
             sd.update({f"retriever.{k}": v for k, v in self.rag.retriever.state_dict().items()})
-        return sd
+        return self._savable(sd, "model")
+
+    def _savable(self, sd: dict, part: str) -> dict:
+        """DCP cannot plan TP's strided shards (fused q|k|v blocks split per block on a 1-D mesh:
+        its chunk offsets overlap), so those tensors go to the checkpoint whole (gathered over
+        their mesh, then written once like any replicated tensor); ``load_done`` scatters a
+        restored one back into the shards."""
+        if not hasattr(self, "_strided"):
+            self._strided: dict[tuple, DTensor] = {}
+        out = {}
+        for k, v in sd.items():
+            if isinstance(v, dict):
+                out[k] = {j: self._gathered(w, (part, k, j)) for j, w in v.items()}
+            else:
+                out[k] = self._gathered(v, (part, k))
+        return out
+
+    def _gathered(self, v, key: tuple):
+        if isinstance(v, DTensor) and any(type(pl).__name__ == "_StridedShard" for pl in v.placements):
+            self._strided[key] = v
+            return v.full_tensor()
+        return v
+
+    @torch.no_grad()
+    def load_done(self, state: dict) -> None:
+        """After a restore: copy the whole tensors ``_savable`` handed to DCP into the shards."""
+        from torch.distributed.tensor import distribute_tensor
+
+        for key, dt in getattr(self, "_strided", {}).items():
+            full = state[key[0]][key[1]] if len(key) == 2 else state[key[0]][key[1]][key[2]]
+            dt.copy_(distribute_tensor(full.to(dt.dtype), dt.device_mesh, dt.placements))
 
     def optim_state(self, opt: torch.optim.Optimizer) -> dict:
         """Optimizer state per parameter name (created now if the optimizer has not stepped yet,
@@ -240,4 +283,4 @@ class PipelinedRag:
                 for q in group["params"]:
                     opt.state[q] = {"step": torch.zeros((), dtype=torch.float32),
                                     "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
-        return {names[id(q)]: st for q, st in opt.state.items()}
+        return self._savable({names[id(q)]: st for q, st in opt.state.items()}, "optim")

@@ -68,11 +68,12 @@ class Trainer:
         self.rag = RagModel(self.model, self.store, cfg.retriever, retriever, memory)
         self.memory = memory
         self.dp_model = self.rag
-        self.pipe = None  # parallel.pp > 1: the reader pipelined, the retriever on every rank
+        self.pipe = None  # pp / tp / dp_shard > 1: the reader spread by parallel, the retriever on every rank
         self.data_rank, self.data_size = self.env.rank, self.env.world_size  # who draws which batches
-        if cfg.parallel.pp > 1:
+        p = cfg.parallel
+        if p.pp > 1 or p.tp > 1 or p.dp_shard > 1:
             self.pipe = PipelinedRag(self.rag, cfg, self.device)
-            self.data_rank, self.data_size = self.pipe.dp_rank, self.pipe.dp_size  # a pipeline shares a batch
+            self.data_rank, self.data_size = self.pipe.dp_rank, self.pipe.dp_size  # a replica shares a batch
         elif self.env.world_size > 1:
             self.dp_model = DDP(self.rag, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             self._register_grad_reduce()
@@ -170,6 +171,8 @@ class Trainer:
         ts = checkpoint.load(path, state)
         if self.pipe is None:  # the pipeline's state was loaded in place
             set_state_dict(self.rag, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            self.pipe.load_done(state)
         self.sched.load_state_dict(ts["scheduler"])
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
