@@ -57,3 +57,26 @@ def test_parallelize_routes_tp_and_fsdp():
     for r in run_ranks(tp_cases.api_case, 4, dict(tp=2, dp_shard=2), timeout_s=300):
         assert abs(r["loss"] - r["ref"]) <= RTOL * abs(r["ref"]), r
         assert r["gerr"] < RTOL and r["names_ok"] and r["dtensors"], r
+
+
+@pytest.mark.multirank
+def test_fsdp2_bf16_mixed_precision():
+    import torch
+
+    for r in run_ranks(tp_cases.fsdp_mixed_precision_case, 2, timeout_s=240):
+        # bf16 parameters inside the block's forward; fp32 shards, gradients and Adam moments
+        assert r["compute"] and all(w == torch.bfloat16 for w, _ in r["compute"]), r["compute"]
+        assert r["param_dtypes"] == r["grad_dtypes"] == r["state_dtypes"] == {torch.float32}, r
+        # gradients are reduced in fp32 (reduce_dtype), not in the bf16 they were computed in
+        assert r["reduced"] and set(r["reduced"]) == {torch.float32}, r["reduced"]
+        # bf16 compute: close to the fp32 process, not equal (8 mantissa bits: ~1e-2 relative)
+        assert abs(r["loss"] - r["ref"]) <= 2e-2 * abs(r["ref"]), r
+        assert r["gerr_global"] < 0.1, r["gerr_global"]
+
+
+@pytest.mark.multirank
+def test_fsdp2_cpu_offload_matches_one_process():
+    """CPUOffloadPolicy (sharded parameters, gradients and Adam state on the host; on a CPU-only
+    machine this exercises the offload path's copies, on a GPU it moves the state off the device)."""
+    for r in run_ranks(tp_cases.spmd_case, 2, dict(dp_shard=2, cpu_offload=True), "reader", timeout_s=240):
+        _check(r, "fsdp2 cpu offload")

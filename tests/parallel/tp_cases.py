@@ -330,3 +330,49 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
 def pp_tp_suite(rank, world, cases):
     """``pp_tp_case`` for several (model, config) pairs in one process group."""
     return {f"{name}:{sorted(kw.items())}": pp_tp_case(rank, world, name, kw) for name, kw in cases}
+
+
+def fsdp_mixed_precision_case(rank, world, name="llama"):
+    """FSDP2 with mixed_precision=bf16 (Llama: the reader's copy head mixes dtypes under bf16 parameters): sharded parameters, gradients and Adam state
+    stay fp32, the blocks compute with bf16 parameters, gradients are reduced in fp32, and loss /
+    gradients follow the fp32 single process within bf16 accuracy."""
+    import torch.distributed as dist
+
+    from parallel.config import ParallelConfig
+    from parallel.mesh import build_mesh
+    from parallel.spmd import parallelize_spmd
+
+    model, ref, inputs, loss_fn = prepare(name)
+    cfg = ParallelConfig(dp_shard=world, mixed_precision="bf16")
+    parallelize_spmd(model, cfg, build_mesh(cfg, world, "cpu"), inputs)
+    compute = []
+    fc = model.model.layers[-1].mlp.up_proj
+    fc.register_forward_pre_hook(lambda m, a: compute.append((m.weight.dtype, a[0].dtype)))
+    reduced = []  # dtypes of the tensors FSDP hands to the reduction collectives
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce") if hasattr(dist, n)]
+    orig = {n: getattr(dist, n) for n in names}
+
+    def spy(n):
+        def call(*a, **k):
+            ts = [v for v in list(a) + list(k.values()) if isinstance(v, torch.Tensor)]
+            reduced.append(ts[-1].dtype if n != "all_reduce" else ts[0].dtype)  # the input (last for RS)
+            return orig[n](*a, **k)
+        return call
+
+    for n in names:  # torch 2.11 reduce-scatters with reduce_scatter_tensor, 2.14 with reduce_scatter_single
+        setattr(dist, n, spy(n))
+    try:
+        loss = run(model, inputs, loss_fn)
+        loss.backward()
+    finally:
+        for n in names:
+            setattr(dist, n, orig[n])
+    ref_loss = run(ref, inputs, loss_fn)
+    ref_loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model), compute=compute,
+                reduced=reduced, loss_dtype=loss.dtype,
+                param_dtypes={p.dtype for p in model.parameters()},
+                grad_dtypes={p.grad.dtype for p in model.parameters() if p.grad is not None},
+                state_dtypes={v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"})
