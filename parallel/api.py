@@ -39,6 +39,7 @@ from torch import nn
 from .config import ParallelConfig
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
+from .pipeline.lanes import open_lanes
 from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import Action, forward_only, pipeline_order, stage_rank, stages_per_rank
 from .timeline import Event
@@ -498,9 +499,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     device = next((p.device for p in model.parameters() if id(p) in held), torch.device("cpu"))
     stage_ranks = [groups.pp_ranks[stage_rank(s, cfg.pp, cfg.schedule)] for s in range(k)]
     transport = Transport(stage_ranks, timeout_s, device)
+    orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)
+    transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, groups.rank, timeout_s, cfg.p2p)
+    log.info("pipeline p2p on rank %d: %s", groups.rank, how)
     local_params = [p for p in model.parameters() if id(p) in held]
     stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
-    order = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)[groups.pp_rank]
+    order = orders[groups.pp_rank]
     pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
     pm._numel = numel
     pm.tp_plan = tp_plan

@@ -35,6 +35,7 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8
+    p2p: str = "auto"  # pipeline messages: auto (shared-memory rings between ranks of one host) | shm | gloo
 
     def validate(self, world_size: int) -> ParallelConfig:
         """Resolve -1 and reject layouts that cannot work, with a message naming the key."""
@@ -50,6 +51,8 @@ class ParallelConfig:
             errors.append(f"objective must be one of {OBJECTIVES} (got {self.objective!r})")
         if self.activation_checkpointing not in ("none", "full", "every_n"):
             errors.append(f"activation_checkpointing must be none, full or every_n (got {self.activation_checkpointing!r})")
+        if self.p2p not in ("auto", "shm", "gloo"):
+            errors.append(f"p2p must be auto, shm or gloo (got {self.p2p!r})")
         if self.mixed_precision not in ("fp32", "bf16"):
             errors.append(f"mixed_precision must be fp32 or bf16 (got {self.mixed_precision!r})")
         if errors:

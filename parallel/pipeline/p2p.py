@@ -13,7 +13,8 @@ and knows its layout. Every message has its own tag (stage, microbatch, kind), s
 interleave directions between the same two ranks cannot mismatch them. Sends are non-blocking
 (waited at the end of the step); receives block with a timeout and fail with a message that names
 the peer, the stage and the microbatch - a dead rank raises here instead of hanging.
-Stages on the same rank (interleaved, V schedules) hand bundles over in memory.
+Stages on the same rank (interleaved, V schedules) hand bundles over in memory; ranks on one host
+exchange messages up to a size limit through shared-memory rings (``lanes.py``: the p2p gate).
 """
 
 from __future__ import annotations
@@ -104,15 +105,37 @@ class Transport:
         self.sent_meta: dict[tuple[int, bytes], int] = {}  # (dst stage, pickled meta) -> id
         self.recv_meta: dict[tuple[int, int], Any] = {}  # (src stage, id) -> meta
         self.wait_s = 0.0  # seconds spent blocked in receives this step (for the timeline)
+        self.lanes: dict[int, list] = {}  # peer global rank -> [ShmChannel to it, from it] (lanes.py)
+
+    def _lane(self, peer: int, out: bool, nbytes: int, small: bool):
+        """The ring for this message, or None for gloo (the same answer on both sides: both know
+        ``nbytes``). Metadata (``small``) uses the ring only up to one slot, as the ring is sized."""
+        box = self.lanes.get(peer)
+        ch = box[0 if out else 1] if box else None
+        if ch is None or nbytes > (min(ch.limit, ch.slot_bytes) if small else ch.limit):
+            return None
+        return ch
 
     # --- low level
-    def _isend(self, t: torch.Tensor, dst_stage: int, tag: int) -> None:
+    def _isend(self, t: torch.Tensor, dst_stage: int, tag: int, small: bool = False) -> None:
+        ch = self._lane(self.stage_rank[dst_stage], True, t.numel() * t.element_size(), small)
+        if ch is not None:  # a copy into the ring, which has room for the whole step (lanes.py)
+            try:
+                ch.send(t)
+            except RuntimeError as e:
+                raise PipelineError(f"rank {self.rank}: a shared-memory pipeline send failed: {e}") from e
+            return
         self.pending.append((dist.isend(t, self.stage_rank[dst_stage], group=self.group, tag=tag), t))
 
-    def _recv(self, t: torch.Tensor, src_stage: int, tag: int, what: str) -> None:
+    def _recv(self, t: torch.Tensor, src_stage: int, tag: int, what: str, small: bool = False) -> None:
         peer = self.stage_rank[src_stage]
         t0 = time.perf_counter()
+        ch = self._lane(peer, False, t.numel() * t.element_size(), small)
         try:
+            if ch is not None:
+                ch.recv(t)
+                self.wait_s += time.perf_counter() - t0
+                return
             work = dist.irecv(t, peer, group=self.group, tag=tag)
             if not work.wait(self.timeout):
                 raise TimeoutError(f"no message within {self.timeout.total_seconds():.0f} s")
@@ -146,7 +169,7 @@ class Transport:
                                self.sent_meta[key], len(blob) if new else 0, len(tensors)], dtype=torch.int64)
         self._isend(header, dst, _tag(src, mb, KIND_HEADER))
         if new:
-            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META))
+            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), small=True)
         if payload is not None:
             self._isend(payload, dst, _tag(src, mb, KIND_FWD))
 
@@ -160,7 +183,8 @@ class Transport:
         _, meta_id, meta_len, n = header.tolist()
         if meta_len:
             blob = torch.empty(meta_len, dtype=torch.uint8)
-            self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}")
+            self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}",
+                       small=True)
             self.recv_meta[(src, meta_id)] = pickle.loads(blob.numpy().tobytes())
         meta = self.recv_meta[(src, meta_id)]
         specs = specs_of(meta)

@@ -4,7 +4,9 @@
    2, 4, 8, 16: T1 = one process, one thread, the same m microbatches with gradient accumulation;
    efficiency = T1 / (p * Tpipe); overhead = (m / (m + p - 1)) / efficiency - 1 (what the
    pipeline costs beyond its unavoidable bubble); the measured bubble fraction from the timeline,
-   and the time each rank spent blocked in receives.
+   and the time each rank spent blocked in receives. Beside it, in the same run, torch's own
+   ``Schedule1F1B`` over gloo with the same even split (``--torch-ref``), and our runtime with the
+   shared-memory lanes off (``--p2p gloo``) for comparison.
 2. The rag_mm reader on 2 ranks: step time with the auto partition against the uniform one.
 
     python scripts/bench/pipeline.py [--steps 20] [--out results.json]
@@ -40,17 +42,20 @@ def mse(out, tgt):
     return torch.nn.functional.mse_loss(out, tgt)
 
 
-def t_single(m: int, steps: int) -> float:
+def t_single(m: int, steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per step of one process running the same m microbatches."""
     model = mlp()
     x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-    times = []
+    times, cpus = [], []
     for s in range(steps + 3):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
             (mse(model(xi), yi) / m).backward()
         if s >= 3:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            cpus.append(time.process_time() - c0)
+        model.zero_grad()
+    return statistics.median(times), statistics.median(cpus)
 
 
 def _worker(rank, world, port, job, q):
@@ -78,27 +83,48 @@ def spawn(fn, world: int, **kw):
     return [out[r] for r in range(world)]
 
 
-def pipe_mlp(rank, m, steps, schedule):
+def torch_1f1b(rank, m, steps):
+    """torch.distributed.pipelining's 1F1B over gloo, hand-made even split: the reference."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    part = nn.Sequential(*list(mlp().children())[rank * BLOCKS // 2:(rank + 1) * BLOCKS // 2])
+    x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
+    sched = Schedule1F1B(PipelineStage(part, rank, 2, torch.device("cpu")), m, loss_fn=mse)
+    times = []
+    for s in range(steps + 3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        sched.step(x) if rank == 0 else sched.step(target=y)
+        if s >= 3:
+            times.append(time.perf_counter() - t0)
+        for q in part.parameters():
+            q.grad = None
+    return {"t": statistics.median(times)}
+
+
+def pipe_mlp(rank, m, steps, schedule, p2p="auto"):
     import parallel
     from parallel.timeline import bubble_fraction, gather
 
     model = mlp()
     x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-    cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform")
+    cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform", p2p=p2p)
     pm = parallel.parallelize(model, cfg, (x,))
-    times, waits, bubbles = [], [], []
+    times, waits, bubbles, cpus = [], [], [], []
     for s in range(steps + 3):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pm.train_step((x,), target=y, loss_fn=mse)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         ev = gather(pm.events)
         if s >= 3:
             times.append(dt)
+            cpus.append(dc)
             waits.append(pm.transport.wait_s)
             bubbles.append(bubble_fraction(ev))
         pm.zero_grad()
     return {"t": statistics.median(times), "wait": statistics.median(waits), "bubble": statistics.median(bubbles),
+            "cpu": statistics.median(cpus), "p2p": {k: [c is not None for c in v] for k, v in pm.transport.lanes.items()},
             "events": [e.__dict__ for e in ev] if rank == 0 else None}
 
 
@@ -143,6 +169,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ms", default="2,4,8,16")
     ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--p2p", default="auto", help="pipeline messages: auto (shared memory) | shm | gloo")
+    ap.add_argument("--compare", type=int, default=1, help="also time --p2p gloo and torch's Schedule1F1B")
     ap.add_argument("--reader-steps", type=int, default=8)
     ap.add_argument("--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions")
     ap.add_argument("--out", default="")
@@ -152,22 +180,37 @@ def main() -> None:
     p = 2
     res = {"mlp": [], "reader": {}}
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, {a.schedule}, 1 thread/rank, gloo")
-    print(f"{'m':>3} {'T1 ms':>8} {'Tpipe ms':>9} {'eff':>6} {'overhead':>9} {'bubble':>7} {'theory':>7} {'recv wait ms (r0,r1)':>22}")
+    print(f"load average before: {os.getloadavg()[0]:.1f}")
+    print(f"{'m':>3} {'T1 ms':>8} {'Tpipe ms':>9} {'eff':>6} {'overhead':>9} {'bubble':>7} {'theory':>7} "
+          f"{'recv wait ms':>14} {'CPU ms T1/2 | r0,r1':>20} {'gloo lanes':>11} {'torch 1F1B':>11}")
+
+    def overhead(m, t1, tp):
+        return (m / (m + p - 1)) / (t1 / (p * tp)) - 1
+
     for m in [int(x) for x in a.ms.split(",") if x]:
-        t1 = t_single(m, a.steps)
-        r = spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule)
+        t1, c1 = t_single(m, a.steps)
+        r = spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p=a.p2p)
         tp = max(x["t"] for x in r)
         eff = t1 / (p * tp)
-        over = (m / (m + p - 1)) / eff - 1
-        row = dict(m=m, t1=t1, tpipe=tp, efficiency=eff, overhead=over, bubble=r[0]["bubble"],
-                   theory=(p - 1) / (m + p - 1), wait=[x["wait"] for x in r])
+        row = dict(m=m, t1=t1, tpipe=tp, efficiency=eff, overhead=overhead(m, t1, tp), bubble=r[0]["bubble"],
+                   theory=(p - 1) / (m + p - 1), wait=[x["wait"] for x in r], cpu1=c1, cpu=[x["cpu"] for x in r],
+                   lanes=r[0]["p2p"])
+        if a.compare:  # same run, same load: our runtime over gloo only, and torch's own 1F1B
+            tg = max(x["t"] for x in spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p="gloo"))
+            tt = max(x["t"] for x in spawn(torch_1f1b, p, m=m, steps=a.steps))
+            t1b, _ = t_single(m, a.steps)  # T1 again: the load drifts; both T1s are averaged
+            t1 = row["t1"] = (t1 + t1b) / 2
+            row.update(overhead=overhead(m, t1, tp), efficiency=t1 / (p * tp), tpipe_gloo=tg,
+                       overhead_gloo=overhead(m, t1, tg), tpipe_torch=tt, overhead_torch=overhead(m, t1, tt))
         res["mlp"].append(row)
-        print(f"{m:>3} {t1 * 1e3:>8.2f} {tp * 1e3:>9.2f} {eff:>6.3f} {over:>9.1%} {row['bubble']:>7.1%} "
-              f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>10.2f},{row['wait'][1] * 1e3:>8.2f}")
+        extra = f" {row['overhead_gloo']:>11.1%} {row['overhead_torch']:>11.1%}" if a.compare else ""
+        print(f"{m:>3} {t1 * 1e3:>8.2f} {tp * 1e3:>9.2f} {row['efficiency']:>6.3f} {row['overhead']:>9.1%} "
+              f"{row['bubble']:>7.1%} {row['theory']:>7.1%} {row['wait'][0] * 1e3:>6.1f},{row['wait'][1] * 1e3:>6.1f} "
+              f"{c1 * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}{extra}", flush=True)
         if a.trace and m == 8:
             from parallel.timeline import Event, plot, to_chrome_trace
 
-            ev = [Event(**d) for d in r[0]["events"]]
+            ev = [Event(**d) for d in r[0]["events"]]  # the shared-memory run's
             to_chrome_trace(ev, a.trace + ".json")
             plot(ev, a.trace + ".png", title=f"MLP p=2 m=8 {a.schedule}")
     if a.reader_steps:

@@ -235,3 +235,73 @@ def test_split_microbatches():
 
     parts = split_microbatches({"x": torch.arange(8).view(8, 1), "flag": True}, 4)
     assert len(parts) == 4 and parts[1]["x"].flatten().tolist() == [2, 3] and parts[3]["flag"] is True
+
+
+# ----------------------------------------------------------------------------- p2p lanes
+
+
+def _p2p_worker(rank, world, mode, budget):
+    import parallel
+    from parallel.pipeline import lanes
+
+    if budget:
+        lanes.LANE_BUDGET = budget  # small rings: headers through shared memory, payloads over gloo
+    out = {}
+    for name in ("gpt2", "reader"):
+        model, inputs, target, loss_fn, weight_fn = make_case(name)
+        ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, 4)
+        cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule="1f1b", partition="uniform", p2p=mode)
+        pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+        loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        box = pm.transport.lanes.get(1 - rank)
+        limits = [ch.limit for ch in box if ch is not None] if box else []
+        out[name] = (_compare(pm, loss, ref_loss, ref_grads), limits)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode,budget", [("gloo", 0), ("shm", 0), ("shm", 1 << 20)])
+def test_pipeline_p2p_transports(mode, budget):
+    """The same gradients whether messages go over gloo, shared-memory rings, or both (rings too
+    small for the payloads: headers in shared memory, activations over gloo)."""
+    for rank, per in enumerate(run_ranks(_p2p_worker, 2, mode, budget, timeout_s=240)):
+        for name, (bad, limits) in per.items():
+            assert not bad, f"{mode} {name} rank {rank}: {bad[:5]}"
+            if mode == "gloo":
+                assert limits == []
+            else:  # one ring each way between the two stages
+                assert len(limits) == 2, limits
+                assert all(lim <= (256 << 10) for lim in limits) if budget else all(lim >= (1 << 20) for lim in limits)
+
+
+def test_lanes_follow_the_schedule():
+    from parallel.pipeline.lanes import SLOT_BYTES, messages, plan_lanes, ring_size
+    from parallel.pipeline.schedule import Action, pipeline_order
+
+    order = pipeline_order("1f1b", 2, 1, 8)
+    sends, recvs = messages(order, [0, 1])
+    assert sends[(0, 1)] == recvs[(0, 1)] == [("f", 0, i) for i in range(8)]
+    assert sends[(1, 0)] == [("b", 1, i) for i in range(8)]
+    lanes, why = plan_lanes([order], [0, 1])
+    assert lanes == {(0, 1): (8, 0), (1, 0): (0, 8)} and why == ""
+    # multi-stage schedules: a lane is kept only where the two message orders agree (torch's
+    # interleaved orders interleave directions differently on the two ranks: those go to gloo)
+    for schedule in ("interleaved_1f1b", "zero_bubble", "zbv"):
+        o = pipeline_order(schedule, 2, 2, 4)
+        ranks = [0, 1, 1, 0] if schedule == "zbv" else [0, 1, 0, 1]
+        sends, recvs = messages(o, ranks)
+        lanes, why = plan_lanes([o], ranks)
+        for pair in sends:
+            assert (pair in lanes) == (sends[pair] == recvs[pair]), (schedule, pair)
+        assert bool(why) == (len(lanes) < len(sends)), (schedule, why)
+        for pair, (f, b) in lanes.items():  # every bundle of the step is counted for the ring size
+            assert f + b == len(sends[pair]) and f == sum(1 for x in sends[pair] if x[0] == "f")
+    # a receiver that takes the microbatches in another order than they were sent: no FIFO lane
+    swapped = {0: order[0], 1: [Action(a.kind, a.stage, 1 - a.mb if a.mb < 2 else a.mb) for a in order[1]]}
+    lanes, why = plan_lanes([swapped], [0, 1])
+    assert (0, 1) not in lanes and "another order" in why
+    # the ring holds one step of its lane: headers + metadata (one slot each) and payloads
+    for f, b in [(8, 0), (0, 8), (16, 16), (4, 4)]:
+        slots, limit = ring_size(f, b)
+        assert limit % SLOT_BYTES == 0 and slots >= 2 * f + (f + b) * limit // SLOT_BYTES
+        assert slots * SLOT_BYTES <= (64 << 20) + 2 * f * SLOT_BYTES
