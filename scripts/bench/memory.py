@@ -1,13 +1,26 @@
-"""Memory savers, measured: per-rank memory of FSDP2 vs plain data parallel on 2 gloo ranks, and
-the activation memory activation checkpointing saves on the reader.
+"""Memory savers, measured: per-rank memory of FSDP2 vs plain data parallel (DDP) on 2 gloo ranks,
+and the activation memory activation checkpointing saves on the reader.
 
-    python scripts/bench/memory.py [--dim 384 --layers 8] [--json out.json]
+    python scripts/bench/memory.py [--json out.json] [--shapes 768x8x2,384x8x8]
 
-Per rank we report (1) model state bytes after an AdamW step: this rank's parameters + gradients
-+ optimizer state (local shards of DTensors), and (2) the process's peak resident memory growth
-from just before the model is built to after two steps (ru_maxrss; includes activations,
-collective buffers and allocator slack). Activation memory = bytes autograd saves for backward
-(distinct storages, parameters excluded) in one forward of the reader.
+Each shape is ``dim x layers x batch`` of the rag_mm reader (2 documents of 40 tokens per query at
+batch 8, 1 document at smaller batches). Per rank, for DDP and FSDP2 (2 AdamW steps, fp32):
+
+- ``state``: parameters + gradients + Adam moments after a step (local shards of DTensors): what
+  FSDP shards, so 0.5x on 2 ranks by construction;
+- ``peak``: the peak of live tensor bytes, as the c10 CPU allocator counts them ("Total Allocated"
+  of the profiler's memory events; tracking starts before the model is built, so it covers the
+  model, gradients, optimizer state, activations, FSDP's all-gather / reduce-scatter buffers and
+  DDP's gradient buckets, and nothing else): this is what the "<= 0.6x per rank" goal means;
+- ``rss``: the process's peak resident memory growth from just before the model is built, after
+  imports and a warm-up step of a tiny reader (current RSS sampled every 0.5 ms; malloc's mmap threshold is pinned so freed tensors go back
+  to the OS): adds the allocator's slack, gloo's and the runtime's own buffers and caches, which
+  no data parallel scheme shards. Measured in a first run, without the profiler.
+
+Why an activation-heavy shape misses the goal: FSDP shards only the model state; activations
+(batch 8 with 2 retrieved documents: ~290 MB on 384 x 8 against ~250 MB of state) and FSDP's
+unsharded working set (the gathered block, its full gradient before the reduce-scatter, the root's
+parameters, kept unsharded between forward and backward) are the same on every rank.
 """
 
 from __future__ import annotations
@@ -15,31 +28,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+# freed tensors' pages go back to the OS at once (glibc otherwise raises its mmap threshold after
+# the first large free and keeps later blocks in the heap), so RSS follows the live bytes
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
 
 
-def _reader(dim, layers):
+def _reader(dim, layers, batch=8):
     from rag_mm.config import ModelConfig
 
     torch.manual_seed(0)
     cfg = ModelConfig(dim=dim, layers=layers, heads=max(1, dim // 64), vision_width=128, vision_layers=2,
                       vision_head_width=32, attention_backend="auto")
     g = torch.Generator().manual_seed(1)
-    B = 8
+    B, k = batch, (2 if batch >= 8 else 1)
     inputs = dict(image=torch.randn(B, 3, 32, 32, generator=g), q_ids=torch.randint(0, 1000, (B, 20), generator=g),
                   q_len=torch.full((B,), 20), a_ids=torch.randint(0, 1000, (B, 8), generator=g),
-                  a_len=torch.full((B,), 8), doc_image=torch.randn(B, 2, 3, 32, 32, generator=g),
-                  doc_ids=torch.randint(0, 1000, (B, 2, 40), generator=g), doc_len=torch.full((B, 2), 40))
+                  a_len=torch.full((B,), 8), doc_image=torch.randn(B, k, 3, 32, 32, generator=g),
+                  doc_ids=torch.randint(0, 1000, (B, k, 40), generator=g), doc_len=torch.full((B, k), 40))
     return cfg, inputs
 
 
-def _rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _state_bytes(model, opt) -> int:
@@ -58,19 +75,18 @@ def _state_bytes(model, opt) -> int:
     return total
 
 
-def dp_rank_fn(rank, world, mode, dim, layers):
+def _train(mode, world, dim, layers, batch):
     from parallel.config import ParallelConfig
     from parallel.mesh import build_mesh
     from parallel.spmd import parallelize_spmd
     from rag_mm.model import Reader
 
-    cfg, inputs = _reader(dim, layers)
-    rss0 = _rss()
+    cfg, inputs = _reader(dim, layers, batch)
     model = Reader(cfg, vocab_size=1000)
     if mode == "fsdp":
         pc = ParallelConfig(dp_shard=world)
         parallelize_spmd(model, pc, build_mesh(pc, world, "cpu"))
-    else:  # plain data parallel: full replica, gradients all-reduced
+    else:  # plain data parallel, as the trainer runs it: full replica, gradients all-reduced in buckets
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -80,7 +96,63 @@ def dp_rank_fn(rank, world, mode, dim, layers):
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    return dict(state=_state_bytes(model, opt), rss_growth=_rss() - rss0)
+    return _state_bytes(model, opt)
+
+
+class _RssSampler:
+    """Peak of the current RSS, sampled every 0.5 ms on a thread (ru_maxrss would also remember
+    peaks from before the measured region: imports, an earlier run)."""
+
+    def __enter__(self):
+        import threading
+
+        self.base = self.peak = _rss_now()
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.wait(5e-4):
+                self.peak = max(self.peak, _rss_now())
+
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_now())
+
+
+def _warm_up() -> None:
+    """Imports and one-time loads (the attention extension, dispatch caches) before the measured
+    region: they are the process's fixed cost, not the training state's."""
+    import parallel.mesh  # noqa: F401
+    import parallel.spmd  # noqa: F401
+    from rag_mm.model import Reader
+
+    cfg, inputs = _reader(64, 2, 2)
+    cfg.heads = 1
+    Reader(cfg, vocab_size=1000)(**inputs).loss.backward()
+
+
+def dp_rank_fn(rank, world, mode, dim, layers, batch=8):
+    """Per-rank state, peak RSS growth (a plain run) and allocator-tracked peak (a profiled run)."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    _warm_up()
+    with _RssSampler() as rss:
+        _train(mode, world, dim, layers, batch)
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        state = _train(mode, world, dim, layers, batch)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            events = json.load(g)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return dict(state=state, peak=max(totals), rss=rss.peak - rss.base)
 
 
 def activation_bytes(dim, layers, mode):
@@ -108,20 +180,24 @@ def activation_bytes(dim, layers, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--shapes", default="768x8x2,384x8x8",
+                    help="reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)")
+    ap.add_argument("--activations", default="384x8", help="dim x layers for the activation-checkpointing table")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tests.distributed import run_ranks
 
-    res = {"dim": a.dim, "layers": a.layers}
-    for mode in ("ddp", "fsdp"):
-        r = run_ranks(dp_rank_fn, 2, mode, a.dim, a.layers, timeout_s=600)
-        res[mode] = r
-    for k in ("state", "rss_growth"):
-        res[f"fsdp_vs_ddp_{k}"] = max(x[k] for x in res["fsdp"]) / max(x[k] for x in res["ddp"])
+    res = {"shapes": {}}
+    for shape in a.shapes.split(","):
+        dim, layers, batch = (int(x) for x in shape.split("x"))
+        r = {mode: run_ranks(dp_rank_fn, 2, mode, dim, layers, batch, timeout_s=1200) for mode in ("ddp", "fsdp")}
+        for k in ("state", "peak", "rss"):  # per rank: the larger of the two ranks
+            r[f"fsdp_vs_ddp_{k}"] = max(x[k] for x in r["fsdp"]) / max(x[k] for x in r["ddp"])
+        res["shapes"][shape] = r
+        print(shape, {k: round(v, 3) for k, v in r.items() if k.startswith("fsdp_vs")}, flush=True)
+    dim, layers = (int(x) for x in a.activations.split("x"))
     for mode in ("none", "full", "every_n"):
-        res[f"activation_bytes_{mode}"] = activation_bytes(a.dim, a.layers, mode)
+        res[f"activation_bytes_{mode}"] = activation_bytes(dim, layers, mode)
     res["ac_full_reduction"] = res["activation_bytes_none"] / res["activation_bytes_full"]
     res["ac_every2_reduction"] = res["activation_bytes_none"] / res["activation_bytes_every_n"]
     print(json.dumps(res, indent=1))
