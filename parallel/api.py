@@ -39,6 +39,7 @@ from torch import nn
 from .config import ParallelConfig
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
+from .pipeline.graph import GraphPathError, GraphPlan, GraphStage, build_graph_plan
 from .pipeline.lanes import open_lanes
 from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import Action, forward_only, pipeline_order, stage_rank, stages_per_rank
@@ -465,16 +466,20 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     # 2. partition
     if partition is None:
         partition = make_partition(model, cfg, example_inputs, k, v, trace_loss_fn)
-    # 3. pipeline stages: plan on the full model, then free what other ranks hold
-    heads: dict[str, int] = {}
-    for u, s in zip(partition.units, partition.unit_stage):
-        if u.kind == "module":
-            heads[u.module] = s
-    replayer = Replayer(model, set(heads))
+    # 3. pipeline stages: plan on the full model, then free what other ranks hold; the graph
+    #    path (export + split at the partition's cuts) where asked for and possible, else eager
     probe_in = split_microbatches(example_inputs, cfg.microbatches)[0] if _batch(example_inputs) >= cfg.microbatches \
         else example_inputs
     args, kwargs = _as_call(probe_in)
-    plan = build_plan(replayer, heads, k, args, kwargs)
+    gplan, path = _graph_plan(model, cfg, partition, k, args, kwargs)
+    log.info("pipeline stages: %s", path)
+    if gplan is None:
+        heads: dict[str, int] = {}
+        for u, s in zip(partition.units, partition.unit_stage):
+            if u.kind == "module":
+                heads[u.module] = s
+        replayer = Replayer(model, set(heads))
+        plan = build_plan(replayer, heads, k, args, kwargs)
     for p in model.parameters():
         p.grad = None
     local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == groups.pp_rank]
@@ -489,6 +494,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         if st & set(local):
             held.add(id(p))
     replicated = sorted(n for n, r in ranks_of.items() if len(r) > 1)
+    if gplan is not None:  # a stage holds exactly the parameters its graph uses (none shared)
+        held = {id(p) for s in local for p in gplan.modules[s].parameters()}
+        replicated = []
     numel = {n: p.numel() for n, p in model.named_parameters()}
     # a TP plan is read off the whole model's dataflow: found before the split, applied to each
     # stage's part by the TP stage hook (issue 6)
@@ -503,7 +511,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, groups.rank, timeout_s, cfg.p2p)
     log.info("pipeline p2p on rank %d: %s", groups.rank, how)
     local_params = [p for p in model.parameters() if id(p) in held]
-    stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
+    if gplan is not None:
+        plan = gplan
+        stages = {s: GraphStage(s, gplan, model, transport, local_params, device) for s in local}
+    else:
+        stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
     order = orders[groups.pp_rank]
     pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
     pm._numel = numel
@@ -516,6 +528,25 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     log.info("pipeline rank %d: stages %s, %d parameters\n%s", groups.pp_rank, local,
              sum(p.numel() for p in pm.parameters()), plan.describe())
     return pm
+
+
+def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: int, args: tuple,
+                kwargs: dict) -> tuple[GraphPlan | None, str]:
+    """The gate between the two stage paths: (graph plan or None, the line that says which and why)."""
+    if cfg.stage_path == "eager":
+        return None, "eager path (stage_path='eager')"
+    why = ""
+    if cfg.tp > 1:
+        why = "tensor parallel under pp wraps the eager path's module calls"
+    else:
+        try:
+            gplan = build_graph_plan(model, partition, k, args, kwargs)
+            return gplan, "graph path (torch.export split at the partition's cuts)\n" + gplan.describe()
+        except GraphPathError as e:
+            why = str(e)
+    if cfg.stage_path == "graph":
+        raise GraphPathError(f"stage_path='graph' but the model cannot take the graph path: {why}")
+    return None, f"eager path (graph path not taken: {why})"
 
 
 def _batch(inputs: Any) -> int:

@@ -36,6 +36,10 @@ class ParallelConfig:
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8
     p2p: str = "auto"  # pipeline messages: auto (shared-memory rings between ranks of one host) | shm | gloo
+    # pipeline stages: eager (replay the model's Python; any model) | graph (torch.export split at the
+    # partition's cuts; fixed shapes, tensor inputs/outputs) | auto (graph where export succeeds).
+    # eager by default: the path measured and tested on every model of the grid (reader, HF models)
+    stage_path: str = "eager"
 
     def validate(self, world_size: int) -> ParallelConfig:
         """Resolve -1 and reject layouts that cannot work, with a message naming the key."""
@@ -51,6 +55,8 @@ class ParallelConfig:
             errors.append(f"objective must be one of {OBJECTIVES} (got {self.objective!r})")
         if self.activation_checkpointing not in ("none", "full", "every_n"):
             errors.append(f"activation_checkpointing must be none, full or every_n (got {self.activation_checkpointing!r})")
+        if self.stage_path not in ("auto", "graph", "eager"):
+            errors.append(f"stage_path must be auto, graph or eager (got {self.stage_path!r})")
         if self.p2p not in ("auto", "shm", "gloo"):
             errors.append(f"p2p must be auto, shm or gloo (got {self.p2p!r})")
         if self.mixed_precision not in ("fp32", "bf16"):

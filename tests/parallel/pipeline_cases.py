@@ -78,6 +78,8 @@ def reader_case(b: int = 8):
 
 
 def make_case(name: str, b: int = 8):
+    if name == "skip_mlp":
+        return skip_mlp_case(b)
     return reader_case(b) if name == "reader" else hf_case(name, b)
 
 
@@ -105,3 +107,30 @@ def reference(model, inputs, target, loss_fn, weight_fn, m: int):
         assert torch.allclose(full, loss, rtol=1e-5), (float(full), float(loss))
     grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
     return float(loss.detach() if torch.is_tensor(loss) else loss), grads
+
+
+class SkipMLP(torch.nn.Module):
+    """An exportable stack (the graph path's case): input projection, 6 residual MLP blocks and a
+    head that also reads the input projection (a long skip: relayed through every middle stage)."""
+
+    def __init__(self, d: int = 32, n: int = 6):
+        super().__init__()
+        self.inp = torch.nn.Linear(d, d)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
+                                torch.nn.Linear(2 * d, d)) for _ in range(n))
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h0 = self.inp(x)
+        h = h0
+        for blk in self.blocks:
+            h = h + blk(h)
+        return self.out(h + h0)
+
+
+def skip_mlp_case(b: int = 8):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(b, 32, generator=gen), torch.randn(b, 32, generator=gen)
+    return SkipMLP(), (x,), y, lambda out, t: F.mse_loss(out, t), None
