@@ -153,9 +153,17 @@ def _default_loss(out: Any, target: Any) -> torch.Tensor:
 
 def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, num_stages: int, v: int,
                    trace_loss_fn: Callable | None = None) -> Partition:
-    """Rank 0 traces and partitions; every rank receives the same Partition."""
+    """Rank 0 traces and partitions; every rank receives the same Partition.
+
+    The trace runs on one microbatch, not the whole example batch: unit costs are per microbatch
+    in the cost model, and they are not linear in the batch (the reader's copy head works on
+    (tokens, vocabulary) tensors that stay in cache at a microbatch of 8 and not at 32: traced on
+    the batch it looked 1.3x too expensive next to the blocks and drew the cut after lm_head,
+    ~10 MB per microbatch across it, BENCHMARKS.md Pipeline)."""
     obj: list[Any] = [None]
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if _batch(example_inputs) >= cfg.microbatches > 1:
+        example_inputs = split_microbatches(example_inputs, cfg.microbatches)[0]
     if rank == 0:
         sched = COST_SCHEDULE[cfg.schedule]
         kw = dict(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v)

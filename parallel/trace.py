@@ -10,8 +10,12 @@ the dataflow the pipeline and tensor-parallel code need.
 
 How each quantity is measured:
 
-- forward time: ``perf_counter`` in forward pre/post hooks, minus the time spent inside the
+- forward time: a clock read in forward pre/post hooks, minus the time spent inside the
   tracer's own hooks during the call (so a parent's time does not include its children's hooks);
+- the clock: on a CPU running one intra-op thread, the thread's CPU time (``thread_time``), so a
+  module that happens to be descheduled by another process is not charged the wait (on a shared
+  2-core host one 120 ms outlier decided a whole partition); with several threads or on a GPU,
+  wall time (``perf_counter``, after a device sync);
 - backward time: each autograd node created during a module call is *claimed* by the innermost
   module whose forward post-hook reaches it (walking back from the outputs, stopping at the call's
   inputs and at nodes already claimed), and timed by node pre/post hooks during backward;
@@ -194,6 +198,13 @@ def default_loss(output: Any) -> torch.Tensor:
     return sum(t.float().mean() for t in ts)
 
 
+_clock = time.perf_counter  # set by trace_model for its timed passes (see the module doc)
+
+
+def _now() -> float:
+    return _clock()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -272,7 +283,7 @@ class _Tracer:
     # --- forward hooks
     def pre(self, mod: nn.Module, args: tuple, kwargs: dict) -> None:
         _sync(self.device)
-        t0 = time.perf_counter()
+        t0 = _now()
         name = self.canon_mod[id(mod)]
         cid = len(self.calls)
         inputs = _tensors(args) + _tensors(kwargs)
@@ -293,13 +304,13 @@ class _Tracer:
         self.call_stack.append(cid)
         self.call_in_nodes.append(in_nodes)
         self.call_overhead0.append(self.overhead)
-        t1 = time.perf_counter()
+        t1 = _now()
         self.overhead += t1 - t0
         self.call_start.append(t1)
 
     def post(self, mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         _sync(self.device)
-        t0 = time.perf_counter()
+        t0 = _now()
         cid = self.call_stack.pop()
         name = self.stack.pop()
         elapsed = t0 - self.call_start[cid] - (self.overhead - self.call_overhead0[cid])
@@ -323,7 +334,7 @@ class _Tracer:
                     self.producer[key] = len(self.tensors)
                     self.tensors.append(TensorFlow(cid, [], _nbytes(t), list(t.shape), str(t.dtype)))
                     self.keep.append(t)
-        self.overhead += time.perf_counter() - t0
+        self.overhead += _now() - t0
 
     def _record_input(self, t: torch.Tensor) -> int:
         key = _storage_key(t)
@@ -383,12 +394,12 @@ class _Tracer:
     # --- backward node hooks
     def _node_pre(self, grad_outputs):
         _sync(self.device)
-        self._bwd_t0 = time.perf_counter()
+        self._bwd_t0 = _now()
 
     def _make_node_post(self, name: str) -> Callable:
         def post(grad_inputs, grad_outputs):
             _sync(self.device)
-            self.bwd[name] = self.bwd.get(name, 0.0) + time.perf_counter() - self._bwd_t0
+            self.bwd[name] = self.bwd.get(name, 0.0) + _now() - self._bwd_t0
 
         return post
 
@@ -403,12 +414,12 @@ class _Tracer:
 
 
 def _run(model: nn.Module, inputs: tuple | dict, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
-    t0 = time.perf_counter()
+    t0 = _now()
     out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
     loss = loss_fn(out)
-    t1 = time.perf_counter()
+    t1 = _now()
     loss.backward()
-    t2 = time.perf_counter()
+    t2 = _now()
     return t1 - t0, t2 - t1
 
 
@@ -432,6 +443,8 @@ def trace_model(
     device = p0.device if p0 is not None else torch.device("cpu")
     tr.device = device
     timed = device.type != "meta"
+    global _clock
+    _clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     handles = []
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(tr.pre, with_kwargs=True))
@@ -464,6 +477,7 @@ def trace_model(
                 bwd_runs.append(t.bwd)
                 del t
     finally:
+        _clock = time.perf_counter
         for h in handles:
             h.remove()
         for p in model.parameters():

@@ -153,15 +153,17 @@ def pipe_reader(rank, partition, steps, m):
     model, inputs = reader_case(32)
     cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule="1f1b", partition=partition)
     pm = parallel.parallelize(model, cfg, inputs)
-    times = []
+    times, cpus = [], []
     for s in range(steps + 2):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pm.train_step(inputs, loss_fn=lambda out, _: out.loss)
         if s >= 2:
             times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         pm.zero_grad()
-    return {"t": statistics.median(times), "table": pm.partition.table() if rank == 0 else ""}
+    return {"t": statistics.median(times), "cpu": statistics.median(cpus),
+            "table": pm.partition.table() if rank == 0 else ""}
 
 
 def main() -> None:
@@ -216,18 +218,26 @@ def main() -> None:
     if a.reader_steps:
         # interleaved repetitions (uniform, auto, uniform, auto, ...): the machine is shared, so
         # load drifts; the speed-up is the median of the per-pair ratios
+        # CPU seconds per rank and step (process_time: compute, plus the receive loop's spinning)
+        # say what the wall clock cannot on a shared host: how the work is split between the ranks
         ts: dict[str, list[float]] = {"uniform": [], "auto": []}
+        cs: dict[str, list[float]] = {"uniform": [], "auto": []}
         for rep in range(a.reader_reps):
             for part in ("uniform", "auto"):
                 r = spawn(pipe_reader, p, partition=part, steps=a.reader_steps, m=4)
                 ts[part].append(max(x["t"] for x in r))
+                cs[part].append(max(x["cpu"] for x in r))
+                per_rank = ", ".join(f"{x['cpu'] * 1e3:.0f}" for x in r)
                 print(f"reader (dim 128, 4 blocks, 2-layer ViT, batch 32, m=4) rep {rep} {part:>8}: "
-                      f"{ts[part][-1] * 1e3:.1f} ms/step")
+                      f"{ts[part][-1] * 1e3:.1f} ms/step, CPU ms per rank {per_rank}"
+                      f" (load {os.getloadavg()[0]:.1f})", flush=True)
                 if rep == 0:
                     print(r[0]["table"])
         ratios = [u / t for u, t in zip(ts["uniform"], ts["auto"])]
+        cratios = [u / t for u, t in zip(cs["uniform"], cs["auto"])]
         res["reader"] = {"uniform": statistics.median(ts["uniform"]), "auto": statistics.median(ts["auto"]),
-                         "ratios": ratios}
+                         "ratios": ratios, "cpu_ratios": cratios}
+        print(f"busiest rank's CPU, uniform / auto: {', '.join(f'{x:.2f}' for x in cratios)}")
         print(f"auto vs uniform speed-up: per pair {', '.join(f'{x:.2f}' for x in ratios)}; "
               f"median {statistics.median(ratios):.2f}x")
     if a.out:
