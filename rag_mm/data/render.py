@@ -35,8 +35,9 @@ def _shape_mask(shape: str, size: int) -> Image.Image:
         d.polygon(poly(3, -math.pi / 2), fill=255)
     elif shape == "diamond":
         d.polygon(poly(4, 0.0), fill=255)
-    elif shape == "hexagon":
-        d.polygon(poly(6, 0.0), fill=255)
+    elif shape == "crescent":  # a disc with an offset disc cut out
+        d.ellipse([c - r, c - r, c + r, c + r], fill=255)
+        d.ellipse([c - r * 0.45, c - r * 1.05, c + r * 1.35, c + r * 0.75], fill=0)
     elif shape == "star":
         pts = []
         for i in range(10):
@@ -93,7 +94,7 @@ def render(entity: Entity, size: int = 32, rng: random.Random | None = None) -> 
     body.paste(pattern, (0, 0), _texture(entity.texture, big, period))
 
     if variant:  # pose, scale and position change; the texture turns with the body
-        angle = rng.uniform(-40, 40)
+        angle = rng.uniform(-15, 15)  # well below 45 degrees, so a turned square never becomes a diamond
         scale = rng.uniform(0.75, 1.1)
         shift = (rng.uniform(-0.12, 0.12) * big, rng.uniform(-0.12, 0.12) * big)
         body = body.rotate(angle, resample=Image.BILINEAR)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-# Appearance vocabulary. 8 shapes x 8 hues x 4 textures x 7 secondary hues = 1792 distinct looks,
-# far more than the few hundred entities the demo uses, so every entity looks unique.
-SHAPES = ("circle", "square", "triangle", "diamond", "hexagon", "star", "cross", "ring")
+# Appearance vocabulary. Every look must stay identifiable from a query picture, so looks that
+# only differ invisibly are drawn once: a solid body shows no secondary hue, and stripes or checks
+# of hues (a, b) look like those of (b, a) shifted by one period. Distinct looks:
+# 8 shapes x (8 solid + 28 striped + 28 checked + 56 dotted) = 960, far more than the few hundred
+# entities the demo uses.
+# Silhouettes that stay apart at 32 px under the query jitter (a hexagon there is a blurred circle).
+SHAPES = ("circle", "square", "triangle", "diamond", "crescent", "star", "cross", "ring")
 HUES = {  # well-separated RGB colours so colour jitter never moves one onto another
     "red": (220, 40, 40),
     "orange": (240, 140, 20),
@@ -63,16 +67,19 @@ class Entity:
         return " ".join(parts) + f" name: {self.name}."
 
 
+def _visible(hue: str, texture: str, hue2: str) -> bool:
+    """Whether (hue, texture, hue2) is the one representative of its visible look (see above)."""
+    order = list(HUES)
+    if texture == "solid":
+        return hue2 == hue
+    if texture in ("stripes", "checker"):  # symmetric patterns: the unordered pair of hues
+        return order.index(hue) < order.index(hue2)
+    return hue2 != hue  # dots of hue2 on a hue body differ from dots of hue on a hue2 body
+
+
 def make_entities(num_entities: int, seed: int) -> list[Entity]:
     """Draw ``num_entities`` entities with distinct appearances and independent random facts."""
-    looks = [
-        (s, h, t, h2)
-        for s in SHAPES
-        for h in HUES
-        for t in TEXTURES
-        for h2 in HUES
-        if h2 != h
-    ]
+    looks = [(s, h, t, h2) for s in SHAPES for h in HUES for t in TEXTURES for h2 in HUES if _visible(h, t, h2)]
     if num_entities > len(looks):
         raise ValueError(f"num_entities={num_entities} exceeds the {len(looks)} distinct appearances")
     rng = random.Random(seed)
