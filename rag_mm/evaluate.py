@@ -100,8 +100,11 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     ids = out.doc_ids[:n, :k]
     docs = {name: t.to(device) for name, t in rag.store.fetch(ids).items()}
     x = _inputs(batch, device)
+    prior = None
+    if rag.rcfg.reader_prior and out.scores is not None:  # as the evaluated forward read them
+        prior = torch.log_softmax(out.scores[:n].to(device), -1)
     pred = rag.reader.generate(x["image"][:n], x["q_ids"][:n], x["q_len"][:n], docs["doc_image"], docs["doc_ids"],
-                               docs["doc_len"], eot_id=tokenizer.eot_id)
+                               docs["doc_len"], eot_id=tokenizer.eot_id, doc_prior=prior)
     rows = rag.store.rows(ids)
     res = []
     for i in range(n):

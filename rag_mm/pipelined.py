@@ -47,6 +47,9 @@ def check(cfg) -> list[str]:
     if r.mode == "learned" and r.loss != "contrastive":
         e.append(f"{what} with retriever.mode=learned needs retriever.loss=contrastive (got "
                  f"retriever.loss={r.loss!r}: the reader-driven losses need the whole reader on the retriever's rank)")
+    if r.mode == "learned" and r.reader_prior and r.top_k > 1:
+        e.append(f"{what} with retriever.mode=learned needs retriever.reader_prior=false (the pipelined reader "
+                 "does not take the retrieval probabilities yet)")
     if cfg.optim.precision != "fp32":
         e.append(f"{what} supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
     if cfg.data.batch_size % p.microbatches:
@@ -159,11 +162,7 @@ class PipelinedRag:
         if train:
             r_loss = q_emb.sum() * 0.0  # keeps the query tower in the graph
             if rag.contrastive_on and gold is not None and r.contrastive_weight > 0:
-                from retriever import losses
-
-                g_docs = rag._docs(gold[:, None].cpu(), self.device)
-                g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])
-                r_loss = r_loss + r.contrastive_weight * losses.contrastive(q_emb, g_emb, gold.to(self.device), enc.scale())
+                r_loss = r_loss + r.contrastive_weight * rag._contrastive(q_emb, gold)
         return {**q, **docs}, r_loss, ids
 
     # ------------------------------------------------------------------ training

@@ -83,6 +83,7 @@ class Trainer:
         self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
         self.skipped: dict[int, dict[str, int]] = {}  # per loader worker: cumulative dropped samples
         self.train_time = 0.0
+        self.warmup_time = 0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         self._stop_signal = False
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -190,6 +191,52 @@ class Trainer:
                 total[k] = total.get(k, 0) + v
         return total
 
+    def _warmup_retriever(self, it, autocast) -> None:
+        """Retriever-only contrastive steps before joint training (DPR-style warm-up): a random
+        retriever hands the reader random documents, from which it learns nothing. Its own
+        optimizer at a constant ``retriever.warmup_lr``; gradients averaged over every rank by
+        hand, since the reader (inside DDP) takes no part. Not checkpointed: a run stopped during
+        the warm-up restarts it."""
+        c, r = self.cfg, self.cfg.retriever
+        params = [p for p in self.rag.retriever.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
+        no_sync = self.dp_model.no_sync if isinstance(self.dp_model, DDP) else contextlib.nullcontext
+        t0 = window_t = time.perf_counter()
+        refresh_before = sum(self.memory.refresh_seconds)
+        loss_sum, hits, n = 0.0, 0.0, 0
+        log.info("retriever warm-up: %d contrastive steps at lr %g, %d bank negatives", r.warmup_steps, r.warmup_lr,
+                 r.bank_negatives)
+        for i in range(1, r.warmup_steps + 1):
+            batch = next(it)
+            self.consumed += 1
+            self.watch.at("retriever warm-up (gradient all_reduce)", i)
+            inputs = _inputs(batch, self.device)
+            with no_sync(), autocast:
+                loss, hit = self.rag.retriever_warmup(**inputs)
+            loss.backward()
+            if self.env.world_size > 1:
+                grads = [p.grad for p in params if p.grad is not None]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat)
+                for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat / self.env.world_size, grads)):
+                    g.copy_(new)
+            if c.optim.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss_sum, hits, n = loss_sum + loss.item(), hits + float(hit.float().mean()), n + 1
+            if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
+                self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
+            if i % c.log_every == 0 or i == r.warmup_steps:
+                rec = {"step": i, "loss": loss_sum / n, f"train_recall@{r.top_k}": hits / n,
+                       "samples_per_s": n * c.data.batch_size * self.data_size / (time.perf_counter() - window_t)}
+                self.metrics.log(rec, prefix="warmup")
+                log.info("retriever warm-up %d/%d: loss %.3f, train recall@%d %.3f", i, r.warmup_steps, rec["loss"],
+                         r.top_k, rec[f"train_recall@{r.top_k}"])
+                loss_sum, hits, n, window_t = 0.0, 0.0, 0, time.perf_counter()
+        refreshed = sum(self.memory.refresh_seconds) - refresh_before  # counted as refresh time, not warm-up
+        self.warmup_time = time.perf_counter() - t0 - refreshed
+
     def fit(self) -> dict:
         c = self.cfg
         prev = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -204,6 +251,8 @@ class Trainer:
         r = c.retriever
         refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
         self._ensure_index()
+        if self.step == 0 and r.warmup_steps and self.memory is not None:
+            self._warmup_retriever(it, autocast)
         try:
             while self.step < c.max_steps:
                 self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
@@ -297,6 +346,7 @@ class Trainer:
             "step": self.step,
             "final_train_loss": last_loss,
             "train_time_s": self.train_time,
+            "retriever_warmup_time_s": self.warmup_time,
             "samples_per_s": self.step * self.cfg.data.batch_size * self.cfg.optim.grad_accum * self.data_size / max(self.train_time, 1e-9),
             "world_size": self.env.world_size,
             "retrieval": self.cfg.retriever.mode,
@@ -319,7 +369,7 @@ class Trainer:
         secs = self.memory.refresh_seconds
         total = sum(secs)
         return {"index_refreshes": len(secs), "refresh_time_s": total,
-                "refresh_fraction": total / max(total + self.train_time, 1e-9) if not self.cfg.retriever.refresh_background else None,
+                "refresh_fraction": total / max(total + self.train_time + self.warmup_time, 1e-9) if not self.cfg.retriever.refresh_background else None,
                 "refresh_mode": "off" if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
                 else ("background" if self.cfg.retriever.refresh_background else "sync")}
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 MODES = ("oracle", "none", "learned")
 LOSSES = ("contrastive", "pdist", "emdr", "adist")
 FUSIONS = ("sum", "image", "text")
+VISION_TOWERS = ("vit", "resnet")
 
 
 @dataclass
@@ -17,8 +18,9 @@ class RetrieverConfig:
     top_k: int = 1  # documents per query given to the reader
     # -- dual encoder (open_clip towers) -------------------------------------------------------
     embed_dim: int = 64  # joint embedding size searched by faiss
-    vision_width: int = 64  # open_clip ViT width of each tower
-    vision_layers: int = 2  # ViT depth; the demo's pictures are simple
+    vision_tower: str = "vit"  # open_clip vision tower: vit (VisionTransformer) | resnet (ModifiedResNet, CLIP RN50's design)
+    vision_width: int = 64  # ViT width, or resnet base width (stage widths are 4x, 8x, 16x, 32x it)
+    vision_layers: int = 2  # ViT depth, or resnet bottleneck blocks in each of its 4 stages
     vision_head_width: int = 32  # open_clip sets heads by head width
     patch_size: int = 8  # 32 px pictures -> 16 patches
     text_width: int = 64  # open_clip text transformer width
@@ -28,11 +30,15 @@ class RetrieverConfig:
     fusion: str = "sum"  # how image and text embeddings combine: sum (learned weights) | image | text
     shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
     checkpoint: str | None = None  # local open_clip state dict to initialise both towers
+    reader_prior: bool = True  # the reader's copy attention weighs each document by its retrieval probability (RAG-token style)
     # -- training --------------------------------------------------------------------------------
     loss: str = "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
     loss_weight: float = 1.0  # lambda: total = reader NLL + lambda * retriever loss
     contrastive_steps: int = -1  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
+    bank_negatives: int = 1024  # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0: none)
+    warmup_steps: int = 0  # retriever-only contrastive steps before joint training: the reader learns nothing from a random retriever
+    warmup_lr: float = 2e-3  # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
     gold_temperature: float = 0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
     query_side_only: bool = False  # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
     # -- index and refresh -----------------------------------------------------------------------
@@ -50,6 +56,8 @@ def validate(cfg) -> list[str]:
         e.append(f"retriever.mode must be one of {MODES} (got {cfg.mode!r})")
     if cfg.loss not in LOSSES:
         e.append(f"retriever.loss must be one of {LOSSES} (got {cfg.loss!r})")
+    if cfg.vision_tower not in VISION_TOWERS:
+        e.append(f"retriever.vision_tower must be one of {VISION_TOWERS} (got {cfg.vision_tower!r})")
     if cfg.fusion not in FUSIONS:
         e.append(f"retriever.fusion must be one of {FUSIONS} (got {cfg.fusion!r})")
     if cfg.mode == "oracle" and cfg.top_k != 1:
@@ -64,6 +72,11 @@ def validate(cfg) -> list[str]:
             e.append(f"retriever.{key} must be positive (got {getattr(cfg, key)})")
     if cfg.gold_temperature <= 0:
         e.append(f"retriever.gold_temperature must be positive (got {cfg.gold_temperature})")
+    for key in ("bank_negatives", "warmup_steps"):
+        if getattr(cfg, key) < 0:
+            e.append(f"retriever.{key} must be >= 0 (got {getattr(cfg, key)})")
+    if cfg.warmup_lr <= 0:
+        e.append(f"retriever.warmup_lr must be positive (got {cfg.warmup_lr})")
     if cfg.refresh_every < 0:
         e.append(f"retriever.refresh_every must be >= 0 (got {cfg.refresh_every})")
     if cfg.text_width % max(cfg.text_heads, 1):

@@ -38,6 +38,13 @@ def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -
     return out
 
 
+def _vision_cfg(cfg: RetrieverConfig, image_size: int) -> CLIPVisionCfg:
+    """open_clip picks the tower by the type of ``layers``: an int builds a ViT, a 4-tuple a ModifiedResNet."""
+    layers = cfg.vision_layers if cfg.vision_tower == "vit" else (cfg.vision_layers,) * 4
+    return CLIPVisionCfg(layers=layers, width=cfg.vision_width, head_width=cfg.vision_head_width,
+                         patch_size=cfg.patch_size, image_size=image_size)
+
+
 class Encoder(nn.Module):
     """One side of the dual encoder: (picture, text tokens) -> unit vector (N, embed_dim)."""
 
@@ -46,12 +53,18 @@ class Encoder(nn.Module):
         self.fusion = cfg.fusion
         self.clip = open_clip.CLIP(
             embed_dim=cfg.embed_dim,
-            vision_cfg=CLIPVisionCfg(layers=cfg.vision_layers, width=cfg.vision_width, head_width=cfg.vision_head_width,
-                                     patch_size=cfg.patch_size, image_size=image_size),
+            vision_cfg=_vision_cfg(cfg, image_size),
             text_cfg=CLIPTextCfg(context_length=cfg.context_length, vocab_size=VOCAB, width=cfg.text_width,
                                  heads=cfg.text_heads, layers=cfg.text_layers),
         )
         del self.clip.logit_scale  # the dual encoder keeps its own temperature
+        # A tower the fusion never calls would hold parameters that get no gradient (DDP rejects
+        # those) and cost memory: drop it. A checkpoint's keys for it are then reported as unexpected.
+        if self.fusion == "image":
+            for name in ("transformer", "token_embedding", "ln_final", "positional_embedding", "text_projection", "attn_mask"):
+                delattr(self.clip, name)
+        elif self.fusion == "text":
+            del self.clip.visual
         self.mix = nn.Parameter(torch.ones(2))  # learned weights of the image and text embeddings
         if cfg.checkpoint:
             state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)

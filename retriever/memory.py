@@ -37,6 +37,7 @@ class RetrievalMemory:
         self.corpus_hash = corpus_hash
         self.index = DocumentIndex()
         self.refresh_seconds: list[float] = []  # wall time of each refresh (embedding + index build)
+        self.embeddings: torch.Tensor | None = None  # (N, E) of the last refresh: the negatives bank
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
@@ -89,6 +90,7 @@ class RetrievalMemory:
             t = time.perf_counter()
             emb = self._embed_sharded()
             self.index.swap(self._build(emb, f"step{step}"))
+            self.embeddings = emb
             self.refresh_seconds.append(time.perf_counter() - t)
             return
         if self._pending is not None and not self._pending.done():
@@ -102,6 +104,7 @@ class RetrievalMemory:
             t = time.perf_counter()
             emb = self.embed(encoder=frozen)
             self.index.swap(self._build(emb, f"step{step}"))
+            self.embeddings = emb  # one reference assignment: readers see the old or the new bank
             self.refresh_seconds.append(time.perf_counter() - t)
 
         self._pending = self._pool.submit(job)
@@ -116,6 +119,16 @@ class RetrievalMemory:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.index.close()
+
+    def negatives(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``n`` memory rows drawn without replacement (all when n >= N), as (embeddings (n, E),
+        document ids (n,)) from the last refresh: MoCo-style bank negatives (He et al. 2020),
+        detached and as stale as the index, so they cost no encoder pass."""
+        bank = self.embeddings
+        if bank is None:
+            raise RuntimeError("the memory has no embeddings yet: refresh() first")
+        rows = torch.randperm(len(bank), generator=generator)[:n] if n < len(bank) else torch.arange(len(bank))
+        return bank[rows], torch.from_numpy(self.doc_ids)[rows]
 
     # ------------------------------------------------------------------------------ search
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

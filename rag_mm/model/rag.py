@@ -29,7 +29,7 @@ class RagOutput:
     reader: ReaderOutput  # the joint read over the top-k documents
     retriever_loss: torch.Tensor | None  # () the retriever's part (before lambda)
     doc_ids: torch.Tensor | None  # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
-    scores: torch.Tensor | None  # (B, k) retriever scores of those documents
+    scores: torch.Tensor | None  # (B, k) retriever scores (temperature-scaled) of the k documents read
 
 
 class RagModel(nn.Module):
@@ -66,12 +66,15 @@ class RagModel(nn.Module):
         cfg, enc, dev = self.rcfg, self.retriever, q["image"].device
         B, k = q["image"].shape[0], cfg.top_k
         q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        _, ids = self.memory.search(q_emb, max(k, search_k))  # (B, max(k, search_k)) nearest first
+        sims, ids = self.memory.search(q_emb, max(k, search_k))  # (B, max(k, search_k)) nearest first
         top = ids[:, :k]
         docs = self._docs(top, dev)
-        out = self.reader(**q, **docs)
-        if not want_loss:
-            return RagOutput(out.loss, out, None, ids, None)
+        prior = None
+        if cfg.reader_prior:  # log p(d | q) over the k documents, a constant for the reader
+            prior = torch.log_softmax(enc.scale().detach() * sims[:, :k].to(dev), -1)  # (B, k)
+        out = self.reader(**q, **docs, doc_prior=prior)
+        if not want_loss:  # scores: the index's, scaled as the retriever scores
+            return RagOutput(out.loss, out, None, ids, enc.scale().detach() * sims[:, :k])
 
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
         d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
@@ -90,12 +93,33 @@ class RagModel(nn.Module):
         else:
             r_loss = r_loss + 0.0 * scores.sum()  # keeps every retriever parameter in the graph (DDP)
         if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0:
-            g_docs = self._docs(gold[:, None].cpu(), dev)
-            g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])
             # the retrieved documents are the hardest negatives there are (same colours, other shape)
-            r_loss = r_loss + cfg.contrastive_weight * losses.contrastive(
-                q_emb, g_emb, gold.to(dev), enc.scale(), d_emb.flatten(0, 1), top.flatten().to(dev))
+            r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
+                q_emb, gold, d_emb.flatten(0, 1), top.flatten().to(dev))
         return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+
+    def retriever_warmup(self, image, q_ids, q_len, gold, **_unused) -> tuple[torch.Tensor, torch.Tensor]:
+        """Retriever-only contrastive loss of a batch, no reader (the warm-up phase): returns the
+        loss () and whether each query's gold document is in the index's top-k (B,) bool."""
+        if gold is None or bool((gold < 0).any()):
+            raise ValueError("retriever.warmup_steps needs a doc_id in every training query's json")
+        q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
+        _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
+        return self._contrastive(q_emb, gold), (ids == gold.cpu()[:, None]).any(1)
+
+    def _contrastive(self, q_emb, gold, hard=None, hard_ids=None) -> torch.Tensor:
+        """In-batch InfoNCE against the batch's gold documents, plus ``hard`` negatives (N, E) with
+        ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh."""
+        enc, dev = self.retriever, q_emb.device
+        g_docs = self._docs(gold[:, None].cpu(), dev)
+        g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
+        extra, extra_ids = [] if hard is None else [hard], [] if hard_ids is None else [hard_ids]
+        if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
+            bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
+            extra.append(bank.to(dev, q_emb.dtype))
+            extra_ids.append(bank_ids.to(dev))
+        return losses.contrastive(q_emb, g_emb, gold.to(dev), enc.scale(),
+                                  torch.cat(extra) if extra else None, torch.cat(extra_ids) if extra else None)
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:

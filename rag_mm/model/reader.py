@@ -109,15 +109,24 @@ class CopyHead(nn.Module):
         w = self.pool(h_all).squeeze(-1).masked_fill(~is_question, float("-inf"))  # (B, S)
         return torch.einsum("bs,bsd->bd", torch.softmax(w, -1).nan_to_num(0.0), h_all)
 
-    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp):
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp, doc_prior=None):
         """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
         h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable), seg_id (B, S)
-        segment of each position, is_question (B, S); gen_logp (M, V).
+        segment of each position, is_question (B, S); gen_logp (M, V); doc_prior (B, k) log
+        retrieval probabilities of the documents or None.
         Returns log p (M, V) and the copy attention (M, S)."""
         D = h_all.shape[-1]
         keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
         query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
         scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
+        if doc_prior is not None:
+            # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes a
+            # mixture over documents weighted by the retriever, as RAG-token marginalises (Lewis et
+            # al. 2020). Relative to a uniform prior (log k added), so a uniform prior changes
+            # nothing and question positions (segment k) keep their share.
+            k = doc_prior.shape[1]
+            prior = F.pad(doc_prior + math.log(k), (0, 1))  # (B, k + 1)
+            scores = scores + torch.gather(prior, 1, seg_id.clamp(max=prior.shape[1] - 1))[rows_ex]
         S = h_all.shape[1]
         tok = tok_all[rows_ex]  # (M, S)
         allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
@@ -230,8 +239,10 @@ class Reader(nn.Module):
         return x, labels, seg_offsets, toks, typ
 
     # ------------------------------------------------------------------------------ forward
-    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> ReaderOutput:
-        """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None."""
+    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None,
+                doc_prior=None) -> ReaderOutput:
+        """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None;
+        doc_prior (B,k) log retrieval probabilities of the documents (copy head only) or None."""
         x, labels, seg_offsets, toks, typ = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
         for block in self.blocks:
             x = block(x, seg_offsets)
@@ -249,7 +260,7 @@ class Reader(nn.Module):
             h = h_all[where]
             seg_id = segment_ids(seg_offsets, x.shape[1])
             logp, attn = self.copy(h, example, rows[:, 1], h_all, toks, seg_id, typ == QUESTION,
-                                   F.log_softmax(self.lm_head(h).float(), -1))
+                                   F.log_softmax(self.lm_head(h).float(), -1), doc_prior)
             doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2)
         tok_nll = F.nll_loss(logp, target, reduction="none")  # (M,)
         count = torch.zeros(B, device=x.device).index_add_(0, example, torch.ones_like(tok_nll))
@@ -268,7 +279,8 @@ class Reader(nn.Module):
         return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc) / count.clamp_min(1)[:, None]
 
     @torch.no_grad()
-    def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407):
+    def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407,
+                 doc_prior=None):
         """Greedy answers (list of token-id lists), one full forward per generated token."""
         B, dev = image.shape[0], image.device
         out = torch.zeros(B, 0, dtype=torch.long, device=dev)
@@ -276,7 +288,7 @@ class Reader(nn.Module):
         for _ in range(self.cfg.max_answer):
             a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)  # placeholder target at the end
             a_len = torch.full((B,), a_ids.shape[1], device=dev)
-            res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+            res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
             last = torch.zeros(B, dtype=torch.long, device=dev)
             last[res.example] = torch.arange(len(res.example), device=dev)  # the last prediction of each example
             nxt = res.logits[last].argmax(-1).masked_fill(done, eot_id)

@@ -105,3 +105,18 @@ def test_teacher_forced_argmax_reproduces_greedy_generation():
 def test_tied_embeddings_share_storage():
     m = tiny_reader()
     assert m.lm_head.weight is m.tok_emb.weight
+
+
+def test_retrieval_prior_weighs_the_copy_attention():
+    """A prior that is sure of one document puts (nearly) all copy attention on it; a uniform
+    prior changes nothing (softmax is shift invariant); a missing prior is the uniform one."""
+    m = tiny_reader()
+    b = batch(k=2)
+    plain = m(**b)
+    uniform = m(**b, doc_prior=torch.full((3, 2), 0.5).log())
+    assert torch.allclose(plain.logits, uniform.logits, atol=1e-5)
+    for j in (0, 1):
+        sure = torch.full((3, 2), -30.0)
+        sure[:, j] = 0.0
+        mass = m(**b, doc_prior=sure).doc_attention  # (B, 2) copy mass on each document
+        assert (mass[:, j] > 0.999 * mass.sum(1)).all(), mass

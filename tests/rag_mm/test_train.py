@@ -162,3 +162,43 @@ def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
     assert all(np.isfinite(r["retriever_loss"]) for r in records if r["kind"] == "train")
     examples = json.loads((tmp_path / "run" / "retrieved_examples.json").read_text())
     assert examples and len(examples[0]["retrieved"]) == 3 and examples[0]["query_image"]
+
+
+WARMUP = ["retriever=learned", "retriever.top_k=2", "retriever.embed_dim=16", "retriever.shared_towers=true",
+          "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.vision_layers=1",
+          "retriever.fusion=image", "retriever.warmup_steps=3", "retriever.bank_negatives=8",
+          "retriever.refresh_every=2", "max_steps=2", "ckpt_every=0"]
+
+
+def _train_rank(rank, world, overrides):
+    t = Trainer(compose(overrides), log_metrics=rank == 0)
+    try:
+        out = t.fit()
+    finally:
+        t.close()
+    # numpy arrays: torch tensors would cross the process boundary as shared-memory handles
+    return {n: p.detach().numpy().copy() for n, p in t.rag.retriever.named_parameters()}, out
+
+
+def test_retriever_warmup_then_joint_training(tiny_world, tmp_path):
+    """Warm-up steps train the retriever alone (logged as kind=warmup) and refresh the index;
+    joint training then reads the top-k with the retrieval prior."""
+    params, out = _train_rank(0, 1, tiny_overrides(tiny_world, tmp_path / "run", *WARMUP))
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    warm = [r for r in records if r["kind"] == "warmup"]
+    assert [r["step"] for r in warm] == [2, 3] and all(np.isfinite(r["loss"]) for r in warm)
+    assert out["retriever_warmup_time_s"] > 0 and out["step"] == 2
+    assert out["index_refreshes"] == 3  # the first build, then after warm-up steps 2 and 3
+    assert 0 < out["refresh_fraction"] < 1
+
+
+@pytest.mark.multirank
+def test_retriever_warmup_keeps_ranks_identical(tiny_world, tmp_path):
+    """Two gloo ranks draw different batches; the warm-up's hand-made gradient average (and DDP
+    afterwards) must leave every rank with the same retriever."""
+    from tests.distributed import run_ranks
+
+    (p0, out0), (p1, _) = run_ranks(_train_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *WARMUP),
+                                    timeout_s=300)
+    assert out0["world_size"] == 2
+    assert all(np.array_equal(p0[n], p1[n]) for n in p0)

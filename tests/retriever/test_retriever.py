@@ -113,3 +113,30 @@ def test_build_index_script_round_trip(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/build_index.py", f"corpus={tmp_path}/none.tar"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not found" in bad.stderr
+
+
+def test_memory_bank_negatives_come_from_the_last_refresh():
+    enc, mem = _memory()
+    with pytest.raises(RuntimeError, match="refresh"):
+        mem.negatives(4)
+    mem.refresh()
+    emb, ids = mem.negatives(4, torch.Generator().manual_seed(0))
+    assert emb.shape == (4, enc.cfg.embed_dim) and len(set(ids.tolist())) == 4 and not emb.requires_grad
+    rows = [int(i) - 100 for i in ids]  # _memory's documents have ids 100 + row
+    assert torch.allclose(emb, mem.embed()[rows], atol=1e-6)
+    every, every_ids = mem.negatives(10_000)
+    assert sorted(every_ids.tolist()) == sorted(mem.doc_ids.tolist()) and len(every) == len(mem)
+    mem.close()
+
+
+def test_resnet_tower_and_image_fusion_keep_only_used_parameters():
+    """fusion=image drops the text tower (DDP rejects parameters that never get a gradient)."""
+    cfg = RetrieverConfig(**{**SMALL, "vision_width": 16}, vision_tower="resnet", fusion="image", shared_towers=True)
+    enc = DualEncoder(cfg, 32)
+    names = [n for n, _ in enc.named_parameters()]
+    assert any(".visual.layer4." in n for n in names) and not any("token_embedding" in n for n in names)
+    q = enc.embed_queries(torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 3, 1]))
+    assert q.shape == (3, 16) and torch.allclose(q.norm(dim=-1), torch.ones(3))
+    q.sum().backward()
+    assert [n for n, p in enc.named_parameters() if p.grad is None] == ["logit_scale"]
+    assert "retriever.vision_tower" in " ".join(validate(RetrieverConfig(vision_tower="cnn")))
