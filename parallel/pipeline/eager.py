@@ -187,6 +187,14 @@ def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, 
     if missing:
         raise PipelinePlanError(f"modules {missing} are not placed on any stage")
     call_stage = [head_stage[n] for n in names]
+    # a module without parameters or buffers (T5's dropout, called after the embedding and again
+    # after the final norm) holds no state: a repeated call runs where the program is at that
+    # point (the stage of the call before it), not back on the stage of its first call
+    seen: set[str] = set()
+    for i, n in enumerate(names):
+        if n in seen and i > 0 and _stateless(replayer.model.get_submodule(n)):
+            call_stage[i] = call_stage[i - 1]
+        seen.add(n)
     last_call = [max((i for i, s in enumerate(call_stage) if s == st), default=-1) for st in range(num_stages)]
     specs, leaves = [], []
     for i in range(len(names)):
@@ -198,6 +206,10 @@ def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, 
     for st in range(num_stages):
         need.append(_probe(replayer, st, num_stages, names, call_stage, last_call, specs, leaves, args, kwargs))
     return Plan(num_stages, names, call_stage, last_call, specs, _batch_of(args, kwargs), need)
+
+
+def _stateless(mod: nn.Module) -> bool:
+    return next(mod.parameters(), None) is None and next(mod.buffers(), None) is None
 
 
 def _probe(replayer, st, k, names, call_stage, last_call, specs, leaves, args, kwargs) -> set[tuple[int, int]]:
