@@ -27,6 +27,7 @@
 
 #include "../layout.h"
 #include "blas.h"
+#include "ukernel.h"
 #include "vec.h"
 
 namespace rag_attn::cpu {
@@ -121,6 +122,210 @@ void forward_impl(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
     }
   });
 }
+
+#if defined(__AVX512F__)
+// ---- Forward with register-blocked AVX-512 micro-kernels (fp32; bf16 with AVX512-BF16) -------
+//
+// Same algorithm as forward_impl, but the score tile is kept transposed, S^T (keys x queries,
+// kFastBQ = 64 query lanes per key row): scores come from K rows times a Q^T tile packed once per
+// item, the online-softmax max / exp / sum run vertically over key rows with the 16 query rows of
+// a zmm in parallel (no horizontal reductions, the causal mask is one vector compare), and
+// O += P V reads P^T with a stride, so neither K nor V (fp32) is ever repacked. bf16 pairs
+// the reduction dimension for vdpbf16ps: Q^T and P^T are written as bf16 pairs, V is packed to
+// pairs of rows once per call (one extra V-sized buffer).
+constexpr int64_t kFastBQ = 64;
+const int64_t kFastBK = env_or("RAG_ATTN_FAST_BK", 256);
+const bool kFastEnabled = env_or("RAG_ATTN_FAST", 1) != 0;
+
+template <typename scalar_t>
+constexpr bool fast_dtype() {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>;
+#else
+  return std::is_same_v<scalar_t, float>;
+#endif
+}
+
+// C (M x ncols) = alpha A B or C += A B with ncols = 16*nv (nv in 1..4, last vector masked).
+template <typename scalar_t, bool ACC>
+inline void tile_gemm(int nv, int64_t M, int64_t K, const void* A, int64_t sa, int64_t sp, const void* B,
+                      int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const float *a = static_cast<const float*>(A), *b = static_cast<const float*>(B);
+    switch (nv) {
+      case 1: gemm_rows_f32<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 2: gemm_rows_f32<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 3: gemm_rows_f32<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      default: gemm_rows_f32<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+    }
+  } else {
+#if defined(__AVX512BF16__)
+    const uint32_t *a = static_cast<const uint32_t*>(A), *b = static_cast<const uint32_t*>(B);
+    switch (nv) {
+      case 1: gemm_rows_bf16<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 2: gemm_rows_bf16<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 3: gemm_rows_bf16<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      default: gemm_rows_bf16<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+    }
+#endif
+  }
+}
+
+template <typename scalar_t>
+void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const scalar_t* v, scalar_t* out,
+                  float* lse, int64_t D, double scale_d) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int64_t BQ = kFastBQ;
+  const int64_t BK = (kFastBK + 1) / 2 * 2;  // even: bf16 pairs never straddle two key blocks
+  const float scale = float(scale_d);
+  const int64_t rs = plan.row_stride;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t G = int64_t(plan.groups.size());
+
+  // bf16: V of every group as pairs of rows (VNNI): vv[g][p][d] = (V[2p, d], V[2p+1, d]).
+  std::vector<int64_t> vv_off(G + 1, 0);
+  std::vector<uint32_t> vv;
+  if constexpr (kBf16) {
+    for (int64_t gi = 0; gi < G; ++gi) vv_off[gi + 1] = vv_off[gi] + (plan.groups[gi].len + 1) / 2 * D;
+    vv.resize(vv_off[G]);
+    at::parallel_for(0, G, 1, [&](int64_t gb, int64_t ge) {
+      for (int64_t gi = gb; gi < ge; ++gi) {
+        const Group& g = plan.groups[gi];
+        const uint16_t* V = reinterpret_cast<const uint16_t*>(v + g.off);
+        uint32_t* dst = vv.data() + vv_off[gi];
+        for (int64_t p = 0; p < (g.len + 1) / 2; ++p) {
+          const uint16_t* r0 = V + 2 * p * rs;
+          const bool has1 = 2 * p + 1 < g.len;
+          for (int64_t d = 0; d < D; ++d)
+            dst[p * D + d] = uint32_t(r0[d]) | (has1 ? uint32_t(r0[rs + d]) << 16 : 0u);
+        }
+      }
+    });
+  }
+
+  std::vector<int64_t> order(plan.items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return plan.items[a].cost() > plan.items[b].cost(); });
+  std::atomic<int64_t> next{0};
+  const int64_t n_work = int64_t(order.size());
+  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_work, 1));
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i il_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i il_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+    // scratch: Q^T (fp32 D x BQ, or bf16 pairs D/2 x BQ), S^T / P^T (BK x BQ), bf16 P^T pairs,
+    // output accumulator (BQ x D), row max / sum / rescale factor
+    std::vector<float> qt(kBf16 ? 0 : D * BQ), st(BK * BQ, 0.f), acc(BQ * D), m_i(BQ), l_i(BQ), al(BQ);
+    std::vector<uint32_t> qt2(kBf16 ? D / 2 * BQ : 0), pb(kBf16 ? BK / 2 * BQ : 0, 0u);
+    for (int64_t t = tb; t < te; ++t) {
+      for (int64_t w = next.fetch_add(1); w < n_work; w = next.fetch_add(1)) {
+        const Item& it = plan.items[order[w]];
+        const Group& g = plan.groups[it.group];
+        const int64_t m = it.r1 - it.r0;
+        const scalar_t* Q = q + g.off + it.r0 * rs;
+        const int nv = int((m + 15) / 16);
+        const __mmask16 last = tail_mask(m - 16 * (nv - 1));
+        if constexpr (kBf16) {
+          for (int64_t i = 0; i < m; ++i) {
+            const uint32_t* qr = reinterpret_cast<const uint32_t*>(Q + i * rs);
+            for (int64_t p = 0; p < D / 2; ++p) qt2[p * BQ + i] = qr[p];
+          }
+        } else {
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t d = 0; d < D; ++d) qt[d * BQ + i] = float(Q[i * rs + d]);
+        }
+        std::fill(acc.begin(), acc.begin() + m * D, 0.f);
+        std::fill(m_i.begin(), m_i.end(), neg_inf);
+        std::fill(l_i.begin(), l_i.end(), 0.f);
+        const int64_t k_end = it.causal ? std::min<int64_t>(it.k_hi, it.r1) : it.k_hi;
+        const int64_t k_start = kBf16 ? (it.k_lo & ~int64_t(1)) : it.k_lo;  // bf16: pair-aligned
+        for (int64_t kb = k_start; kb < k_end; kb += BK) {
+          const int64_t n = std::min<int64_t>(BK, k_end - kb);
+          // S^T (n x m) = scale * K[kb:kb+n] Q^T
+          if constexpr (kBf16)
+            tile_gemm<scalar_t, false>(nv, n, D / 2, k + g.off + kb * rs, rs / 2, 1, qt2.data(), BQ, st.data(), BQ,
+                                       last, scale);
+          else
+            tile_gemm<scalar_t, false>(nv, n, D, k + g.off + kb * rs, rs, 1, qt.data(), BQ, st.data(), BQ, last,
+                                       scale);
+          // keys before k_lo (pair alignment) or after some row (causal diagonal) need a mask
+          const bool masked = kb < it.k_lo || (it.causal && kb + n - 1 > it.r0);
+          for (int c = 0; c < nv; ++c) {
+            float* sc = st.data() + 16 * c;
+            const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(int(it.r0 + 16 * c)), iota);
+            auto load_s = [&](int64_t jj) -> __m512 {
+              if (jj >= n) return _mm512_set1_ps(neg_inf);
+              const __m512 s = _mm512_loadu_ps(sc + jj * BQ);
+              if (!masked) return s;
+              const int64_t key = kb + jj;
+              if (key < it.k_lo) return _mm512_set1_ps(neg_inf);
+              if (!it.causal) return s;
+              const __mmask16 ok = _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key)));
+              return _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), ok, s);
+            };
+            __m512 mx = _mm512_set1_ps(neg_inf);
+            for (int64_t jj = 0; jj < n; ++jj) mx = _mm512_max_ps(mx, load_s(jj));
+            const __m512 mo = _mm512_loadu_ps(m_i.data() + 16 * c);
+            const __m512 mn = _mm512_max_ps(mo, mx);
+            // rows that have seen no key yet keep m = -inf; subtract 0 so exp(-inf - m) = 0, not NaN
+            const __m512 mu = _mm512_mask_mov_ps(mn, _mm512_cmp_ps_mask(mn, _mm512_set1_ps(neg_inf), _CMP_EQ_OQ),
+                                                 _mm512_setzero_ps());
+            const __m512 alpha = exp512(_mm512_sub_ps(mo, mu));
+            _mm512_storeu_ps(m_i.data() + 16 * c, mn);
+            _mm512_storeu_ps(al.data() + 16 * c, alpha);
+            __m512 ls = _mm512_setzero_ps();
+            if constexpr (kBf16) {
+              uint32_t* pc = pb.data() + 16 * c;
+              for (int64_t jj = 0; jj < n; jj += 2) {
+                const __m512 p0 = exp512(_mm512_sub_ps(load_s(jj), mu));
+                const __m512 p1 = exp512(_mm512_sub_ps(load_s(jj + 1), mu));
+                ls = _mm512_add_ps(ls, _mm512_add_ps(p0, p1));
+                const __m512 lo = _mm512_permutex2var_ps(p0, il_lo, p1), hi = _mm512_permutex2var_ps(p0, il_hi, p1);
+                _mm512_storeu_si512(pc + jj / 2 * BQ, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+              }
+            } else {
+              for (int64_t jj = 0; jj < n; ++jj) {
+                const __m512 p = exp512(_mm512_sub_ps(load_s(jj), mu));
+                ls = _mm512_add_ps(ls, p);
+                _mm512_storeu_ps(sc + jj * BQ, p);
+              }
+            }
+            _mm512_storeu_ps(l_i.data() + 16 * c,
+                             _mm512_fmadd_ps(_mm512_loadu_ps(l_i.data() + 16 * c), alpha, ls));
+          }
+          for (int64_t i = 0; i < m; ++i)
+            if (al[i] != 1.f) scale_row(acc.data() + i * D, D, al[i]);
+          // O (m x D) += P (m x n) V[kb:kb+n]; P^T element (i, j) at st[j * BQ + i]
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int pv = int(std::min<int64_t>(64, D - d0) / 16);
+            if constexpr (kBf16)
+              tile_gemm<scalar_t, true>(pv, m, (n + 1) / 2, pb.data(), 1, BQ,
+                                        vv.data() + vv_off[it.group] + kb / 2 * D + d0, D, acc.data() + d0, D,
+                                        __mmask16(0xFFFF), 1.f);
+            else
+              tile_gemm<scalar_t, true>(pv, m, n, st.data(), 1, BQ, v + g.off + kb * rs + d0, rs, acc.data() + d0, D,
+                                        __mmask16(0xFFFF), 1.f);
+          }
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          const float inv = l_i[i] > 0 ? 1.f / l_i[i] : 0.f;
+          scalar_t* o = out + g.off + (it.r0 + i) * rs;
+          const float* a = acc.data() + i * D;
+          if constexpr (kBf16) {
+            for (int64_t d = 0; d < D; d += 16)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d),
+                                  (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(inv))));
+          } else {
+            for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+          }
+          lse[g.lse_off + it.r0 + i] = l_i[i] > 0 ? m_i[i] + std::log(l_i[i]) : neg_inf;
+        }
+      }
+    }
+  });
+}
+#endif  // __AVX512F__
 
 template <typename scalar_t>
 void backward_impl(const Plan& plan, const scalar_t* dout, const scalar_t* q, const scalar_t* k,
@@ -239,6 +444,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_, const at::Tenso
   auto lse = at::full(lse_shape, -std::numeric_limits<float>::infinity(), 
                        q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rag_attn_fwd_cpu", [&] {
+#if defined(__AVX512F__)
+    if constexpr (fast_dtype<scalar_t>()) {
+      if (kFastEnabled && kBlockQ <= kFastBQ && D % 16 == 0) {
+        forward_fast<scalar_t>(plan, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                               out.data_ptr<scalar_t>(), lse.data_ptr<float>(), D, scale);
+        return;
+      }
+    }
+#endif
     forward_impl<scalar_t>(plan, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                            out.data_ptr<scalar_t>(), lse.data_ptr<acc_of<scalar_t>>(), D, scale);
   });

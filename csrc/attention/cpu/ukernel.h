@@ -1,0 +1,130 @@
+// Register-blocked AVX-512 micro-kernels for the CPU attention forward (fp32 FMA, AVX512-BF16 dot).
+//
+// C (MR x NV*16 fp32, ldc) = alpha * A B  (or C += A B), where A element (i, p) is read at
+// A + i*sa + p*sp (broadcast, so any stride works: row-major K, or the transposed probability tile)
+// and B is row-major (K x NV*16, ldb) with the last 16-lane column masked by `last` (query-tile
+// tails). MR*NV accumulators live in zmm registers for the whole reduction (BLIS-style register
+// blocking, Goto & van de Geijn 2008); no packing of A, and B is either already in the needed
+// layout (V rows, fp32) or packed once per query tile / per head (bf16 pairs).
+//
+// Why not one BLAS call per tile: the tiles are small (K = 64..256) so per-call overhead and
+// packing inside the BLAS are a large share, and the BLAS in libtorch_cpu (MKL) runs its
+// AVX2 code path on AMD CPUs and has no AVX512-BF16 path there; these loops use 512-bit FMAs and
+// vdpbf16ps directly.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace rag_attn::cpu {
+
+template <int MR, int NV, bool ACC>
+inline void uk_f32(int64_t K, const float* A, int64_t sa, int64_t sp, const float* B, int64_t ldb, float* C,
+                   int64_t ldc, __mmask16 last, float alpha) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) c[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K; ++p) {
+    __m512 b[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v)
+      b[v] = v == NV - 1 ? _mm512_maskz_loadu_ps(last, B + p * ldb + 16 * v) : _mm512_loadu_ps(B + p * ldb + 16 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 a = _mm512_set1_ps(A[i * sa + p * sp]);
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      float* dst = C + i * ldc + 16 * v;
+      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
+      const __m512 r = ACC ? _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), c[i][v])
+                           : _mm512_mul_ps(c[i][v], _mm512_set1_ps(alpha));
+      _mm512_mask_storeu_ps(dst, mk, r);
+    }
+}
+
+// Rows [0, M) in blocks of MR (a smaller tail kernel for the remainder).
+template <int MR, int NV, bool ACC>
+inline void gemm_rows_f32(int64_t M, int64_t K, const float* A, int64_t sa, int64_t sp, const float* B, int64_t ldb,
+                          float* C, int64_t ldc, __mmask16 last, float alpha) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) uk_f32<MR, NV, ACC>(K, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha);
+  const int64_t r = M - i;
+  A += i * sa;
+  C += i * ldc;
+  switch (r) {  // compile-time row counts for the tail
+#define RAG_TAIL(R) \
+  case R: if constexpr (R < MR) uk_f32<R, NV, ACC>(K, A, sa, sp, B, ldb, C, ldc, last, alpha); break;
+    RAG_TAIL(1) RAG_TAIL(2) RAG_TAIL(3) RAG_TAIL(4) RAG_TAIL(5) RAG_TAIL(6) RAG_TAIL(7) RAG_TAIL(8) RAG_TAIL(9)
+    RAG_TAIL(10) RAG_TAIL(11)
+#undef RAG_TAIL
+    default: break;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Same with bf16 pairs: A and B hold uint32 words = two bf16 along the reduction dimension; B is
+// in the VNNI layout (row p = reduction pair p). vdpbf16ps: c += a.lo*b.lo + a.hi*b.hi in fp32.
+template <int MR, int NV, bool ACC>
+inline void uk_bf16(int64_t K2, const uint32_t* A, int64_t sa, int64_t sp, const uint32_t* B, int64_t ldb, float* C,
+                    int64_t ldc, __mmask16 last, float alpha) {
+  __m512 c[MR][NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) c[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K2; ++p) {
+    __m512i b[NV];
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v)
+      b[v] = v == NV - 1 ? _mm512_maskz_loadu_epi32(last, B + p * ldb + 16 * v)
+                         : _mm512_loadu_si512(B + p * ldb + 16 * v);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = _mm512_set1_epi32(int(A[i * sa + p * sp]));
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) c[i][v] = _mm512_dpbf16_ps(c[i][v], (__m512bh)a, (__m512bh)b[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      float* dst = C + i * ldc + 16 * v;
+      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
+      const __m512 r = ACC ? _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), c[i][v])
+                           : _mm512_mul_ps(c[i][v], _mm512_set1_ps(alpha));
+      _mm512_mask_storeu_ps(dst, mk, r);
+    }
+}
+
+template <int MR, int NV, bool ACC>
+inline void gemm_rows_bf16(int64_t M, int64_t K2, const uint32_t* A, int64_t sa, int64_t sp, const uint32_t* B,
+                           int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha) {
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) uk_bf16<MR, NV, ACC>(K2, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha);
+  const int64_t r = M - i;
+  A += i * sa;
+  C += i * ldc;
+  switch (r) {
+#define RAG_TAIL(R) \
+  case R: if constexpr (R < MR) uk_bf16<R, NV, ACC>(K2, A, sa, sp, B, ldb, C, ldc, last, alpha); break;
+    RAG_TAIL(1) RAG_TAIL(2) RAG_TAIL(3) RAG_TAIL(4) RAG_TAIL(5) RAG_TAIL(6) RAG_TAIL(7) RAG_TAIL(8) RAG_TAIL(9)
+    RAG_TAIL(10) RAG_TAIL(11)
+#undef RAG_TAIL
+    default: break;
+  }
+}
+#endif  // __AVX512BF16__
+
+}  // namespace rag_attn::cpu
+#endif  // __AVX512F__
