@@ -68,6 +68,7 @@ class Trainer:
         self.rag = RagModel(self.model, self.store, cfg.retriever, retriever, memory)
         self.memory = memory
         self.dp_model = self.rag
+        self.grad_reduce_stats = None  # CommStats of a hierarchical gradient reduction, if one runs
         self.pipe = None  # pp / tp / dp_shard > 1: the reader spread by parallel, the retriever on every rank
         self.data_rank, self.data_size = self.env.rank, self.env.world_size  # who draws which batches
         p = cfg.parallel
@@ -99,6 +100,7 @@ class Trainer:
 
         hook, state = make_grad_reduce_hook(kind)
         self.dp_model.register_comm_hook(state, hook)
+        self.grad_reduce_stats = getattr(getattr(state, "reducer", None), "stats", None)  # inter-host bytes
         log.info("gradient reduction: %s", kind)
 
     # ------------------------------------------------------------------------------ retrieval
@@ -357,6 +359,9 @@ class Trainer:
             "skipped_documents": self.store.skipped,
             **self._refresh_summary(),
         }
+        if self.grad_reduce_stats is not None:  # bytes this rank sent between hosts (nccl-tests bus factors)
+            summary["grad_reduce"] = {"kind": self.cfg.parallel.grad_reduce, "inter_host_bytes": self.grad_reduce_stats.inter_bytes,
+                                      "inter_host_calls": self.grad_reduce_stats.inter_calls}
         if self.env.is_main:
             self.metrics.log({"step": self.step, **test}, prefix="test")
             (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=1))

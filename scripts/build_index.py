@@ -49,6 +49,7 @@ class BuildConfig:
     max_text: int = 40  # document tokens kept
     batch_size: int = 256  # documents per forward pass
     threads: int = 0  # torch/faiss threads (0 = default)
+    save_embeddings: str = ""  # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # tower sizes when no checkpoint config
 
 
@@ -161,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         pick = np.random.default_rng(0).choice(N, min(cfg.num_queries, N), replace=False)
         q = x[pick]
+    if cfg.save_embeddings:
+        np.save(f"{cfg.save_embeddings}docs.npy", x)
+        if gold is not None:
+            np.save(f"{cfg.save_embeddings}queries.npy", q)
     k = min(cfg.k, N)
     t0 = time.perf_counter()
     _, found = loaded.search(q, k)

@@ -98,11 +98,15 @@ def test_build_index_script_round_trip(tmp_path):
                          test_queries_per_entity=1, shard_size=64))
     out = tmp_path / "memory.index"
     args = [sys.executable, "scripts/build_index.py", f"corpus={world}/corpus/corpus-000000.tar", f"out={out}",
-            f"queries={world}/test/test-000000.tar", "k=5", *[f"retriever.{k}={v}" for k, v in SMALL.items()]]
+            f"queries={world}/test/test-000000.tar", "k=5", f"save_embeddings={tmp_path}/emb_",
+            *[f"retriever.{k}={v}" for k, v in SMALL.items()]]
     res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["num_docs"] == 20 and report["recall@5_vs_exact"] == 1.0 and report["queries"] == 20
+    import numpy as np  # the saved embeddings are what scripts/bench/index.py --embeddings reads
+
+    assert np.load(tmp_path / "emb_docs.npy").shape == (20, 16) and np.load(tmp_path / "emb_queries.npy").shape == (20, 16)
     from retriever.errors import IndexMismatchError
     from retriever.index import FaissIndex
 
