@@ -49,6 +49,7 @@ class GraphPlan:
     tuple_out: list[bool]  # per stage: the submodule returns a tuple
     output: Any  # the model output as a tree of keys (a key, or a tuple of keys)
     placeholders: list[str]  # model input names of the root graph, in order
+    arg_of: dict[str, str]  # placeholder -> forward() parameter it takes
     send: list[list[Key]] = field(default_factory=list)  # per stage: the bundle to stage s + 1
 
     def __post_init__(self) -> None:
@@ -144,6 +145,7 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
                 output = output[0]
         else:
             raise GraphPathError(f"unexpected node in the split root graph: {node.op} {node.target}")
+    arg_of = _match_placeholders(model, root, placeholders, args, kwargs)
     mods = [pipe.get_stage_module(s) for s in range(num_stages)]
     owner: dict[int, int] = {}
     for s, m in enumerate(mods):
@@ -156,13 +158,29 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
         for n, p in m.named_parameters():
             if names.get(n) is not p:
                 raise GraphPathError(f"stage {s}'s parameter {n!r} is not the model's own object")
-    return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, placeholders)
+    return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, placeholders, arg_of)
 
 
 def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Model inputs by parameter name (the root graph's placeholders are named after them)."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    return dict(bound.arguments)
+    """The model's inputs by ``forward`` parameter name."""
+    return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+
+
+def _match_placeholders(model, root, placeholders, args, kwargs) -> dict[str, str]:
+    """Placeholder -> ``forward`` parameter. Export names placeholders after the parameters but
+    renames some (``nn.Sequential``'s ``input`` becomes ``input_1``): match by name, else by
+    position among the tensor arguments, and check every match against the traced shape."""
+    named = bind_inputs(model, args, kwargs)
+    tensors = [n for n, v in named.items() if isinstance(v, torch.Tensor)]
+    vals = {n.target: n.meta.get("val") for n in root.nodes if n.op == "placeholder"}
+    out = {}
+    for i, p in enumerate(placeholders):
+        name = p if p in named else (tensors[i] if len(placeholders) == len(tensors) else None)
+        v, want = named.get(name), vals.get(p)
+        if not isinstance(v, torch.Tensor) or (want is not None and tuple(v.shape) != tuple(want.shape)):
+            raise GraphPathError(f"cannot match the exported input {p!r} to an argument of forward()")
+        out[p] = name
+    return out
 
 
 class GraphStage(EagerStage):
@@ -191,7 +209,7 @@ class GraphStage(EagerStage):
                 recv_list.append(leaf)
         named = bind_inputs(self.model, args, kwargs)
         for name in g.placeholders:
-            env[("in", name)] = named.get(name)
+            env[("in", name)] = named.get(g.arg_of[name])
         with torch.set_grad_enabled(grad):
             out = self.module(*[env[k] for k in g.inputs[s]])
         outs = list(out) if g.tuple_out[s] else [out]

@@ -101,6 +101,8 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
     arguments). ``mode``: auto (shared memory where possible) | shm (required) | gloo."""
     if mode == "gloo":
         return {}, "process group (p2p='gloo')"
+    if mode == "auto" and os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
+        return {}, "process group (RAG_MM_PIPELINE_P2P=gloo)"
     from parallel.kernels import comm
 
     built, why = comm.available()
@@ -108,8 +110,6 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
         if mode == "shm":
             raise RuntimeError(f"p2p='shm' but the shared-memory extension is unavailable: {why}")
         return {}, f"process group (shared-memory extension unavailable: {why})"
-    if os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
-        return {}, "process group (RAG_MM_PIPELINE_P2P=gloo)"
     k = len(stage_ranks)
     pred = {r: forward_only([s for s in range(k) if stage_ranks[s] == r], m) for r in set(stage_ranks)}
     lanes, why = plan_lanes([train_order, pred], stage_ranks)

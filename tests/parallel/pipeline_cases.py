@@ -80,6 +80,9 @@ def reader_case(b: int = 8):
 def make_case(name: str, b: int = 8):
     if name == "skip_mlp":
         return skip_mlp_case(b)
+    if name == "seq_mlp":  # nn.Sequential: export renames its ``input`` argument to ``input_1``
+        model, inputs, target, loss_fn, w = skip_mlp_case(b)
+        return torch.nn.Sequential(*model.blocks), inputs, target, loss_fn, w
     return reader_case(b) if name == "reader" else hf_case(name, b)
 
 

@@ -333,6 +333,12 @@ def _graph_worker(rank, world):
         same = bool(torch.allclose(preds, full, rtol=1e-5, atol=1e-6))
         relay = [len(s) for s in pm.plan.send]
         out[schedule] = (bad, kinds, relay, isinstance(next(iter(pm.stages.values())), GraphStage), same)
+    model, inputs, target, loss_fn, _ = make_case("seq_mlp")
+    ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
+    pm = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=4, partition="uniform",
+                                                             stage_path="auto"), inputs, timeout_s=60)
+    loss = pm.train_step(inputs, target=target, loss_fn=loss_fn)
+    out["seq_mlp"] = (_compare(pm, loss, ref_loss, ref_grads), type(next(iter(pm.stages.values()))).__name__)
     # auto: the reader's data-dependent packing cannot be exported -> the eager path, with a reason
     model, inputs, _, _, _ = make_case("reader")
     pm = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=2, partition="uniform",
@@ -352,4 +358,5 @@ def test_graph_path_matches_single_process():
             assert not bad, f"graph {schedule} rank {rank}: {bad[:5]}"
             assert kinds == {"GraphStage"} and is_graph and same
         assert res["interleaved_1f1b"][2][:3] == [2, 2, 2], res["interleaved_1f1b"][2]  # activation + skip
+        assert res["seq_mlp"] == ([], "GraphStage"), res["seq_mlp"]  # auto takes the graph path where it can
         assert res["reader-auto"] == "EagerStage"
