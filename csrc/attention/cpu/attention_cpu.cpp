@@ -149,23 +149,23 @@ constexpr bool fast_dtype() {
 // C (M x ncols) = alpha A B or C += A B with ncols = 16*nv (nv in 1..4, last vector masked).
 template <typename scalar_t, bool ACC>
 inline void tile_gemm(int nv, int64_t M, int64_t K, const void* A, int64_t sa, int64_t sp, const void* B,
-                      int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha) {
+                      int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha, float* cmax) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     const float *a = static_cast<const float*>(A), *b = static_cast<const float*>(B);
     switch (nv) {
-      case 1: gemm_rows_f32<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      case 2: gemm_rows_f32<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      case 3: gemm_rows_f32<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      default: gemm_rows_f32<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 1: gemm_rows_f32<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      case 2: gemm_rows_f32<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      case 3: gemm_rows_f32<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      default: gemm_rows_f32<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
     }
   } else {
 #if defined(__AVX512BF16__)
     const uint32_t *a = static_cast<const uint32_t*>(A), *b = static_cast<const uint32_t*>(B);
     switch (nv) {
-      case 1: gemm_rows_bf16<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      case 2: gemm_rows_bf16<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      case 3: gemm_rows_bf16<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
-      default: gemm_rows_bf16<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha); break;
+      case 1: gemm_rows_bf16<12, 1, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      case 2: gemm_rows_bf16<12, 2, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      case 3: gemm_rows_bf16<8, 3, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
+      default: gemm_rows_bf16<6, 4, ACC>(M, K, a, sa, sp, b, ldb, C, ldc, last, alpha, cmax); break;
     }
 #endif
   }
@@ -216,7 +216,8 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
   at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
     // scratch: Q^T (fp32 D x BQ, or bf16 pairs D/2 x BQ), S^T / P^T (BK x BQ), bf16 P^T pairs,
     // output accumulator (BQ x D), row max / sum / rescale factor
-    std::vector<float> qt(kBf16 ? 0 : D * BQ), st(BK * BQ, 0.f), acc(BQ * D), m_i(BQ), l_i(BQ), al(BQ);
+    std::vector<float> qt(kBf16 ? 0 : D * BQ), st(BK * BQ, 0.f), acc(BQ * D), m_i(BQ), l_i(BQ), al(BQ),
+        cmax(BQ);
     std::vector<uint32_t> qt2(kBf16 ? D / 2 * BQ : 0), pb(kBf16 ? BK / 2 * BQ : 0, 0u);
     for (int64_t t = tb; t < te; ++t) {
       for (int64_t w = next.fetch_add(1); w < n_work; w = next.fetch_add(1)) {
@@ -242,30 +243,40 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
         const int64_t k_start = kBf16 ? (it.k_lo & ~int64_t(1)) : it.k_lo;  // bf16: pair-aligned
         for (int64_t kb = k_start; kb < k_end; kb += BK) {
           const int64_t n = std::min<int64_t>(BK, k_end - kb);
-          // S^T (n x m) = scale * K[kb:kb+n] Q^T
-          if constexpr (kBf16)
-            tile_gemm<scalar_t, false>(nv, n, D / 2, k + g.off + kb * rs, rs / 2, 1, qt2.data(), BQ, st.data(), BQ,
-                                       last, scale);
-          else
-            tile_gemm<scalar_t, false>(nv, n, D, k + g.off + kb * rs, rs, 1, qt.data(), BQ, st.data(), BQ, last,
-                                       scale);
           // keys before k_lo (pair alignment) or after some row (causal diagonal) need a mask
           const bool masked = kb < it.k_lo || (it.causal && kb + n - 1 > it.r0);
-          for (int c = 0; c < nv; ++c) {
+          // S^T (n x m) = scale * K[kb:kb+n] Q^T; unmasked tiles also get their column max here
+          std::fill(cmax.begin(), cmax.end(), neg_inf);
+          float* cm = masked ? nullptr : cmax.data();
+          if constexpr (kBf16)
+            tile_gemm<scalar_t, false>(nv, n, D / 2, k + g.off + kb * rs, rs / 2, 1, qt2.data(), BQ, st.data(), BQ,
+                                       last, scale, cm);
+          else
+            tile_gemm<scalar_t, false>(nv, n, D, k + g.off + kb * rs, rs, 1, qt.data(), BQ, st.data(), BQ, last,
+                                       scale, cm);
+          auto softmax_chunk = [&](int c, auto mask_tag) {
+            constexpr bool kMask = decltype(mask_tag)::value;
             float* sc = st.data() + 16 * c;
             const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(int(it.r0 + 16 * c)), iota);
             auto load_s = [&](int64_t jj) -> __m512 {
-              if (jj >= n) return _mm512_set1_ps(neg_inf);
               const __m512 s = _mm512_loadu_ps(sc + jj * BQ);
-              if (!masked) return s;
-              const int64_t key = kb + jj;
-              if (key < it.k_lo) return _mm512_set1_ps(neg_inf);
-              if (!it.causal) return s;
-              const __mmask16 ok = _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key)));
-              return _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), ok, s);
+              if constexpr (!kMask) {
+                return s;
+              } else {
+                const int64_t key = kb + jj;
+                if (key < it.k_lo) return _mm512_set1_ps(neg_inf);
+                if (!it.causal) return s;
+                const __mmask16 ok = _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key)));
+                return _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), ok, s);
+              }
             };
-            __m512 mx = _mm512_set1_ps(neg_inf);
-            for (int64_t jj = 0; jj < n; ++jj) mx = _mm512_max_ps(mx, load_s(jj));
+            __m512 mx;
+            if constexpr (kMask) {
+              mx = _mm512_set1_ps(neg_inf);
+              for (int64_t jj = 0; jj < n; ++jj) mx = _mm512_max_ps(mx, load_s(jj));
+            } else {
+              mx = _mm512_loadu_ps(cmax.data() + 16 * c);
+            }
             const __m512 mo = _mm512_loadu_ps(m_i.data() + 16 * c);
             const __m512 mn = _mm512_max_ps(mo, mx);
             // rows that have seen no key yet keep m = -inf; subtract 0 so exp(-inf - m) = 0, not NaN
@@ -279,7 +290,7 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
               uint32_t* pc = pb.data() + 16 * c;
               for (int64_t jj = 0; jj < n; jj += 2) {
                 const __m512 p0 = exp512(_mm512_sub_ps(load_s(jj), mu));
-                const __m512 p1 = exp512(_mm512_sub_ps(load_s(jj + 1), mu));
+                const __m512 p1 = jj + 1 < n ? exp512(_mm512_sub_ps(load_s(jj + 1), mu)) : _mm512_setzero_ps();
                 ls = _mm512_add_ps(ls, _mm512_add_ps(p0, p1));
                 const __m512 lo = _mm512_permutex2var_ps(p0, il_lo, p1), hi = _mm512_permutex2var_ps(p0, il_hi, p1);
                 _mm512_storeu_si512(pc + jj / 2 * BQ, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -293,6 +304,12 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
             }
             _mm512_storeu_ps(l_i.data() + 16 * c,
                              _mm512_fmadd_ps(_mm512_loadu_ps(l_i.data() + 16 * c), alpha, ls));
+          };
+          for (int c = 0; c < nv; ++c) {
+            if (masked)
+              softmax_chunk(c, std::true_type{});
+            else
+              softmax_chunk(c, std::false_type{});
           }
           for (int64_t i = 0; i < m; ++i)
             if (al[i] != 1.f) scale_row(acc.data() + i * D, D, al[i]);
@@ -302,10 +319,10 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
             if constexpr (kBf16)
               tile_gemm<scalar_t, true>(pv, m, (n + 1) / 2, pb.data(), 1, BQ,
                                         vv.data() + vv_off[it.group] + kb / 2 * D + d0, D, acc.data() + d0, D,
-                                        __mmask16(0xFFFF), 1.f);
+                                        __mmask16(0xFFFF), 1.f, nullptr);
             else
               tile_gemm<scalar_t, true>(pv, m, n, st.data(), 1, BQ, v + g.off + kb * rs + d0, rs, acc.data() + d0, D,
-                                        __mmask16(0xFFFF), 1.f);
+                                        __mmask16(0xFFFF), 1.f, nullptr);
           }
         }
         for (int64_t i = 0; i < m; ++i) {

@@ -20,9 +20,37 @@
 
 namespace rag_attn::cpu {
 
+// Epilogue: C = alpha * c (ACC = false; also folds the column maxima into cmax[0, 16*NV) when
+// cmax is given: the online-softmax row max of an unmasked score tile without a second pass) or
+// C += c (ACC = true).
+template <int MR, int NV, bool ACC>
+inline void store_tile(__m512 (&c)[MR][NV], float* C, int64_t ldc, __mmask16 last, float alpha, float* cmax) {
+  __m512 mx[NV];
+#pragma GCC unroll 16
+  for (int v = 0; v < NV; ++v) mx[v] = _mm512_set1_ps(-__builtin_inff());
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      float* dst = C + i * ldc + 16 * v;
+      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
+      const __m512 r = ACC ? _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), c[i][v])
+                           : _mm512_mul_ps(c[i][v], _mm512_set1_ps(alpha));
+      _mm512_mask_storeu_ps(dst, mk, r);
+      if (!ACC) mx[v] = _mm512_max_ps(mx[v], r);
+    }
+  if (!ACC && cmax != nullptr) {
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
+      _mm512_mask_storeu_ps(cmax + 16 * v, mk, _mm512_max_ps(_mm512_maskz_loadu_ps(mk, cmax + 16 * v), mx[v]));
+    }
+  }
+}
+
 template <int MR, int NV, bool ACC>
 inline void uk_f32(int64_t K, const float* A, int64_t sa, int64_t sp, const float* B, int64_t ldb, float* C,
-                   int64_t ldc, __mmask16 last, float alpha) {
+                   int64_t ldc, __mmask16 last, float alpha, float* cmax) {
   __m512 c[MR][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -40,30 +68,21 @@ inline void uk_f32(int64_t K, const float* A, int64_t sa, int64_t sp, const floa
       for (int v = 0; v < NV; ++v) c[i][v] = _mm512_fmadd_ps(a, b[v], c[i][v]);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      float* dst = C + i * ldc + 16 * v;
-      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
-      const __m512 r = ACC ? _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), c[i][v])
-                           : _mm512_mul_ps(c[i][v], _mm512_set1_ps(alpha));
-      _mm512_mask_storeu_ps(dst, mk, r);
-    }
+  store_tile<MR, NV, ACC>(c, C, ldc, last, alpha, cmax);
 }
 
 // Rows [0, M) in blocks of MR (a smaller tail kernel for the remainder).
 template <int MR, int NV, bool ACC>
 inline void gemm_rows_f32(int64_t M, int64_t K, const float* A, int64_t sa, int64_t sp, const float* B, int64_t ldb,
-                          float* C, int64_t ldc, __mmask16 last, float alpha) {
+                          float* C, int64_t ldc, __mmask16 last, float alpha, float* cmax) {
   int64_t i = 0;
-  for (; i + MR <= M; i += MR) uk_f32<MR, NV, ACC>(K, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha);
+  for (; i + MR <= M; i += MR) uk_f32<MR, NV, ACC>(K, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha, cmax);
   const int64_t r = M - i;
   A += i * sa;
   C += i * ldc;
   switch (r) {  // compile-time row counts for the tail
 #define RAG_TAIL(R) \
-  case R: if constexpr (R < MR) uk_f32<R, NV, ACC>(K, A, sa, sp, B, ldb, C, ldc, last, alpha); break;
+  case R: if constexpr (R < MR) uk_f32<R, NV, ACC>(K, A, sa, sp, B, ldb, C, ldc, last, alpha, cmax); break;
     RAG_TAIL(1) RAG_TAIL(2) RAG_TAIL(3) RAG_TAIL(4) RAG_TAIL(5) RAG_TAIL(6) RAG_TAIL(7) RAG_TAIL(8) RAG_TAIL(9)
     RAG_TAIL(10) RAG_TAIL(11)
 #undef RAG_TAIL
@@ -76,7 +95,7 @@ inline void gemm_rows_f32(int64_t M, int64_t K, const float* A, int64_t sa, int6
 // in the VNNI layout (row p = reduction pair p). vdpbf16ps: c += a.lo*b.lo + a.hi*b.hi in fp32.
 template <int MR, int NV, bool ACC>
 inline void uk_bf16(int64_t K2, const uint32_t* A, int64_t sa, int64_t sp, const uint32_t* B, int64_t ldb, float* C,
-                    int64_t ldc, __mmask16 last, float alpha) {
+                    int64_t ldc, __mmask16 last, float alpha, float* cmax) {
   __m512 c[MR][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
@@ -95,29 +114,20 @@ inline void uk_bf16(int64_t K2, const uint32_t* A, int64_t sa, int64_t sp, const
       for (int v = 0; v < NV; ++v) c[i][v] = _mm512_dpbf16_ps(c[i][v], (__m512bh)a, (__m512bh)b[v]);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) {
-      float* dst = C + i * ldc + 16 * v;
-      const __mmask16 mk = v == NV - 1 ? last : __mmask16(0xFFFF);
-      const __m512 r = ACC ? _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst), c[i][v])
-                           : _mm512_mul_ps(c[i][v], _mm512_set1_ps(alpha));
-      _mm512_mask_storeu_ps(dst, mk, r);
-    }
+  store_tile<MR, NV, ACC>(c, C, ldc, last, alpha, cmax);
 }
 
 template <int MR, int NV, bool ACC>
 inline void gemm_rows_bf16(int64_t M, int64_t K2, const uint32_t* A, int64_t sa, int64_t sp, const uint32_t* B,
-                           int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha) {
+                           int64_t ldb, float* C, int64_t ldc, __mmask16 last, float alpha, float* cmax) {
   int64_t i = 0;
-  for (; i + MR <= M; i += MR) uk_bf16<MR, NV, ACC>(K2, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha);
+  for (; i + MR <= M; i += MR) uk_bf16<MR, NV, ACC>(K2, A + i * sa, sa, sp, B, ldb, C + i * ldc, ldc, last, alpha, cmax);
   const int64_t r = M - i;
   A += i * sa;
   C += i * ldc;
   switch (r) {
 #define RAG_TAIL(R) \
-  case R: if constexpr (R < MR) uk_bf16<R, NV, ACC>(K2, A, sa, sp, B, ldb, C, ldc, last, alpha); break;
+  case R: if constexpr (R < MR) uk_bf16<R, NV, ACC>(K2, A, sa, sp, B, ldb, C, ldc, last, alpha, cmax); break;
     RAG_TAIL(1) RAG_TAIL(2) RAG_TAIL(3) RAG_TAIL(4) RAG_TAIL(5) RAG_TAIL(6) RAG_TAIL(7) RAG_TAIL(8) RAG_TAIL(9)
     RAG_TAIL(10) RAG_TAIL(11)
 #undef RAG_TAIL
