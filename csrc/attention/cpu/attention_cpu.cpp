@@ -342,6 +342,210 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
     }
   });
 }
+
+// ---- Backward with the same micro-kernels (FlashAttention-2 Alg. 2, transposed tiles) ----------
+//
+// Per (sequence, head) group, per query tile, per key block: S^T = K Q^T and dP^T = V dO^T (both
+// with a transposed query-side operand packed once per tile), P^T = exp(S^T - lse) and
+// dS^T = scale * P^T (dP^T - D_i) vertically (lse and D_i are per query lane), then
+// dV += P^T dO, dK += dS^T Q (reductions over the tile's query rows) and dQ += dS K (over the key
+// block). bf16: every reduction dimension is paired for vdpbf16ps; P^T / dS^T rows are already
+// pairs along the query rows, dS is also written in key pairs, dO and Q are packed in query-row
+// pairs per tile and K in key pairs per group.
+template <typename scalar_t>
+void backward_fast(const Plan& plan, const scalar_t* dout, const scalar_t* q, const scalar_t* k, const scalar_t* v,
+                   const scalar_t* out, const float* lse, scalar_t* dq, scalar_t* dk, scalar_t* dv, int64_t D,
+                   double scale_d) {
+  constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr int64_t BQ = kFastBQ;
+  const int64_t BK = (kFastBK + 1) / 2 * 2;
+  const float scale = float(scale_d);
+  const int64_t rs = plan.row_stride;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t G = int64_t(plan.groups.size());
+  const int64_t Dk = kBf16 ? D / 2 : D;   // reduction length over the head dimension (pairs for bf16)
+  const int64_t rsk = kBf16 ? rs / 2 : rs;  // row stride in reduction units
+
+  std::vector<int64_t> order(G), cost(G, 0);
+  for (int64_t gi = 0; gi < G; ++gi)
+    for (int64_t x = plan.item_begin[gi]; x < plan.item_begin[gi + 1]; ++x) cost[gi] += plan.items[x].cost();
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(G, 1));
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i il_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i il_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+    // fp32: Q^T / dO^T (D x BQ); bf16: the same as pairs along D (D/2 x BQ words)
+    std::vector<float> qt(kBf16 ? 0 : D * BQ, 0.f), dot(kBf16 ? 0 : D * BQ, 0.f);
+    std::vector<uint32_t> qt2(kBf16 ? D / 2 * BQ : 0, 0u), dot2(kBf16 ? D / 2 * BQ : 0, 0u);
+    // S^T -> P^T and dP^T -> dS^T (BK x BQ fp32); bf16 copies: P^T, dS^T (query pairs), dS (key pairs)
+    std::vector<float> st(BK * BQ, 0.f), dpt(BK * BQ, 0.f);
+    std::vector<uint16_t> pt16(kBf16 ? BK * BQ : 0), dst16(kBf16 ? BK * BQ : 0);
+    std::vector<uint32_t> ds2(kBf16 ? BK / 2 * BQ : 0);
+    // bf16: dO and Q in query-row pairs (BQ/2 x D), K of the group in key pairs
+    std::vector<uint32_t> dov(kBf16 ? BQ / 2 * D : 0), qv(kBf16 ? BQ / 2 * D : 0), kv;
+    std::vector<float> dq_acc(BQ * D), di(BQ, 0.f), lsev(BQ, 0.f), dk_acc, dv_acc;
+    for (int64_t t = tb; t < te; ++t) {
+      for (int64_t w = next.fetch_add(1); w < G; w = next.fetch_add(1)) {
+        const int64_t gi = order[w];
+        const Group& g = plan.groups[gi];
+        if (plan.item_begin[gi] == plan.item_begin[gi + 1]) continue;
+        dk_acc.assign(g.len * D, 0.f);
+        dv_acc.assign(g.len * D, 0.f);
+        const scalar_t* K = k + g.off;
+        const scalar_t* V = v + g.off;
+        if constexpr (kBf16) {
+          kv.assign((g.len + 1) / 2 * D, 0u);
+          const uint16_t* K16 = reinterpret_cast<const uint16_t*>(K);
+          for (int64_t p = 0; p < (g.len + 1) / 2; ++p) {
+            const bool has1 = 2 * p + 1 < g.len;
+            for (int64_t d = 0; d < D; ++d)
+              kv[p * D + d] = uint32_t(K16[2 * p * rs + d]) | (has1 ? uint32_t(K16[(2 * p + 1) * rs + d]) << 16 : 0u);
+          }
+        }
+        for (int64_t x = plan.item_begin[gi]; x < plan.item_begin[gi + 1]; ++x) {
+          const Item& it = plan.items[x];
+          const int64_t m = it.r1 - it.r0;
+          const scalar_t* Q = q + g.off + it.r0 * rs;
+          const scalar_t* dO = dout + g.off + it.r0 * rs;
+          const scalar_t* O = out + g.off + it.r0 * rs;
+          const int nv = int((m + 15) / 16);
+          const __mmask16 last = tail_mask(m - 16 * (nv - 1));
+          std::fill(di.begin(), di.end(), 0.f);
+          std::fill(lsev.begin(), lsev.end(), 0.f);
+          for (int64_t i = 0; i < m; ++i) {  // D_i = rowsum(dO * O)  (FA2 preprocessing)
+            float s = 0;
+            for (int64_t d = 0; d < D; ++d) s += float(dO[i * rs + d]) * float(O[i * rs + d]);
+            di[i] = s;
+            lsev[i] = lse[g.lse_off + it.r0 + i];
+          }
+          if constexpr (kBf16) {
+            for (int64_t i = 0; i < m; ++i) {
+              const uint32_t* qr = reinterpret_cast<const uint32_t*>(Q + i * rs);
+              const uint32_t* dr = reinterpret_cast<const uint32_t*>(dO + i * rs);
+              for (int64_t p = 0; p < D / 2; ++p) {
+                qt2[p * BQ + i] = qr[p];
+                dot2[p * BQ + i] = dr[p];
+              }
+            }
+            const uint16_t* Q16 = reinterpret_cast<const uint16_t*>(Q);
+            const uint16_t* dO16 = reinterpret_cast<const uint16_t*>(dO);
+            for (int64_t p = 0; p < (m + 1) / 2; ++p) {
+              const bool has1 = 2 * p + 1 < m;
+              for (int64_t d = 0; d < D; ++d) {
+                qv[p * D + d] = uint32_t(Q16[2 * p * rs + d]) | (has1 ? uint32_t(Q16[(2 * p + 1) * rs + d]) << 16 : 0u);
+                dov[p * D + d] =
+                    uint32_t(dO16[2 * p * rs + d]) | (has1 ? uint32_t(dO16[(2 * p + 1) * rs + d]) << 16 : 0u);
+              }
+            }
+          } else {
+            for (int64_t i = 0; i < m; ++i)
+              for (int64_t d = 0; d < D; ++d) {
+                qt[d * BQ + i] = float(Q[i * rs + d]);
+                dot[d * BQ + i] = float(dO[i * rs + d]);
+              }
+          }
+          std::fill(dq_acc.begin(), dq_acc.begin() + m * D, 0.f);
+          const int64_t k_end = it.causal ? std::min<int64_t>(it.k_hi, it.r1) : it.k_hi;
+          const int64_t k_start = kBf16 ? (it.k_lo & ~int64_t(1)) : it.k_lo;
+          for (int64_t kb = k_start; kb < k_end; kb += BK) {
+            const int64_t n = std::min<int64_t>(BK, k_end - kb);
+            const bool masked = kb < it.k_lo || (it.causal && kb + n - 1 > it.r0);
+            if constexpr (kBf16) {
+              tile_gemm<scalar_t, false>(nv, n, Dk, K + kb * rs, rsk, 1, qt2.data(), BQ, st.data(), BQ, last, scale,
+                                         nullptr);
+              tile_gemm<scalar_t, false>(nv, n, Dk, V + kb * rs, rsk, 1, dot2.data(), BQ, dpt.data(), BQ, last, 1.f,
+                                         nullptr);
+            } else {
+              tile_gemm<scalar_t, false>(nv, n, Dk, K + kb * rs, rsk, 1, qt.data(), BQ, st.data(), BQ, last, scale,
+                                         nullptr);
+              tile_gemm<scalar_t, false>(nv, n, Dk, V + kb * rs, rsk, 1, dot.data(), BQ, dpt.data(), BQ, last, 1.f,
+                                         nullptr);
+            }
+            for (int c = 0; c < nv; ++c) {
+              const __mmask16 lanes = c == nv - 1 ? last : __mmask16(0xFFFF);  // query rows < m
+              const __m512i rows = _mm512_add_epi32(_mm512_set1_epi32(int(it.r0 + 16 * c)), iota);
+              const __m512 lv = _mm512_loadu_ps(lsev.data() + 16 * c), dv_i = _mm512_loadu_ps(di.data() + 16 * c);
+              const __m512 sc_v = _mm512_set1_ps(scale);
+              // p, ds of key row jj (zero where masked or beyond the tile's rows)
+              auto grad_row = [&](int64_t jj, __m512& p, __m512& ds) {
+                if (jj >= n) {
+                  p = ds = _mm512_setzero_ps();
+                  return;
+                }
+                __mmask16 ok = lanes;
+                if (masked) {
+                  const int64_t key = kb + jj;
+                  if (key < it.k_lo) ok = 0;
+                  else if (it.causal) ok &= _mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key)));
+                }
+                const __m512 s = _mm512_loadu_ps(st.data() + jj * BQ + 16 * c);
+                p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(s, lv)));
+                const __m512 dp = _mm512_loadu_ps(dpt.data() + jj * BQ + 16 * c);
+                ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(dp, dv_i)), sc_v);
+              };
+              for (int64_t jj = 0; jj < n; jj += 2) {
+                __m512 p0, ds0, p1, ds1;
+                grad_row(jj, p0, ds0);
+                grad_row(jj + 1, p1, ds1);
+                if constexpr (kBf16) {
+                  auto st16 = [](uint16_t* dst, __m512 x) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x));
+                  };
+                  st16(pt16.data() + jj * BQ + 16 * c, p0);
+                  st16(dst16.data() + jj * BQ + 16 * c, ds0);
+                  if (jj + 1 < n) {
+                    st16(pt16.data() + (jj + 1) * BQ + 16 * c, p1);
+                    st16(dst16.data() + (jj + 1) * BQ + 16 * c, ds1);
+                  }
+                  const __m512 lo = _mm512_permutex2var_ps(ds0, il_lo, ds1),
+                               hi = _mm512_permutex2var_ps(ds0, il_hi, ds1);
+                  _mm512_storeu_si512(ds2.data() + jj / 2 * BQ + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                } else {
+                  _mm512_storeu_ps(st.data() + jj * BQ + 16 * c, p0);
+                  _mm512_storeu_ps(dpt.data() + jj * BQ + 16 * c, ds0);
+                  if (jj + 1 < n) {
+                    _mm512_storeu_ps(st.data() + (jj + 1) * BQ + 16 * c, p1);
+                    _mm512_storeu_ps(dpt.data() + (jj + 1) * BQ + 16 * c, ds1);
+                  }
+                }
+              }
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+              const int pv = int(std::min<int64_t>(64, D - d0) / 16);
+              const __mmask16 full = 0xFFFF;
+              float* dvb = dv_acc.data() + kb * D + d0;
+              float* dkb = dk_acc.data() + kb * D + d0;
+              if constexpr (kBf16) {
+                const int64_t m2 = (m + 1) / 2;
+                // dV += P^T dO ; dK += dS^T Q   (reduction over query-row pairs)
+                tile_gemm<scalar_t, true>(pv, n, m2, pt16.data(), BQ / 2, 1, dov.data() + d0, D, dvb, D, full, 1.f,
+                                          nullptr);
+                tile_gemm<scalar_t, true>(pv, n, m2, dst16.data(), BQ / 2, 1, qv.data() + d0, D, dkb, D, full, 1.f,
+                                          nullptr);
+                // dQ += dS K   (reduction over key pairs)
+                tile_gemm<scalar_t, true>(pv, m, (n + 1) / 2, ds2.data(), 1, BQ, kv.data() + kb / 2 * D + d0, D,
+                                          dq_acc.data() + d0, D, full, 1.f, nullptr);
+              } else {
+                tile_gemm<scalar_t, true>(pv, n, m, st.data(), BQ, 1, dO + d0, rs, dvb, D, full, 1.f, nullptr);
+                tile_gemm<scalar_t, true>(pv, n, m, dpt.data(), BQ, 1, Q + d0, rs, dkb, D, full, 1.f, nullptr);
+                tile_gemm<scalar_t, true>(pv, m, n, dpt.data(), 1, BQ, K + kb * rs + d0, rs, dq_acc.data() + d0, D,
+                                          full, 1.f, nullptr);
+              }
+            }
+          }
+          for (int64_t i = 0; i < m; ++i) convert(dq + g.off + (it.r0 + i) * rs, dq_acc.data() + i * D, D);
+        }
+        for (int64_t j = 0; j < g.len; ++j) {
+          convert(dk + g.off + j * rs, dk_acc.data() + j * D, D);
+          convert(dv + g.off + j * rs, dv_acc.data() + j * D, D);
+        }
+      }
+    }
+  });
+}
 #endif  // __AVX512F__
 
 template <typename scalar_t>
@@ -492,6 +696,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_, 
   const int64_t D = q.size(-1);
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rag_attn_bwd_cpu", [&] {
+#if defined(__AVX512F__)
+    if constexpr (fast_dtype<scalar_t>()) {
+      if (kFastEnabled && kBlockQ <= kFastBQ && D % 16 == 0) {
+        backward_fast<scalar_t>(plan, dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                                dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), D, scale);
+        return;
+      }
+    }
+#endif
     backward_impl<scalar_t>(plan, dout.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
                             v.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_of<scalar_t>>(),
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(), D, scale);
