@@ -1,6 +1,6 @@
 """Fused attention (csrc/attention) against SDPA on the CPU: TFLOP/s and peak extra memory.
 
-    python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick]
+    python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick] [--backward]
 
 Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
 
@@ -11,6 +11,9 @@ Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512.
 * retrieval: 8 documents of 0.1*S and a 0.2*S query, vs SDPA with the dense layout mask.
   For packed and retrieval the TFLOP/s count only useful FLOPs (4*H*D per allowed query-key pair),
   so the ratio equals the speed-up.
+
+``--backward`` adds dense and causal rows timed forward + backward (``.backward(grad)`` of the
+output; FLOPs = 3.5x the forward's, FlashAttention-2's convention of backward = 2.5x forward).
 
 Timings interleave the two implementations and report medians; peak extra memory is the growth of
 the process's peak RSS (VmHWM) during one call, in a fresh subprocess per point (Linux only).
@@ -67,13 +70,31 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype):
     raise ValueError(case)
 
 
-def time_pair(f1, f2, reps: int) -> tuple[float, float]:
-    f1(), f2()  # warm-up
+def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
+    """dense / causal forward + backward: (fused_fn, sdpa_fn, flops)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, H, S, D, generator=g).to(dtype) for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    c = case == "causal"
+
+    def fused():
+        A.attention(q, k, v, causal=c, backend="fused").backward(grad)
+
+    def sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=D**-0.5).backward(grad)
+
+    return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
+
+
+def time_pair(f1, f2, reps: int, grad: bool = False) -> tuple[float, float]:
+    ctx = torch.enable_grad if grad else torch.no_grad
+    with ctx():
+        f1(), f2()  # warm-up
     t1, t2 = [], []
     for _ in range(reps):
         for fn, acc in ((f1, t1), (f2, t2)):
             t = time.perf_counter()
-            with torch.no_grad():
+            with ctx():
                 fn()
             acc.append(time.perf_counter() - t)
     return statistics.median(t1), statistics.median(t2)
@@ -107,6 +128,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="seq 512 and 1024 only, no memory")
     ap.add_argument("--memory-seqs", default="512,1024,2048,4096")
     ap.add_argument("--memory-only", action="store_true", help="add the memory table to an existing --out")
+    ap.add_argument("--backward", action="store_true", help="also time dense/causal forward + backward")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -119,11 +141,14 @@ def main() -> None:
         seqs = []
     for dtype in (torch.float32, torch.bfloat16):
         for D in (64, 128):
-            for case in ("dense", "causal", "packed", "retrieval"):
+            cases = ["dense", "causal", "packed", "retrieval"] + (["dense+bwd", "causal+bwd"] if args.backward else [])
+            for case in cases:
                 for S in seqs:
-                    fused, sdpa, flops = make_case(case, S, D, dtype)
+                    bwd = case.endswith("+bwd")
+                    maker = make_train_case if bwd else make_case
+                    fused, sdpa, flops = maker(case.removesuffix("+bwd"), S, D, dtype)
                     reps = args.reps if S <= 2048 else max(2, args.reps // 2)
-                    t_f, t_s = time_pair(fused, sdpa, reps)
+                    t_f, t_s = time_pair(fused, sdpa, reps, grad=bwd)
                     row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
                                fused_tflops=flops / t_f / 1e12, sdpa_tflops=flops / t_s / 1e12,
                                fused_ms=t_f * 1e3, sdpa_ms=t_s * 1e3, speedup=t_s / t_f)
@@ -150,7 +175,9 @@ def main() -> None:
                      torch=torch.__version__, note="shared 2-core machine; compare ratios within one run"),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
-        speedup_summary={f"{c}/{d}": summary(c, d) for c in ("dense", "causal", "packed", "retrieval")
+        timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
+        speedup_summary={f"{c}/{d}": summary(c, d)
+                         for c in ("dense", "causal", "packed", "retrieval", "dense+bwd", "causal+bwd")
                          for d in ("float32", "bfloat16")},
         results=results, memory=memory,
     )
