@@ -37,6 +37,7 @@ class RetrieverConfig:
     contrastive_steps: int = -1  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
     bank_negatives: int = 1024  # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0: none)
+    pseudo_queries: int = 0  # random views of memory pictures added as queries to each contrastive term (retriever/augment.py)
     warmup_steps: int = 0  # retriever-only contrastive steps before joint training: the reader learns nothing from a random retriever
     warmup_lr: float = 2e-3  # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
     gold_temperature: float = 0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
@@ -72,7 +73,7 @@ def validate(cfg) -> list[str]:
             e.append(f"retriever.{key} must be positive (got {getattr(cfg, key)})")
     if cfg.gold_temperature <= 0:
         e.append(f"retriever.gold_temperature must be positive (got {cfg.gold_temperature})")
-    for key in ("bank_negatives", "warmup_steps"):
+    for key in ("bank_negatives", "warmup_steps", "pseudo_queries"):
         if getattr(cfg, key) < 0:
             e.append(f"retriever.{key} must be >= 0 (got {getattr(cfg, key)})")
     if cfg.warmup_lr <= 0:

@@ -19,6 +19,7 @@ import torch.nn as nn
 from rag_mm.data.documents import DocumentStore
 from rag_mm.model.reader import Reader, ReaderOutput
 from retriever import losses
+from retriever.augment import random_views
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
 
@@ -109,8 +110,16 @@ class RagModel(nn.Module):
 
     def _contrastive(self, q_emb, gold, hard=None, hard_ids=None) -> torch.Tensor:
         """In-batch InfoNCE against the batch's gold documents, plus ``hard`` negatives (N, E) with
-        ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh."""
+        ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh; with
+        ``retriever.pseudo_queries``, random views of memory pictures join the queries."""
         enc, dev = self.retriever, q_emb.device
+        if self.rcfg.pseudo_queries > 0:  # random views of memory pictures, each querying its own document
+            rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
+            views = random_views(self.store.images[rows].to(dev)).to(q_emb.dtype)
+            n = len(rows)  # an empty question: the picture is the whole query
+            no_text = torch.zeros(n, 1, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+            q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
+            gold = torch.cat([gold.cpu(), self.store.ids[rows]])
         g_docs = self._docs(gold[:, None].cpu(), dev)
         g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
         extra, extra_ids = [] if hard is None else [hard], [] if hard_ids is None else [hard_ids]

@@ -166,7 +166,7 @@ def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
 
 WARMUP = ["retriever=learned", "retriever.top_k=2", "retriever.embed_dim=16", "retriever.shared_towers=true",
           "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.vision_layers=1",
-          "retriever.fusion=image", "retriever.warmup_steps=3", "retriever.bank_negatives=8",
+          "retriever.fusion=image", "retriever.warmup_steps=3", "retriever.bank_negatives=8", "retriever.pseudo_queries=4",
           "retriever.refresh_every=2", "max_steps=2", "ckpt_every=0"]
 
 

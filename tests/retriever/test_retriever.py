@@ -144,3 +144,14 @@ def test_resnet_tower_and_image_fusion_keep_only_used_parameters():
     q.sum().backward()
     assert [n for n, p in enc.named_parameters() if p.grad is None] == ["logit_scale"]
     assert "retriever.vision_tower" in " ".join(validate(RetrieverConfig(vision_tower="cnn")))
+
+
+def test_random_views_are_seeded_warps_of_the_picture():
+    from retriever.augment import random_views
+
+    x = torch.randn(5, 3, 32, 32)
+    same = random_views(x, max_rotation_deg=0, scale=(1.0, 1.0), max_shift=0, colour=0, noise=0)
+    assert torch.allclose(same, x, atol=1e-5)  # no change asked: the identity warp
+    a = random_views(x, torch.Generator().manual_seed(3))
+    b = random_views(x, torch.Generator().manual_seed(3))
+    assert a.shape == x.shape and torch.equal(a, b) and not torch.allclose(a, x, atol=0.1)
