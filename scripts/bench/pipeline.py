@@ -102,13 +102,14 @@ def torch_1f1b(rank, m, steps):
     return {"t": statistics.median(times)}
 
 
-def pipe_mlp(rank, m, steps, schedule, p2p="auto"):
+def pipe_mlp(rank, m, steps, schedule, p2p="auto", stage_path="eager"):
     import parallel
     from parallel.timeline import bubble_fraction, gather
 
     model = mlp()
     x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-    cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform", p2p=p2p)
+    cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform", p2p=p2p,
+                                  stage_path=stage_path)
     pm = parallel.parallelize(model, cfg, (x,))
     times, waits, bubbles, cpus = [], [], [], []
     for s in range(steps + 3):
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--ms", default="2,4,8,16")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--p2p", default="auto", help="pipeline messages: auto (shared memory) | shm | gloo")
+    ap.add_argument("--stage-path", default="eager", help="MLP stages: eager (module replay) | graph (torch.export split)")
     ap.add_argument("--compare", type=int, default=1, help="also time --p2p gloo and torch's Schedule1F1B")
     ap.add_argument("--reader-steps", type=int, default=8)
     ap.add_argument("--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions")
@@ -191,7 +193,7 @@ def main() -> None:
 
     for m in [int(x) for x in a.ms.split(",") if x]:
         t1, c1 = t_single(m, a.steps)
-        r = spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p=a.p2p)
+        r = spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p=a.p2p, stage_path=a.stage_path)
         tp = max(x["t"] for x in r)
         eff = t1 / (p * tp)
         row = dict(m=m, t1=t1, tpipe=tp, efficiency=eff, overhead=overhead(m, t1, tp), bubble=r[0]["bubble"],
