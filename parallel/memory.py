@@ -38,6 +38,29 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str = "full", 
     return chosen
 
 
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Count the bytes autograd keeps for backward inside the ``with`` block: distinct storages
+    (a tensor saved twice counts once), parameters of ``model`` excluded. ``nbytes`` after."""
+
+    def __init__(self, model: nn.Module):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: set[int] = set()
+        self.nbytes = 0
+
+        def pack(t: torch.Tensor):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                self.nbytes += t.untyped_storage().nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    def __enter__(self) -> SavedBytes:  # the base class returns None
+        super().__enter__()
+        return self
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Keep tensors saved for backward in host memory: packed to the CPU (pinned, async) during
     forward, brought back to their device when backward unpacks them. Tensors already on the CPU

@@ -156,26 +156,16 @@ def dp_rank_fn(rank, world, mode, dim, layers, batch=8):
 
 
 def activation_bytes(dim, layers, mode):
-    from parallel.memory import apply_activation_checkpointing
+    from parallel.memory import SavedBytes, apply_activation_checkpointing
     from rag_mm.model import Reader
 
     cfg, inputs = _reader(dim, layers)
     model = Reader(cfg, vocab_size=1000)
     apply_activation_checkpointing(list(model.blocks), mode, 2)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model) as saved:
         loss = model(**inputs).loss
     loss.backward()
-    return total[0]
+    return saved.nbytes
 
 
 def main():

@@ -8,6 +8,7 @@ import torch
 
 from parallel.memory import (
     OffloadActivations,
+    SavedBytes,
     apply_activation_checkpointing,
     apply_activation_offload,
     materialize,
@@ -19,20 +20,10 @@ from tests.parallel import tp_cases
 
 def _saved_bytes_and_grads(model, inputs):
     """Bytes autograd keeps for backward (distinct storages, parameters excluded), and grads."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), [0]
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model) as saved:
         loss = tp_cases.run(model, inputs, tp_cases.reader_loss)
     loss.backward()
-    return total[0], float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return saved.nbytes, float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _reader(layers=4):
