@@ -43,6 +43,9 @@ import torch
 from torch import nn
 
 from .p2p import Transport
+from .split_backward import WeightWork
+from .split_backward import backward_input as split_input
+from .split_backward import backward_weight as split_weight
 from .tree import TensorSpec, flatten, placeholder, tensor_specs, unflatten
 
 log = logging.getLogger(__name__)
@@ -260,6 +263,7 @@ class _MbState:
     sent: list[torch.Tensor]  # sent tensors that require grad (roots of the backward)
     loss: torch.Tensor | None = None  # scaled loss (last stage)
     grads: list[torch.Tensor] | None = None  # gradients of ``sent`` (kept between I and W)
+    weight_work: WeightWork | None = None  # what W does after I (split_backward.py)
 
 
 class EagerStage:
@@ -362,23 +366,26 @@ class EagerStage:
         del self.state[mb]
 
     def backward_input(self, mb: int) -> None:
-        """Zero-bubble "I": gradients of the received tensors only, sent at once; the graph is
-        kept for the weight step."""
+        """Zero-bubble "I": gradients of the received tensors only, sent at once. The graph is
+        kept, with the gradients where the weights meet the input path, for the weight step
+        (split_backward.py: W then computes each dW once and no dX again)."""
         roots, grads = self._roots(mb)
         st = self.state[mb]
         leaves = [x for x in st.recv if x.requires_grad]
         if roots and leaves:
-            gin = torch.autograd.grad(roots, leaves, grads, retain_graph=True, allow_unused=True)
-            self._send_input_grads(mb, list(gin))
-        else:
+            gin, st.weight_work = split_input(roots, grads, leaves, self.params)
+            self._send_input_grads(mb, gin)
+        else:  # nothing to send (the first stage): W runs the whole backward
             self._send_input_grads(mb, [None] * len(leaves))
 
     def backward_weight(self, mb: int) -> None:
-        """Zero-bubble "W": parameter gradients. (Re-walks the graph from the roots: simple and
-        exact, but it repeats the input part of the backward; torch's stage splits the graph
-        instead.)"""
-        roots, grads = self._roots(mb)
-        params = [p for p in self.params if p.requires_grad]
-        if roots and params:
-            torch.autograd.backward(roots, grads, inputs=params)
+        """Zero-bubble "W": parameter gradients, accumulated into ``.grad``."""
+        st = self.state[mb]
+        if st.weight_work is not None:
+            split_weight(st.weight_work)
+        else:
+            roots, grads = self._roots(mb)
+            params = [p for p in self.params if p.requires_grad]
+            if roots and params:
+                torch.autograd.backward(roots, grads, inputs=params)
         del self.state[mb]
