@@ -144,6 +144,12 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
         p.grad += g
 
 
+def _replace_with(kept: tuple | None):
+    def hook(_grad_outputs):
+        return kept  # None: leave the incoming gradient as it is
+    return hook
+
+
 def backward_weight(work: WeightWork) -> None:
     """Parameter gradients from the kept intermediate gradients, accumulated into ``.grad``."""
     for inter, params in work.groups:
@@ -158,7 +164,7 @@ def backward_weight(work: WeightWork) -> None:
         handles = []
         if len(inter) > 1:  # one intermediate below another: replace what flows into it by what
             # was kept, or the upper one's gradient would be counted twice
-            handles = [n.register_prehook(lambda _g, kept=work.kept.get(n): kept) for n in inter]
+            handles = [n.register_prehook(_replace_with(work.kept.get(n))) for n in inter]
         try:
             dws = torch.autograd.grad(edges, params, outs, retain_graph=True, allow_unused=True)
         finally:
