@@ -25,6 +25,8 @@ The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama``
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import time
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ParallelConfig
+from .host_malloc import steady_malloc
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
 from .pipeline.graph import GraphPathError, GraphPlan, GraphStage, build_graph_plan
@@ -216,6 +219,7 @@ class ParallelModel(nn.Module):
         self.events: list[Event] = []  # timeline of the last step
         self.record_timeline = True
         self.dp_reduce = True  # False once an FSDP hook reduces gradients itself
+        self.loss_group = None  # shared-memory collectives for the step loss (_loss_group), or gloo
 
     # --- identity
     @property
@@ -326,28 +330,8 @@ class ParallelModel(nn.Module):
                     rec(Event(rank, "B", 0, i, t0, time.perf_counter()))
         else:
             self.transport.wait_s = 0.0
-            for a in self.order:
-                st = self.stages[a.stage]
-                t0 = time.perf_counter()
-                w0 = self.transport.wait_s
-                if a.kind == "F":
-                    args, kwargs = _as_call(mbs[a.mb])
-                    out = st.forward(a.mb, args, kwargs)
-                    if st.is_last:
-                        loss = loss_fn(out, tgts[a.mb])
-                        st.set_loss(a.mb, loss * (w[a.mb] / total_w))
-                        losses[a.mb] = loss.detach()
-                elif a.kind == "B":
-                    st.backward(a.mb)
-                elif a.kind == "I":
-                    st.backward_input(a.mb)
-                elif a.kind == "W":
-                    st.backward_weight(a.mb)
-                if rec:  # receives happen at the start of an action: the event is the compute after them
-                    waited = self.transport.wait_s - w0
-                    if waited > 0:
-                        rec(Event(rank, "wait", a.stage, a.mb, t0, t0 + waited))
-                    rec(Event(rank, a.kind, a.stage, a.mb, t0 + waited, time.perf_counter()))
+            with _gc_paused(self.cfg.gc_pause):
+                self._run_schedule(mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()
@@ -360,6 +344,31 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
+    def _run_schedule(self, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
+        """This rank's actions of the schedule, in order (receives happen inside them)."""
+        for a in self.order:
+            st = self.stages[a.stage]
+            t0 = time.perf_counter()
+            w0 = self.transport.wait_s
+            if a.kind == "F":
+                args, kwargs = _as_call(mbs[a.mb])
+                out = st.forward(a.mb, args, kwargs)
+                if st.is_last:
+                    loss = loss_fn(out, tgts[a.mb])
+                    st.set_loss(a.mb, loss * (w[a.mb] / total_w))
+                    losses[a.mb] = loss.detach()
+            elif a.kind == "B":
+                st.backward(a.mb)
+            elif a.kind == "I":
+                st.backward_input(a.mb)
+            elif a.kind == "W":
+                st.backward_weight(a.mb)
+            if rec:  # receives happen at the start of an action: the event is the compute after them
+                waited = self.transport.wait_s - w0
+                if waited > 0:
+                    rec(Event(rank, "wait", a.stage, a.mb, t0, t0 + waited))
+                rec(Event(rank, a.kind, a.stage, a.mb, t0 + waited, time.perf_counter()))
+
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Every rank gets the mean over data-parallel replicas of the last stage's loss."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -368,7 +377,10 @@ class ParallelModel(nn.Module):
         if self.partition is None or self.partition.num_stages == 1 or not self.stages:
             dist.all_reduce(t)  # every rank is a last stage
             return (t / dist.get_world_size())[0]
-        dist.all_reduce(t)  # one last stage per pipeline: sum over the replicas
+        if self.loss_group is not None:
+            self.loss_group.all_reduce_(t)
+        else:
+            dist.all_reduce(t)  # one last stage per pipeline: sum over the replicas
         return (t / self.groups.dp_size)[0]
 
     def _device(self) -> torch.device:
@@ -445,6 +457,38 @@ class ParallelModel(nn.Module):
 # ----------------------------------------------------------------------------- parallelize
 
 
+def _loss_group(cfg: ParallelConfig, timeout_s: float):
+    """Shared-memory collectives for the end-of-step loss when every rank is on this host, else
+    None (gloo). After a pipelined step gloo's threads have gone idle and its all-reduce of one
+    number took ~0.7 ms here (BENCHMARKS.md, Pipeline); the shared-memory one takes microseconds.
+    Every rank takes the same decision: availability and host are gathered first."""
+    if cfg.p2p == "gloo" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from parallel.kernels import comm
+
+    ok, _ = comm.available()
+    if os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
+        ok = False
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (ok, comm.host_id()))
+    if not all(o for o, _ in seen) or len({h for _, h in seen}) != 1:
+        return None
+    return comm.ShmGroup(timeout_s=timeout_s)
+
+
+@contextlib.contextmanager
+def _gc_paused(on: bool):
+    """Automatic garbage collection off for the block (see ``ParallelConfig.gc_pause``)."""
+    was = gc.isenabled()
+    if on:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if on and was:
+            gc.enable()
+
+
 def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
                 trace_loss_fn: Callable[[Any], torch.Tensor] | None = None,
                 timeout_s: float = 300.0, partition: Partition | None = None) -> ParallelModel:
@@ -456,6 +500,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     how long a pipeline receive waits before raising ``PipelineError``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg.validate(world)
+    if cfg.steady_malloc:
+        steady_malloc()
     # 1. mesh
     groups = build_groups(cfg)
     from . import spmd  # registers the TP -> AC -> FSDP stage hook (issue 6)
@@ -518,6 +564,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)
     transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, groups.rank, timeout_s, cfg.p2p)
     log.info("pipeline p2p on rank %d: %s", groups.rank, how)
+    loss_group = _loss_group(cfg, timeout_s)
     local_params = [p for p in model.parameters() if id(p) in held]
     if gplan is not None:
         plan = gplan
@@ -528,6 +575,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
     pm._numel = numel
     pm.tp_plan = tp_plan
+    pm.loss_group = loss_group
     # 4. per-stage hooks (TP -> AC -> FSDP, issue 6)
     _run_hooks(pm, cfg, groups)
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0

@@ -40,6 +40,13 @@ class ParallelConfig:
     # partition's cuts; fixed shapes, tensor inputs/outputs) | auto (graph where export succeeds).
     # eager by default: the path measured and tested on every model of the grid (reader, HF models)
     stage_path: str = "eager"
+    # no automatic garbage collection inside a pipelined step: a collection pauses one rank for up to
+    # ~100 ms (a full one over a process with torch imported), and every rank waiting on it stalls
+    # too; collections that fall due run between steps (torchtitan and Megatron do the same)
+    gc_pause: bool = True
+    # fix glibc malloc's mmap / trim thresholds (host_malloc.py): with its dynamic ones, buffers freed
+    # every microbatch went back to the OS and were faulted in again (thousands of faults per step)
+    steady_malloc: bool = True
 
     def validate(self, world_size: int) -> ParallelConfig:
         """Resolve -1 and reject layouts that cannot work, with a message naming the key."""

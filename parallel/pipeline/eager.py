@@ -281,6 +281,8 @@ class EagerStage:
         self.is_first = index == 0
         self.is_last = index == plan.num_stages - 1
         self.state: dict[int, _MbState] = {}
+        self._spec_cache: dict[int, tuple[dict, dict[int, list[TensorSpec]]]] = {}
+        self._ph_cache: dict[tuple, torch.Tensor] = {}
 
     # --- forward
     def forward(self, mb: int, args: tuple, kwargs: dict, grad: bool = True) -> Any:
@@ -290,13 +292,8 @@ class EagerStage:
         recv_list: list[torch.Tensor] = []
         if s > 0:
             order = plan.send[s - 1]
-
-            def specs_of(m):
-                return [tensor_specs(m[i])[j] for (i, j) in order]
-
-            meta, tensors = self.transport.recv_fwd(s - 1, s, mb, specs_of)
-            specs = specs_of(meta)
-            for key, t, sp in zip(order, tensors, specs):
+            meta, tensors = self.transport.recv_fwd(s - 1, s, mb, lambda m: self._recv_specs(m, order))
+            for key, t, sp in zip(order, tensors, self._recv_specs(meta, order)):
                 leaf = t.detach()
                 if grad and sp.requires_grad and leaf.is_floating_point():
                     leaf.requires_grad_(True)
@@ -307,11 +304,11 @@ class EagerStage:
         def stub(i: int) -> Any:
             if plan.call_stage[i] < s:
                 sp = meta[i]
-                lv = [recv_leaves.get((i, j)) for j in range(len(tensor_specs(sp)))]
-                lv = [x if x is not None else placeholder(ts, self.device) for x, ts in zip(lv, tensor_specs(sp))]
+                lv = [recv_leaves[(i, j)] if (i, j) in recv_leaves else self._placeholder(ts)
+                      for j, ts in enumerate(self._call_specs(meta, i))]
             else:  # a later stage's call before our last one: shaped like the example
                 sp = plan.templates[i]
-                lv = [placeholder(ts, self.device, batch, plan.template_batch) for ts in tensor_specs(sp)]
+                lv = [self._placeholder(ts, batch) for ts in tensor_specs(sp)]
             return unflatten(sp, lv)
 
         ctx = _Ctx(s, plan.names, plan.call_stage, stub, None if self.is_last else plan.last_call[s])
@@ -330,6 +327,33 @@ class EagerStage:
         if grad:
             self.state[mb] = _MbState(recv_list, sent)
         return out
+
+    # Per-microbatch costs are paid m times per step on every stage, so what only depends on the
+    # received structure is computed once per structure. A received ``meta`` is the object the
+    # transport keeps per metadata id, so its identity names the structure.
+    def _call_specs(self, meta: dict, i: int) -> list[TensorSpec]:
+        got = self._spec_cache.get(id(meta))
+        if got is None or got[0] is not meta:
+            got = self._spec_cache[id(meta)] = (meta, {})
+        per = got[1]
+        if i not in per:
+            per[i] = tensor_specs(meta[i])
+        return per[i]
+
+    def _recv_specs(self, meta: dict, order: list[tuple[int, int]]) -> list[TensorSpec]:
+        return [self._call_specs(meta, i)[j] for (i, j) in order]
+
+    def _placeholder(self, ts: TensorSpec, batch: int | None = None) -> torch.Tensor:
+        """One NaN (or zero) tensor per shape, reused by every microbatch: placeholders are
+        never read (the plan sends whatever a stage needs), only looked at."""
+        shape = ts.shape
+        if batch is not None and self.plan.template_batch is not None and shape and shape[0] == self.plan.template_batch:
+            shape = (batch, *shape[1:])
+        key = (shape, ts.dtype)
+        t = self._ph_cache.get(key)
+        if t is None:
+            t = self._ph_cache[key] = placeholder(TensorSpec(shape, ts.dtype, False), self.device)
+        return t
 
     def set_loss(self, mb: int, scaled_loss: torch.Tensor) -> None:
         self.state[mb].loss = scaled_loss

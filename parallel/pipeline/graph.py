@@ -193,6 +193,7 @@ class GraphStage(EagerStage):
         self.gplan = gplan
         self.model = model
         self.module = gplan.modules[index]
+        self.signature = inspect.signature(model.forward)  # once: binding is per microbatch
 
     def forward(self, mb: int, args: tuple, kwargs: dict, grad: bool = True) -> Any:
         g, s = self.gplan, self.index
@@ -207,7 +208,7 @@ class GraphStage(EagerStage):
                     leaf.requires_grad_(True)
                 env[key] = leaf
                 recv_list.append(leaf)
-        named = bind_inputs(self.model, args, kwargs)
+        named = dict(self.signature.bind(*args, **kwargs).arguments)
         for name in g.placeholders:
             env[("in", name)] = named.get(g.arg_of[name])
         with torch.set_grad_enabled(grad):

@@ -103,6 +103,7 @@ class Transport:
         self.pending: list[Any] = []  # (work, buffer) of non-blocking sends, waited in flush()
         self.local: dict[tuple, Any] = {}  # same-rank handover
         self.sent_meta: dict[tuple[int, bytes], int] = {}  # (dst stage, pickled meta) -> id
+        self.last_meta: dict[int, tuple[Any, int]] = {}  # dst stage -> (last meta sent, its id)
         self.recv_meta: dict[tuple[int, int], Any] = {}  # (src stage, id) -> meta
         self.wait_s = 0.0  # seconds spent blocked in receives this step (for the timeline)
         self.lanes: dict[int, list] = {}  # peer global rank -> [ShmChannel to it, from it] (lanes.py)
@@ -159,14 +160,20 @@ class Transport:
         if self.stage_rank[dst] == self.rank:
             self.local[("f", dst, mb)] = (meta, [t.detach() for t in tensors])
             return
-        blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-        key = (dst, blob)
-        new = key not in self.sent_meta
-        if new:
-            self.sent_meta[key] = len(self.sent_meta)
+        last = self.last_meta.get(dst)
+        if last is not None and last[0] == meta:  # the usual case: same structure as the last bundle
+            blob, new, meta_id = b"", False, last[1]
+        else:  # pickle only when the structure changed (a comparison costs far less than pickling)
+            blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+            key = (dst, blob)
+            new = key not in self.sent_meta
+            if new:
+                self.sent_meta[key] = len(self.sent_meta)
+            meta_id = self.sent_meta[key]
+            self.last_meta[dst] = (meta, meta_id)
         payload = pack(tensors, self.device) if tensors else None
         header = torch.tensor([payload.numel() * payload.element_size() if payload is not None else 0,
-                               self.sent_meta[key], len(blob) if new else 0, len(tensors)], dtype=torch.int64)
+                               meta_id, len(blob) if new else 0, len(tensors)], dtype=torch.int64)
         self._isend(header, dst, _tag(src, mb, KIND_HEADER))
         if new:
             self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), small=True)
