@@ -18,6 +18,7 @@ TORCH_LIBRARY(rmm_comm, m) {
       "int src_rank, int dst_rank) -> int",
       &rmm_comm::channel_open);
   m.def("channel_close(int handle) -> ()", &rmm_comm::channel_close);
+  m.def("channel_rewind(int handle) -> ()", &rmm_comm::channel_rewind);
   m.def("channel_mapped(int handle) -> int", &rmm_comm::channel_mapped);
   m.def("shm_unlink(str name) -> ()", &rmm_comm::shm_unlink_name);
 

@@ -103,6 +103,7 @@ int64_t group_mapped(int64_t handle);
 int64_t channel_open(const std::string& name, int64_t side, int64_t slot_bytes, int64_t slots,
                      bool create, double timeout_s, int64_t src_rank, int64_t dst_rank);
 void channel_close(int64_t handle);
+void channel_rewind(int64_t handle);
 int64_t channel_mapped(int64_t handle);
 void shm_unlink_name(const std::string& name);
 

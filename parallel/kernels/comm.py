@@ -433,6 +433,13 @@ class ShmChannel:
             out.copy_(tgt)
         return out
 
+    def rewind(self) -> None:
+        """End of a step: this side's ring position jumps to the next multiple of the ring size,
+        so every step reuses the same (warm, already mapped) slots. Both sides call it after
+        their last message of the step (see channel_rewind in csrc/comm/cpu/shm_segment.cpp)."""
+        if self.uses_shm:
+            torch.ops.rmm_comm.channel_rewind(self.handle)
+
     def close(self) -> None:
         if self.handle >= 0:
             torch.ops.rmm_comm.channel_close(self.handle)

@@ -154,6 +154,10 @@ class Transport:
                 work.wait(self.timeout)
             except Exception as e:  # noqa: BLE001
                 raise PipelineError(f"rank {self.rank}: a pipeline send failed: {type(e).__name__}: {e}") from e
+        for box in self.lanes.values():  # this rank's messages of the step are all through
+            for ch in box:
+                if ch is not None:
+                    ch.rewind()
 
     # --- bundles
     def send_fwd(self, src: int, dst: int, mb: int, meta: Any, tensors: list[torch.Tensor]) -> None:

@@ -117,3 +117,33 @@ def test_channel_send_recv(cross_host):
     shapes = [(1,), (3, 5), (1000,), (40, 77)]
     expect = [2.0 * i * torch.zeros(s).numel() for i, s in enumerate(shapes)]
     assert res[0] == expect
+
+
+def _rewind(rank, world, receiver_first):
+    """Steps of 3 one-slot messages on a 5-slot ring, each side rewinding after its last message
+    of the step (in either order): every step starts again at slot 0 and nothing is lost."""
+    ch = K.ShmChannel(0, 1, slot_bytes=4096, slots=5)
+    got = []
+    for step in range(4):
+        if rank == 0:
+            for i in range(3):
+                ch.send(torch.full((100,), float(10 * step + i)))
+            if receiver_first:
+                dist.barrier()  # the receiver has read and rewound
+            ch.rewind()
+            if not receiver_first:
+                dist.barrier()
+        else:
+            if not receiver_first:
+                dist.barrier()  # the sender has written and rewound before we read
+            got += [ch.recv(torch.empty(100))[0].item() for _ in range(3)]
+            ch.rewind()
+            if receiver_first:
+                dist.barrier()
+    return got
+
+
+@pytest.mark.parametrize("receiver_first", [False, True])
+def test_channel_rewind_between_steps(receiver_first):
+    got = run_ranks(_rewind, 2, receiver_first, timeout_s=120)[1]
+    assert got == [float(10 * s + i) for s in range(4) for i in range(3)]
