@@ -12,6 +12,10 @@ Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512.
   For packed and retrieval the TFLOP/s count only useful FLOPs (4*H*D per allowed query-key pair),
   so the ratio equals the speed-up.
 
+``--device cuda`` (issue 7's GPU figure): dense and causal, bf16 and fp16, B=4 x H=16, against SDPA
+restricted to its flash backend (``sdpa_kernel(FLASH_ATTENTION)``), timed with CUDA events; goal
+>= 0.7x flash's TFLOP/s.
+
 ``--backward`` adds dense and causal rows timed forward + backward (``.backward(grad)`` of the
 output; FLOPs = 3.5x the forward's, FlashAttention-2's convention of backward = 2.5x forward).
 
@@ -120,6 +124,65 @@ def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: in
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def cuda_main(args) -> None:
+    """TFLOP/s of the fused CUDA kernel against SDPA's flash backend (forward, and forward +
+    backward with ``--backward``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device")
+    ok, why = A.fused_available()
+    if ok:
+        ok, why = A._fused_supports(torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16))
+    if not ok:
+        sys.exit(f"fused CUDA attention unavailable: {why}")
+    B, Hc = 4, 16
+    results = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for D in (64, 128):
+            for case in ("dense", "causal") + (("dense+bwd", "causal+bwd") if args.backward else ()):
+                for S in ([512, 1024] if args.quick else [512, 1024, 2048, 4096]):
+                    bwd, c = case.endswith("+bwd"), case.startswith("causal")
+                    q, k, v, g = (torch.randn(B, Hc, S, D, device="cuda", dtype=dtype) for _ in range(4))
+                    if bwd:
+                        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+                    def fused(q=q, k=k, v=v, g=g, bwd=bwd, c=c):
+                        out = A.attention(q, k, v, causal=c, backend="fused")
+                        if bwd:
+                            out.backward(g)
+
+                    def flash(q=q, k=k, v=v, g=g, bwd=bwd, c=c):
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            out = F.scaled_dot_product_attention(q, k, v, is_causal=c)
+                        if bwd:
+                            out.backward(g)
+
+                    times = []
+                    for fn in (fused, flash):
+                        for _ in range(3):
+                            fn()
+                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start.record()
+                        for _ in range(args.reps * 4):
+                            fn()
+                        end.record()
+                        torch.cuda.synchronize()
+                        times.append(start.elapsed_time(end) / 1e3 / (args.reps * 4))
+                    flops = (3.5 if bwd else 1.0) * 4 * B * S * S * Hc * D / (2 if c else 1)
+                    row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
+                               fused_tflops=flops / times[0] / 1e12, flash_tflops=flops / times[1] / 1e12,
+                               ratio=times[1] / times[0])
+                    results.append(row)
+                    print(f"{row['dtype']:>8} D={D:<3} {case:<10} S={S:<5} fused {row['fused_tflops']:6.1f} TFLOP/s  "
+                          f"flash {row['flash_tflops']:6.1f} TFLOP/s  x{row['ratio']:.2f}", flush=True)
+    report = dict(machine=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                               cuda=torch.version.cuda), target="fused >= 0.7x flash", results=results,
+                  ratio_median=statistics.median(r["ratio"] for r in results))
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"median fused / flash: {report['ratio_median']:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench_attention.json")
@@ -129,7 +192,10 @@ def main() -> None:
     ap.add_argument("--memory-seqs", default="512,1024,2048,4096")
     ap.add_argument("--memory-only", action="store_true", help="add the memory table to an existing --out")
     ap.add_argument("--backward", action="store_true", help="also time dense/causal forward + backward")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: against SDPA's flash backend")
     args = ap.parse_args()
+    if args.device == "cuda":
+        return cuda_main(args)
 
     torch.set_num_threads(args.threads)
     ok, why = A.fused_available()
