@@ -50,6 +50,8 @@ from .tree import TensorSpec, flatten, placeholder, tensor_specs, unflatten
 
 log = logging.getLogger(__name__)
 
+_CACHE_ENTRIES = 256  # per-structure caches of a stage (specs, placeholders): cleared when full
+
 
 class _StageDone(BaseException):
     """Raised after a non-last stage's last own call (a BaseException: model code that catches
@@ -334,6 +336,8 @@ class EagerStage:
     def _call_specs(self, meta: dict, i: int) -> list[TensorSpec]:
         got = self._spec_cache.get(id(meta))
         if got is None or got[0] is not meta:
+            if len(self._spec_cache) >= _CACHE_ENTRIES:
+                self._spec_cache.clear()
             got = self._spec_cache[id(meta)] = (meta, {})
         per = got[1]
         if i not in per:
@@ -352,6 +356,8 @@ class EagerStage:
         key = (shape, ts.dtype)
         t = self._ph_cache.get(key)
         if t is None:
+            if len(self._ph_cache) >= _CACHE_ENTRIES:  # variable shapes (the reader): stay bounded
+                self._ph_cache.clear()
             t = self._ph_cache[key] = placeholder(TensorSpec(shape, ts.dtype, False), self.device)
         return t
 
