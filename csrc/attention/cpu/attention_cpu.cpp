@@ -47,6 +47,43 @@ inline int64_t visible(bool causal, int64_t row, int64_t kb, int64_t n) {
   return causal ? std::min<int64_t>(std::max<int64_t>(row - kb + 1, 0), n) : n;
 }
 
+// The work queue of every kernel here: indices costliest first (ragged layouts balance when the
+// big items start early), pulled from an atomic counter by one task per thread.
+class WorkQueue {
+ public:
+  explicit WorkQueue(const std::vector<int64_t>& cost) : order_(cost.size()) {
+    std::iota(order_.begin(), order_.end(), 0);
+    std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  }
+  int64_t tasks() const {  // one per thread, at most one per index
+    return std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(int64_t(order_.size()), 1));
+  }
+  bool pop(int64_t& index) {  // the next index to work on; false when none is left
+    const int64_t w = next_.fetch_add(1);
+    if (w >= int64_t(order_.size())) return false;
+    index = order_[w];
+    return true;
+  }
+
+ private:
+  std::vector<int64_t> order_;
+  std::atomic<int64_t> next_{0};
+};
+
+std::vector<int64_t> item_costs(const Plan& plan) {
+  std::vector<int64_t> cost(plan.items.size());
+  for (size_t x = 0; x < cost.size(); ++x) cost[x] = plan.items[x].cost();
+  return cost;
+}
+
+// Backward works per (sequence, head) group: a group costs the sum of its items.
+std::vector<int64_t> group_costs(const Plan& plan) {
+  std::vector<int64_t> cost(plan.groups.size(), 0);
+  for (size_t gi = 0; gi < cost.size(); ++gi)
+    for (int64_t x = plan.item_begin[gi]; x < plan.item_begin[gi + 1]; ++x) cost[gi] += plan.items[x].cost();
+  return cost;
+}
+
 // Accumulation type: fp32 for fp32/bf16 inputs (FlashAttention), fp64 for gradcheck inputs.
 template <typename T>
 using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -60,21 +97,14 @@ void forward_impl(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
   const int64_t rs = plan.row_stride;
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
 
-  std::vector<int64_t> order(plan.items.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return plan.items[a].cost() > plan.items[b].cost(); });
-
-  std::atomic<int64_t> next{0};
-  const int64_t n_work = int64_t(order.size());
-  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_work, 1));
-  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+  WorkQueue queue(item_costs(plan));
+  at::parallel_for(0, queue.tasks(), 1, [&](int64_t tb, int64_t te) {
     // per-task scratch, reused across items: scores, cast probabilities, accumulator, row stats
     std::vector<acc_t> s_buf(kBlockQ * kBlockK), acc(kBlockQ * D), m_i(kBlockQ), l_i(kBlockQ);
     std::vector<scalar_t> p_cast(kNeedCast ? kBlockQ * kBlockK : 0);
     for (int64_t t = tb; t < te; ++t) {
-      for (int64_t w = next.fetch_add(1); w < n_work; w = next.fetch_add(1)) {
-        const Item& it = plan.items[order[w]];
+      for (int64_t ix; queue.pop(ix);) {
+        const Item& it = plan.items[ix];
         const Group& g = plan.groups[it.group];
         const int64_t m = it.r1 - it.r0;
         const scalar_t* Q = q + g.off + it.r0 * rs;
@@ -202,25 +232,19 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
     }
   }
 
-  std::vector<int64_t> order(plan.items.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return plan.items[a].cost() > plan.items[b].cost(); });
-  std::atomic<int64_t> next{0};
-  const int64_t n_work = int64_t(order.size());
-  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(n_work, 1));
+  WorkQueue queue(item_costs(plan));
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i il_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i il_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, queue.tasks(), 1, [&](int64_t tb, int64_t te) {
     // scratch: Q^T (fp32 D x BQ, or bf16 pairs D/2 x BQ), S^T / P^T (BK x BQ), bf16 P^T pairs,
     // output accumulator (BQ x D), row max / sum / rescale factor
     std::vector<float> qt(kBf16 ? 0 : D * BQ), st(BK * BQ, 0.f), acc(BQ * D), m_i(BQ), l_i(BQ), al(BQ),
         cmax(BQ);
     std::vector<uint32_t> qt2(kBf16 ? D / 2 * BQ : 0), pb(kBf16 ? BK / 2 * BQ : 0, 0u);
     for (int64_t t = tb; t < te; ++t) {
-      for (int64_t w = next.fetch_add(1); w < n_work; w = next.fetch_add(1)) {
-        const Item& it = plan.items[order[w]];
+      for (int64_t ix; queue.pop(ix);) {
+        const Item& it = plan.items[ix];
         const Group& g = plan.groups[it.group];
         const int64_t m = it.r1 - it.r0;
         const scalar_t* Q = q + g.off + it.r0 * rs;
@@ -361,21 +385,14 @@ void backward_fast(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
   const float scale = float(scale_d);
   const int64_t rs = plan.row_stride;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t G = int64_t(plan.groups.size());
   const int64_t Dk = kBf16 ? D / 2 : D;   // reduction length over the head dimension (pairs for bf16)
   const int64_t rsk = kBf16 ? rs / 2 : rs;  // row stride in reduction units
 
-  std::vector<int64_t> order(G), cost(G, 0);
-  for (int64_t gi = 0; gi < G; ++gi)
-    for (int64_t x = plan.item_begin[gi]; x < plan.item_begin[gi + 1]; ++x) cost[gi] += plan.items[x].cost();
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::atomic<int64_t> next{0};
-  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(G, 1));
+  WorkQueue queue(group_costs(plan));
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i il_lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i il_hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, queue.tasks(), 1, [&](int64_t tb, int64_t te) {
     // fp32: Q^T / dO^T (D x BQ); bf16: the same as pairs along D (D/2 x BQ words)
     std::vector<float> qt(kBf16 ? 0 : D * BQ, 0.f), dot(kBf16 ? 0 : D * BQ, 0.f);
     std::vector<uint32_t> qt2(kBf16 ? D / 2 * BQ : 0, 0u), dot2(kBf16 ? D / 2 * BQ : 0, 0u);
@@ -387,8 +404,7 @@ void backward_fast(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
     std::vector<uint32_t> dov(kBf16 ? BQ / 2 * D : 0), qv(kBf16 ? BQ / 2 * D : 0), kv;
     std::vector<float> dq_acc(BQ * D), di(BQ, 0.f), lsev(BQ, 0.f), dk_acc, dv_acc;
     for (int64_t t = tb; t < te; ++t) {
-      for (int64_t w = next.fetch_add(1); w < G; w = next.fetch_add(1)) {
-        const int64_t gi = order[w];
+      for (int64_t gi; queue.pop(gi);) {
         const Group& g = plan.groups[gi];
         if (plan.item_begin[gi] == plan.item_begin[gi + 1]) continue;
         dk_acc.assign(g.len * D, 0.f);
@@ -555,23 +571,14 @@ void backward_impl(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
   constexpr bool kNeedCast = !std::is_same_v<scalar_t, acc_t>;
   const acc_t scale = acc_t(scale_d);
   const int64_t rs = plan.row_stride;
-  const int64_t G = int64_t(plan.groups.size());
 
-  std::vector<int64_t> order(G), cost(G, 0);
-  for (int64_t gi = 0; gi < G; ++gi)
-    for (int64_t x = plan.item_begin[gi]; x < plan.item_begin[gi + 1]; ++x) cost[gi] += plan.items[x].cost();
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-
-  std::atomic<int64_t> next{0};
-  const int64_t n_tasks = std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(G, 1));
-  at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
+  WorkQueue queue(group_costs(plan));
+  at::parallel_for(0, queue.tasks(), 1, [&](int64_t tb, int64_t te) {
     std::vector<acc_t> p_buf(kBlockQ * kBlockK), dp_buf(kBlockQ * kBlockK), dq_acc(kBlockQ * D), di(kBlockQ);
     std::vector<scalar_t> p_cast(kNeedCast ? kBlockQ * kBlockK : 0), ds_cast(kNeedCast ? kBlockQ * kBlockK : 0);
     std::vector<acc_t> dk_acc, dv_acc;  // (len, D) of the current group, fp32
     for (int64_t t = tb; t < te; ++t) {
-      for (int64_t w = next.fetch_add(1); w < G; w = next.fetch_add(1)) {
-        const int64_t gi = order[w];
+      for (int64_t gi; queue.pop(gi);) {
         const Group& g = plan.groups[gi];
         if (plan.item_begin[gi] == plan.item_begin[gi + 1]) continue;
         dk_acc.assign(g.len * D, acc_t(0));
