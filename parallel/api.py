@@ -457,23 +457,23 @@ class ParallelModel(nn.Module):
 # ----------------------------------------------------------------------------- parallelize
 
 
-def _loss_group(cfg: ParallelConfig, timeout_s: float):
-    """Shared-memory collectives for the end-of-step loss when every rank is on this host, else
-    None (gloo). After a pipelined step gloo's threads have gone idle and its all-reduce of one
-    number took ~0.7 ms here (BENCHMARKS.md, Pipeline); the shared-memory one takes microseconds.
-    Every rank takes the same decision: availability and host are gathered first."""
+def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
+    """Shared-memory collectives for the end-of-step loss where issue 8's gate allows them (CPU
+    tensors, every rank on this host), else None (the process group). After a pipelined step
+    gloo's threads have gone idle and its all-reduce of one number took ~0.7 ms here
+    (BENCHMARKS.md, Pipeline); the shared-memory one ~80 us. A collective: every rank learns every
+    rank's answer, so all take the same path."""
     if cfg.p2p == "gloo" or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
+    from parallel.comm_hooks import hosts_of, should_use_shm
     from parallel.kernels import comm
 
-    ok, _ = comm.available()
-    if os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
-        ok = False
-    seen: list = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, (ok, comm.host_id()))
-    if not all(o for o, _ in seen) or len({h for _, h in seen}) != 1:
-        return None
-    return comm.ShmGroup(timeout_s=timeout_s)
+    hosts = hosts_of()  # collective on every rank before any rank-local answer
+    ok, _ = should_use_shm(torch.empty(0, device=device), hosts=hosts, op="pipeline loss all_reduce")
+    ok = ok and os.environ.get("RAG_MM_PIPELINE_P2P") != "gloo"
+    oks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(oks, ok)
+    return comm.ShmGroup(timeout_s=timeout_s) if all(oks) else None
 
 
 @contextlib.contextmanager
@@ -564,7 +564,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches)
     transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, groups.rank, timeout_s, cfg.p2p)
     log.info("pipeline p2p on rank %d: %s", groups.rank, how)
-    loss_group = _loss_group(cfg, timeout_s)
+    loss_group = _loss_group(cfg, device, timeout_s)
     local_params = [p for p in model.parameters() if id(p) in held]
     if gplan is not None:
         plan = gplan
