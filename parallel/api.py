@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ParallelConfig
+from .cpu_affinity import bind_cores
 from .host_malloc import steady_malloc
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
@@ -50,7 +51,7 @@ from .timeline import Event
 
 log = logging.getLogger(__name__)
 
-COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved_1f1b": "interleaved", "looped_bfs": "interleaved",
+COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved", "looped_bfs": "interleaved",
                  "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
 BASELINES = ("uniform", "parameters", "time")
 
@@ -502,6 +503,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     cfg.validate(world)
     if cfg.steady_malloc:
         steady_malloc()
+    if cfg.bind_cores:  # before the partition times the model, so it times it as it will run
+        bind_cores(next((p.device for p in model.parameters()), torch.device("cpu")))
     # 1. mesh
     groups = build_groups(cfg)
     from . import spmd  # registers the TP -> AC -> FSDP stage hook (issue 6)

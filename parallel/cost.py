@@ -22,14 +22,14 @@ import numpy as np
 
 from .units import Unit
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zbv")
 
 
 @dataclass
 class CostConfig:
     """Knobs of the cost model; defaults describe Adam in fp32 on a PCIe-class link."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zbv (V-shaped, two stages per rank)
+    schedule: str = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved | zbv (V-shaped, two stages per rank)
     microbatches: int = 8  # microbatches per step; the example batch is taken as one microbatch
     stages_per_rank: int = 1  # v: >1 for interleaved (round-robin) or zbv (v must be 2)
     grad_factor: float = 1.0  # gradient bytes per parameter byte (1: same dtype as the params)
@@ -44,7 +44,7 @@ class CostConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
         if self.schedule == "zbv" and self.stages_per_rank != 2:
             raise ValueError("the V-shaped schedule places exactly 2 stages per rank")
-        if self.schedule in ("gpipe", "1f1b") and self.stages_per_rank != 1:
+        if self.schedule in ("gpipe", "1f1b", "eager_1f1b") and self.stages_per_rank != 1:
             raise ValueError(f"{self.schedule} runs one stage per rank; use 'interleaved' or 'zbv'")
 
 
@@ -58,7 +58,7 @@ def rank_of_stage(stage: int, num_ranks: int, cfg: CostConfig) -> int:
 
 def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
     """Microbatches whose activations a stage holds at peak (research/parallel.md §8):
-    GPipe all m; 1F1B min(m, p - r) on rank r; interleaved 1F1B: Megatron's warm-up of
+    GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1); interleaved 1F1B: Megatron's warm-up of
     2(p - r - 1) + (v - 1)p chunk-microbatches plus one, spread over the v chunks of the rank;
     ZB-V: about p per chunk on every rank (the V's point: equal memory on all ranks)."""
     m, p, v = cfg.microbatches, num_ranks, cfg.stages_per_rank
@@ -67,6 +67,8 @@ def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
         return float(m)
     if cfg.schedule == "1f1b":
         return float(min(m, p - r))
+    if cfg.schedule == "eager_1f1b":
+        return float(min(m, 2 * (p - r) - 1))
     if cfg.schedule == "interleaved":
         return float(min(m, math.ceil((2 * (p - r - 1) + (v - 1) * p + 1) / v)))
     return float(min(m, p))

@@ -121,7 +121,7 @@ class TrainConfig:
 
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "reference")
 PRECISIONS = ("fp32", "bf16")
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
 
 

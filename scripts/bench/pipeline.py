@@ -1,18 +1,21 @@
 """Pipeline overhead and partition speed-up on CPU gloo ranks (one thread each).
 
-1. MLP (8 blocks Linear(D, D) + ReLU, D=512, batch 256), 2 ranks, uniform split, 1F1B, m in
-   2, 4, 8, 16: T1 = one process, one thread, the same m microbatches with gradient accumulation;
-   efficiency = T1 / (p * Tpipe); overhead = (m / (m + p - 1)) / efficiency - 1 (what the
-   pipeline costs beyond its unavoidable bubble); ``floor``: the same overhead for a runtime that
-   costs nothing on this split (``stage_floor``: each rank's own work timed without the pipeline,
-   so floor > 0 is what the split itself costs: the last stage's loss and extra dX, cache and
-   memory effects of two busy cores); the measured bubble fraction from the timeline,
-   and the time each rank spent blocked in receives. Beside it, in the same run, torch's own
-   ``Schedule1F1B`` over gloo with the same even split (``--torch-ref``), and our runtime with the
-   shared-memory lanes off (``--p2p gloo``) for comparison.
+1. MLP (8 blocks Linear(D, D) + ReLU, D=512, batch 256), 2 ranks, uniform split, m in 2, 4, 8,
+   16, one row per variant: our schedules (``--schedule``; ``NAME+bind``: ranks bound to cores
+   as ``bind_cores`` binds them),
+   and beside them our first schedule with the shared-memory lanes off (``@gloo``) and torch's
+   own ``Schedule1F1B`` over gloo with the same even split (``torch_1f1b``). T1 = one process,
+   one thread, the same m microbatches with gradient accumulation; efficiency = T1 / (p * Tpipe);
+   overhead = (m / (m + p - 1)) / efficiency - 1 (what the pipeline costs beyond its unavoidable
+   bubble). ``floor``: the same overhead for a runtime that costs nothing on this split
+   (``stage_floor``: each rank's own work timed without the pipeline, so floor > 0 is what the
+   split itself costs: the last stage's loss and extra dX, cache and memory effects of two busy
+   cores). Also the measured bubble fraction from the timeline and the time each rank spent
+   blocked in receives. Everything of one m is timed in the same processes, in ``--reps``
+   interleaved rounds; overheads are paired within a round and the cells are medians.
 2. The rag_mm reader on 2 ranks: step time with the auto partition against the uniform one.
 
-    python scripts/bench/pipeline.py [--steps 20] [--out results.json]
+    python scripts/bench/pipeline.py [--steps 20] [--reps 3] [--out results.json]
 """
 
 from __future__ import annotations
@@ -45,12 +48,10 @@ def mse(out, tgt):
     return torch.nn.functional.mse_loss(out, tgt)
 
 
-def t_single(m: int, steps: int) -> tuple[float, float]:
-    """(wall, CPU) seconds per step of one process running the same m microbatches (with the
-    host allocator set up as ``parallelize`` sets it up for the pipeline ranks: same conditions)."""
-    from parallel.host_malloc import steady_malloc
-
-    steady_malloc()
+def _t_single(m: int, steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per step of one process running the same m microbatches with gradient
+    accumulation (called in a pipeline rank's process: the host allocator and core binding are
+    as ``parallelize`` set them up for the pipeline, same conditions)."""
     model = mlp()
     x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
     times, cpus = [], []
@@ -65,10 +66,28 @@ def t_single(m: int, steps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(cpus)
 
 
+BARRIER = dist.barrier
+
+
+def _tight_barrier():
+    """The step clock starts when a barrier releases. gloo's barrier (loopback TCP) released the
+    two ranks up to ~1 ms apart, and that skew landed in the slower rank's step time; a
+    shared-memory all-reduce of one number releases both within microseconds. Used for every
+    timed loop here (ours, torch's, the floor), so all are measured alike."""
+    from parallel.kernels import comm
+
+    if not comm.available()[0]:
+        return dist.barrier
+    group, one = comm.ShmGroup(), torch.zeros(1)
+    return lambda: group.all_reduce_(one)
+
+
 def _worker(rank, world, port, job, q):
+    global BARRIER
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    BARRIER = _tight_barrier()
     try:
         q.put((rank, job["fn"](rank, **job["kw"])))
     finally:
@@ -90,52 +109,101 @@ def spawn(fn, world: int, **kw):
     return [out[r] for r in range(world)]
 
 
-def torch_1f1b(rank, m, steps, d=D, batch=BATCH):
-    """torch.distributed.pipelining's 1F1B over gloo, hand-made even split: the reference."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+class _Variant:
+    """One way of running the pipelined MLP step on this rank: ours (a schedule name; ``@gloo``
+    for the shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
+    Schedule1F1B over gloo with a hand-made even split: the reference)."""
 
-    part = nn.Sequential(*list(mlp(d).children())[rank * BLOCKS // 2:(rank + 1) * BLOCKS // 2])
+    def __init__(self, rank, name, m, d, batch, stage_path):
+        import parallel
+
+        self.name, self.pm = name, None
+        x, y = torch.randn(batch, d), torch.randn(batch, d)
+        if name == "torch_1f1b":
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+            part = nn.Sequential(*list(mlp(d).children())[rank * BLOCKS // 2:(rank + 1) * BLOCKS // 2])
+            sched = Schedule1F1B(PipelineStage(part, rank, 2, torch.device("cpu")), m, loss_fn=mse)
+            self.run = (lambda: sched.step(x)) if rank == 0 else (lambda: sched.step(target=y))
+            self.params = list(part.parameters())
+            return
+        schedule, _, p2p = name.partition("@")
+        cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform",
+                                      p2p=p2p or "auto", stage_path=stage_path)
+        self.pm = pm = parallel.parallelize(mlp(d), cfg, (x,))
+        self.run = lambda: pm.train_step((x,), target=y, loss_fn=mse)
+        self.params = list(pm.parameters())
+
+    def time(self, steps):
+        """Median seconds per step (and CPU seconds, receive waits, bubble, events of the last)."""
+        from parallel.timeline import bubble_fraction, gather
+
+        times, waits, bubbles, cpus, ev = [], [], [], [], []
+        for s in range(steps + 3):
+            BARRIER()
+            t0, c0 = time.perf_counter(), time.process_time()
+            self.run()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if self.pm is not None:
+                ev = gather(self.pm.events)
+            if s >= 3:
+                times.append(dt)
+                cpus.append(dc)
+                if self.pm is not None:
+                    waits.append(self.pm.transport.wait_s)
+                    bubbles.append(bubble_fraction(ev))
+            for q in self.params:
+                q.grad = None
+        med = statistics.median
+        return {"t": med(times), "cpu": med(cpus), "wait": med(waits) if waits else 0.0,
+                "bubble": med(bubbles) if bubbles else 0.0, "events": [e.__dict__ for e in ev]}
+
+
+def _binding():
+    """(this rank's allowed cores, the slice ``bind_cores`` would bind it to or None)."""
+    from parallel.comm_hooks import hosts_of
+    from parallel.cpu_affinity import plan_binding
+
+    allowed: list = [None] * dist.get_world_size()
+    dist.all_gather_object(allowed, tuple(sorted(os.sched_getaffinity(0))))
+    return allowed[dist.get_rank()], plan_binding(dist.get_rank(), hosts_of(), allowed)[0]
+
+
+def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BATCH, t1=True):
+    """Every variant, the floor and T1 timed in the same two processes, in ``reps`` interleaved
+    rounds (the machine is shared: load drifts within seconds, so what is compared is timed side
+    by side). T1 runs on rank 0 while rank 1 blocks in a gloo barrier (no spinning).
+
+    ``NAME+bind`` times pipeline NAME with every thread of both ranks bound to the cores
+    ``bind_cores=True`` would give them (``parallel.cpu_affinity``; the binding is set before and
+    undone after, so bound and free runs alternate in the same processes), against a T1 and a
+    floor bound the same way."""
+    from parallel.cpu_affinity import _set_all_threads
+
+    free_cores, bound_cores = _binding()
+    names = list(dict.fromkeys(v.removesuffix("+bind") for v in variants))
+    vs = {n: _Variant(rank, n, m, d, batch, stage_path) for n in names}
+    modes = [False] + ([True] if any(v.endswith("+bind") for v in variants) and bound_cores else [])
     x, y = torch.randn(batch, d), torch.randn(batch, d)
-    sched = Schedule1F1B(PipelineStage(part, rank, 2, torch.device("cpu")), m, loss_fn=mse)
-    times = []
-    for s in range(steps + 3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        sched.step(x) if rank == 0 else sched.step(target=y)
-        if s >= 3:
-            times.append(time.perf_counter() - t0)
-        for q in part.parameters():
-            q.grad = None
-    return {"t": statistics.median(times)}
-
-
-def pipe_mlp(rank, m, steps, schedule, p2p="auto", stage_path="eager", d=D, batch=BATCH):
-    import parallel
-    from parallel.timeline import bubble_fraction, gather
-
-    model = mlp(d)
-    x, y = torch.randn(batch, d), torch.randn(batch, d)
-    cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform", p2p=p2p,
-                                  stage_path=stage_path)
-    pm = parallel.parallelize(model, cfg, (x,))
-    times, waits, bubbles, cpus = [], [], [], []
-    for s in range(steps + 3):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        pm.train_step((x,), target=y, loss_fn=mse)
-        dt, dc = time.perf_counter() - t0, time.process_time() - c0
-        ev = gather(pm.events)
-        if s >= 3:
-            times.append(dt)
-            cpus.append(dc)
-            waits.append(pm.transport.wait_s)
-            bubbles.append(bubble_fraction(ev))
-        pm.zero_grad()
-    floor = stage_floor(rank, m, steps, x, y) if d == D else 0.0
-    return {"t": statistics.median(times), "wait": statistics.median(waits), "bubble": statistics.median(bubbles),
-            "floor": floor,
-            "cpu": statistics.median(cpus), "p2p": {k: [c is not None for c in v] for k, v in pm.transport.lanes.items()},
-            "events": [e.__dict__ for e in ev] if rank == 0 else None}
+    rounds = []
+    for _ in range(reps):
+        r = {}
+        for bind in modes:
+            _set_all_threads(bound_cores if bind else free_cores)
+            sfx = "+bind" if bind else ""
+            for v in variants:
+                if v.endswith("+bind") == bind:
+                    r[v] = vs[v.removesuffix("+bind")].time(steps)
+            if t1:
+                r["floor" + sfx] = stage_floor(rank, m, steps, x, y)
+                dist.barrier()
+                r["t1" + sfx] = _t_single(m, steps)[0] if rank == 0 else 0.0
+                dist.barrier()
+        _set_all_threads(free_cores)
+        rounds.append(r)
+    pm = next((v.pm for v in vs.values() if v.pm is not None), None)
+    lanes = {k: [c is not None for c in v] for k, v in pm.transport.lanes.items()} if pm is not None else {}
+    return {"rounds": rounds, "lanes": lanes, "cores": [list(free_cores), list(bound_cores or ())]}
 
 
 def stage_floor(rank, m, steps, x, y):
@@ -152,7 +220,7 @@ def stage_floor(rank, m, steps, x, y):
     hs, ys = h.tensor_split(m), y.tensor_split(m)
     times = []
     for s in range(steps + 3):
-        dist.barrier()
+        BARRIER()
         t0 = time.perf_counter()
         for hi, yi in zip(hs, ys):
             if rank == 0:
@@ -193,7 +261,7 @@ def pipe_reader(rank, partition, steps, m):
     pm = parallel.parallelize(model, cfg, inputs)
     times, cpus = [], []
     for s in range(steps + 2):
-        dist.barrier()
+        BARRIER()
         t0, c0 = time.perf_counter(), time.process_time()
         pm.train_step(inputs, loss_fn=lambda out, _: out.loss)
         if s >= 2:
@@ -208,10 +276,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ms", default="2,4,8,16")
-    ap.add_argument("--schedule", default="1f1b")
-    ap.add_argument("--p2p", default="auto", help="pipeline messages: auto (shared memory) | shm | gloo")
+    ap.add_argument("--schedule", default="1f1b,eager_1f1b,zero_bubble,eager_1f1b+bind",
+                    help="comma-separated, each timed in the same processes; NAME+bind: with the ranks bound "
+                         "to cores as bind_cores=True binds them, against a T1 and floor bound alike")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds; cells are medians over them")
     ap.add_argument("--stage-path", default="eager", help="MLP stages: eager (module replay) | graph (torch.export split)")
-    ap.add_argument("--compare", type=int, default=1, help="also time --p2p gloo and torch's Schedule1F1B")
+    ap.add_argument("--compare", type=int, default=1,
+                    help="also time the first schedule with the shared-memory lanes off (@gloo) and torch's Schedule1F1B")
     ap.add_argument("--probe", type=int, default=1, help="also time the runtime alone (width-8 MLP)")
     ap.add_argument("--reader-steps", type=int, default=8)
     ap.add_argument("--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions")
@@ -221,49 +292,56 @@ def main() -> None:
     torch.set_num_threads(1)
     p = 2
     res = {"mlp": [], "reader": {}}
-    print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, {a.schedule}, 1 thread/rank, gloo")
+    print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'m':>3} {'T1 ms':>8} {'Tpipe ms':>9} {'eff':>6} {'overhead':>9} {'floor':>7} {'bubble':>7} {'theory':>7} "
-          f"{'recv wait ms':>14} {'CPU ms T1/2 | r0,r1':>20} {'gloo lanes':>11} {'torch 1F1B':>11}")
+    print(f"{'m':>3} {'variant':>16} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'bubble':>7} "
+          f"{'theory':>7} {'recv wait ms r0,r1':>19} {'CPU ms T1/2 | r0,r1':>20}  overhead per round")
 
     def overhead(m, t1, tp):
         return (m / (m + p - 1)) / (t1 / (p * tp)) - 1
 
+    med = statistics.median
+    variants = [x for x in a.schedule.split(",") if x]
+    first = next((x for x in variants if not x.endswith("+bind")), "1f1b")
+    if a.compare:
+        variants += [first + "@gloo", "torch_1f1b"]
     for m in [int(x) for x in a.ms.split(",") if x]:
-        t1, c1 = t_single(m, a.steps)
-        r = spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p=a.p2p, stage_path=a.stage_path)
-        tp = max(x["t"] for x in r)
-        eff = t1 / (p * tp)
-        floor = max(x["floor"] for x in r) * (m + p - 1) / m
-        row = dict(m=m, t1=t1, tpipe=tp, efficiency=eff, overhead=overhead(m, t1, tp), bubble=r[0]["bubble"],
-                   tfloor=floor, theory=(p - 1) / (m + p - 1), wait=[x["wait"] for x in r], cpu1=c1, cpu=[x["cpu"] for x in r],
-                   lanes=r[0]["p2p"])
-        if a.compare:  # same run, same load: our runtime over gloo only, and torch's own 1F1B
-            tg = max(x["t"] for x in spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, p2p="gloo"))
-            tt = max(x["t"] for x in spawn(torch_1f1b, p, m=m, steps=a.steps))
-            t1b, _ = t_single(m, a.steps)  # T1 again: the load drifts; both T1s are averaged
-            t1 = row["t1"] = (t1 + t1b) / 2
-            row.update(overhead=overhead(m, t1, tp), efficiency=t1 / (p * tp), tpipe_gloo=tg,
-                       overhead_gloo=overhead(m, t1, tg), tpipe_torch=tt, overhead_torch=overhead(m, t1, tt))
-        row["overhead_floor"] = overhead(m, t1, floor)
-        res["mlp"].append(row)
-        extra = f" {row['overhead_gloo']:>11.1%} {row['overhead_torch']:>11.1%}" if a.compare else ""
-        print(f"{m:>3} {t1 * 1e3:>8.2f} {tp * 1e3:>9.2f} {row['efficiency']:>6.3f} {row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} "
-              f"{row['bubble']:>7.1%} {row['theory']:>7.1%} {row['wait'][0] * 1e3:>6.1f},{row['wait'][1] * 1e3:>6.1f} "
-              f"{c1 * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}{extra}", flush=True)
-        if a.trace and m == 8:
-            from parallel.timeline import Event, plot, to_chrome_trace
+        r = spawn(mlp_suite, p, m=m, steps=a.steps, reps=a.reps, variants=variants, stage_path=a.stage_path)
+        rounds = list(zip(*(x["rounds"] for x in r)))  # per round: (rank 0's, rank 1's)
+        for v in variants:
+            if v not in rounds[0][0]:
+                print(f"{m:>3} {v:>16} not timed: no core binding on this host ({r[0]['cores']})")
+                continue
+            sfx = "+bind" if v.endswith("+bind") else ""
+            t1s = [rr[0]["t1" + sfx] for rr in rounds]
+            floors = [max(x["floor" + sfx] for x in rr) * (m + p - 1) / m for rr in rounds]
+            tps = [max(x[v]["t"] for x in rr) for rr in rounds]
+            ovs = [overhead(m, t1, tp) for t1, tp in zip(t1s, tps)]  # paired within a round
+            row = dict(m=m, variant=v, t1=med(t1s), tpipe=med(tps), overhead=med(ovs), overheads=ovs,
+                       overhead_floor=med(overhead(m, t1, f) for t1, f in zip(t1s, floors)),
+                       bubble=med(rr[0][v]["bubble"] for rr in rounds), theory=(p - 1) / (m + p - 1),
+                       wait=[med(rr[k][v]["wait"] for rr in rounds) for k in range(p)],
+                       cpu=[med(rr[k][v]["cpu"] for rr in rounds) for k in range(p)],
+                       lanes=r[0]["lanes"], cores=[x["cores"] for x in r])
+            res["mlp"].append(row)
+            print(f"{m:>3} {v:>16} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
+                  f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['bubble']:>7.1%} "
+                  f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
+                  f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "
+                  + " ".join(f"{x:.1%}" for x in ovs), flush=True)
+            if a.trace and m == 8 and v != "torch_1f1b":
+                from parallel.timeline import Event, plot, to_chrome_trace
 
-            ev = [Event(**d) for d in r[0]["events"]]  # the shared-memory run's
-            to_chrome_trace(ev, a.trace + ".json")
-            plot(ev, a.trace + ".png", title=f"MLP p=2 m=8 {a.schedule}")
+                ev = [Event(**d) for d in rounds[-1][0][v]["events"]]
+                to_chrome_trace(ev, f"{a.trace}_{v}.json")
+                plot(ev, f"{a.trace}_{v}.png", title=f"MLP p=2 m=8 {v}")
     if a.probe:
         # the runtime's own cost: the same 8 blocks at width 8 (compute ~nothing), 4 rows per
         # microbatch; every microbatch's forward and backward cross both ranks, so a step is about
         # m x (both ranks' per-microbatch runtime work + 2 hand-overs)
         m = 16
-        tp = max(x["t"] for x in spawn(pipe_mlp, p, m=m, steps=a.steps, schedule=a.schedule, d=8, batch=4 * m))
-        tt = max(x["t"] for x in spawn(torch_1f1b, p, m=m, steps=a.steps, d=8, batch=4 * m))
+        r = spawn(mlp_suite, p, m=m, steps=a.steps, reps=1, variants=[first, "torch_1f1b"], d=8, batch=4 * m, t1=False)
+        tp, tt = (max(x["rounds"][0][v]["t"] for x in r) for v in (first, "torch_1f1b"))
         res["runtime_probe"] = {"m": m, "ours_us_per_mb": tp / m * 1e6, "torch_us_per_mb": tt / m * 1e6}
         print(f"runtime cost (width-8 MLP, m={m}): ours {tp / m * 1e6:.0f} us per microbatch, "
               f"torch Schedule1F1B {tt / m * 1e6:.0f} us", flush=True)

@@ -66,7 +66,7 @@ FAST = [  # (model, ranks, schedules, partition): every capability once, in abou
     ("reader", 2, ("gpipe", "1f1b", "zero_bubble"), "auto"),
     ("reader", 4, ("gpipe", "1f1b"), "auto"),
     ("gpt2", 2, ("gpipe", "1f1b", "interleaved_1f1b"), "auto"),
-    ("gpt2", 4, ("gpipe", "1f1b"), "uniform"),
+    ("gpt2", 4, ("gpipe", "1f1b", "eager_1f1b"), "uniform"),
 ]
 SLOW = [
     (name, world, ("gpipe", "1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()), part)
@@ -201,13 +201,18 @@ def test_timeline_export(tmp_path):
 def test_schedule_orders_are_complete():
     from parallel.pipeline.schedule import pipeline_order
 
-    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2), ("zbv", 2)]:
+    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
+                        ("zbv", 2)]:
         for p, m in [(2, 4), (4, 8)]:
             order = pipeline_order(schedule, p, v, m)  # raises if a stage misses or repeats work
             assert sorted(order) == list(range(p))
     one = pipeline_order("1f1b", 4, 1, 8)
     assert [a.kind for a in one[0][:4]] == ["F", "F", "F", "F"]  # p - 1 warm-up forwards, then 1F1B
     assert [a.kind for a in one[3][:4]] == ["F", "B", "F", "B"]
+    eager = pipeline_order("eager_1f1b", 4, 1, 8)  # 2 (p - r - 1) warm-up forwards
+    assert [a.kind for a in eager[0][:8]] == ["F"] * 7 + ["B"]
+    assert [a.kind for a in eager[2][:4]] == ["F", "F", "F", "B"]
+    assert [a.kind for a in eager[3][:4]] == ["F", "B", "F", "B"]
 
 
 def test_tree_roundtrip_keeps_structure():
