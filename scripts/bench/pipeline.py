@@ -10,7 +10,8 @@
    bubble). ``floor``: the same overhead for a runtime that costs nothing on this split
    (``stage_floor``: each rank's own work timed without the pipeline, so floor > 0 is what the
    split itself costs: the last stage's loss and extra dX, cache and memory effects of two busy
-   cores). Also the measured bubble fraction from the timeline and the time each rank spent
+   cores); ``vs floor``: Tpipe against that zero-cost runtime's step time, i.e. what our runtime
+   itself costs. Also the measured bubble fraction from the timeline and the time each rank spent
    blocked in receives. Everything of one m is timed in the same processes, in ``--reps``
    interleaved rounds; overheads are paired within a round and the cells are medians.
 2. The rag_mm reader on 2 ranks: step time with the auto partition against the uniform one.
@@ -294,7 +295,7 @@ def main() -> None:
     res = {"mlp": [], "reader": {}}
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'m':>3} {'variant':>16} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'bubble':>7} "
+    print(f"{'m':>3} {'variant':>16} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
           f"{'theory':>7} {'recv wait ms r0,r1':>19} {'CPU ms T1/2 | r0,r1':>20}  overhead per round")
 
     def overhead(m, t1, tp):
@@ -319,13 +320,14 @@ def main() -> None:
             ovs = [overhead(m, t1, tp) for t1, tp in zip(t1s, tps)]  # paired within a round
             row = dict(m=m, variant=v, t1=med(t1s), tpipe=med(tps), overhead=med(ovs), overheads=ovs,
                        overhead_floor=med(overhead(m, t1, f) for t1, f in zip(t1s, floors)),
+                       over_floor=med(tp / f - 1 for tp, f in zip(tps, floors)),
                        bubble=med(rr[0][v]["bubble"] for rr in rounds), theory=(p - 1) / (m + p - 1),
                        wait=[med(rr[k][v]["wait"] for rr in rounds) for k in range(p)],
                        cpu=[med(rr[k][v]["cpu"] for rr in rounds) for k in range(p)],
                        lanes=r[0]["lanes"], cores=[x["cores"] for x in r])
             res["mlp"].append(row)
             print(f"{m:>3} {v:>16} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
-                  f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['bubble']:>7.1%} "
+                  f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} {row['bubble']:>7.1%} "
                   f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
                   f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "
                   + " ".join(f"{x:.1%}" for x in ovs), flush=True)
