@@ -47,9 +47,9 @@ class ParallelConfig:
     # fix glibc malloc's mmap / trim thresholds (host_malloc.py): with its dynamic ones, buffers freed
     # every microbatch went back to the OS and were faulted in again (thousands of faults per step)
     steady_malloc: bool = True
-    # CPU ranks: bind each local rank to its own slice of the host's cores (cpu_affinity.py). Off by
-    # default: right only when this job owns the cores (two jobs side by side would both bind to the
-    # first ones); on it, the 2-rank CPU pipeline's backward ran as fast as alone (~4% faster)
+    # CPU ranks: bind each local rank to its own slice of the host's cores (cpu_affinity.py), as
+    # numactl / taskset at launch would. Off by default: right only when this job owns the cores
+    # (two jobs side by side would both bind to the first ones)
     bind_cores: bool = False
 
     def validate(self, world_size: int) -> ParallelConfig:
