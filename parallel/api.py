@@ -51,8 +51,8 @@ from .timeline import Event
 
 log = logging.getLogger(__name__)
 
-COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved", "looped_bfs": "interleaved",
-                 "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
+COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved",
+                 "looped_bfs": "interleaved", "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
 BASELINES = ("uniform", "parameters", "time")
 
 

@@ -58,8 +58,9 @@ def rank_of_stage(stage: int, num_ranks: int, cfg: CostConfig) -> int:
 
 def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
     """Microbatches whose activations a stage holds at peak (research/parallel.md §8):
-    GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1); interleaved 1F1B: Megatron's warm-up of
-    2(p - r - 1) + (v - 1)p chunk-microbatches plus one, spread over the v chunks of the rank;
+    GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1); interleaved
+    1F1B: Megatron's warm-up of 2(p - r - 1) + (v - 1)p chunk-microbatches plus one, spread over
+    the v chunks of the rank;
     ZB-V: about p per chunk on every rank (the V's point: equal memory on all ranks)."""
     m, p, v = cfg.microbatches, num_ranks, cfg.stages_per_rank
     r = rank_of_stage(stage, num_ranks, cfg)

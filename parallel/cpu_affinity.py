@@ -33,7 +33,8 @@ import torch.distributed as dist
 log = logging.getLogger("parallel.cpu_affinity")
 
 
-def plan_binding(rank: int, hosts: list[str], allowed: list[tuple[int, ...]]) -> tuple[tuple[int, ...] | None, str]:
+def plan_binding(rank: int, hosts: list[str], allowed: list[tuple[int, ...]]
+                 ) -> tuple[tuple[int, ...] | None, str]:
     """The cores rank ``rank`` should be bound to, or None and why not. ``hosts[r]`` and
     ``allowed[r]`` (sorted cores) are every rank's host id and allowed cores."""
     local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]

@@ -1,11 +1,12 @@
 """Microbatch schedules: the per-rank list of (action, stage, microbatch) every rank executes.
 
 GPipe, 1F1B and eager 1F1B are written out here (a few lines each; the first two are identical
-in every torch release, torch has no third); the multi-stage schedules - interleaved 1F1B, looped BFS, interleaved zero-bubble
-(ZB1P), ZB-V and DualPipeV - come from ``torch.distributed.pipelining``: the schedule class is
-built over lightweight stand-in stages (its constructor only computes the order) and its
-``pipeline_order`` is read, so our runtime follows exactly torch's order without depending on
-torch's ``PipelineStage`` (which needs fixed shapes and tensor-only outputs).
+in every torch release, torch has no third); the multi-stage schedules - interleaved 1F1B,
+looped BFS, interleaved zero-bubble (ZB1P), ZB-V and DualPipeV - come from
+``torch.distributed.pipelining``: the schedule class is built over lightweight stand-in stages
+(its constructor only computes the order) and its ``pipeline_order`` is read, so our runtime
+follows exactly torch's order without depending on torch's ``PipelineStage`` (which needs fixed
+shapes and tensor-only outputs).
 
 Actions: "F" forward, "B" full backward, "I" backward for inputs, "W" backward for weights.
 Receives and sends are implied by the action (F receives from stage s - 1 and sends to s + 1;
@@ -63,11 +64,11 @@ def one_f_one_b(rank: int, p: int, m: int, eager: bool = False) -> list[Action]:
     ``eager``: 2 (p - rank - 1) warm-up forwards (Megatron's interleaved warm-up with one chunk).
     In plain 1F1B, rank r + 1 finishes B_i and then needs F_{i+1+w}'s activation, which rank r makes
     only after it received B_i's gradient, ran B_i and F_{i+1+w}: in steady state both hand-overs sit
-    on the critical path of every microbatch, and when the stages are balanced the next rank waits
-    for them (two hand-overs of ~0.1 ms per 2.3 ms microbatch on the CPU benchmark). With one extra
-    warm-up forward per downstream rank, rank r + 1 has a whole F + B of other work queued while
-    the gradient and the next activation travel. Cost: rank r holds 2 (p - r) - 1 microbatches'
-    activations instead of p - r; the bubble is unchanged."""
+    on the critical path of every microbatch, and when the stages are balanced the next rank can
+    wait for them. With one extra warm-up forward per downstream rank, rank r + 1 has a whole
+    F + B of other work queued while the gradient and the next activation travel. Cost: rank r
+    holds 2 (p - r) - 1 microbatches' activations instead of p - r; the bubble is unchanged.
+    Measured on 2 CPU ranks: better than 1F1B at 16 microbatches, the same at <= 8 (BENCHMARKS.md)."""
     warm = min(m, (2 if eager else 1) * (p - rank - 1))
     out = [Action("F", rank, i) for i in range(warm)]
     f, b = warm, 0

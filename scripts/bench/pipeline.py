@@ -2,9 +2,9 @@
 
 1. MLP (8 blocks Linear(D, D) + ReLU, D=512, batch 256), 2 ranks, uniform split, m in 2, 4, 8,
    16, one row per variant: our schedules (``--schedule``; ``NAME+bind``: ranks bound to cores
-   as ``bind_cores`` binds them),
-   and beside them our first schedule with the shared-memory lanes off (``@gloo``) and torch's
-   own ``Schedule1F1B`` over gloo with the same even split (``torch_1f1b``). T1 = one process,
+   as ``bind_cores`` binds them), and beside them our first schedule with the shared-memory
+   lanes off (``@gloo``) and torch's own ``Schedule1F1B`` over gloo with the same even split
+   (``torch_1f1b``). T1 = one process,
    one thread, the same m microbatches with gradient accumulation; efficiency = T1 / (p * Tpipe);
    overhead = (m / (m + p - 1)) / efficiency - 1 (what the pipeline costs beyond its unavoidable
    bubble). ``floor``: the same overhead for a runtime that costs nothing on this split
@@ -72,8 +72,8 @@ BARRIER = dist.barrier
 
 def _tight_barrier():
     """The step clock starts when a barrier releases. gloo's barrier (loopback TCP) released the
-    two ranks up to ~1 ms apart, and that skew landed in the slower rank's step time; a
-    shared-memory all-reduce of one number releases both within microseconds. Used for every
+    two ranks up to 1-4 ms apart in some steps, and that skew landed in the step time of the rank
+    released first; a shared-memory all-reduce of one number releases both within microseconds. Used for every
     timed loop here (ours, torch's, the floor), so all are measured alike."""
     from parallel.kernels import comm
 
@@ -283,7 +283,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds; cells are medians over them")
     ap.add_argument("--stage-path", default="eager", help="MLP stages: eager (module replay) | graph (torch.export split)")
     ap.add_argument("--compare", type=int, default=1,
-                    help="also time the first schedule with the shared-memory lanes off (@gloo) and torch's Schedule1F1B")
+                    help="also time the first schedule with the shared-memory lanes off (@gloo) and torch's "
+                         "Schedule1F1B")
     ap.add_argument("--probe", type=int, default=1, help="also time the runtime alone (width-8 MLP)")
     ap.add_argument("--reader-steps", type=int, default=8)
     ap.add_argument("--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions")
@@ -296,7 +297,7 @@ def main() -> None:
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     print(f"{'m':>3} {'variant':>16} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
-          f"{'theory':>7} {'recv wait ms r0,r1':>19} {'CPU ms T1/2 | r0,r1':>20}  overhead per round")
+          f"{'theory':>7} {'recv wait ms r0,r1':>19} {'T1/2 ms | CPU ms r0,r1':>23}  overhead per round")
 
     def overhead(m, t1, tp):
         return (m / (m + p - 1)) / (t1 / (p * tp)) - 1

@@ -69,7 +69,8 @@ FAST = [  # (model, ranks, schedules, partition): every capability once, in abou
     ("gpt2", 4, ("gpipe", "1f1b", "eager_1f1b"), "uniform"),
 ]
 SLOW = [
-    (name, world, ("gpipe", "1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()), part)
+    (name, world, ("gpipe", "1f1b", "eager_1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()),
+     part)
     for name in ("reader", "gpt2", "llama", "bert", "t5") for world in (2, 4) for part in ("auto", "uniform")
 ]
 
