@@ -111,12 +111,36 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]
     return out
 
 
-def pipeline_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]]:
-    """Every rank's actions for one step (all ranks compute the same dictionary)."""
+def split_last_backward(order: dict[int, list[Action]]) -> dict[int, list[Action]]:
+    """Every rank but the first runs its last backward as I then W.
+
+    Why: the step ends with the drain - rank r's last backward, its gradient handed to rank
+    r - 1, rank r - 1's last backward, and so on down to rank 0. After its last backward a rank
+    has nothing left to do, so it can send the input gradient as soon as the dX chain is done (I)
+    and compute its weight gradients (W) while the upstream rank already runs. Each hop of the
+    drain gets shorter by that rank's W (about half a backward); the split costs one graph
+    analysis and one engine call per weight group (split_backward.py), once per step."""
+    out = {}
+    for r, acts in order.items():
+        last = max((i for i, a in enumerate(acts) if a.kind == "B"), default=None)
+        if r == 0 or last is None:
+            out[r] = acts
+            continue
+        a = acts[last]
+        out[r] = acts[:last] + [Action("I", a.stage, a.mb), Action("W", a.stage, a.mb)] + acts[last + 1:]
+    return out
+
+
+def pipeline_order(schedule: str, p: int, v: int, m: int, split_drain: bool = False) -> dict[int, list[Action]]:
+    """Every rank's actions for one step (all ranks compute the same dictionary).
+    ``split_drain``: GPipe and the 1F1B family split each non-first rank's last backward
+    (``split_last_backward``)."""
     if schedule == "gpipe":
-        return {r: gpipe(r, p, m) for r in range(p)}
+        order = {r: gpipe(r, p, m) for r in range(p)}
+        return split_last_backward(order) if split_drain else order
     if schedule in ("1f1b", "eager_1f1b"):
-        return {r: one_f_one_b(r, p, m, eager=schedule == "eager_1f1b") for r in range(p)}
+        order = {r: one_f_one_b(r, p, m, eager=schedule == "eager_1f1b") for r in range(p)}
+        return split_last_backward(order) if split_drain else order
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}")
     order = torch_order(schedule, p, v, m)

@@ -111,8 +111,8 @@ def spawn(fn, world: int, **kw):
 
 
 class _Variant:
-    """One way of running the pipelined MLP step on this rank: ours (a schedule name; ``@gloo``
-    for the shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
+    """One way of running the pipelined MLP step on this rank: ours (a schedule name; ``:whole_drain``
+    for ``split_drain=False``, ``@gloo`` for the shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
     Schedule1F1B over gloo with a hand-made even split: the reference)."""
 
     def __init__(self, rank, name, m, d, batch, stage_path):
@@ -129,8 +129,9 @@ class _Variant:
             self.params = list(part.parameters())
             return
         schedule, _, p2p = name.partition("@")
+        schedule, _, opt = schedule.partition(":")
         cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform",
-                                      p2p=p2p or "auto", stage_path=stage_path)
+                                      p2p=p2p or "auto", stage_path=stage_path, split_drain=opt != "whole_drain")
         self.pm = pm = parallel.parallelize(mlp(d), cfg, (x,))
         self.run = lambda: pm.train_step((x,), target=y, loss_fn=mse)
         self.params = list(pm.parameters())
@@ -296,7 +297,7 @@ def main() -> None:
     res = {"mlp": [], "reader": {}}
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'m':>3} {'variant':>16} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
+    print(f"{'m':>3} {'variant':>22} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
           f"{'theory':>7} {'recv wait ms r0,r1':>19} {'T1/2 ms | CPU ms r0,r1':>23}  overhead per round")
 
     def overhead(m, t1, tp):
@@ -312,7 +313,7 @@ def main() -> None:
         rounds = list(zip(*(x["rounds"] for x in r)))  # per round: (rank 0's, rank 1's)
         for v in variants:
             if v not in rounds[0][0]:
-                print(f"{m:>3} {v:>16} not timed: no core binding on this host ({r[0]['cores']})")
+                print(f"{m:>3} {v:>22} not timed: no core binding on this host ({r[0]['cores']})")
                 continue
             sfx = "+bind" if v.endswith("+bind") else ""
             t1s = [rr[0]["t1" + sfx] for rr in rounds]
@@ -327,7 +328,7 @@ def main() -> None:
                        cpu=[med(rr[k][v]["cpu"] for rr in rounds) for k in range(p)],
                        lanes=r[0]["lanes"], cores=[x["cores"] for x in r])
             res["mlp"].append(row)
-            print(f"{m:>3} {v:>16} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
+            print(f"{m:>3} {v:>22} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
                   f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} {row['bubble']:>7.1%} "
                   f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
                   f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "

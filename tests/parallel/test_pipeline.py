@@ -210,6 +210,11 @@ def test_schedule_orders_are_complete():
     one = pipeline_order("1f1b", 4, 1, 8)
     assert [a.kind for a in one[0][:4]] == ["F", "F", "F", "F"]  # p - 1 warm-up forwards, then 1F1B
     assert [a.kind for a in one[3][:4]] == ["F", "B", "F", "B"]
+    drained = pipeline_order("1f1b", 4, 1, 8, split_drain=True)  # the last backward as I, W but on rank 0
+    assert [a.kind for a in drained[0][-2:]] == ["B", "B"]
+    for r in (1, 2, 3):
+        assert [a.kind for a in drained[r][-2:]] == ["I", "W"] and drained[r][-1].mb == 7
+        assert drained[r][:-2] == one[r][:-1]
     eager = pipeline_order("eager_1f1b", 4, 1, 8)  # 2 (p - r - 1) warm-up forwards
     assert [a.kind for a in eager[0][:8]] == ["F"] * 7 + ["B"]
     assert [a.kind for a in eager[2][:4]] == ["F", "F", "F", "B"]
