@@ -91,6 +91,9 @@ class ParallelConfig:
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
     grad_reduce: str = "pg"  # gradient all-reduce path: pg (process group) | auto | shm | hier_int8
     timeout_s: int = 600  # collective timeout: a dead rank fails the job instead of hanging it
+    # CPU runs: bind each local rank's threads to its own slice of the host's cores (and its data
+    # workers with it), as numactl / taskset would; only right when the job owns the machine
+    bind_cores: bool = False
 
 
 @dataclass

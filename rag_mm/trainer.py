@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, faults, preemption
 from rag_mm.config import check_shards, validate
 from rag_mm.data.documents import DocumentStore
@@ -50,6 +51,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         self.device = self.env.device
+        if cfg.parallel.bind_cores:  # before the data workers start: they inherit the binding
+            bind_cores(self.device)
         self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.parallel.timeout_s)  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
