@@ -161,16 +161,16 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
     return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, placeholders, arg_of)
 
 
-def bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The model's inputs by ``forward`` parameter name."""
-    return dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+def bind_inputs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The model's inputs by ``forward`` parameter name (``signature``: of ``model.forward``)."""
+    return dict(signature.bind(*args, **kwargs).arguments)
 
 
 def _match_placeholders(model, root, placeholders, args, kwargs) -> dict[str, str]:
     """Placeholder -> ``forward`` parameter. Export names placeholders after the parameters but
     renames some (``nn.Sequential``'s ``input`` becomes ``input_1``): match by name, else by
     position among the tensor arguments, and check every match against the traced shape."""
-    named = bind_inputs(model, args, kwargs)
+    named = bind_inputs(inspect.signature(model.forward), args, kwargs)
     tensors = [n for n, v in named.items() if isinstance(v, torch.Tensor)]
     vals = {n.target: n.meta.get("val") for n in root.nodes if n.op == "placeholder"}
     out = {}
@@ -208,7 +208,7 @@ class GraphStage(EagerStage):
                     leaf.requires_grad_(True)
                 env[key] = leaf
                 recv_list.append(leaf)
-        named = dict(self.signature.bind(*args, **kwargs).arguments)
+        named = bind_inputs(self.signature, args, kwargs)
         for name in g.placeholders:
             env[("in", name)] = named.get(g.arg_of[name])
         with torch.set_grad_enabled(grad):
