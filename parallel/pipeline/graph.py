@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .eager import EagerStage, _MbState
@@ -47,7 +48,8 @@ class GraphPlan:
     inputs: list[list[Key]]  # per stage: its submodule's arguments, in order
     n_out: list[int]  # per stage: outputs of its submodule (1: a single value, not a tuple)
     tuple_out: list[bool]  # per stage: the submodule returns a tuple
-    output: Any  # the model output as a tree of keys (a key, or a tuple of keys)
+    output: Any  # the graph's flat outputs as a tree of keys (a key, or a tuple of keys)
+    out_spec: Any  # pytree spec of what the model returns: rebuilds a ModelOutput / dict from the flat outputs
     placeholders: list[str]  # model input names of the root graph, in order
     arg_of: dict[str, str]  # placeholder -> forward() parameter it takes
     send: list[list[Key]] = field(default_factory=list)  # per stage: the bundle to stage s + 1
@@ -146,6 +148,7 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
         else:
             raise GraphPathError(f"unexpected node in the split root graph: {node.op} {node.target}")
     arg_of = _match_placeholders(model, root, placeholders, args, kwargs)
+    out_spec = _output_spec(model, args, kwargs, len(_keys(output)))
     mods = [pipe.get_stage_module(s) for s in range(num_stages)]
     owner: dict[int, int] = {}
     for s, m in enumerate(mods):
@@ -158,7 +161,29 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
         for n, p in m.named_parameters():
             if names.get(n) is not p:
                 raise GraphPathError(f"stage {s}'s parameter {n!r} is not the model's own object")
-    return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, placeholders, arg_of)
+    return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, out_spec, placeholders, arg_of)
+
+
+def _output_spec(model: nn.Module, args: tuple, kwargs: dict, n_flat: int) -> Any:
+    """The pytree spec of the model's output, so the last stage returns what the model returns (a
+    Hugging Face ``ModelOutput``, a dict, nested tuples), not the flat tensors ``torch.export``
+    leaves at the end of the split graph (``pipeline()`` drops the exported program's output spec).
+    Export flattens outputs with the same pytree, so the leaves come in the same order. One forward
+    on the example, without grad; buffers (batch-norm statistics) are put back afterwards."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.no_grad():
+            out = model(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+    leaves, spec = pytree.tree_flatten(out)
+    if len(leaves) != n_flat or not all(isinstance(t, torch.Tensor) for t in leaves):
+        kinds = sorted({type(t).__name__ for t in leaves})
+        raise GraphPathError(f"the model returns {len(leaves)} leaves ({', '.join(kinds)}) but the split graph "
+                             f"{n_flat} tensors: its output structure cannot be rebuilt")
+    return spec
 
 
 def bind_inputs(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -224,8 +249,7 @@ class GraphStage(EagerStage):
             sent = [t for t in tensors_out if t.requires_grad]
             result = None
         else:
-            result = (tuple(env[k] for k in g.output) if isinstance(g.output, tuple) and not isinstance(g.output[0], str)
-                      else env[g.output])
+            result = pytree.tree_unflatten([env[k] for k in _keys(g.output)], g.out_spec)
         if grad:
             self.state[mb] = _MbState(recv_list, sent)
         return result
