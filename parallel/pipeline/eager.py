@@ -296,7 +296,7 @@ class EagerStage:
             order = plan.send[s - 1]
             meta, tensors = self.transport.recv_fwd(s - 1, s, mb, lambda m: self._recv_specs(m, order))
             for key, t, sp in zip(order, tensors, self._recv_specs(meta, order)):
-                leaf = t.detach()
+                leaf = t  # a fresh receive buffer (or a same-rank hand-over, detached by the sender)
                 if grad and sp.requires_grad and leaf.is_floating_point():
                     leaf.requires_grad_(True)
                 recv_leaves[key] = leaf

@@ -107,6 +107,22 @@ class Transport:
         self.recv_meta: dict[tuple[int, int], Any] = {}  # (src stage, id) -> meta
         self.wait_s = 0.0  # seconds spent blocked in receives this step (for the timeline)
         self.lanes: dict[int, list] = {}  # peer global rank -> [ShmChannel to it, from it] (lanes.py)
+        # one forward header buffer per (peer, direction) for headers that go through a ring: a ring
+        # send copies at once and a received header is read at once, so the buffer can be reused;
+        # written and read through its numpy view. Why: a step has m headers each way, and every
+        # torch call after a microbatch's compute costs 5-20 us here (its code and data left the
+        # cache), against ~1 us for a numpy access (BENCHMARKS.md, Pipeline, session 5)
+        self._headers: dict[tuple[int, bool], tuple[torch.Tensor, Any]] = {}
+
+    def _header(self, peer: int, out: bool) -> tuple[torch.Tensor, Any] | None:
+        """(reusable int64 header tensor, its numpy view) for a ring to / from ``peer``, else None."""
+        if self._lane(peer, out, 32, False) is None:
+            return None
+        got = self._headers.get((peer, out))
+        if got is None:
+            t = torch.zeros(4, dtype=torch.int64)
+            got = self._headers[(peer, out)] = (t, t.numpy())
+        return got
 
     def _lane(self, peer: int, out: bool, nbytes: int, small: bool):
         """The ring for this message, or None for gloo (the same answer on both sides: both know
@@ -176,8 +192,14 @@ class Transport:
             meta_id = self.sent_meta[key]
             self.last_meta[dst] = (meta, meta_id)
         payload = pack(tensors, self.device) if tensors else None
-        header = torch.tensor([payload.numel() * payload.element_size() if payload is not None else 0,
-                               meta_id, len(blob) if new else 0, len(tensors)], dtype=torch.int64)
+        fields = (payload.numel() * payload.element_size() if payload is not None else 0,
+                  meta_id, len(blob) if new else 0, len(tensors))
+        reuse = self._header(self.stage_rank[dst], True)
+        if reuse is not None:
+            header, view = reuse
+            view[:] = fields
+        else:  # over gloo the buffer must live until the send completes: a fresh one
+            header = torch.tensor(fields, dtype=torch.int64)
         self._isend(header, dst, _tag(src, mb, KIND_HEADER))
         if new:
             self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), small=True)
@@ -189,9 +211,10 @@ class Transport:
         if self.stage_rank[src] == self.rank:
             meta, tensors = self.local.pop(("f", dst, mb))
             return meta, tensors
-        header = torch.empty(4, dtype=torch.int64)
+        reuse = self._header(self.stage_rank[src], False)
+        header, view = reuse if reuse is not None else (torch.empty(4, dtype=torch.int64), None)
         self._recv(header, src, _tag(src, mb, KIND_HEADER), f"the forward header of microbatch {mb}")
-        _, meta_id, meta_len, n = header.tolist()
+        _, meta_id, meta_len, n = view.tolist() if view is not None else header.tolist()
         if meta_len:
             blob = torch.empty(meta_len, dtype=torch.uint8)
             self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}",
