@@ -47,9 +47,9 @@ class ParallelConfig:
     # fix glibc malloc's mmap / trim thresholds (host_malloc.py): with its dynamic ones, buffers freed
     # every microbatch went back to the OS and were faulted in again (thousands of faults per step)
     steady_malloc: bool = True
-    # GPipe / 1F1B / eager 1F1B: every rank but the first runs its last backward of a step as input
-    # gradients then weight gradients (schedule.split_last_backward), so the step's drain moves on
-    # to the upstream rank before the weight gradients are done
+    # GPipe / 1F1B / eager 1F1B: every rank but the first runs its last two backwards of a step as
+    # input gradients, their weight gradients after both (schedule.split_last_backward), so the
+    # step's drain moves on to the upstream rank while the weight gradients are done
     split_drain: bool = True
     # CPU ranks: bind each local rank to its own slice of the host's cores (cpu_affinity.py), as
     # numactl / taskset at launch would. Off by default: right only when this job owns the cores

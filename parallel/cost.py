@@ -58,7 +58,8 @@ def rank_of_stage(stage: int, num_ranks: int, cfg: CostConfig) -> int:
 
 def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
     """Microbatches whose activations a stage holds at peak (research/parallel.md §8):
-    GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1); interleaved
+    GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1), at least 2 on a
+    rank after the first (the split drain's deferred weight gradients); interleaved
     1F1B: Megatron's warm-up of 2(p - r - 1) + (v - 1)p chunk-microbatches plus one, spread over
     the v chunks of the rank;
     ZB-V: about p per chunk on every rank (the V's point: equal memory on all ranks)."""
@@ -66,10 +67,13 @@ def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
     r = rank_of_stage(stage, num_ranks, cfg)
     if cfg.schedule == "gpipe":
         return float(m)
+    # split drain (pipeline/schedule.py, DRAIN_DEPTH) holds a second microbatch's weight-gradient
+    # inputs on the last rank at the end of the step
+    tail = 2 if r > 0 else 1
     if cfg.schedule == "1f1b":
-        return float(min(m, p - r))
+        return float(min(m, max(p - r, tail)))
     if cfg.schedule == "eager_1f1b":
-        return float(min(m, 2 * (p - r) - 1))
+        return float(min(m, max(2 * (p - r) - 1, tail)))
     if cfg.schedule == "interleaved":
         return float(min(m, math.ceil((2 * (p - r - 1) + (v - 1) * p + 1) / v)))
     return float(min(m, p))

@@ -112,23 +112,34 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]
     return out
 
 
-def split_last_backward(order: dict[int, list[Action]]) -> dict[int, list[Action]]:
-    """Every rank but the first runs its last backward as I then W.
+DRAIN_DEPTH = 2  # backwards split at the end of a step on every rank but the first (see below)
+
+
+def split_last_backward(order: dict[int, list[Action]], depth: int | None = None) -> dict[int, list[Action]]:
+    """Every rank but the first runs its last ``depth`` backwards as I, and their W after the last I.
 
     Why: the step ends with the drain - rank r's last backward, its gradient handed to rank
     r - 1, rank r - 1's last backward, and so on down to rank 0. After its last backward a rank
-    has nothing left to do, so it can send the input gradient as soon as the dX chain is done (I)
-    and compute its weight gradients (W) while the upstream rank already runs. Each hop of the
-    drain gets shorter by that rank's W (about half a backward); the split costs one graph
-    analysis and one engine call per weight group (split_backward.py), once per step."""
+    has nothing left to do, so it sends the input gradient as soon as the dX chain is done (I)
+    and computes weight gradients (W) while the upstream rank already runs. With one split the
+    upstream rank's last backward (a whole I + W) still outlasts the W that covers it (about half
+    a backward); deferring the W of the backward before it too starts that last backward one W
+    sooner, and two W's about cover it (p = 2; deeper pipelines shorten their hops the same way).
+    Each split costs one graph analysis and one engine call per weight group
+    (split_backward.py), and a deferred W keeps its microbatch's weight-gradient inputs until the
+    end of the step: at most ``depth`` microbatches, counted by the cost model's in-flight count."""
+    depth = DRAIN_DEPTH if depth is None else depth
     out = {}
     for r, acts in order.items():
-        last = max((i for i, a in enumerate(acts) if a.kind == "B"), default=None)
-        if r == 0 or last is None:
+        bs = [i for i, a in enumerate(acts) if a.kind == "B"]
+        if r == 0 or not bs or depth < 1:
             out[r] = acts
             continue
-        a = acts[last]
-        out[r] = acts[:last] + [Action("I", a.stage, a.mb), Action("W", a.stage, a.mb)] + acts[last + 1:]
+        split = set(bs[-depth:])
+        new = [Action("I", a.stage, a.mb) if i in split else a for i, a in enumerate(acts)]
+        last = max(split)
+        ws = [Action("W", acts[i].stage, acts[i].mb) for i in sorted(split)]
+        out[r] = new[:last + 1] + ws + new[last + 1:]
     return out
 
 

@@ -204,7 +204,7 @@ def test_timeline_export(tmp_path):
 
 
 def test_schedule_orders_are_complete():
-    from parallel.pipeline.schedule import pipeline_order
+    from parallel.pipeline.schedule import Action, pipeline_order, split_last_backward
 
     for schedule, v in [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
                         ("zbv", 2)]:
@@ -214,11 +214,15 @@ def test_schedule_orders_are_complete():
     one = pipeline_order("1f1b", 4, 1, 8)
     assert [a.kind for a in one[0][:4]] == ["F", "F", "F", "F"]  # p - 1 warm-up forwards, then 1F1B
     assert [a.kind for a in one[3][:4]] == ["F", "B", "F", "B"]
-    drained = pipeline_order("1f1b", 4, 1, 8, split_drain=True)  # the last backward as I, W but on rank 0
-    assert [a.kind for a in drained[0][-2:]] == ["B", "B"]
+    # the last two backwards as I, their W's after the last I, but on rank 0
+    drained = pipeline_order("1f1b", 4, 1, 8, split_drain=True)
+    assert [a.kind for a in drained[0][-2:]] == ["B", "B"] and drained[0] == one[0]
     for r in (1, 2, 3):
-        assert [a.kind for a in drained[r][-2:]] == ["I", "W"] and drained[r][-1].mb == 7
-        assert drained[r][:-2] == one[r][:-1]
+        b6, b7 = (next(i for i, a in enumerate(one[r]) if a.kind == "B" and a.mb == mb) for mb in (6, 7))
+        want = one[r][:b6] + [Action("I", r, 6)] + one[r][b6 + 1:b7] + [Action("I", r, 7), Action("W", r, 6),
+                                                                          Action("W", r, 7)]
+        assert drained[r] == want, (r, drained[r][-6:])
+    assert split_last_backward(one, depth=1)[3][-2:] == [Action("I", 3, 7), Action("W", 3, 7)]
     eager = pipeline_order("eager_1f1b", 4, 1, 8)  # 2 (p - r - 1) warm-up forwards
     assert [a.kind for a in eager[0][:8]] == ["F"] * 7 + ["B"]
     assert [a.kind for a in eager[2][:4]] == ["F", "F", "F", "B"]
