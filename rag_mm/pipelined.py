@@ -8,8 +8,11 @@ tensor-parallel ranks) draws the same batch. Every rank of one pipeline draws th
 ``learned`` mode each of them runs the query encoder, the faiss search and the contrastive loss
 identically (same batch, same seed) and feeds the same documents to the reader pipeline.
 
-Supported: ``retriever.mode`` none / oracle, and learned with ``retriever.loss=contrastive``
-(the reader-driven losses need the reader's per-document outputs on the retriever's rank).
+Supported: ``retriever.mode`` none / oracle / learned, the latter with the retrieval prior in the
+reader and ``retriever.loss=contrastive`` (RagModel's own retriever loss, hard negatives included).
+Not yet: the reader-driven losses. pdist / emdr read the reader with each document alone, which
+under a pipeline is a sequence of module calls the eager replay was not planned on (one plan per
+input structure would do it); adist needs the reader's document attention from the last stage.
 
 Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
 weighted by their answer-token count: the step loss and gradients equal the full batch's.
@@ -44,12 +47,10 @@ def check(cfg) -> list[str]:
         e.append(f"{what}: FSDP (dp_shard > 1) under a pipeline is not supported yet; use dp_shard=1")
     if p.pp > 1 and p.tp > 1 and p.dp not in (-1, 1):
         e.append(f"{what}: pp x tp with data parallel replicas (dp={p.dp}) is not supported yet; use dp=1")
-    if r.mode == "learned" and r.loss != "contrastive":
-        e.append(f"{what} with retriever.mode=learned needs retriever.loss=contrastive (got "
-                 f"retriever.loss={r.loss!r}: the reader-driven losses need the whole reader on the retriever's rank)")
-    if r.mode == "learned" and r.reader_prior and r.top_k > 1:
-        e.append(f"{what} with retriever.mode=learned needs retriever.reader_prior=false (the pipelined reader "
-                 "does not take the retrieval probabilities yet)")
+    if r.mode == "learned" and r.loss != "contrastive" and r.top_k > 1:
+        e.append(f"{what} with retriever.mode=learned needs retriever.loss=contrastive (got retriever.loss="
+                 f"{r.loss!r}: the reader-driven losses are not computed for a spread reader yet - pdist / emdr read "
+                 "it with each document alone, adist its document attention)")
     if cfg.optim.precision != "fp32":
         e.append(f"{what} supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
     if cfg.data.batch_size % p.microbatches:
@@ -138,6 +139,8 @@ class PipelinedRag:
         if self.rcfg.mode != "none":
             ids = torch.as_tensor(self.store.ids[:1]).repeat(b, self.rcfg.top_k)  # (b, k)
             x.update(self.store.fetch(ids))
+            if self.rcfg.mode == "learned" and self.rcfg.reader_prior:  # log p(d | q) over the k documents
+                x["doc_prior"] = torch.full((b, self.rcfg.top_k), -math.log(self.rcfg.top_k))
         return {k: v.to(self.device) for k, v in x.items()}
 
     def _reader_inputs(self, inputs: dict, train: bool, search_k: int = 0):
@@ -152,18 +155,22 @@ class PipelinedRag:
                 raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
             ids = gold[:, None].cpu()
             return {**q, **rag._docs(ids, self.device)}, None, ids
-        # learned, contrastive: identical on every rank of the pipeline
+        # learned: the retriever is whole on every rank of the pipeline, which all draw the same
+        # batch, so each computes the same search, prior and retriever loss (RagModel's own)
         enc, r = rag.retriever, self.rcfg
         with torch.set_grad_enabled(train):
             q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        _, ids = rag.memory.search(q_emb.detach(), max(r.top_k, search_k))  # (B, max(k, search_k))
-        docs = rag._docs(ids[:, :r.top_k], self.device)
+        sims, ids = rag.memory.search(q_emb.detach(), max(r.top_k, search_k))  # (B, max(k, search_k))
+        top = ids[:, :r.top_k]
+        docs = rag._docs(top, self.device)
+        x = {**q, **docs}
+        prior = rag.doc_prior(sims, self.device)
+        if prior is not None:
+            x["doc_prior"] = prior
         r_loss = None
         if train:
-            r_loss = q_emb.sum() * 0.0  # keeps the query tower in the graph
-            if rag.contrastive_on and gold is not None and r.contrastive_weight > 0:
-                r_loss = r_loss + r.contrastive_weight * rag._contrastive(q_emb, gold)
-        return {**q, **docs}, r_loss, ids
+            r_loss, _ = rag.retriever_loss(q, q_emb, top, docs, gold, per_document_nll=None)  # check(): contrastive
+        return x, r_loss, ids
 
     # ------------------------------------------------------------------ training
     def train_step(self, inputs: dict, scale: float = 1.0) -> RagOutput:

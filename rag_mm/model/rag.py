@@ -65,39 +65,53 @@ class RagModel(nn.Module):
 
     def _learned(self, q: dict, gold, want_loss: bool, search_k: int) -> RagOutput:
         cfg, enc, dev = self.rcfg, self.retriever, q["image"].device
-        B, k = q["image"].shape[0], cfg.top_k
+        k = cfg.top_k
         q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
         sims, ids = self.memory.search(q_emb, max(k, search_k))  # (B, max(k, search_k)) nearest first
         top = ids[:, :k]
         docs = self._docs(top, dev)
-        prior = None
-        if cfg.reader_prior:  # log p(d | q) over the k documents, a constant for the reader
-            prior = torch.log_softmax(enc.scale().detach() * sims[:, :k].to(dev), -1)  # (B, k)
-        out = self.reader(**q, **docs, doc_prior=prior)
+        out = self.reader(**q, **docs, doc_prior=self.doc_prior(sims, dev))
         if not want_loss:  # scores: the index's, scaled as the retriever scores
             return RagOutput(out.loss, out, None, ids, enc.scale().detach() * sims[:, :k])
+        r_loss, scores = self.retriever_loss(q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention)
+        return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
 
+    def doc_prior(self, sims: torch.Tensor, dev) -> torch.Tensor | None:
+        """log p(d | q) over the top-k documents (B, k), a constant for the reader; None when
+        ``retriever.reader_prior`` is off. ``sims``: the index's similarities, nearest first."""
+        if not self.rcfg.reader_prior:
+            return None
+        return torch.log_softmax(self.retriever.scale().detach() * sims[:, :self.rcfg.top_k].to(dev), -1)
+
+    def retriever_loss(self, q: dict, q_emb, top, docs: dict, gold, per_document_nll=None,
+                       doc_attention=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
+        (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
+        with each document alone (B, k), for pdist / emdr. The pipelined reader (rag_mm/pipelined.py)
+        calls this too, with the contrastive loss."""
+        cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
+        B, k = top.shape
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
         d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
                                docs["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
         scores = enc.scale() * torch.einsum("be,bke->bk", q_emb, d_emb)  # (B, k)
         r_loss = scores.new_zeros(())
         if cfg.loss in ("pdist", "emdr") and k > 1:
-            nll = self._per_document_nll(q, docs)  # (B, k)
+            nll = per_document_nll(q, docs)  # (B, k)
             if cfg.loss == "pdist":
                 r_loss = losses.perplexity_distillation(scores, nll, cfg.gold_temperature)
             else:
                 loglik = -nll * (q["a_len"].to(nll.dtype)[:, None])  # mean NLL -> summed log-likelihood
                 r_loss = losses.emdr2(scores, loglik)
-        elif cfg.loss == "adist" and k > 1 and out.doc_attention is not None:
-            r_loss = losses.attention_distillation(scores, out.doc_attention)
+        elif cfg.loss == "adist" and k > 1 and doc_attention is not None:
+            r_loss = losses.attention_distillation(scores, doc_attention)
         else:
             r_loss = r_loss + 0.0 * scores.sum()  # keeps every retriever parameter in the graph (DDP)
         if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0:
             # the retrieved documents are the hardest negatives there are (same colours, other shape)
             r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
                 q_emb, gold, d_emb.flatten(0, 1), top.flatten().to(dev))
-        return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+        return r_loss, scores
 
     def retriever_warmup(self, image, q_ids, q_len, gold, **_unused) -> tuple[torch.Tensor, torch.Tensor]:
         """Retriever-only contrastive loss of a batch, no reader (the warm-up phase): returns the
