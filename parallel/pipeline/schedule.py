@@ -148,8 +148,8 @@ def split_last_backward(order: dict[int, list[Action]], depth: int | None = None
 
 def pipeline_order(schedule: str, p: int, v: int, m: int, split_drain: bool = False) -> dict[int, list[Action]]:
     """Every rank's actions for one step (all ranks compute the same dictionary).
-    ``split_drain``: GPipe and the 1F1B family split each non-first rank's last backward
-    (``split_last_backward``)."""
+    ``split_drain``: GPipe and the 1F1B family split each non-first rank's last ``DRAIN_DEPTH``
+    backwards (``split_last_backward``)."""
     if schedule == "gpipe":
         order = {r: gpipe(r, p, m) for r in range(p)}
         return split_last_backward(order) if split_drain else order

@@ -25,16 +25,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from pipeline import BATCH, D, mlp, mse, spawn  # noqa: E402 - the same model, loss and launcher
+from pipeline import BATCH, D, _tight_barrier, mlp, mse, spawn  # noqa: E402 - the same model, loss, launcher
 
 
 def paired(rank, m, depths, steps, schedule):
     import parallel
-    from parallel.kernels import comm
     from parallel.pipeline import schedule as sched
 
-    barrier = comm.ShmGroup() if comm.available()[0] else None
-    one = torch.zeros(1)
+    barrier = _tight_barrier()
     x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
     pms = {}
     for d in depths:  # the depth is read when parallelize builds the orders
@@ -44,10 +42,7 @@ def paired(rank, m, depths, steps, schedule):
     times: dict[int, list[float]] = {d: [] for d in depths}
     for _ in range(steps + 3):
         for d, pm in pms.items():
-            if barrier is not None:
-                barrier.all_reduce_(one)
-            else:
-                torch.distributed.barrier()
+            barrier()
             t0 = time.perf_counter()
             pm.train_step((x,), target=y, loss_fn=mse)
             times[d].append(time.perf_counter() - t0)
