@@ -221,6 +221,11 @@ class ParallelModel(nn.Module):
         self.record_timeline = True
         self.dp_reduce = True  # False once an FSDP hook reduces gradients itself
         self.loss_group = None  # shared-memory collectives for the step loss (_loss_group), or gloo
+        # further input structures (``parallelize(structures=...)``): name -> this rank's stages,
+        # each replaying the model on its own plan (``plans[name]``)
+        self.structures: dict[str, dict[int, EagerStage]] = {}
+        self.structure_names: set[str] = set()
+        self.plans: dict[str, Plan] = {}
 
     # --- identity
     @property
@@ -299,7 +304,8 @@ class ParallelModel(nn.Module):
 
     # --- training
     def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   weight_fn: Callable[[Any, Any], float] | None = None) -> torch.Tensor:
+                   weight_fn: Callable[[Any, Any], float] | None = None, structure: str | None = None
+                   ) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
 
         ``inputs``: tuple of positional or dict of keyword arguments; dim 0 of every tensor is
@@ -307,8 +313,10 @@ class ParallelModel(nn.Module):
         output's ``loss``). The step loss is ``sum_i w_i loss_i / sum_i w_i`` with ``w_i =
         weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means); gradients are
         those of that loss. A per-token mean loss gives the full-batch mean when ``w_i`` is the
-        microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``)."""
+        microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
+        ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan)."""
         m = self.cfg.microbatches
+        stages = self._stages_for(structure)
         loss_fn = loss_fn or _default_loss
         mbs = split_microbatches(inputs, m)
         tgts = split_microbatches(target, m)
@@ -320,7 +328,7 @@ class ParallelModel(nn.Module):
         losses: dict[int, torch.Tensor] = {}
         rec = self.events.append if self.record_timeline else None
         rank = self.groups.rank
-        if not self.stages:  # no pipeline: gradient accumulation over the microbatches
+        if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
                 args, kwargs = _as_call(mbs[i])
@@ -332,7 +340,7 @@ class ParallelModel(nn.Module):
         else:
             self.transport.wait_s = 0.0
             with _gc_paused(self.cfg.gc_pause):
-                self._run_schedule(mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
+                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()
@@ -347,10 +355,10 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
-    def _run_schedule(self, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
+    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
         """This rank's actions of the schedule, in order (receives happen inside them)."""
         for a in self.order:
-            st = self.stages[a.stage]
+            st = stages[a.stage]
             t0 = time.perf_counter()
             w0 = self.transport.wait_s
             if a.kind == "F":
@@ -371,6 +379,32 @@ class ParallelModel(nn.Module):
                 if waited > 0:
                     rec(Event(rank, "wait", a.stage, a.mb, t0, t0 + waited))
                 rec(Event(rank, a.kind, a.stage, a.mb, t0 + waited, time.perf_counter()))
+
+    def _stages_for(self, structure: str | None) -> dict:
+        """This rank's stages for inputs shaped like the example named ``structure`` (None: the
+        ``example_inputs`` of ``parallelize``)."""
+        if structure is None:
+            return self.stages
+        if structure not in self.structure_names:
+            raise KeyError(f"no input structure {structure!r}: parallelize(..., structures=...) named "
+                           f"{sorted(self.structure_names)}")
+        return self.structures.get(structure, self.stages)  # no pipeline: the model runs as it is
+
+    def all_stages(self) -> Iterator[Any]:
+        """Every stage object of this rank, over all input structures (stage hooks update them)."""
+        yield from self.stages.values()
+        for stages in self.structures.values():
+            yield from stages.values()
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as the rank holding the pipeline's last stage has it, on every rank of this
+        pipeline (a collective over the pipeline group; picklable objects)."""
+        if not self.stages or not dist.is_initialized():
+            return obj
+        last = self.groups.pp_ranks[stage_rank(self.partition.num_stages - 1, self.groups.pp_size, self.cfg.schedule)]
+        box = [obj]
+        dist.broadcast_object_list(box, src=last, group=self.groups.pp_group)
+        return box[0]
 
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Every rank gets the mean over data-parallel replicas of the last stage's loss."""
@@ -432,15 +466,16 @@ class ParallelModel(nn.Module):
     # --- evaluation
     @torch.no_grad()
     def predict(self, inputs: Any, output_fn: Callable[[Any, Any], Any] | None = None,
-                extra: Any = None) -> list[Any]:
+                extra: Any = None, structure: str | None = None) -> list[Any]:
         """Forward-only over the pipeline: ``output_fn(output, extra_microbatch)`` on the last stage
         for each microbatch (default: the output itself); the list of results (picklable) is
-        broadcast to every rank of the pipeline."""
+        broadcast to every rank of the pipeline. ``structure``: as in ``train_step``."""
         m = self.cfg.microbatches
+        stages = self._stages_for(structure)
         mbs = split_microbatches(inputs, m)
         ext = split_microbatches(extra, m)
         fn = output_fn or (lambda out, _: out)
-        if not self.stages:
+        if not stages:
             res = []
             for i in range(m):
                 args, kwargs = _as_call(mbs[i])
@@ -448,16 +483,13 @@ class ParallelModel(nn.Module):
             return res
         res: list[Any] = [None] * m
         for a in forward_only(self.local_stages, m):
-            st = self.stages[a.stage]
+            st = stages[a.stage]
             args, kwargs = _as_call(mbs[a.mb])
             out = st.forward(a.mb, args, kwargs, grad=False)
             if st.is_last:
                 res[a.mb] = fn(out, ext[a.mb])
         self.transport.flush()
-        last = self.groups.pp_ranks[stage_rank(self.partition.num_stages - 1, self.groups.pp_size, self.cfg.schedule)]
-        box = [res]
-        dist.broadcast_object_list(box, src=last, group=self.groups.pp_group)
-        return box[0]
+        return self.from_last_stage(res)
 
 
 # ----------------------------------------------------------------------------- parallelize
@@ -497,15 +529,27 @@ def _gc_paused(on: bool):
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
                 trace_loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                timeout_s: float = 300.0, partition: Partition | None = None) -> ParallelModel:
+                timeout_s: float = 300.0, partition: Partition | None = None,
+                structures: Mapping[str, Any] | None = None) -> ParallelModel:
     """Spread ``model`` over the ranks as ``cfg`` says (see the module doc for the order).
 
     ``example_inputs``: one batch (tuple of positional or dict of keyword arguments) shaped like
     the training batches; ``trace_loss_fn(output) -> scalar`` for tracing when the output is not
     a scalar or a dataclass with tensors (default: sum of means of the outputs). ``timeout_s``:
-    how long a pipeline receive waits before raising ``PipelineError``."""
+    how long a pipeline receive waits before raising ``PipelineError``.
+
+    ``structures``: further example batches by name, for inputs that make the model run another
+    sequence of module calls than ``example_inputs`` (another number of documents, an encoder
+    skipped): each gets its own replay plan on the same partition, used by
+    ``train_step(..., structure=name)`` / ``predict(..., structure=name)``. The partition is
+    balanced on ``example_inputs`` only. Plans need the whole model, so they are made here, before
+    the parameters of other ranks are freed; they take the eager path."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg.validate(world)
+    structures = dict(structures or {})
+    bad = [n for n in structures if not isinstance(n, str) or not n]
+    if bad:
+        raise ValueError(f"structures must be named by non-empty strings (got {bad})")
     if cfg.steady_malloc:
         steady_malloc()
     if cfg.bind_cores:  # before the partition times the model, so it times it as it will run
@@ -520,6 +564,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if cfg.pp == 1:
         held = {id(p) for p in model.parameters()}
         pm = ParallelModel(model, cfg, groups, None, None, {}, None, None, held, [], [0])
+        pm.structure_names = set(structures)
         pm.example_inputs = example_inputs  # the TP planner traces the dataflow on it
         _run_hooks(pm, cfg, groups)
         pm._held = {id(p) for p in model.parameters()}  # TP / FSDP replaced them by DTensors
@@ -530,11 +575,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         partition = make_partition(model, cfg, example_inputs, k, v, trace_loss_fn)
     # 3. pipeline stages: plan on the full model, then free what other ranks hold; the graph
     #    path (export + split at the partition's cuts) where asked for and possible, else eager
-    probe_in = split_microbatches(example_inputs, cfg.microbatches)[0] if _batch(example_inputs) >= cfg.microbatches \
-        else example_inputs
-    args, kwargs = _as_call(probe_in)
-    gplan, path = _graph_plan(model, cfg, partition, k, args, kwargs)
+    args, kwargs = _as_call(_microbatch_of(example_inputs, cfg.microbatches))
+    gplan, path = _graph_plan(model, cfg, partition, k, args, kwargs, sorted(structures))
     log.info("pipeline stages: %s", path)
+    extra_plans: dict[str, Plan] = {}
     if gplan is None:
         heads: dict[str, int] = {}
         for u, s in zip(partition.units, partition.unit_stage):
@@ -542,6 +586,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
                 heads[u.module] = s
         replayer = Replayer(model, set(heads))
         plan = build_plan(replayer, heads, k, args, kwargs)
+        for name, ex in structures.items():
+            extra_plans[name] = build_plan(replayer, heads, k, *_as_call(_microbatch_of(ex, cfg.microbatches)))
+            log.info("input structure %r: %d module calls (the example: %d)", name, len(extra_plans[name].names),
+                     len(plan.names))
     for p in model.parameters():
         p.grad = None
     local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == groups.pp_rank]
@@ -587,6 +635,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
     order = orders[groups.pp_rank]
     pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
+    pm.structure_names = set(structures)
+    pm.plans = extra_plans
+    pm.structures = {name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
+                     for name, p in extra_plans.items()}
     pm._numel = numel
     pm.tp_plan = tp_plan
     pm.loss_group = loss_group
@@ -601,12 +653,14 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
 
 
 def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: int, args: tuple,
-                kwargs: dict) -> tuple[GraphPlan | None, str]:
+                kwargs: dict, structures: list[str]) -> tuple[GraphPlan | None, str]:
     """The gate between the two stage paths: (graph plan or None, the line that says which and why)."""
     if cfg.stage_path == "eager":
         return None, "eager path (stage_path='eager')"
     why = ""
-    if cfg.tp > 1:
+    if structures:  # an exported graph is one input structure; the replay plans one per structure
+        why = f"further input structures {structures} replay on the eager path, one plan each"
+    elif cfg.tp > 1:
         why = "tensor parallel under pp wraps the eager path's module calls"
     else:
         try:
@@ -617,6 +671,12 @@ def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: 
     if cfg.stage_path == "graph":
         raise GraphPathError(f"stage_path='graph' but the model cannot take the graph path: {why}")
     return None, f"eager path (graph path not taken: {why})"
+
+
+def _microbatch_of(example: Any, m: int) -> Any:
+    """The first microbatch of an example batch (the whole example when it has fewer than m rows):
+    plans are made on what one stage call will see."""
+    return split_microbatches(example, m)[0] if _batch(example) >= m else example
 
 
 def _batch(inputs: Any) -> int:

@@ -137,7 +137,7 @@ def _pipeline_stage_hook(pm, cfg: ParallelConfig) -> str | None:
     new = dict(model.named_parameters(remove_duplicate=False))
     pm._held = {id(new[n]) for n in held_names}
     local = [new[n] for n in held_names if new[n].requires_grad]
-    for st in pm.stages.values():
+    for st in pm.all_stages():
         st.params = list({id(p): p for p in local}.values())
     # tp ranks hold shards (TP reduces inside the layers): no data-parallel averaging over them
     return "reduces_grads" if cfg.tp > 1 else None

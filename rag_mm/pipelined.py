@@ -8,11 +8,16 @@ tensor-parallel ranks) draws the same batch. Every rank of one pipeline draws th
 ``learned`` mode each of them runs the query encoder, the faiss search and the contrastive loss
 identically (same batch, same seed) and feeds the same documents to the reader pipeline.
 
-Supported: ``retriever.mode`` none / oracle / learned, the latter with the retrieval prior in the
-reader and ``retriever.loss=contrastive`` (RagModel's own retriever loss, hard negatives included).
-Not yet: the reader-driven losses. pdist / emdr read the reader with each document alone, which
-under a pipeline is a sequence of module calls the eager replay was not planned on (one plan per
-input structure would do it); adist needs the reader's document attention from the last stage.
+Supported: ``retriever.mode`` none / oracle / learned, the latter with every retriever loss of
+RagModel (its own ``retriever_loss``: hard negatives, the contrastive term, the retrieval prior in
+the reader). The reader-driven losses read the spread reader as one process reads it:
+
+- pdist / emdr need the reader's answer NLL with each document alone: a forward-only pass over
+  the pipeline on (B*k) one-document inputs. That input makes the reader run another sequence of
+  module calls than the training batch (one document embedding instead of k), so the reader is
+  parallelized with a second input structure, ``one_document``, replayed on its own plan;
+- adist needs the reader's copy attention per document: the last stage keeps it from the
+  training step's own forward and hands it to every rank of the pipeline.
 
 Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
 weighted by their answer-token count: the step loss and gradients equal the full batch's.
@@ -31,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
-from rag_mm.model.rag import RagModel, RagOutput
+from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +52,6 @@ def check(cfg) -> list[str]:
         e.append(f"{what}: FSDP (dp_shard > 1) under a pipeline is not supported yet; use dp_shard=1")
     if p.pp > 1 and p.tp > 1 and p.dp not in (-1, 1):
         e.append(f"{what}: pp x tp with data parallel replicas (dp={p.dp}) is not supported yet; use dp=1")
-    if r.mode == "learned" and r.loss != "contrastive" and r.top_k > 1:
-        e.append(f"{what} with retriever.mode=learned needs retriever.loss=contrastive (got retriever.loss="
-                 f"{r.loss!r}: the reader-driven losses are not computed for a spread reader yet - pdist / emdr read "
-                 "it with each document alone, adist its document attention)")
     if cfg.optim.precision != "fp32":
         e.append(f"{what} supports optim.precision=fp32 only (got {cfg.optim.precision!r})")
     if cfg.data.batch_size % p.microbatches:
@@ -77,7 +78,15 @@ class PipelinedRag:
                                             microbatches=p.microbatches, schedule=p.schedule, partition="auto")
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
-        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s))
+        r = self.rcfg
+        self.per_document = r.mode == "learned" and r.loss in ("pdist", "emdr") and r.top_k > 1
+        structures = {}
+        if self.per_document:  # (B*k) queries with one document each: another module-call sequence
+            structures["one_document"] = one_document_inputs(
+                {n: example[n] for n in ("image", "q_ids", "q_len", "a_ids", "a_len")},
+                {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")})
+        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s),
+                                           structures=structures)
         if self.pmodel.groups.rank == 0 and self.pmodel.partition is not None:
             log.info("reader pipeline partition:\n%s", self.pmodel.partition.table())
         self.training = True
@@ -144,7 +153,8 @@ class PipelinedRag:
         return {k: v.to(self.device) for k, v in x.items()}
 
     def _reader_inputs(self, inputs: dict, train: bool, search_k: int = 0):
-        """(reader inputs, retriever loss or None, retrieved ids or None), as RagModel.forward."""
+        """(reader inputs, retrieved ids or None, what the retriever loss needs or None), as
+        RagModel.forward."""
         rag, mode = self.rag, self.rcfg.mode
         q = {k: inputs[k] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
         if mode == "none":
@@ -154,7 +164,7 @@ class PipelinedRag:
             if gold is None or bool((gold < 0).any()):
                 raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
             ids = gold[:, None].cpu()
-            return {**q, **rag._docs(ids, self.device)}, None, ids
+            return {**q, **rag._docs(ids, self.device)}, ids, None
         # learned: the retriever is whole on every rank of the pipeline, which all draw the same
         # batch, so each computes the same search, prior and retriever loss (RagModel's own)
         enc, r = rag.retriever, self.rcfg
@@ -167,19 +177,37 @@ class PipelinedRag:
         prior = rag.doc_prior(sims, self.device)
         if prior is not None:
             x["doc_prior"] = prior
-        r_loss = None
-        if train:
-            r_loss, _ = rag.retriever_loss(q, q_emb, top, docs, gold, per_document_nll=None)  # check(): contrastive
-        return x, r_loss, ids
+        return x, ids, (q, q_emb, top, docs, gold)
+
+    @torch.no_grad()
+    def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
+        """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it."""
+        B, k = docs["doc_ids"].shape[:2]
+        res = self.pmodel.predict(one_document_inputs(q, docs), output_fn=lambda out, _: out.nll.cpu(),
+                                  structure="one_document")
+        return torch.cat(res).view(B, k).to(self.device)
 
     # ------------------------------------------------------------------ training
     def train_step(self, inputs: dict, scale: float = 1.0) -> RagOutput:
         """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad);
         a RagOutput of detached values, the reader loss being the batch's (every rank)."""
-        x, r_loss, ids = self._reader_inputs(inputs, train=True)
-        loss = self.pmodel.train_step(x, loss_fn=lambda out, _: out.loss * scale, weight_fn=_answer_tokens) / scale
+        x, ids, ret = self._reader_inputs(inputs, train=True)
+        attention = self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
+        rows = torch.arange(x["image"].shape[0])  # the target: which batch rows a microbatch holds
+        doc_att = torch.zeros(len(rows), self.rcfg.top_k) if attention else None
+
+        def loss_fn(out, mb_rows):
+            if doc_att is not None:  # adist's target, from the training forward itself (last stage)
+                doc_att[mb_rows] = out.doc_attention.detach().float().cpu()
+            return out.loss * scale
+
+        loss = self.pmodel.train_step(x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens) / scale
         r_det = None
-        if r_loss is not None:
+        if ret is not None:
+            q, q_emb, top, docs, gold = ret
+            att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
+            nll = self._per_document_nll if self.per_document else None
+            r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att)
             (self.rcfg.loss_weight * scale * r_loss).backward()
             self._average_retriever_grads()
             r_det = r_loss.detach()
@@ -234,7 +262,7 @@ class PipelinedRag:
                  search_k: int = 0) -> RagOutput:
         """Forward-only over the pipeline (what ``evaluate`` needs: per-example correct and NLL)."""
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
-        x, _, ids = self._reader_inputs(inputs, train=False, search_k=search_k)
+        x, ids, _ = self._reader_inputs(inputs, train=False, search_k=search_k)
         res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
         correct = torch.cat([c for c, _ in res])
         nll = torch.cat([n for _, n in res])

@@ -148,6 +148,13 @@ class RagModel(nn.Module):
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
         """The reader's answer NLL with each retrieved document alone: (B, k) (Atlas' gold score)."""
         B, k = docs["doc_ids"].shape[:2]
-        rep = {name: t.repeat_interleave(k, 0) for name, t in q.items()}  # (B*k, ...)
-        single = {name: t.flatten(0, 1)[:, None] for name, t in docs.items()}  # (B*k, 1, ...)
-        return self.reader(**rep, **single).nll.view(B, k)
+        return self.reader(**one_document_inputs(q, docs)).nll.view(B, k)
+
+
+def one_document_inputs(q: dict, docs: dict) -> dict:
+    """Reader inputs that pair each query with each of its k documents alone: query tensors (B, ...)
+    repeated to (B*k, ...), document tensors (B, k, ...) -> (B*k, 1, ...); row b*k + j is query b
+    with its j-th document."""
+    k = docs["doc_ids"].shape[1]
+    rep = {name: t.repeat_interleave(k, 0) for name, t in q.items()}
+    return rep | {name: t.flatten(0, 1)[:, None] for name, t in docs.items()}

@@ -3,6 +3,7 @@ the dead-rank error, data parallel x pipeline, and the timeline export."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -114,6 +115,56 @@ def test_pipeline_with_data_parallel():
     assert sorted(r[0] for r in res) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for where, bad in res:
         assert not bad, f"pp/dp {where}: {bad[:5]}"
+
+
+# ----------------------------------------------------------------------------- input structures
+
+
+def _structures_worker(rank, world, schedule):
+    """The reader pipelined on 2 documents per query, then fed inputs that make it run other module
+    calls: each query with one document alone (Atlas' per-document read) and no documents at all."""
+    import parallel
+
+    model, inputs, _, loss_fn, weight_fn = make_case("reader")
+    k = inputs["doc_ids"].shape[1]
+    one = {n: t.repeat_interleave(k, 0) for n, t in inputs.items() if not n.startswith("doc_")}
+    one.update({n: t.flatten(0, 1)[:, None] for n, t in inputs.items() if n.startswith("doc_")})
+    closed = {n: t for n, t in inputs.items() if not n.startswith("doc_")}
+    refs = {name: reference(model, x, None, loss_fn, weight_fn, 4)
+            for name, x in (("default", inputs), ("one_document", one), ("closed_book", closed))}
+    with torch.no_grad():
+        ref_nll = copy.deepcopy(model)(**one).nll
+    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule=schedule, partition="auto")
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60,
+                              structures={"one_document": one, "closed_book": closed})
+    out = {"calls": {n: len(p.names) for n, p in pm.plans.items()} | {"default": len(pm.plan.names)}}
+    for name, x in (("one_document", one), ("closed_book", closed), ("default", inputs)):  # default last
+        pm.zero_grad()
+        loss = pm.train_step(x, loss_fn=loss_fn, weight_fn=weight_fn,
+                             structure=None if name == "default" else name)
+        out[name] = _compare(pm, loss, *refs[name])
+    nll = torch.cat(pm.predict(one, output_fn=lambda o, _: o.nll, structure="one_document"))
+    out["predict"] = bool(torch.allclose(nll, ref_nll, rtol=1e-5, atol=1e-6))
+    try:
+        pm.predict(one, structure="two_documents")
+        out["unknown"] = "no error"
+    except KeyError as e:
+        out["unknown"] = str(e)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_input_structures(schedule):
+    """``parallelize(structures=...)``: one replay plan per input structure on the same partition;
+    each trains (loss and gradients) and predicts as one process does."""
+    for rank, res in enumerate(run_ranks(_structures_worker, 2, schedule, timeout_s=240)):
+        calls = res["calls"]
+        assert calls["closed_book"] < calls["one_document"] < calls["default"], calls  # tok_emb per document
+        for name in ("one_document", "closed_book", "default"):
+            assert not res[name], f"{schedule} rank {rank} {name}: {res[name][:5]}"
+        assert res["predict"], f"rank {rank}: per-document NLL differs from one process"
+        assert "two_documents" in res["unknown"] and "one_document" in res["unknown"], res["unknown"]
 
 
 # ----------------------------------------------------------------------------- failure
