@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 def check(cfg) -> list[str]:
     """Config errors of a pipelined run (empty when it can run), each naming its keys."""
-    p, r = cfg.parallel, cfg.retriever
+    p = cfg.parallel
     e = []
     if p.pp <= 1 and p.tp <= 1 and p.dp_shard <= 1:
         return e
