@@ -16,7 +16,8 @@ The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama``
 2. partition: traced and balanced on the *unsharded* model (rank 0 traces, every rank gets the
    same ``Partition``: timings differ between ranks, placements must not);
 3. pipeline stages: the eager runtime's plan (which calls each stage runs, which tensors cross
-   each cut) is derived on the full model, then parameters of other stages are freed;
+   each cut) is derived on the full model, one per input structure (``structures``), then
+   parameters of other stages are freed;
 4. per stage part, in torchtitan's order: tensor parallel -> activation checkpointing ->
    FSDP / data parallel (the ``STAGE_HOOKS`` below; issue 6 registers TP, AC and FSDP there);
 5. data parallel over the remaining ranks: parameters broadcast from dp rank 0 now, gradients

@@ -22,7 +22,7 @@ the reader). The reader-driven losses read the spread reader as one process read
 Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
 weighted by their answer-token count: the step loss and gradients equal the full batch's.
 Gradients of the pipelined reader are averaged over data-parallel replicas by ``ParallelModel``;
-the retriever's here, over the same replicas.
+the retriever's here, over every rank (see ``_average_retriever_grads``).
 """
 
 from __future__ import annotations
@@ -191,6 +191,7 @@ class PipelinedRag:
     def train_step(self, inputs: dict, scale: float = 1.0) -> RagOutput:
         """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad);
         a RagOutput of detached values, the reader loss being the batch's (every rank)."""
+        self._broadcast_retriever_buffers()
         x, ids, ret = self._reader_inputs(inputs, train=True)
         attention = self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
         rows = torch.arange(x["image"].shape[0])  # the target: which batch rows a microbatch holds
@@ -215,19 +216,60 @@ class PipelinedRag:
         return RagOutput(total, SimpleNamespace(loss=loss), r_det, ids, None)
 
     def _average_retriever_grads(self) -> None:
-        """Mean over data-parallel replicas (pipeline ranks of one replica hold equal gradients).
-        Linear, so calling it after every accumulated micro-step is exact."""
-        g = self.pmodel.groups
-        if g.dp_size == 1 or self.rag.retriever is None:
+        """Mean over every rank, as the retriever warm-up does: the retriever is replicated on all.
+        Ranks of one replica read the same batch, but not the same random draws (pseudo-queries,
+        bank negatives): the stages consume the global generator differently (the partition's
+        trace runs on rank 0 only, dropout runs on the stage's own blocks). Averaged, every copy
+        takes the same step and every rank of a pipeline retrieves the same documents, which its
+        stages need (``check_retriever_copies``). Linear, so calling it after every accumulated
+        micro-step is exact."""
+        if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         ps = [q for q in self.rag.retriever.parameters() if q.grad is not None]
         buf = torch.cat([q.grad.reshape(-1) for q in ps])
-        dist.all_reduce(buf, group=g.dp_group)
-        buf /= g.dp_size
+        dist.all_reduce(buf)
+        buf /= dist.get_world_size()
         off = 0
         for q in ps:
             q.grad.copy_(buf[off:off + q.numel()].view_as(q))
             off += q.numel()
+
+    @torch.no_grad()
+    def _broadcast_retriever_buffers(self) -> None:
+        """The retriever's buffers from rank 0 to every rank, before each use, as DDP's
+        ``broadcast_buffers`` does for the one-process model. BatchNorm's running statistics (the
+        ResNet tower) move in every train-mode forward, the index refresh's too, and there each
+        rank embeds its own share of the memory: left alone, the copies' statistics drift apart
+        and evaluation, which reads them, retrieves different documents on the stages."""
+        bufs = [b for b in self.rag.retriever.buffers() if b.is_floating_point()] if self.rag.retriever else []
+        if not bufs or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        flat = torch.cat([b.reshape(-1) for b in bufs])
+        dist.broadcast(flat, src=0)
+        off = 0
+        for b in bufs:
+            b.copy_(flat[off:off + b.numel()].view_as(b))
+            off += b.numel()
+
+    @torch.no_grad()
+    def check_retriever_copies(self) -> None:
+        """Raise unless every rank holds the same retriever parameters, bit for bit (buffers are
+        broadcast before each use). Stages of one pipeline each run their own search; with
+        diverged retrievers they would read different documents and the cut tensors would no
+        longer fit the receiving stage's own batch (a shape error at best, a silently wrong step
+        at worst). A collective; the checksum is an integer sum of the parameters' bits, exact
+        whatever the summation order."""
+        if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        bits = [q.detach().reshape(-1).contiguous().view(torch.int32).long().sum() for q in self.rag.retriever.parameters()
+                if q.dtype == torch.float32]
+        mine = torch.stack(bits).sum().reshape(1)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        sums = [int(t) for t in every]
+        if len(set(sums)) > 1:
+            raise RuntimeError(f"the retriever copies differ between ranks (parameter checksums {sums}): the ranks of "
+                               "a pipeline would retrieve different documents")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global-norm clipping over the whole model: the reader's squared norms are summed over
@@ -262,6 +304,7 @@ class PipelinedRag:
                  search_k: int = 0) -> RagOutput:
         """Forward-only over the pipeline (what ``evaluate`` needs: per-example correct and NLL)."""
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
+        self._broadcast_retriever_buffers()
         x, ids, _ = self._reader_inputs(inputs, train=False, search_k=search_k)
         res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
         correct = torch.cat([c for c, _ in res])

@@ -112,6 +112,9 @@ class Trainer:
         if self.memory is None:
             return
         r = self.cfg.retriever
+        if self.pipe is not None:  # its ranks search independently: their retrievers must be one
+            self.watch.at("index refresh (retriever copies check)", self.step)
+            self.pipe.check_retriever_copies()
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
         self.memory.refresh(background=r.refresh_background, step=self.step)
         if self.memory.refresh_seconds:

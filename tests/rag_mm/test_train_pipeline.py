@@ -94,3 +94,21 @@ def test_torchrun_pipeline_learned_matches_one_process(tiny_world, tmp_path, spl
     ra, rb = _retriever_losses(single), _retriever_losses(pipe)
     assert len(ra) == STEPS and all(x > 0 for x in ra)
     assert rb == pytest.approx(ra, rel=1e-3, abs=1e-4), (ra, rb)
+
+
+@pytest.mark.multirank
+def test_torchrun_pipeline_retriever_copies_stay_one(tiny_world, tmp_path):
+    """The demo's retriever under a pipeline: random draws in its loss (pseudo-queries, bank
+    negatives) and BatchNorm statistics (the ResNet tower) that every forward moves, the index
+    refresh's too, which embeds a different share of the memory on each rank. The copies must
+    still take the same steps and read the same statistics, or the stages would search different
+    documents; the trainer checks the parameters bit for bit at every index refresh."""
+    run = tmp_path / "pp2"
+    learned = [*LEARNED, "retriever.loss=pdist", "retriever.pseudo_queries=4", "retriever.bank_negatives=8",
+               "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.shared_towers=true",
+               "retriever.fusion=image", "parallel.pp=2", "parallel.microbatches=2"]
+    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            "-m", "rag_mm.train", *tiny_overrides(tiny_world, run, *learned)]
+    res = run_module(args, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(_retriever_losses(run)) == STEPS
