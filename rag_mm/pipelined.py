@@ -217,9 +217,9 @@ class PipelinedRag:
 
     def _average_retriever_grads(self) -> None:
         """Mean over every rank, as the retriever warm-up does: the retriever is replicated on all.
-        Ranks of one replica read the same batch, but not the same random draws (pseudo-queries,
-        bank negatives): the stages consume the global generator differently (the partition's
-        trace runs on rank 0 only, dropout runs on the stage's own blocks). Averaged, every copy
+        Ranks of one replica read the same batch, but need not make the same random draws
+        (pseudo-queries, bank negatives): each stage draws from the global generator for its own
+        blocks (dropout), so the streams part once the model uses randomness. Averaged, every copy
         takes the same step and every rank of a pipeline retrieves the same documents, which its
         stages need (``check_retriever_copies``). Linear, so calling it after every accumulated
         micro-step is exact."""
