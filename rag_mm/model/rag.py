@@ -87,8 +87,9 @@ class RagModel(nn.Module):
                        doc_attention=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
         (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
-        with each document alone (B, k), for pdist / emdr. The pipelined reader (rag_mm/pipelined.py)
-        calls this too, with the contrastive loss."""
+        with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the reader's copy
+        attention per document, for adist. The spread reader (rag_mm/pipelined.py) calls this too,
+        with both read over the pipeline."""
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)

@@ -124,11 +124,11 @@ def _structures_worker(rank, world, schedule):
     """The reader pipelined on 2 documents per query, then fed inputs that make it run other module
     calls: each query with one document alone (Atlas' per-document read) and no documents at all."""
     import parallel
+    from rag_mm.model.rag import one_document_inputs
 
     model, inputs, _, loss_fn, weight_fn = make_case("reader")
-    k = inputs["doc_ids"].shape[1]
-    one = {n: t.repeat_interleave(k, 0) for n, t in inputs.items() if not n.startswith("doc_")}
-    one.update({n: t.flatten(0, 1)[:, None] for n, t in inputs.items() if n.startswith("doc_")})
+    one = one_document_inputs({n: t for n, t in inputs.items() if not n.startswith("doc_")},
+                              {n: t for n, t in inputs.items() if n.startswith("doc_")})
     closed = {n: t for n, t in inputs.items() if not n.startswith("doc_")}
     refs = {name: reference(model, x, None, loss_fn, weight_fn, 4)
             for name, x in (("default", inputs), ("one_document", one), ("closed_book", closed))}

@@ -54,9 +54,8 @@ def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path):
     assert summary["test"]["nll"] == pytest.approx(ref["test"]["nll"], rel=1e-3, abs=1e-4)
 
 
-# the learned retriever as +experiment=demo trains it: the top 2 read with the retrieval prior, the
-# retrieved documents as hard negatives of the contrastive term; no pseudo-queries / bank negatives
-# (random draws), so both runs see the same losses
+# the learned retriever as +experiment=demo trains it: the top 2 read with the retrieval prior; no
+# pseudo-queries / bank negatives (random draws), so both runs see the same losses
 LEARNED = ["retriever=learned", "retriever.top_k=2", "retriever.reader_prior=true",
            "retriever.embed_dim=16", "retriever.vision_width=32", "retriever.vision_layers=1",
            "retriever.text_width=32", "retriever.pseudo_queries=0", "retriever.bank_negatives=0",
@@ -80,7 +79,8 @@ def test_torchrun_pipeline_learned_matches_one_process(tiny_world, tmp_path, spl
     the pipeline; adist: the last stage's copy attention); losses as one process."""
     single, pipe = tmp_path / "single", tmp_path / "spread"
     # the reader-driven term alone, its target sharpened: a wrong per-document NLL or attention
-    # moves the retriever loss far beyond the tolerance (the contrastive term is tested above it)
+    # moves the retriever loss far beyond the tolerance (with the contrastive term on, a 1.3x NLL
+    # passed). The contrastive term under pp runs in the copies test below, not compared here.
     learned = [*LEARNED, f"retriever.loss={loss}", "retriever.contrastive_weight=0", "retriever.gold_temperature=0.01"]
     res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *learned)], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
