@@ -315,7 +315,11 @@ class ParallelModel(nn.Module):
         weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means); gradients are
         those of that loss. A per-token mean loss gives the full-batch mean when ``w_i`` is the
         microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
-        ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan)."""
+        ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
+
+        Mixed precision: call it inside ``torch.autocast(...)`` as one wraps a forward. The
+        forwards and ``loss_fn`` run under the caller's autocast, the backwards with autocast off,
+        as autocast's documentation asks of a backward pass."""
         m = self.cfg.microbatches
         stages = self._stages_for(structure)
         loss_fn = loss_fn or _default_loss
@@ -329,19 +333,21 @@ class ParallelModel(nn.Module):
         losses: dict[int, torch.Tensor] = {}
         rec = self.events.append if self.record_timeline else None
         rank = self.groups.rank
+        no_cast = _autocast_off(self._device().type)
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
                 args, kwargs = _as_call(mbs[i])
                 loss = loss_fn(self.module(*args, **kwargs), tgts[i])
-                (loss * (w[i] / total_w)).backward()
+                with no_cast():
+                    (loss * (w[i] / total_w)).backward()
                 losses[i] = loss.detach()
                 if rec:
                     rec(Event(rank, "B", 0, i, t0, time.perf_counter()))
         else:
             self.transport.wait_s = 0.0
             with _gc_paused(self.cfg.gc_pause):
-                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
+                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast)
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()
@@ -356,8 +362,9 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
-    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
-        """This rank's actions of the schedule, in order (receives happen inside them)."""
+    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast) -> None:
+        """This rank's actions of the schedule, in order (receives happen inside them); the
+        backwards under ``no_cast`` (``_autocast_off``)."""
         for a in self.order:
             st = stages[a.stage]
             t0 = time.perf_counter()
@@ -369,12 +376,14 @@ class ParallelModel(nn.Module):
                     loss = loss_fn(out, tgts[a.mb])
                     st.set_loss(a.mb, loss * (w[a.mb] / total_w))
                     losses[a.mb] = loss.detach()
-            elif a.kind == "B":
-                st.backward(a.mb)
-            elif a.kind == "I":
-                st.backward_input(a.mb)
-            elif a.kind == "W":
-                st.backward_weight(a.mb)
+            else:
+                with no_cast():
+                    if a.kind == "B":
+                        st.backward(a.mb)
+                    elif a.kind == "I":
+                        st.backward_input(a.mb)
+                    elif a.kind == "W":
+                        st.backward_weight(a.mb)
             if rec:  # receives happen at the start of an action: the event is the compute after them
                 waited = self.transport.wait_s - w0
                 if waited > 0:
@@ -513,6 +522,14 @@ def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
     oks: list = [None] * dist.get_world_size()
     dist.all_gather_object(oks, ok)
     return comm.ShmGroup(timeout_s=timeout_s) if all(oks) else None
+
+
+def _autocast_off(device_type: str) -> Callable[[], Any]:
+    """A context factory for the backward actions: autocast off when the caller enabled it (the
+    forwards keep it), else a no-op (no context object per action in fp32)."""
+    if torch.is_autocast_enabled(device_type):
+        return lambda: torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext
 
 
 @contextlib.contextmanager

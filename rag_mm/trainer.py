@@ -277,7 +277,8 @@ class Trainer:
                         self.skipped[wid] = counts
                     sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
                     if self.pipe is not None:  # forward and backward over the pipeline stages
-                        out = self.pipe.train_step(_inputs(batch, self.device), scale=1 / accum)
+                        with autocast:  # the pipeline keeps it on its forwards only
+                            out = self.pipe.train_step(_inputs(batch, self.device), scale=1 / accum)
                     else:
                         with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
                             out = self.dp_model(**_inputs(batch, self.device))

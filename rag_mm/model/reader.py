@@ -130,8 +130,10 @@ class CopyHead(nn.Module):
         S = h_all.shape[1]
         tok = tok_all[rows_ex]  # (M, S)
         allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
-        attn = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
-        copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), attn * allowed)  # (M, V)
+        # fp32 softmax: CUDA autocast promotes softmax to fp32, CPU autocast does not, and the
+        # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
+        attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
+        copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
         g = torch.sigmoid(self.gate(h_rows)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         return logp, attn

@@ -167,6 +167,55 @@ def test_pipeline_input_structures(schedule):
         assert "two_documents" in res["unknown"] and "one_document" in res["unknown"], res["unknown"]
 
 
+# ----------------------------------------------------------------------------- mixed precision
+
+
+def _autocast_reference(model, inputs, loss_fn, weight_fn, m: int, cast: bool):
+    """One process, the same m microbatches: forward and loss under bf16 autocast (when ``cast``),
+    backward outside it, as autocast asks; gradients accumulate."""
+    from parallel.api import _as_call, split_microbatches
+
+    ref = copy.deepcopy(model)
+    mbs = split_microbatches(inputs, m)
+    w = [weight_fn(x, None) for x in mbs]
+    loss = 0.0
+    for x, wi in zip(mbs, w):
+        args, kwargs = _as_call(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            li = loss_fn(ref(*args, **kwargs), None) * (wi / sum(w))
+        li.backward()
+        loss = loss + float(li)
+    return loss, {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _autocast_worker(rank, world, schedule):
+    import parallel
+
+    model, inputs, _, loss_fn, weight_fn = make_case("reader")
+    ref = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=True)
+    fp32 = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=False)
+    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule=schedule, partition="auto")
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
+    # how far bf16 is from fp32 here: the comparison above must be far tighter than that
+    bf16_vs_fp32 = max(float((ref[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in fp32[1].items())
+    return {"bad": _compare(pm, loss, *ref), "bf16_vs_fp32": bf16_vs_fp32,
+            "autocast_after": torch.is_autocast_enabled("cpu")}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pipeline_under_autocast(schedule):
+    """``train_step`` inside ``torch.autocast``: the forwards run in bf16, the backwards (full, or
+    split into input and weight parts) without autocast; loss and gradients equal one process's
+    autocast step (rtol 1e-4) while bf16 moves the gradients by far more than that from fp32."""
+    for rank, res in enumerate(run_ranks(_autocast_worker, 2, schedule, timeout_s=240)):
+        assert not res["bad"], f"{schedule} rank {rank}: {res['bad'][:5]}"
+        assert res["bf16_vs_fp32"] > 1e-3, res  # autocast did change the numbers
+        assert not res["autocast_after"]
+
+
 # ----------------------------------------------------------------------------- failure
 
 

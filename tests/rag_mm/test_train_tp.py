@@ -23,7 +23,6 @@ def test_tp_config_rejections(tiny_world, tmp_path):
     bad(3, "parallel.tp=3", "model.heads=3", "model.dim=48", match=r"parallel.tp \(3\) must divide the vision heads")
     bad(4, "parallel.pp=2", "parallel.dp_shard=2", match=r"FSDP \(dp_shard > 1\) under a pipeline is not supported")
     bad(2, "parallel.dp_shard=4", match=r"parallel.dp_shard \(4\) must be >= 1 and divide the data-parallel degree \(2\)")
-    bad(2, "parallel.tp=2", "optim.precision=bf16", match="supports optim.precision=fp32 only")
     for ok in (["parallel.tp=2"], ["parallel.dp_shard=2"]):
         validate(compose(tiny_overrides(tiny_world, tmp_path, *ok)), world_size=2)
     validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.tp=2",
