@@ -10,11 +10,14 @@ cannot promise), the autograd graph is cut where weights meet the input path:
 - an *intermediate* is a node on a path from the stage inputs to the roots that a parameter's
   gradient also flows through (``AddmmBackward0`` of a ``Linear``: the input path enters it and the
   weight's ``AccumulateGrad`` hangs below it);
-- I runs ``autograd.grad(roots, inputs)`` with a pre-hook on every intermediate that keeps the
-  gradient flowing into it; the engine computes only the outputs that lead to the inputs (each
+- I runs ``autograd.grad(roots, inputs)`` and keeps the gradient flowing into every intermediate
+  (the engine captures it for a GEMM node, asked for as a ``GradientEdge`` input; a Python pre-hook
+  for other nodes); the engine computes only the outputs that lead to the inputs (each
   ``Linear``'s dX, not its dW);
 - W starts the engine at those intermediates with the kept gradients (``GradientEdge``) and asks
-  for the parameters only: each dW once, no dX.
+  for the parameters only: each dW once, no dX. A linear layer's W skips the engine: its weight
+  gradient is one GEMM from the kept gradient and the node's saved input, accumulated in place
+  (``_linear_weight_grads``).
 
 Parameters whose gradient never meets the input path, or also reaches a root around it (an
 embedding of the raw microbatch on a later stage; everything on the first stage, whose inputs need
@@ -85,6 +88,9 @@ class WeightWork:
     grads: list[torch.Tensor | None] = field(default_factory=list)
 
 
+_ONE_OUTPUT = ("AddmmBackward0", "MmBackward0")  # GEMM nodes: one forward output
+
+
 def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
                    params: list[torch.nn.Parameter]) -> tuple[list[torch.Tensor | None], WeightWork]:
     """Gradients of ``inputs`` (None where unused) and the work left for ``backward_weight``."""
@@ -122,14 +128,21 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
             work.kept[node] = grad_outputs
         return hook
 
-    handles = [n.register_prehook(keep(n)) for inter, _ in work.groups for n in inter]
+    # the gradient into a GEMM node (one output: its grad_outputs is that one tensor) is captured
+    # by the engine itself, as a GradientEdge input; other nodes (any number of outputs) by a
+    # Python pre-hook, which the engine calls with all of them
+    edges = [n for inter, _ in work.groups for n in inter if n.name() in _ONE_OUTPUT]
+    handles = [n.register_prehook(keep(n)) for inter, _ in work.groups for n in inter if n.name() not in _ONE_OUTPUT]
+    want = [x for x in inputs if x.requires_grad]
     try:
-        want = [x for x in inputs if x.requires_grad]
-        got = torch.autograd.grad(roots, want, grads, retain_graph=True, allow_unused=True) if want else ()
+        got = torch.autograd.grad(roots, want + [GradientEdge(n, 0) for n in edges], grads, retain_graph=True,
+                                  allow_unused=True) if want else ()
     finally:
         for h in handles:
             h.remove()
-    it = iter(got)
+    for n, g in zip(edges, got[len(want):]):
+        work.kept[n] = (g,)
+    it = iter(got[:len(want)])
     if orphans:
         work.roots, work.grads = list(roots), list(grads)
     return [next(it) if x.requires_grad else None for x in inputs], work
@@ -150,9 +163,69 @@ def _replace_with(kept: tuple | None):
     return hook
 
 
+LINEAR_FAST_PATH = True  # W's nn.Linear fast path (below); off only to time the engine path against it
+
+
+def _plain(t: torch.Tensor | None) -> bool:
+    return t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _linear_weight_grads(node: Node, kept: tuple | None, params: list[torch.nn.Parameter]) -> bool:
+    """W's fast path for a linear layer: one GEMM node whose weight (and bias) are exactly the
+    group's parameters - ``AddmmBackward0`` (``nn.Linear``; GPT-2's ``Conv1D``, its weight not
+    transposed) or ``MmBackward0`` (a Linear without bias, as in Llama). ``weight.grad += G^T X``
+    (or ``X^T G``) is one GEMM that accumulates in place, ``bias.grad += sum_rows(G)``. The engine
+    path computes the same numbers with a GEMM, a separate add and an engine start per group, which
+    made I + W cost 1.4x a fused backward on the CPU ranks measured (BENCHMARKS.md, Pipeline,
+    session 7). Returns False, having done nothing, for any other graph: a cast of the weight
+    (autocast), tensor subclasses (DTensor), gradient hooks on the parameters, alpha / beta != 1;
+    the engine runs those."""
+    if not kept or len(kept) != 1 or kept[0] is None:
+        return False
+    kind = node.name()
+    if kind == "AddmmBackward0":
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return False
+        bias_acc, x, w_edge = node.next_functions[0][0], node._saved_mat1, node.next_functions[2][0]
+    elif kind == "MmBackward0":
+        bias_acc, x, w_edge = None, node._saved_self, node.next_functions[1][0]
+    else:
+        return False
+    if w_edge is not None and w_edge.name() == "TBackward0":  # nn.Linear: mat2 = weight.t(), (out, in)
+        w_acc, transposed = w_edge.next_functions[0][0], True
+    else:  # Conv1D: mat2 = weight, (in, out)
+        w_acc, transposed = w_edge, False
+    g = kept[0]  # (N, out): gradient of the GEMM's output; x (N, in): its saved input
+    if not (_plain(g) and _plain(x)) or g.dim() != 2 or x.dim() != 2:
+        return False
+    where = {}
+    for p in params:
+        acc = _node(p)
+        if acc is w_acc and p.shape == ((g.shape[1], x.shape[1]) if transposed else (x.shape[1], g.shape[1])):
+            where[id(p)] = "w"
+        elif acc is bias_acc and bias_acc is not None:
+            where[id(p)] = "b"
+        else:
+            return False
+        if not _plain(p) or not _plain(p.grad) or p._backward_hooks or p._post_accumulate_grad_hooks:
+            return False
+    for p in params:
+        if where[id(p)] == "w":
+            a, b = (g.t(), x) if transposed else (x.t(), g)
+            if p.grad is None:
+                p.grad = torch.mm(a, b)
+            else:
+                p.grad.addmm_(a, b)
+        else:
+            _accumulate(p, g.sum_to_size(p.shape))
+    return True
+
+
 def backward_weight(work: WeightWork) -> None:
     """Parameter gradients from the kept intermediate gradients, accumulated into ``.grad``."""
     for inter, params in work.groups:
+        if LINEAR_FAST_PATH and len(inter) == 1 and _linear_weight_grads(inter[0], work.kept.get(inter[0]), params):
+            continue
         edges, outs = [], []
         for n in inter:
             for i, g in enumerate(work.kept.get(n, ())):

@@ -112,13 +112,15 @@ def spawn(fn, world: int, **kw):
 
 class _Variant:
     """One way of running the pipelined MLP step on this rank: ours (a schedule name; ``:whole_drain``
-    for ``split_drain=False``, ``@gloo`` for the shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
+    for ``split_drain=False``, ``:engine_w`` for W without its nn.Linear fast path, ``@gloo`` for the
+    shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
     Schedule1F1B over gloo with a hand-made even split: the reference)."""
 
     def __init__(self, rank, name, m, d, batch, stage_path):
         import parallel
 
         self.name, self.pm = name, None
+        self.engine_w = False  # ":engine_w": W without the nn.Linear fast path (split_backward.py)
         x, y = torch.randn(batch, d), torch.randn(batch, d)
         if name == "torch_1f1b":
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -130,6 +132,7 @@ class _Variant:
             return
         schedule, _, p2p = name.partition("@")
         schedule, _, opt = schedule.partition(":")
+        self.engine_w = opt == "engine_w"
         cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform",
                                       p2p=p2p or "auto", stage_path=stage_path, split_drain=opt != "whole_drain")
         self.pm = pm = parallel.parallelize(mlp(d), cfg, (x,))
@@ -138,8 +141,10 @@ class _Variant:
 
     def time(self, steps):
         """Median seconds per step (and CPU seconds, receive waits, bubble, events of the last)."""
+        from parallel.pipeline import split_backward
         from parallel.timeline import bubble_fraction, gather
 
+        split_backward.LINEAR_FAST_PATH = not self.engine_w  # set per variant: variants alternate in one process
         times, waits, bubbles, cpus, ev = [], [], [], [], []
         for s in range(steps + 3):
             BARRIER()

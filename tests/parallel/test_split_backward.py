@@ -85,3 +85,52 @@ def test_weight_step_does_no_input_gradient_work():
     with Count() as cw:
         backward_weight(work)
     assert (ci.n, cw.n) == (layers, layers)
+
+
+class Linears(nn.Module):
+    """W's ``nn.Linear`` fast path and the graphs it must leave to the engine."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.seq = nn.Linear(8, 8)  # (B, T, 8) input: a view, then addmm (fast path)
+        self.nobias = nn.Linear(8, 8, bias=False)  # mm (fast path)
+        self.conv1d = Conv1D(8, 8)  # GPT-2's: addmm with the weight itself as mat2 (fast path)
+        self.hooked = nn.Linear(8, 8)  # a gradient hook on its weight (engine: the hook must run)
+        self.hooked.weight.register_hook(lambda g: 2 * g)
+        self.scaled = nn.Linear(8, 8)  # addmm with beta != 1 (engine)
+
+    def forward(self, h):
+        h = self.conv1d(torch.tanh(self.nobias(torch.relu(self.seq(h)))))
+        s = torch.addmm(self.scaled.bias, h.reshape(-1, 8), self.scaled.weight.t(), beta=0.5).view_as(h)
+        return self.hooked(torch.sigmoid(s))
+
+
+def test_linear_fast_path_matches_engine():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fused(TorchDispatchMode):  # in-place accumulating GEMMs: only the fast path issues them
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.addmm_
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = Linears().double()
+    h, gy = torch.randn(2, 3, 8, dtype=torch.double), torch.randn(2, 3, 8, dtype=torch.double)
+    x = h.clone().requires_grad_(True)
+    model(x).backward(gy)
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for step in (1, 2):  # the first W creates .grad, the second accumulates into it
+        y = model(x)
+        _, work = backward_input([y], [gy], [x], list(model.parameters()))
+        with Fused() as f:
+            backward_weight(work)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, step * ref[n], msg=f"{n} after {step} microbatches")
+    assert f.n == 3, f"fused accumulations of seq, nobias and conv1d expected, got {f.n}"
