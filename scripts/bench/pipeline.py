@@ -8,12 +8,13 @@
    one thread, the same m microbatches with gradient accumulation; efficiency = T1 / (p * Tpipe);
    overhead = (m / (m + p - 1)) / efficiency - 1 (what the pipeline costs beyond its unavoidable
    bubble). ``floor``: the same overhead for a runtime that costs nothing on this split
-   (``stage_floor``: each rank's own work timed without the pipeline, so floor > 0 is what the
+   (``_Floor``: each rank's own work timed without the pipeline, so floor > 0 is what the
    split itself costs: the last stage's loss and extra dX, cache and memory effects of two busy
    cores); ``vs floor``: Tpipe against that zero-cost runtime's step time, i.e. what our runtime
    itself costs. Also the measured bubble fraction from the timeline and the time each rank spent
    blocked in receives. Everything of one m is timed in the same processes, in ``--reps``
-   interleaved rounds; overheads are paired within a round and the cells are medians.
+   interleaved rounds of ``--steps`` steps; overheads are paired within a round and the cells are
+   medians. ``--steps 1`` pairs every pipeline step with a T1 step and a floor step.
 2. The rag_mm reader on 2 ranks: step time with the auto partition against the uniform one.
 
     python scripts/bench/pipeline.py [--steps 20] [--reps 3] [--out results.json]
@@ -49,22 +50,28 @@ def mse(out, tgt):
     return torch.nn.functional.mse_loss(out, tgt)
 
 
-def _t_single(m: int, steps: int) -> tuple[float, float]:
-    """(wall, CPU) seconds per step of one process running the same m microbatches with gradient
-    accumulation (called in a pipeline rank's process: the host allocator and core binding are
-    as ``parallelize`` set them up for the pipeline, same conditions)."""
-    model = mlp()
-    x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-    times, cpus = [], []
-    for s in range(steps + 3):
-        t0, c0 = time.perf_counter(), time.process_time()
-        for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-            (mse(model(xi), yi) / m).backward()
-        if s >= 3:
-            times.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-        model.zero_grad()
-    return statistics.median(times), statistics.median(cpus)
+class _Single:
+    """T1: one process running the same m microbatches with gradient accumulation (in a pipeline
+    rank's process: the host allocator and core binding are as ``parallelize`` set them up for the
+    pipeline, same conditions). Built once, so rounds of one step each can alternate with the
+    pipeline's steps."""
+
+    def __init__(self, m: int):
+        self.m, self.model = m, mlp()
+        self.x, self.y = torch.randn(BATCH, D), torch.randn(BATCH, D)
+
+    def time(self, steps: int, warm: int = 3) -> tuple[float, float]:
+        """(wall, CPU) median seconds per step."""
+        times, cpus = [], []
+        for s in range(steps + warm):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for xi, yi in zip(self.x.tensor_split(self.m), self.y.tensor_split(self.m)):
+                (mse(self.model(xi), yi) / self.m).backward()
+            if s >= warm:
+                times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+            self.model.zero_grad()
+        return statistics.median(times), statistics.median(cpus)
 
 
 BARRIER = dist.barrier
@@ -139,21 +146,21 @@ class _Variant:
         self.run = lambda: pm.train_step((x,), target=y, loss_fn=mse)
         self.params = list(pm.parameters())
 
-    def time(self, steps):
+    def time(self, steps, warm=3):
         """Median seconds per step (and CPU seconds, receive waits, bubble, events of the last)."""
         from parallel.pipeline import split_backward
         from parallel.timeline import bubble_fraction, gather
 
         split_backward.LINEAR_FAST_PATH = not self.engine_w  # set per variant: variants alternate in one process
         times, waits, bubbles, cpus, ev = [], [], [], [], []
-        for s in range(steps + 3):
+        for s in range(steps + warm):
             BARRIER()
             t0, c0 = time.perf_counter(), time.process_time()
             self.run()
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if self.pm is not None:
                 ev = gather(self.pm.events)
-            if s >= 3:
+            if s >= warm:
                 times.append(dt)
                 cpus.append(dc)
                 if self.pm is not None:
@@ -178,8 +185,11 @@ def _binding():
 
 def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BATCH, t1=True):
     """Every variant, the floor and T1 timed in the same two processes, in ``reps`` interleaved
-    rounds (the machine is shared: load drifts within seconds, so what is compared is timed side
-    by side). T1 runs on rank 0 while rank 1 blocks in a gloo barrier (no spinning).
+    rounds of ``steps`` steps each (the machine is shared: load drifts within seconds, so what is
+    compared is timed side by side). ``steps=1``: every round is one step of each, so T1, the
+    floor and the pipeline are paired step by step (after one warm-up round of 3 steps each); the
+    speed of this VM drifts by up to 45% over tens of seconds (BENCHMARKS.md, Pipeline, session 7).
+    T1 runs on rank 0 while rank 1 blocks in a gloo barrier (no spinning).
 
     ``NAME+bind`` times pipeline NAME with every thread of both ranks bound to the cores
     ``bind_cores=True`` would give them (``parallel.cpu_affinity``; the binding is set before and
@@ -192,53 +202,63 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
     vs = {n: _Variant(rank, n, m, d, batch, stage_path) for n in names}
     modes = [False] + ([True] if any(v.endswith("+bind") for v in variants) and bound_cores else [])
     x, y = torch.randn(batch, d), torch.randn(batch, d)
+    floor = _Floor(rank, m, x, y) if t1 else None
+    single = _Single(m) if t1 and rank == 0 else None
     rounds = []
-    for _ in range(reps):
+    per_step = steps == 1
+    for i in range(reps + per_step):
+        warm = 3 if not per_step or i == 0 else 0
         r = {}
         for bind in modes:
             _set_all_threads(bound_cores if bind else free_cores)
             sfx = "+bind" if bind else ""
             for v in variants:
                 if v.endswith("+bind") == bind:
-                    r[v] = vs[v.removesuffix("+bind")].time(steps)
+                    r[v] = vs[v.removesuffix("+bind")].time(steps, warm)
             if t1:
-                r["floor" + sfx] = stage_floor(rank, m, steps, x, y)
+                r["floor" + sfx] = floor.time(steps, warm)
                 dist.barrier()
-                r["t1" + sfx] = _t_single(m, steps)[0] if rank == 0 else 0.0
+                r["t1" + sfx] = single.time(steps, warm)[0] if rank == 0 else 0.0
                 dist.barrier()
         _set_all_threads(free_cores)
-        rounds.append(r)
+        if not (per_step and i == 0):
+            rounds.append(r)
     pm = next((v.pm for v in vs.values() if v.pm is not None), None)
     lanes = {k: [c is not None for c in v] for k, v in pm.transport.lanes.items()} if pm is not None else {}
     return {"rounds": rounds, "lanes": lanes, "cores": [list(free_cores), list(bound_cores or ())]}
 
 
-def stage_floor(rank, m, steps, x, y):
-    """Seconds per step of this rank's own share of the work with no pipeline around it: its four
-    blocks' forward and backward on the m microbatches (the last stage with the loss and the dX of
-    its first block, which the pipeline needs and one process does not), both ranks at once as in
-    the pipeline. ``max over ranks x (m + p - 1) / m`` is the step time of a runtime that costs
+class _Floor:
+    """This rank's own share of the work with no pipeline around it: its four blocks' forward and
+    backward on the m microbatches (the last stage with the loss and the dX of its first block,
+    which the pipeline needs and one process does not), both ranks at once as in the pipeline.
+    ``max over ranks x (m + p - 1) / m`` of its step time is the step time of a runtime that costs
     nothing on this split; the rest of Tpipe is the runtime's (messages, replay, the end-of-step
     sync)."""
-    blocks = list(mlp(x.shape[1]).children())
-    per = BLOCKS // 2
-    mine = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
-    h = nn.Sequential(*blocks[:per])(x).detach() if rank else x
-    hs, ys = h.tensor_split(m), y.tensor_split(m)
-    times = []
-    for s in range(steps + 3):
-        BARRIER()
-        t0 = time.perf_counter()
-        for hi, yi in zip(hs, ys):
-            if rank == 0:
-                out = mine(hi)
-                out.backward(torch.full_like(out, 1e-3))
-            else:
-                (mse(mine(hi.clone().requires_grad_(True)), yi) / m).backward()
-        if s >= 3:
-            times.append(time.perf_counter() - t0)
-        mine.zero_grad()
-    return statistics.median(times)
+
+    def __init__(self, rank, m, x, y):
+        blocks = list(mlp(x.shape[1]).children())
+        per = BLOCKS // 2
+        self.rank, self.m = rank, m
+        self.mine = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
+        h = nn.Sequential(*blocks[:per])(x).detach() if rank else x
+        self.hs, self.ys = h.tensor_split(m), y.tensor_split(m)
+
+    def time(self, steps, warm=3):
+        times = []
+        for s in range(steps + warm):
+            BARRIER()
+            t0 = time.perf_counter()
+            for hi, yi in zip(self.hs, self.ys):
+                if self.rank == 0:
+                    out = self.mine(hi)
+                    out.backward(torch.full_like(out, 1e-3))
+                else:
+                    (mse(self.mine(hi.clone().requires_grad_(True)), yi) / self.m).backward()
+            if s >= warm:
+                times.append(time.perf_counter() - t0)
+            self.mine.zero_grad()
+        return statistics.median(times)
 
 
 def reader_case(b):
