@@ -45,10 +45,12 @@ def _faults(mode: str) -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and /proc are Linux's")
 def test_steady_malloc_stops_page_fault_churn():
     churn, steady = _faults("default"), _faults("steady")
-    # measured: ~3000 faults per step with glibc's dynamic thresholds, under 10 with them fixed
+    # measured on the dev box: 1600-3000 faults per step with glibc's dynamic thresholds, 10-200
+    # with them fixed (the count moves with the host's memory management: session 7's CI run read
+    # 1620 against 195); a no-op steady_malloc would read about the same in both
     if churn < 500:
         pytest.skip(f"this libc's default thresholds do not churn ({churn:.0f} faults per step)")
-    assert steady < churn / 10, f"{steady:.0f} faults per step with steady_malloc vs {churn:.0f} without"
+    assert steady < churn / 4, f"{steady:.0f} faults per step with steady_malloc vs {churn:.0f} without"
 
 
 def test_steady_malloc_respects_the_environment():
