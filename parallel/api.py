@@ -55,10 +55,6 @@ log = logging.getLogger(__name__)
 COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved",
                  "looped_bfs": "interleaved", "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
 BASELINES = ("uniform", "parameters", "time")
-# schedules whose first rank runs its backwards as "W" (the zero-bubble family): under bf16
-# autocast, two CI runs in a row gave that rank gradients off by a third of bf16's own effect,
-# never reproduced on its own (BENCHMARKS.md, Pipeline, session 7); refused until understood
-NO_AUTOCAST_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 # ----------------------------------------------------------------------------- mesh
@@ -338,10 +334,6 @@ class ParallelModel(nn.Module):
         rec = self.events.append if self.record_timeline else None
         rank = self.groups.rank
         no_cast = _autocast_off(self._device().type)
-        if stages and no_cast is not contextlib.nullcontext and self.cfg.schedule in NO_AUTOCAST_SCHEDULES:
-            raise NotImplementedError(
-                f"schedule {self.cfg.schedule!r} under torch.autocast is not supported yet (its first rank's "
-                f"gradients were wrong in two CI runs); use one of gpipe, 1f1b, eager_1f1b, interleaved_1f1b")
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
