@@ -317,9 +317,9 @@ class ParallelModel(nn.Module):
         microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
         ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
 
-        Mixed precision: call it inside ``torch.autocast(...)`` as one wraps a forward. The
-        forwards and ``loss_fn`` run under the caller's autocast, the backwards with autocast off,
-        as autocast's documentation asks of a backward pass."""
+        Mixed precision: without a pipeline (tp / FSDP only) call it inside ``torch.autocast(...)``
+        as one wraps a forward; the backwards run with autocast off, as autocast's documentation
+        asks. Over a pipeline it raises for now (see the check below)."""
         m = self.cfg.microbatches
         stages = self._stages_for(structure)
         loss_fn = loss_fn or _default_loss
@@ -334,6 +334,11 @@ class ParallelModel(nn.Module):
         rec = self.events.append if self.record_timeline else None
         rank = self.groups.rank
         no_cast = _autocast_off(self._device().type)
+        if stages and no_cast is not contextlib.nullcontext:
+            raise NotImplementedError(
+                "train_step under torch.autocast over a pipeline is not supported yet: in full CI runs the first "
+                "stage's gradients came out up to 2/3 of bf16's own effect away from one process's autocast step "
+                "(cause not found; BENCHMARKS.md, Pipeline, session 7); run the pipeline in fp32")
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()

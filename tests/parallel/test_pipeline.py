@@ -170,66 +170,27 @@ def test_pipeline_input_structures(schedule):
 # ----------------------------------------------------------------------------- mixed precision
 
 
-def _autocast_reference(model, inputs, loss_fn, weight_fn, m: int, cast: bool):
-    """One process, the same m microbatches: forward and loss under bf16 autocast (when ``cast``),
-    backward outside it, as autocast asks; gradients accumulate."""
-    from parallel.api import _as_call, split_microbatches
-
-    ref = copy.deepcopy(model)
-    mbs = split_microbatches(inputs, m)
-    w = [weight_fn(x, None) for x in mbs]
-    loss = 0.0
-    for x, wi in zip(mbs, w):
-        args, kwargs = _as_call(x)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
-            li = loss_fn(ref(*args, **kwargs), None) * (wi / sum(w))
-        li.backward()
-        loss = loss + float(li)
-    return loss, {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
-
-
-def _autocast_worker(rank, world, schedule):
+def _autocast_worker(rank, world):
     import parallel
 
     model, inputs, _, loss_fn, weight_fn = make_case("reader")
-    ref = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=True)
-    fp32 = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=False)
-    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule=schedule, partition="auto")
+    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule="1f1b", partition="uniform")
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
-    held = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
-
-    def gap(grads):  # relative distance of this rank's gradients, all as one vector, from the bf16 step's
-        a = torch.cat([grads[n].reshape(-1) for n in held])
-        b = torch.cat([ref[1][n].reshape(-1) for n in held])
-        return float((a - b).norm() / b.norm())
-
-    return {"pipe": gap(held), "fp32": gap(fp32[1]), "loss": (float(loss), ref[0], fp32[0]), "n": len(held),
-            "autocast_after": torch.is_autocast_enabled("cpu")}
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
-def test_pipeline_under_autocast(schedule):
-    """``train_step`` inside ``torch.autocast``: the forwards run in bf16, the backwards (full, or
-    split into input and weight parts) without autocast. The loss and the last rank's gradients
-    follow one process's autocast step far more closely than its fp32 step does (alone: 1e-8
-    against 3e-3, bit for bit up to fp32 summation order).
-
-    Not understood yet: in each of three full CI runs (fresh clones) one of the two schedules'
-    first rank came out off: 9.8e-4 (the identical value, once under zero_bubble, once under
-    1F1B) against bf16's own 3.1e-3; the test alone, in that clone too, gives 1e-8. So the first
-    rank is held to less than half of bf16's effect (a pipeline that dropped autocast reads all
-    of it) until the cause is found."""
-    for rank, res in enumerate(run_ranks(_autocast_worker, 2, schedule, timeout_s=240)):
-        assert res["n"] > 0, res
-        assert res["fp32"] > 1e-3, res  # bf16 did move the gradients
-        bound = res["fp32"] / 5 if rank == 1 else res["fp32"] / 2
-        assert res["pipe"] < bound, f"{schedule} rank {rank}: {res}"
-        loss, ref, fp32 = res["loss"]
-        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, res  # the last stage's loss, on every rank
-        assert not res["autocast_after"]
+def test_pipeline_under_autocast_is_refused():
+    """Not supported yet: in full CI runs the first stage's gradients under bf16 autocast came out
+    1e-3 to 2e-3 away from one process's autocast step (bf16's own effect: 3.1e-3), though 1e-8 when
+    the test ran alone (BENCHMARKS.md, Pipeline, session 7). Refused with a message, not run."""
+    for msg in run_ranks(_autocast_worker, 2, timeout_s=240):
+        assert "autocast" in msg and "pipeline" in msg and "fp32" in msg, msg
 
 
 # ----------------------------------------------------------------------------- failure
