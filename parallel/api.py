@@ -352,7 +352,7 @@ class ParallelModel(nn.Module):
         else:
             self.transport.wait_s = 0.0
             with _gc_paused(self.cfg.gc_pause):
-                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast)
+                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()
@@ -367,9 +367,8 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
-    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast) -> None:
-        """This rank's actions of the schedule, in order (receives happen inside them); the
-        backwards under ``no_cast`` (``_autocast_off``)."""
+    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
+        """This rank's actions of the schedule, in order (receives happen inside them)."""
         for a in self.order:
             st = stages[a.stage]
             t0 = time.perf_counter()
@@ -381,14 +380,12 @@ class ParallelModel(nn.Module):
                     loss = loss_fn(out, tgts[a.mb])
                     st.set_loss(a.mb, loss * (w[a.mb] / total_w))
                     losses[a.mb] = loss.detach()
-            else:
-                with no_cast():
-                    if a.kind == "B":
-                        st.backward(a.mb)
-                    elif a.kind == "I":
-                        st.backward_input(a.mb)
-                    elif a.kind == "W":
-                        st.backward_weight(a.mb)
+            elif a.kind == "B":
+                st.backward(a.mb)
+            elif a.kind == "I":
+                st.backward_input(a.mb)
+            elif a.kind == "W":
+                st.backward_weight(a.mb)
             if rec:  # receives happen at the start of an action: the event is the compute after them
                 waited = self.transport.wait_s - w0
                 if waited > 0:
@@ -530,8 +527,8 @@ def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
 
 
 def _autocast_off(device_type: str) -> Callable[[], Any]:
-    """A context factory for the backward actions: autocast off when the caller enabled it (the
-    forwards keep it), else a no-op (no context object per action in fp32)."""
+    """A context factory for the backwards: autocast off when the caller enabled it (the forwards
+    keep it), else a no-op (no context object per microbatch in fp32)."""
     if torch.is_autocast_enabled(device_type):
         return lambda: torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext
