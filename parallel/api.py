@@ -317,9 +317,9 @@ class ParallelModel(nn.Module):
         microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
         ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
 
-        Mixed precision: without a pipeline (tp / FSDP only) call it inside ``torch.autocast(...)``
-        as one wraps a forward; the backwards run with autocast off, as autocast's documentation
-        asks. Over a pipeline it raises for now (see the check below)."""
+        Mixed precision: call it inside ``torch.autocast(...)`` as one wraps a forward. The
+        forwards and ``loss_fn`` run under the caller's autocast, the backwards with autocast off,
+        as autocast's documentation asks of a backward pass."""
         m = self.cfg.microbatches
         stages = self._stages_for(structure)
         loss_fn = loss_fn or _default_loss
@@ -334,11 +334,6 @@ class ParallelModel(nn.Module):
         rec = self.events.append if self.record_timeline else None
         rank = self.groups.rank
         no_cast = _autocast_off(self._device().type)
-        if stages and no_cast is not contextlib.nullcontext:
-            raise NotImplementedError(
-                "train_step under torch.autocast over a pipeline is not supported yet: in full CI runs the first "
-                "stage's gradients came out up to 2/3 of bf16's own effect away from one process's autocast step "
-                "(cause not found; BENCHMARKS.md, Pipeline, session 7); run the pipeline in fp32")
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
@@ -352,7 +347,7 @@ class ParallelModel(nn.Module):
         else:
             self.transport.wait_s = 0.0
             with _gc_paused(self.cfg.gc_pause):
-                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank)
+                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast)
             self.transport.flush()
         t0 = time.perf_counter()
         self._sync_grads()
@@ -367,8 +362,9 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
-    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank) -> None:
-        """This rank's actions of the schedule, in order (receives happen inside them)."""
+    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast) -> None:
+        """This rank's actions of the schedule, in order (receives happen inside them); the
+        backwards under ``no_cast`` (``_autocast_off``)."""
         for a in self.order:
             st = stages[a.stage]
             t0 = time.perf_counter()
@@ -380,12 +376,14 @@ class ParallelModel(nn.Module):
                     loss = loss_fn(out, tgts[a.mb])
                     st.set_loss(a.mb, loss * (w[a.mb] / total_w))
                     losses[a.mb] = loss.detach()
-            elif a.kind == "B":
-                st.backward(a.mb)
-            elif a.kind == "I":
-                st.backward_input(a.mb)
-            elif a.kind == "W":
-                st.backward_weight(a.mb)
+            else:
+                with no_cast():
+                    if a.kind == "B":
+                        st.backward(a.mb)
+                    elif a.kind == "I":
+                        st.backward_input(a.mb)
+                    elif a.kind == "W":
+                        st.backward_weight(a.mb)
             if rec:  # receives happen at the start of an action: the event is the compute after them
                 waited = self.transport.wait_s - w0
                 if waited > 0:

@@ -52,9 +52,6 @@ def check(cfg) -> list[str]:
         e.append(f"{what}: FSDP (dp_shard > 1) under a pipeline is not supported yet; use dp_shard=1")
     if p.pp > 1 and p.tp > 1 and p.dp not in (-1, 1):
         e.append(f"{what}: pp x tp with data parallel replicas (dp={p.dp}) is not supported yet; use dp=1")
-    if p.pp > 1 and cfg.optim.precision != "fp32":
-        e.append(f"{what}: optim.precision={cfg.optim.precision} under a pipeline is not supported yet (the first "
-                 "stage's gradients were not shown equal to one process's); use fp32, or tp / dp_shard alone")
     if cfg.data.batch_size % p.microbatches:
         e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({cfg.data.batch_size})")
     if cfg.data.eval_batch_size % p.microbatches:

@@ -277,7 +277,7 @@ class Trainer:
                         self.skipped[wid] = counts
                     sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
                     if self.pipe is not None:  # forward and backward over the pipeline stages
-                        with autocast:  # tp / FSDP: on the forwards only (bf16 under pp is rejected)
+                        with autocast:  # train_step keeps it on the forwards only (pp, tp and FSDP alike)
                             out = self.pipe.train_step(_inputs(batch, self.device), scale=1 / accum)
                     else:
                         with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:

@@ -170,27 +170,81 @@ def test_pipeline_input_structures(schedule):
 # ----------------------------------------------------------------------------- mixed precision
 
 
-def _autocast_worker(rank, world):
+def _autocast_reference(model, inputs, loss_fn, weight_fn, m: int, cast: bool):
+    """One process, the same m microbatches: forward and loss under bf16 autocast (when ``cast``),
+    backward outside it, as autocast asks; gradients accumulate."""
+    from parallel.api import _as_call, split_microbatches
+
+    ref = copy.deepcopy(model)
+    mbs = split_microbatches(inputs, m)
+    w = [weight_fn(x, None) for x in mbs]
+    loss = 0.0
+    for x, wi in zip(mbs, w):
+        args, kwargs = _as_call(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            li = loss_fn(ref(*args, **kwargs), None) * (wi / sum(w))
+        li.backward()
+        loss = loss + float(li.detach())
+    return loss, {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def _autocast_worker(rank, world, schedule, partition):
     import parallel
 
     model, inputs, _, loss_fn, weight_fn = make_case("reader")
-    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule="1f1b", partition="uniform")
+    ref = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=True)
+    fp32 = _autocast_reference(model, inputs, loss_fn, weight_fn, 4, cast=False)
+    cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule=schedule, partition=partition)
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
+    held = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
+
+    def gap(grads):  # relative distance of this rank's gradients, all as one vector, from the bf16 step's
+        a = torch.cat([grads[n].reshape(-1) for n in held])
+        b = torch.cat([ref[1][n].reshape(-1) for n in held])
+        return float((a - b).norm() / b.norm())
+
+    worst = max((float((held[n] - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-30)), n) for n in held)
+    return {"pipe": gap(held), "fp32": gap(fp32[1]), "worst": worst, "loss": (float(loss), ref[0], fp32[0]),
+            "n": len(held), "cut": pm.partition.bounds, "autocast_after": torch.is_autocast_enabled("cpu")}
 
 
 @pytest.mark.multirank
-def test_pipeline_under_autocast_is_refused():
-    """Not supported yet: in full CI runs the first stage's gradients under bf16 autocast came out
-    1e-3 to 2e-3 away from one process's autocast step (bf16's own effect: 3.1e-3), though 1e-8 when
-    the test ran alone (BENCHMARKS.md, Pipeline, session 7). Refused with a message, not run."""
-    for msg in run_ranks(_autocast_worker, 2, timeout_s=240):
-        assert "autocast" in msg and "pipeline" in msg and "fp32" in msg, msg
+@pytest.mark.parametrize("schedule,cut", [("1f1b", "layers"), ("zero_bubble", "layers"), ("1f1b", "in_block")])
+def test_pipeline_under_autocast(schedule, cut, tmp_path):
+    """``train_step`` inside ``torch.autocast``: the forwards run in bf16, the backwards (full, or
+    split into input and weight parts) without autocast. A pipeline whose first stage lost autocast
+    lands 2.3e-3 to 2.7e-3 from one process's autocast step, about as far as the fp32 step (bf16's
+    own effect, 3e-3 here). (A backward left under CPU autocast computes the same numbers in this
+    torch, so that half is not observable here.)
+
+    - Cut between layers (the uniform split): every rank's gradients and the loss equal one
+      process's autocast step up to fp32 summation order (1e-8).
+    - Cut inside a block, before its MLP: ``x = x + attn(...)`` is container code, replayed on the
+      second stage, so the bf16 attention output feeds an add on both stages and its gradient is
+      summed from two bf16-rounded parts, where one process rounds the fp32 sum once. The first
+      rank comes out 1.0e-3 off (the same on a plain split emulated in one process); held to half
+      of bf16's effect. Session 7's CI failures were this cut, chosen by ``auto`` under load."""
+    if cut == "layers":
+        partition = "uniform"
+    else:
+        from parallel import auto_partition
+        from parallel.api import split_microbatches
+
+        model, inputs, *_ = make_case("reader")
+        part = auto_partition(model, split_microbatches(inputs, 4)[0], 2, manual=["blocks.3.mlp"],
+                              loss_fn=lambda out: out.loss)
+        partition = str(tmp_path / "in_block.json")
+        part.save(partition)
+    for rank, res in enumerate(run_ranks(_autocast_worker, 2, schedule, partition, timeout_s=240)):
+        assert res["n"] > 0, res
+        assert res["fp32"] > 1e-3, res  # bf16 did move the gradients
+        bound = res["fp32"] / 30 if cut == "layers" else res["fp32"] / 2
+        assert res["pipe"] < bound, f"{schedule} {cut} rank {rank}: {res}"
+        loss, ref, fp32 = res["loss"]
+        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, res  # the last stage's loss, on every rank
+        assert not res["autocast_after"]
 
 
 # ----------------------------------------------------------------------------- failure
