@@ -7,15 +7,19 @@ message, more than the compute of a microbatch of the 8-block MLP (BENCHMARKS.md
 ``ShmChannel`` (issue 8) is a ring of slots in ``/dev/shm``: a send is a memcpy into the ring, a
 receive a memcpy out, no other thread involved.
 
-A channel is a FIFO without tags, so one is used for the ordered rank pair (A, B) only when B
-receives A's messages in exactly the order A sends them, for the training schedule and for the
-forward-only one; both orders are known on every rank, so every rank reaches the same decision
-without communicating. Each message goes through the ring when it is small enough (``limit``
+A channel is a FIFO without tags, so there is one per *edge*: the messages of one kind
+(activations "f" or gradients "b") that one stage sends to a stage on another rank. An edge gets
+a ring only when its receiver takes them in exactly the order they are sent, for the training
+schedule and for the forward-only one; both orders are known on every rank, so every rank
+reaches the same decision without communicating. (One ring per rank pair served 1F1B, but under
+ZB-V rank 0 sends stage 0's activations and stage 3's gradients to rank 1 in one order and rank 1
+takes them in another: that pair fell back to gloo, ~2 ms a message here, and ZB-V ran 50-110%
+over the pipeline ideal; BENCHMARKS.md, Pipeline, session 8.) Each message goes through the ring when it is small enough (``limit``
 bytes; the receiver knows every size before it receives: from the header, or from the gradient
 specs), else over tagged gloo - a deterministic per-message choice both sides make alike.
 
 A send into a full ring would wait for the receiver, and two ranks that both send before they
-receive could then wait on each other. So the ring holds a whole step's messages of its lane
+receive could then wait on each other. So the ring holds a whole step's messages of its edge
 (every rank receives all of a step's messages within the step, and the step ends with a
 collective that every rank joins, so at most one step is in flight): with ``b`` bundles per step
 on the lane, each at most ``2 + ceil(limit / slot)`` slots (header, metadata up to one slot,
@@ -62,24 +66,28 @@ def messages(order: dict[int, list[Action]], stage_ranks: list[int]) -> tuple[di
 
 
 def plan_lanes(orders: list[dict[int, list[Action]]], stage_ranks: list[int]) -> tuple[dict, str]:
-    """{(a, b): (fwd bundles, bwd bundles) per step} for the pairs a FIFO serves, and why others
-    are left to gloo ("" if none)."""
-    lanes: dict[tuple[int, int], tuple[int, int]] = {}
+    """{(a, b, kind, stage): (fwd bundles, bwd bundles) per step} for the edges a FIFO serves
+    (stage ``stage`` on rank a sends rank b its "f" activations or "b" gradients; one of the two
+    counts is 0), and why others are left to gloo ("" if none)."""
+    lanes: dict[tuple, tuple[int, int]] = {}
     why = []
-    bad: set[tuple[int, int]] = set()
+    bad: set[tuple] = set()
     for order in orders:
         sends, recvs = messages(order, stage_ranks)
         for pair in set(sends) | set(recvs):
-            if sends.get(pair, []) != recvs.get(pair, []):
-                bad.add(pair)
-                why.append(f"rank {pair[1]} receives rank {pair[0]}'s messages in another order than they are sent")
-                continue
-            keys = sends[pair]
-            nf = sum(1 for x in keys if x[0] == "f")
-            old = lanes.get(pair, (0, 0))
-            lanes[pair] = (max(old[0], nf), max(old[1], len(keys) - nf))
-    for pair in bad:
-        lanes.pop(pair, None)
+            out, got = sends.get(pair, []), recvs.get(pair, [])
+            for edge in sorted({k[:2] for k in out + got}):
+                keys = [k for k in out if k[:2] == edge]
+                key = (*pair, *edge)
+                if keys != [k for k in got if k[:2] == edge]:
+                    bad.add(key)
+                    why.append(f"rank {pair[1]} receives stage {edge[1]}'s {'activations' if edge[0] == 'f' else 'gradients'} "
+                               "in another order than they are sent")
+                    continue
+                n = max(sum(lanes.get(key, (0, 0))), len(keys))  # the larger step of the two orders
+                lanes[key] = (n, 0) if edge[0] == "f" else (0, n)
+    for key in bad:
+        lanes.pop(key, None)
     return lanes, "; ".join(sorted(set(why)))
 
 
@@ -95,9 +103,9 @@ def ring_size(fwd: int, bwd: int, budget: int | None = None, slot: int = SLOT_BY
 
 
 def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[int], rank: int, timeout_s: float, mode: str = "auto") -> tuple[dict, str]:
-    """This rank's shared-memory channels, {peer global rank: [channel to it | None, channel from
-    it | None]} (each with ``.limit``, the largest message it carries), and the line that says what
-    was chosen. A collective over the ranks of ``stage_ranks`` (all call it with the same
+    """This rank's shared-memory channels, {(peer global rank, True: to it / False: from it, kind,
+    sending stage): channel} (each with ``.limit``, the largest message it carries; an edge not in
+    it goes over gloo), and the line that says what was chosen. A collective over the ranks of ``stage_ranks`` (all call it with the same
     arguments). ``mode``: auto (shared memory where possible) | shm (required) | gloo."""
     if mode == "gloo":
         return {}, "process group (p2p='gloo')"
@@ -115,20 +123,19 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
     lanes, why = plan_lanes([train_order, pred], stage_ranks)
     out: dict[int, list] = {}
     used, other = [], []
-    for (a, b) in sorted(lanes):  # the same global order on every rank: pairwise handshakes cannot cross
+    for (a, b, kind, stage) in sorted(lanes):  # the same order on every rank: handshakes cannot cross
         if rank not in (a, b):
             continue
-        slots, limit = ring_size(*lanes[(a, b)])
+        slots, limit = ring_size(*lanes[(a, b, kind, stage)])
         ch = comm.ShmChannel(a, b, slot_bytes=SLOT_BYTES, slots=slots, timeout_s=timeout_s)
+        what = f"{a}->{b} stage {stage} {kind}"
         if not ch.uses_shm:
             ch.close()
-            other.append(f"{a}->{b}: {ch.reason}")
+            other.append(f"{what}: {ch.reason}")
             continue
         ch.limit = limit
-        peer = b if rank == a else a
-        box = out.setdefault(peer, [None, None])
-        box[0 if rank == a else 1] = ch
-        used.append(f"{a}->{b} ({slots} x {SLOT_BYTES >> 10} KiB, messages <= {limit >> 10} KiB)")
+        out[(b if rank == a else a, rank == a, kind, stage)] = ch
+        used.append(f"{what} ({slots} x {SLOT_BYTES >> 10} KiB, messages <= {limit >> 10} KiB)")
     line = "shared memory " + ", ".join(used) if used else "process group"
     if other or why:
         line += " [gloo: " + "; ".join(other + ([why] if why else [])) + "]"

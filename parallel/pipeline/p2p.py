@@ -106,36 +106,36 @@ class Transport:
         self.last_meta: dict[int, tuple[Any, int]] = {}  # dst stage -> (last meta sent, its id)
         self.recv_meta: dict[tuple[int, int], Any] = {}  # (src stage, id) -> meta
         self.wait_s = 0.0  # seconds spent blocked in receives this step (for the timeline)
-        self.lanes: dict[int, list] = {}  # peer global rank -> [ShmChannel to it, from it] (lanes.py)
-        # one forward header buffer per (peer, direction) for headers that go through a ring: a ring
+        self.lanes: dict[tuple, Any] = {}  # (peer, outgoing, kind, sending stage) -> ShmChannel (lanes.py)
+        # one forward header buffer per edge for headers that go through a ring: a ring
         # send copies at once and a received header is read at once, so the buffer can be reused;
         # written and read through its numpy view. Why: a step has m headers each way, and every
         # torch call after a microbatch's compute costs 5-20 us here (its code and data left the
         # cache), against ~1 us for a numpy access (BENCHMARKS.md, Pipeline, session 5)
-        self._headers: dict[tuple[int, bool], tuple[torch.Tensor, Any]] = {}
+        self._headers: dict[tuple, tuple[torch.Tensor, Any]] = {}
 
-    def _header(self, peer: int, out: bool) -> tuple[torch.Tensor, Any] | None:
-        """(reusable int64 header tensor, its numpy view) for a ring to / from ``peer``, else None."""
-        if self._lane(peer, out, 32, False) is None:
+    def _header(self, edge: tuple) -> tuple[torch.Tensor, Any] | None:
+        """(reusable int64 header tensor, its numpy view) for a ring edge, else None."""
+        if self._lane(edge, 32, False) is None:
             return None
-        got = self._headers.get((peer, out))
+        got = self._headers.get(edge)
         if got is None:
             t = torch.zeros(4, dtype=torch.int64)
-            got = self._headers[(peer, out)] = (t, t.numpy())
+            got = self._headers[edge] = (t, t.numpy())
         return got
 
-    def _lane(self, peer: int, out: bool, nbytes: int, small: bool):
-        """The ring for this message, or None for gloo (the same answer on both sides: both know
-        ``nbytes``). Metadata (``small``) uses the ring only up to one slot, as the ring is sized."""
-        box = self.lanes.get(peer)
-        ch = box[0 if out else 1] if box else None
+    def _lane(self, edge: tuple, nbytes: int, small: bool):
+        """The ring for this message of ``edge`` (peer, outgoing, kind, sending stage), or None for
+        gloo (the same answer on both sides: both know ``nbytes``). Metadata (``small``) uses the
+        ring only up to one slot, as the ring is sized."""
+        ch = self.lanes.get(edge)
         if ch is None or nbytes > (min(ch.limit, ch.slot_bytes) if small else ch.limit):
             return None
         return ch
 
     # --- low level
-    def _isend(self, t: torch.Tensor, dst_stage: int, tag: int, small: bool = False) -> None:
-        ch = self._lane(self.stage_rank[dst_stage], True, t.numel() * t.element_size(), small)
+    def _isend(self, t: torch.Tensor, dst_stage: int, tag: int, edge: tuple, small: bool = False) -> None:
+        ch = self._lane(edge, t.numel() * t.element_size(), small)
         if ch is not None:  # a copy into the ring, which has room for the whole step (lanes.py)
             try:
                 ch.send(t)
@@ -144,10 +144,10 @@ class Transport:
             return
         self.pending.append((dist.isend(t, self.stage_rank[dst_stage], group=self.group, tag=tag), t))
 
-    def _recv(self, t: torch.Tensor, src_stage: int, tag: int, what: str, small: bool = False) -> None:
+    def _recv(self, t: torch.Tensor, src_stage: int, tag: int, what: str, edge: tuple, small: bool = False) -> None:
         peer = self.stage_rank[src_stage]
         t0 = time.perf_counter()
-        ch = self._lane(peer, False, t.numel() * t.element_size(), small)
+        ch = self._lane(edge, t.numel() * t.element_size(), small)
         try:
             if ch is not None:
                 ch.recv(t)
@@ -170,10 +170,8 @@ class Transport:
                 work.wait(self.timeout)
             except Exception as e:  # noqa: BLE001
                 raise PipelineError(f"rank {self.rank}: a pipeline send failed: {type(e).__name__}: {e}") from e
-        for box in self.lanes.values():  # this rank's messages of the step are all through
-            for ch in box:
-                if ch is not None:
-                    ch.rewind()
+        for ch in self.lanes.values():  # this rank's messages of the step are all through
+            ch.rewind()
 
     # --- bundles
     def send_fwd(self, src: int, dst: int, mb: int, meta: Any, tensors: list[torch.Tensor]) -> None:
@@ -194,30 +192,33 @@ class Transport:
         payload = pack(tensors, self.device) if tensors else None
         fields = (payload.numel() * payload.element_size() if payload is not None else 0,
                   meta_id, len(blob) if new else 0, len(tensors))
-        reuse = self._header(self.stage_rank[dst], True)
+        edge = (self.stage_rank[dst], True, "f", src)
+        reuse = self._header(edge)
         if reuse is not None:
             header, view = reuse
             view[:] = fields
         else:  # over gloo the buffer must live until the send completes: a fresh one
             header = torch.tensor(fields, dtype=torch.int64)
-        self._isend(header, dst, _tag(src, mb, KIND_HEADER))
+        self._isend(header, dst, _tag(src, mb, KIND_HEADER), edge)
         if new:
-            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), small=True)
+            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), edge,
+                        small=True)
         if payload is not None:
-            self._isend(payload, dst, _tag(src, mb, KIND_FWD))
+            self._isend(payload, dst, _tag(src, mb, KIND_FWD), edge)
 
     def recv_fwd(self, src: int, dst: int, mb: int, specs_of) -> tuple[Any, list[torch.Tensor]]:
         """``specs_of(meta)`` gives the TensorSpecs of the payload's tensors."""
         if self.stage_rank[src] == self.rank:
             meta, tensors = self.local.pop(("f", dst, mb))
             return meta, tensors
-        reuse = self._header(self.stage_rank[src], False)
+        edge = (self.stage_rank[src], False, "f", src)
+        reuse = self._header(edge)
         header, view = reuse if reuse is not None else (torch.empty(4, dtype=torch.int64), None)
-        self._recv(header, src, _tag(src, mb, KIND_HEADER), f"the forward header of microbatch {mb}")
+        self._recv(header, src, _tag(src, mb, KIND_HEADER), f"the forward header of microbatch {mb}", edge)
         _, meta_id, meta_len, n = view.tolist() if view is not None else header.tolist()
         if meta_len:
             blob = torch.empty(meta_len, dtype=torch.uint8)
-            self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}",
+            self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}", edge,
                        small=True)
             self.recv_meta[(src, meta_id)] = pickle.loads(blob.numpy().tobytes())
         meta = self.recv_meta[(src, meta_id)]
@@ -227,7 +228,7 @@ class Transport:
         if not specs:
             return meta, []
         buf = alloc(specs, self.device)
-        self._recv(buf, src, _tag(src, mb, KIND_FWD), f"activations of microbatch {mb}")
+        self._recv(buf, src, _tag(src, mb, KIND_FWD), f"activations of microbatch {mb}", edge)
         return meta, unpack(buf, specs)
 
     def send_bwd(self, src: int, dst: int, mb: int, grads: list[torch.Tensor]) -> None:
@@ -236,7 +237,7 @@ class Transport:
         if self.stage_rank[dst] == self.rank:
             self.local[("b", dst, mb)] = grads
             return
-        self._isend(pack(grads, self.device), dst, _tag(src, mb, KIND_BWD))
+        self._isend(pack(grads, self.device), dst, _tag(src, mb, KIND_BWD), (self.stage_rank[dst], True, "b", src))
 
     def recv_bwd(self, src: int, dst: int, mb: int, specs: list[TensorSpec]) -> list[torch.Tensor]:
         if not specs:
@@ -244,5 +245,5 @@ class Transport:
         if self.stage_rank[src] == self.rank:
             return self.local.pop(("b", dst, mb))
         buf = alloc(specs, self.device)
-        self._recv(buf, src, _tag(src, mb, KIND_BWD), f"gradients of microbatch {mb}")
+        self._recv(buf, src, _tag(src, mb, KIND_BWD), f"gradients of microbatch {mb}", (self.stage_rank[src], False, "b", src))
         return unpack(buf, specs)

@@ -224,7 +224,8 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
         if not (per_step and i == 0):
             rounds.append(r)
     pm = next((v.pm for v in vs.values() if v.pm is not None), None)
-    lanes = {k: [c is not None for c in v] for k, v in pm.transport.lanes.items()} if pm is not None else {}
+    lanes = sorted(f"{'to' if out else 'from'} rank {peer}: stage {st} {kind}" for (peer, out, kind, st) in pm.transport.lanes) \
+        if pm is not None else []  # the shared-memory rings (lanes.py) of the first variant
     return {"rounds": rounds, "lanes": lanes, "cores": [list(free_cores), list(bound_cores or ())]}
 
 
