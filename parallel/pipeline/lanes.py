@@ -14,9 +14,10 @@ schedule and for the forward-only one; both orders are known on every rank, so e
 reaches the same decision without communicating. (One ring per rank pair served 1F1B, but under
 ZB-V rank 0 sends stage 0's activations and stage 3's gradients to rank 1 in one order and rank 1
 takes them in another: that pair fell back to gloo, ~2 ms a message here, and ZB-V ran 50-110%
-over the pipeline ideal; BENCHMARKS.md, Pipeline, session 8.) Each message goes through the ring when it is small enough (``limit``
-bytes; the receiver knows every size before it receives: from the header, or from the gradient
-specs), else over tagged gloo - a deterministic per-message choice both sides make alike.
+over the pipeline ideal; BENCHMARKS.md, Pipeline, session 8.) Each message goes through the ring
+when it is small enough (``limit`` bytes; the receiver knows every size before it receives: from
+the header, or from the gradient specs), else over tagged gloo - a deterministic per-message
+choice both sides make alike.
 
 A send into a full ring would wait for the receiver, and two ranks that both send before they
 receive could then wait on each other. So the ring holds a whole step's messages of its edge
@@ -105,8 +106,9 @@ def ring_size(fwd: int, bwd: int, budget: int | None = None, slot: int = SLOT_BY
 def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[int], rank: int, timeout_s: float, mode: str = "auto") -> tuple[dict, str]:
     """This rank's shared-memory channels, {(peer global rank, True: to it / False: from it, kind,
     sending stage): channel} (each with ``.limit``, the largest message it carries; an edge not in
-    it goes over gloo), and the line that says what was chosen. A collective over the ranks of ``stage_ranks`` (all call it with the same
-    arguments). ``mode``: auto (shared memory where possible) | shm (required) | gloo."""
+    it goes over gloo), and the line that says what was chosen. A collective over the ranks of
+    ``stage_ranks`` (all call it with the same arguments). ``mode``: auto (shared memory where
+    possible) | shm (required) | gloo."""
     if mode == "gloo":
         return {}, "process group (p2p='gloo')"
     if mode == "auto" and os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
@@ -121,7 +123,7 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
     k = len(stage_ranks)
     pred = {r: forward_only([s for s in range(k) if stage_ranks[s] == r], m) for r in set(stage_ranks)}
     lanes, why = plan_lanes([train_order, pred], stage_ranks)
-    out: dict[int, list] = {}
+    out: dict[tuple, object] = {}
     used, other = [], []
     for (a, b, kind, stage) in sorted(lanes):  # the same order on every rank: handshakes cannot cross
         if rank not in (a, b):

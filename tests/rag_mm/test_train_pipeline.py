@@ -28,6 +28,8 @@ def test_pipeline_config_rejections(tiny_world, tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.microbatches \(3\) must divide data.batch_size"):
         validate(cfg, world_size=2)
     validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=2")), world_size=2)
+    validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=2",
+                                    "optim.precision=bf16")), world_size=2)
 
 
 @pytest.mark.multirank
@@ -71,6 +73,14 @@ def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path):
         assert len(a) == len(b) == STEPS
         # bf16 rounds the whole batch's and the microbatches' products alike up to accumulation order
         assert b == pytest.approx(a, rel=1e-3), (name, a, b)
+
+
+# the learned retriever as +experiment=demo trains it: the top 2 read with the retrieval prior; no
+# pseudo-queries / bank negatives (random draws), so both runs see the same losses
+LEARNED = ["retriever=learned", "retriever.top_k=2", "retriever.reader_prior=true",
+           "retriever.embed_dim=16", "retriever.vision_width=32", "retriever.vision_layers=1",
+           "retriever.text_width=32", "retriever.pseudo_queries=0", "retriever.bank_negatives=0",
+           "retriever.refresh_every=2", "deterministic=true", f"max_steps={STEPS}", "log_every=1", "ckpt_every=0"]
 
 
 def _retriever_losses(run_dir) -> list[float]:
