@@ -13,7 +13,7 @@ a ring only when its receiver takes them in exactly the order they are sent, for
 schedule and for the forward-only one; both orders are known on every rank, so every rank
 reaches the same decision without communicating. (One ring per rank pair served 1F1B, but under
 ZB-V rank 0 sends stage 0's activations and stage 3's gradients to rank 1 in one order and rank 1
-takes them in another: that pair fell back to gloo, ~2 ms a message here, and ZB-V ran 50-110%
+takes them in another: that pair fell back to gloo, ~2 ms a message here, and ZB-V ran 49-109%
 over the pipeline ideal; BENCHMARKS.md, Pipeline, session 8.) Each message goes through the ring
 when it is small enough (``limit`` bytes; the receiver knows every size before it receives: from
 the header, or from the gradient specs), else over tagged gloo - a deterministic per-message
@@ -23,7 +23,7 @@ A send into a full ring would wait for the receiver, and two ranks that both sen
 receive could then wait on each other. So the ring holds a whole step's messages of its edge
 (every rank receives all of a step's messages within the step, and the step ends with a
 collective that every rank joins, so at most one step is in flight): with ``b`` bundles per step
-on the lane, each at most ``2 + ceil(limit / slot)`` slots (header, metadata up to one slot,
+on the edge, each at most ``2 + ceil(limit / slot)`` slots (header, metadata up to one slot,
 payload), the ring has that many slots and ``limit`` is lowered until it fits ``budget`` bytes.
 Pages of ``/dev/shm`` are only backed once touched, so an unused large ring costs little.
 """

@@ -224,8 +224,9 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
     - Cut inside a block, before its MLP: ``x = x + attn(...)`` is container code, replayed on the
       second stage, so the bf16 attention output feeds an add on both stages and its gradient is
       summed from two bf16-rounded parts, where one process rounds the fp32 sum once. The first
-      rank comes out 1.0e-3 off (the same on a plain split emulated in one process); held to half
-      of bf16's effect. Session 7's CI failures were this cut, chosen by ``auto`` under load."""
+      rank comes out 1.0e-3 off (a plain split emulated in one process: 1.4e-3 over all
+      parameters); held to half of bf16's effect. Session 7's CI failures printed this family's
+      values (9.8e-4: a cut one module later), most likely ``auto``'s choice on a busy host."""
     if cut == "layers":
         partition = "uniform"
     else:
