@@ -1,9 +1,15 @@
 """Evaluation: exact-match answer accuracy and answer NLL, for seen and held-out entities.
 
-    python -m rag_mm.evaluate runs/demo            # the newest valid checkpoint of a run, test split
+    python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
+    python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix.
+
+The command line evaluates a run directory in one process, whatever layout trained it: the run's
+saved config builds the model (``rag_mm.build``), and only the checkpoint's model entries are
+loaded -- no optimizer, no process group. DCP checkpoints hold the whole RagModel under its own
+parameter names however it was spread over ranks, so one process reads them all.
 """
 
 from __future__ import annotations
@@ -11,11 +17,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
+from rag_mm import checkpoint
+from rag_mm.build import SPLITS, batch_inputs, build_rag, make_stream
 from rag_mm.distributed import all_reduce_sum
 
 RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
@@ -40,7 +50,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
             break
-        out = rag(**_inputs(batch, device), retriever_loss=False, search_k=max(RECALL_AT) if learned else 0)
+        out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=max(RECALL_AT) if learned else 0)
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
         hits = []
@@ -99,7 +109,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     k = rag.rcfg.top_k
     ids = out.doc_ids[:n, :k]
     docs = {name: t.to(device) for name, t in rag.store.fetch(ids).items()}
-    x = _inputs(batch, device)
+    x = batch_inputs(batch, device)
     prior = None
     if rag.rcfg.reader_prior and out.scores is not None:  # as the evaluated forward read them
         prior = torch.log_softmax(out.scores[:n].to(device), -1)
@@ -118,38 +128,118 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     return res
 
 
-def _inputs(batch: dict, device) -> dict:
-    x = {k: batch[k].to(device, non_blocking=True) for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
-    x["gold"] = batch["doc_id"].to(device, non_blocking=True)
-    return x
+class EvalError(Exception):
+    """Bad input to the command line: its message goes to stderr, the exit status is 2."""
+
+
+USAGE = "usage: python -m rag_mm.evaluate RUN_DIR [split=test] [key=value ...]"
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a dotted config key, then its value
+
+
+def load_config(run_dir: Path, overrides: list[str]):
+    """The run's saved config (``RUN_DIR/.hydra/config.yaml``) with ``overrides``, checked
+    against the schema and laid out for one process; its checkpoints are looked for in ``run_dir``."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from yaml import YAMLError
+
+    from rag_mm.config import ConfigError, TrainConfig, check_shards, validate
+
+    if not run_dir.is_dir():
+        raise EvalError(f"run directory {run_dir} not found")
+    cfg_path = run_dir / ".hydra" / "config.yaml"
+    if not cfg_path.is_file():
+        raise EvalError(f"{cfg_path} not found (is {run_dir} a run directory?)")
+    for o in overrides:
+        if not OVERRIDE.match(o):
+            raise EvalError(f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path),
+                              OmegaConf.from_dotlist(overrides))
+    except (OmegaConfBaseException, YAMLError) as exc:
+        raise EvalError(f"bad config or override: {exc}".rstrip()) from None
+    cfg.run_dir = str(run_dir)
+    p = cfg.parallel  # one process, whatever layout trained the run
+    p.dp = p.pp = p.tp = p.dp_shard = p.microbatches = 1
+    try:
+        validate(cfg, world_size=1)
+        check_shards(cfg)
+    except ConfigError as exc:
+        raise EvalError(str(exc)) from None
+    return cfg
+
+
+def load_model_state(rag: torch.nn.Module, ckpt: Path) -> dict:
+    """Load a training checkpoint's model entries (``model.<name>``) into ``rag``; the optimizer
+    and scheduler state stay on disk. Returns the trainer state (``step``, ...)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = {"model": get_model_state_dict(rag)}  # the names and shapes Trainer._state saves
+    try:
+        with warnings.catch_warnings():  # one process is the intent here, not a fallback
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            ts = checkpoint.load(ckpt, state)
+    except CheckpointException as exc:  # DCP's message carries each rank's stack: keep the errors
+        why = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+        raise EvalError(f"cannot load {ckpt} into the model the config builds: {why}") from None
+    except RuntimeError as exc:  # failed verification, an unsafe entry
+        raise EvalError(f"cannot load {ckpt}: {exc}") from None
+    set_model_state_dict(rag, state["model"])
+    return ts
+
+
+def _device(name: str) -> torch.device:
+    """``cfg.device`` (auto | cpu | cuda) -> the device this process evaluates on."""
+    use_cuda = torch.cuda.is_available() if name == "auto" else name == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
+    """Build the run's model, load its newest valid checkpoint and evaluate ``split``."""
+    if split not in SPLITS:
+        raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
+    cfg = load_config(run_dir, overrides)
+    ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
+    if ckpt is None:
+        raise EvalError(f"no valid checkpoint in {run_dir / 'checkpoints'}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg.device)
+    parts = build_rag(cfg, device)
+    step = load_model_state(parts.rag, ckpt)["step"]
+    try:
+        if parts.memory is not None:  # index the documents with the loaded document encoder
+            parts.memory.refresh(step=step)
+        examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
+        metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
+                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok)
+    finally:
+        if parts.memory is not None:
+            parts.memory.close()
+    return {"split": split, "step": step, **metrics}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Evaluate a finished or running run directory with its saved config."""
+    """Evaluate a finished or running run directory with its saved config; one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
     if not argv:
-        print("usage: python -m rag_mm.evaluate RUN_DIR [split=test] [key=value ...]", file=sys.stderr)
-        return 2
-    from omegaconf import OmegaConf
-
-    from rag_mm.trainer import Trainer
-
-    run_dir = Path(argv[0])
-    cfg_path = run_dir / ".hydra" / "config.yaml"
-    if not cfg_path.is_file():
-        print(f"evaluate: error: {cfg_path} not found (is {run_dir} a run directory?)", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     overrides = [a for a in argv[1:] if not a.startswith("split=")]
     split = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("split=")), "test")
-    cfg = OmegaConf.merge(OmegaConf.load(cfg_path), OmegaConf.from_dotlist(overrides))
-    cfg.resume = "auto"
-    trainer = Trainer(cfg, log_metrics=False)
     try:
-        trainer.restore()
-        metrics = trainer.evaluate_split(split)
-    finally:
-        trainer.close()
-    print(json.dumps({"split": split, "step": trainer.step, **metrics}))
+        res = run(Path(argv[0]), split, overrides)
+    except EvalError as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(res))
     return 0
 
 

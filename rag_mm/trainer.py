@@ -20,21 +20,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, faults, preemption
+from rag_mm.build import batch_inputs, build_rag, make_stream
 from rag_mm.config import check_shards, validate
-from rag_mm.data.documents import DocumentStore
-from rag_mm.data.pipeline import StreamSpec, make_loader
-from rag_mm.data.tokenizer import get_tokenizer
-from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import all_reduce_sum, cleanup, init_distributed, world_size_from_env
-from rag_mm.evaluate import _inputs, evaluate
+from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger
-from rag_mm.model import Reader
-from rag_mm.model.rag import RagModel
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.pipelined import PipelinedRag
 from rag_mm.watchdog import Watchdog
-from retriever.encoders import DualEncoder
-from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
@@ -57,19 +50,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.tok = get_tokenizer()
-        m = cfg.model
-        self.store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text)
-        log.info("document memory: %d documents (%s dropped)", len(self.store), self.store.skipped or "none")
-        self.model = Reader(m, self.tok.vocab_size).to(self.device)
-        retriever = memory = None
-        if cfg.retriever.mode == "learned":
-            retriever = DualEncoder(cfg.retriever, m.image_size).to(self.device)
-            memory = RetrievalMemory(retriever, self.store.images, self.store.text_ids, self.store.text_len,
-                                     self.store.ids, factory=cfg.retriever.index_factory,
-                                     batch_size=cfg.retriever.encode_batch_size, device=self.device)
-        self.rag = RagModel(self.model, self.store, cfg.retriever, retriever, memory)
-        self.memory = memory
+        parts = build_rag(cfg, self.device)
+        self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
+        self.model, self.rag = parts.reader, parts.rag
+        retriever = parts.retriever
         self.dp_model = self.rag
         self.grad_reduce_stats = None  # CommStats of a hierarchical gradient reduction, if one runs
         self.pipe = None  # pp / tp / dp_shard > 1: the reader spread by parallel, the retriever on every rank
@@ -126,15 +110,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ data
     def _stream(self, split: str, train: bool, skip_batches: int = 0):
-        c = self.cfg
-        spec = StreamSpec(
-            urls=expand_urls(c.data.root, getattr(c.data, split)),
-            image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
-            batch_size=c.data.batch_size if train else c.data.eval_batch_size,
-            seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
-            rank=self.data_rank, world_size=self.data_size, skip_batches=skip_batches,
-        )
-        return make_loader(spec, c.data.num_workers)
+        return make_stream(self.cfg, split, train, self.data_rank, self.data_size, skip_batches)
 
     def evaluate_split(self, split: str, max_batches: int = 0) -> dict:
         self.watch.at(f"evaluation on {split} (all_reduce of counts)")
@@ -218,7 +194,7 @@ class Trainer:
             batch = next(it)
             self.consumed += 1
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
-            inputs = _inputs(batch, self.device)
+            inputs = batch_inputs(batch, self.device)
             with no_sync(), autocast:
                 loss, hit = self.rag.retriever_warmup(**inputs)
             loss.backward()
@@ -278,10 +254,10 @@ class Trainer:
                     sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
                     if self.pipe is not None:  # forward and backward over the pipeline stages
                         with autocast:  # train_step keeps it on the forwards only (pp, tp and FSDP alike)
-                            out = self.pipe.train_step(_inputs(batch, self.device), scale=1 / accum)
+                            out = self.pipe.train_step(batch_inputs(batch, self.device), scale=1 / accum)
                     else:
                         with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
-                            out = self.dp_model(**_inputs(batch, self.device))
+                            out = self.dp_model(**batch_inputs(batch, self.device))
                         (out.loss / accum).backward()
                     loss_sum += out.reader.loss.detach() / accum
                     if out.retriever_loss is not None:

@@ -1,0 +1,76 @@
+"""The model's parts and data streams from a config: what training and evaluation both build.
+
+Single-device and parallelism-free: the trainer wraps what it gets (DDP, a pipeline) and adds
+the optimizer; evaluation loads a checkpoint into it. Imports neither of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rag_mm.data.documents import DocumentStore
+from rag_mm.data.pipeline import StreamSpec, make_loader
+from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.data.urls import expand_urls
+from rag_mm.model import Reader
+from rag_mm.model.rag import RagModel
+from retriever.encoders import DualEncoder
+from retriever.memory import RetrievalMemory
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")  # the query splits a stream can read (data.<split> shard patterns)
+
+
+@dataclass
+class RagParts:
+    """A RagModel and what it is made of; ``retriever`` and ``memory`` are None unless learned."""
+
+    tok: object  # the tokenizer (vocab_size, eot_id, decode)
+    store: DocumentStore  # the document memory, host tensors
+    reader: Reader
+    retriever: DualEncoder | None
+    memory: RetrievalMemory | None  # its faiss index is empty until ``memory.refresh()``
+    rag: RagModel
+
+
+def build_rag(cfg, device: torch.device) -> RagParts:
+    """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
+    over them, freshly initialised on ``device`` (seed the global RNG first for a given init)."""
+    tok = get_tokenizer()
+    m = cfg.model
+    store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text)
+    log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
+    reader = Reader(m, tok.vocab_size).to(device)
+    retriever = memory = None
+    if cfg.retriever.mode == "learned":
+        retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
+        memory = RetrievalMemory(retriever, store.images, store.text_ids, store.text_len, store.ids,
+                                 factory=cfg.retriever.index_factory, batch_size=cfg.retriever.encode_batch_size,
+                                 device=device)
+    rag = RagModel(reader, store, cfg.retriever, retriever, memory)
+    return RagParts(tok, store, reader, retriever, memory, rag)
+
+
+def make_stream(cfg, split: str, train: bool, rank: int = 0, world_size: int = 1, skip_batches: int = 0):
+    """The loader over ``data.<split>``: this rank's share of it, training batches (shuffled,
+    augmented when ``data.augment``) or evaluation batches, ``skip_batches`` already drawn."""
+    c = cfg
+    spec = StreamSpec(
+        urls=expand_urls(c.data.root, getattr(c.data, split)),
+        image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
+        batch_size=c.data.batch_size if train else c.data.eval_batch_size,
+        seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
+        rank=rank, world_size=world_size, skip_batches=skip_batches,
+    )
+    return make_loader(spec, c.data.num_workers)
+
+
+def batch_inputs(batch: dict, device) -> dict:
+    """A loader batch -> the RagModel's keyword inputs on ``device`` (``gold``: the gold doc ids)."""
+    x = {k: batch[k].to(device, non_blocking=True) for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
+    x["gold"] = batch["doc_id"].to(device, non_blocking=True)
+    return x
