@@ -10,18 +10,18 @@ of one pipeline passes the same batch to ``train_step`` (data loaders shard by `
 / ``pmodel.dp_size``, not by the global rank).
 
 The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama`` followed by
-``parallelize_llama`` per model part; DESIGN.md §7.1):
+``parallelize_llama`` per model part):
 
-1. mesh: the (pp, dp) grid of process groups, pp outermost as in ``ParallelConfig``;
-2. partition: traced and balanced on the *unsharded* model (rank 0 traces, every rank gets the
-   same ``Partition``: timings differ between ranks, placements must not);
-3. pipeline stages: the eager runtime's plan (which calls each stage runs, which tensors cross
-   each cut) is derived on the full model, one per input structure (``structures``), then
-   parameters of other stages are freed;
-4. per stage part, in torchtitan's order: tensor parallel -> activation checkpointing ->
-   FSDP / data parallel (the ``STAGE_HOOKS`` below; issue 6 registers TP, AC and FSDP there);
-5. data parallel over the remaining ranks: parameters broadcast from dp rank 0 now, gradients
-   averaged after every step (unless an FSDP hook took over).
+1. mesh: the 4-D (pp, dp_replicate, dp_shard, tp) DeviceMesh, built once (``mesh.layout_of``);
+2. partition (pp > 1): traced and balanced on the *unsharded* model (rank 0 traces, every rank
+   gets the same ``Partition``: timings differ between ranks, placements must not);
+3. pipeline stages (pp > 1): the eager runtime's plan (which calls each stage runs, which tensors
+   cross each cut) is derived on the full model, one per input structure (``structures``), and
+   the TP plan is read off the full model's dataflow; then parameters of other stages are freed;
+4. ``spmd.parallelize_spmd`` on this rank's part (the whole model when pp == 1): tensor parallel
+   -> activation checkpointing -> compile -> FSDP2, on the non-pipeline dimensions of the mesh;
+5. data parallel for what FSDP does not shard: parameters broadcast from dp rank 0 now,
+   gradients averaged over the data-parallel ranks after every step.
 """
 
 from __future__ import annotations
@@ -32,22 +32,25 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import ParallelConfig
 from .cpu_affinity import bind_cores
+from .fsdp import StepSync
 from .host_malloc import steady_malloc
+from .mesh import Layout, layout_of
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
 from .pipeline.graph import GraphPathError, GraphPlan, GraphStage, build_graph_plan
 from .pipeline.lanes import open_lanes
 from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import Action, forward_only, pipeline_order, stage_rank, stages_per_rank
+from .spmd import Sharded, StagePart, discover_tp_plan, parallelize_spmd, stage_plan
 from .timeline import Event
 
 log = logging.getLogger(__name__)
@@ -55,61 +58,6 @@ log = logging.getLogger(__name__)
 COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved",
                  "looped_bfs": "interleaved", "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
 BASELINES = ("uniform", "parameters", "time")
-
-
-# ----------------------------------------------------------------------------- mesh
-
-
-@dataclass
-class Groups:
-    """Where this rank sits in the (pp, dp) grid."""
-
-    rank: int  # global rank
-    pp_rank: int  # index along the pipeline
-    pp_size: int
-    dp_rank: int  # index among the replicas of this pipeline rank
-    dp_size: int
-    pp_ranks: list[int]  # global ranks of this pipeline, by pipeline index
-    pp_group: Any  # process group of this pipeline (None: the default group)
-    dp_group: Any  # process group of this rank's replicas (None if dp_size == 1)
-
-
-def build_groups(cfg: ParallelConfig) -> Groups:
-    """The (pp, dp) grid with pp outermost: rank = pp_rank * dp + dp_rank. dp is everything the
-    pipeline leaves (dp_replicate x dp_shard x tp until the TP/FSDP hooks claim their part)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    pp = cfg.pp
-    if world % pp:
-        raise ValueError(f"world size {world} is not divisible by pp={pp}")
-    dp = world // pp
-    pp_rank, dp_rank = divmod(rank, dp)
-    pp_ranks = [i * dp + dp_rank for i in range(pp)]
-    pp_group = dp_group = None
-    if dist.is_initialized() and dp > 1:
-        for d in range(dp):  # every rank creates every group, in the same order
-            g = dist.new_group([i * dp + d for i in range(pp)])
-            if d == dp_rank:
-                pp_group = g
-        for i in range(pp):
-            g = dist.new_group([i * dp + d for d in range(dp)])
-            if i == pp_rank:
-                dp_group = g
-    return Groups(rank, pp_rank, pp, dp_rank, dp, pp_ranks, pp_group, dp_group)
-
-
-# ----------------------------------------------------------------------------- hooks
-
-# Functions applied to this rank's model after the pipeline split, in this order, each as
-# ``fn(model, local_module_names, cfg, groups) -> None``. Issue 6 appends tensor parallel,
-# activation checkpointing and FSDP here; an FSDP hook that reduces gradients itself sets
-# ``groups.dp_size``-wide reduction off by returning "reduces_grads".
-STAGE_HOOKS: dict[str, Callable[..., Any]] = {}
-
-
-def register_stage_hook(name: str, fn: Callable[..., Any]) -> None:
-    """Register ``fn`` to run on every rank's stage part (ordered by registration)."""
-    STAGE_HOOKS[name] = fn
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -203,24 +151,27 @@ def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, n
 class ParallelModel(nn.Module):
     """This rank's part of a parallelized model, with ``train_step`` over the pipeline."""
 
-    def __init__(self, model: nn.Module, cfg: ParallelConfig, groups: Groups, partition: Partition | None,
+    def __init__(self, model: nn.Module, cfg: ParallelConfig, layout: Layout, partition: Partition | None,
                  plan: Plan | None, stages: dict[int, EagerStage], order: list[Action] | None,
                  transport: Transport | None, held: set[int], replicated: list[str], local_stages: list[int]):
         super().__init__()
         self.module = model
         self.cfg = cfg
-        self.groups = groups
+        self.layout = layout
         self.partition = partition
         self.plan = plan
         self.stages = stages
         self.order = order
         self.transport = transport
         self._held = held
+        self._named_held = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held]
         self._replicated = replicated  # canonical names held by more than one pipeline rank
         self.local_stages = local_stages
         self.events: list[Event] = []  # timeline of the last step
         self.record_timeline = True
-        self.dp_reduce = True  # False once an FSDP hook reduces gradients itself
+        self.sharded = Sharded()  # what parallelize_spmd applied to this rank's part
+        self.step_sync: StepSync | None = None  # FSDP units driven once per step (microbatches)
+        self._fsdp_ids: set[int] = set()  # parameters whose gradients FSDP reduces
         self.loss_group = None  # shared-memory collectives for the step loss (_loss_group), or gloo
         # further input structures (``parallelize(structures=...)``): name -> this rank's stages,
         # each replaying the model on its own plan (``plans[name]``)
@@ -231,15 +182,15 @@ class ParallelModel(nn.Module):
     # --- identity
     @property
     def dp_rank(self) -> int:
-        return self.groups.dp_rank
+        return self.layout.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return self.groups.dp_size
+        return self.layout.dp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.groups.pp_rank
+        return self.layout.pp_rank
 
     @property
     def is_last_stage(self) -> bool:
@@ -248,19 +199,20 @@ class ParallelModel(nn.Module):
     # --- parameters by original names
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
                          ) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, p in self.module.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate):
-            if id(p) in self._held:
-                yield name, p
+        """This rank's parameters (FSDP's sharded ones, also while a unit is gathered)."""
+        seen: set[int] = set()
+        for name, p in self._named_held:
+            if id(p) in seen and remove_duplicate:
+                continue
+            seen.add(id(p))
+            yield prefix + name, p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
 
     def _local_keys(self) -> set[str]:
-        keys = set()
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) in self._held:
-                keys.add(name)
+        keys = {name for name, _ in self._named_held}
         mods = self.partition.module_stages if self.partition is not None else None
         for name, _ in self.module.named_buffers(remove_duplicate=False):
             owner = name.rsplit(".", 1)[0] if "." in name else ""
@@ -277,10 +229,10 @@ class ParallelModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, gathered over the pipeline (a collective; every rank gets it)."""
         mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        if not dist.is_initialized() or self.groups.pp_size == 1:
+        if not dist.is_initialized() or self.layout.pp_size == 1:
             return mine
-        parts: list[Any] = [None] * self.groups.pp_size
-        dist.all_gather_object(parts, mine, group=self.groups.pp_group)
+        parts: list[Any] = [None] * self.layout.pp_size
+        dist.all_gather_object(parts, mine, group=self.layout.pp_group)
         out: dict[str, torch.Tensor] = {}
         for p in parts:
             out.update(p)
@@ -332,8 +284,15 @@ class ParallelModel(nn.Module):
         self.events = []
         losses: dict[int, torch.Tensor] = {}
         rec = self.events.append if self.record_timeline else None
-        rank = self.groups.rank
+        rank = self.layout.rank
         no_cast = _autocast_off(self._device().type)
+        if self.step_sync is not None:  # FSDP: gather once, reduce-scatter once, per step
+            self.step_sync.begin()
+            if stages:  # the split backward's weight step works on what autograd sees
+                unsharded = self.step_sync.unsharded_params()
+                params = [unsharded.get(id(p), p) for p in self._trainable]
+                for st in self.all_stages():
+                    st.params = params
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
@@ -350,6 +309,8 @@ class ParallelModel(nn.Module):
                 self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast)
             self.transport.flush()
         t0 = time.perf_counter()
+        if self.step_sync is not None:
+            self.step_sync.finish()
         self._sync_grads()
         if self.is_last_stage:
             # four ops, not 3m: on a CPU rank each costs microseconds on the step's critical path
@@ -411,9 +372,9 @@ class ParallelModel(nn.Module):
         pipeline (a collective over the pipeline group; picklable objects)."""
         if not self.stages or not dist.is_initialized():
             return obj
-        last = self.groups.pp_ranks[stage_rank(self.partition.num_stages - 1, self.groups.pp_size, self.cfg.schedule)]
+        last = self.layout.pp_ranks[stage_rank(self.partition.num_stages - 1, self.layout.pp_size, self.cfg.schedule)]
         box = [obj]
-        dist.broadcast_object_list(box, src=last, group=self.groups.pp_group)
+        dist.broadcast_object_list(box, src=last, group=self.layout.pp_group)
         return box[0]
 
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -427,8 +388,8 @@ class ParallelModel(nn.Module):
         if self.loss_group is not None:
             self.loss_group.all_reduce_(t)
         else:
-            dist.all_reduce(t)  # one last stage per pipeline: sum over the replicas
-        return (t / self.groups.dp_size)[0]
+            dist.all_reduce(t)  # one last stage per pipeline: sum over its dp x tp ranks
+        return (t / (self.layout.dp_size * self.layout.tp_size))[0]
 
     def _device(self) -> torch.device:
         dev = self.__dict__.get("_device_cache")
@@ -437,41 +398,45 @@ class ParallelModel(nn.Module):
             dev = self.__dict__["_device_cache"] = p.device if p is not None else torch.device("cpu")
         return dev
 
+    @torch.no_grad()
     def _sync_grads(self) -> None:
         if not dist.is_initialized():
             return
         # 1. parameters replicated over pipeline ranks (tied embeddings, container-owned
         #    parameters): sum their gradients over the pipeline, as Megatron does for tied embeddings
-        if self._replicated and self.groups.pp_size > 1:
+        if self._replicated and self.layout.pp_size > 1:
             params = dict(self.module.named_parameters(remove_duplicate=False))
             flat = []
             for n in self._replicated:
                 p = params[n]
                 mine = id(p) in self._held
-                flat.append(p.grad.reshape(-1) if mine and p.grad is not None else
+                flat.append(_local(p.grad).reshape(-1) if mine and p.grad is not None else
                             torch.zeros(self._numel[n], dtype=p.dtype, device=self._device()))
             buf = torch.cat(flat)
-            dist.all_reduce(buf, group=self.groups.pp_group)
+            dist.all_reduce(buf, group=self.layout.pp_group)
             off = 0
             for n in self._replicated:
                 p, k = params[n], self._numel[n]
                 if id(p) in self._held:
                     p.grad = buf[off:off + k].view_as(p).clone()
                 off += k
-        # 2. data parallel: average every local gradient over the replicas of this pipeline rank
-        if self.groups.dp_size > 1 and self.dp_reduce:
-            ps = [p for p in self.parameters() if p.requires_grad]
+        # 2. data parallel: average what FSDP does not reduce (everything without FSDP; under a
+        #    pipeline with FSDP, the container-owned and tied parameters) over the ranks holding
+        #    the same part; a TP shard is averaged as its local tensor (same shard on each)
+        if self.layout.dp_size > 1:
+            ps = [p for p in self.parameters() if p.requires_grad and id(p) not in self._fsdp_ids]
             for p in ps:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             if ps:
-                buf = torch.cat([p.grad.reshape(-1) for p in ps])
-                dist.all_reduce(buf, group=self.groups.dp_group)
-                buf /= self.groups.dp_size
+                local = [_local(p.grad) for p in ps]
+                buf = torch.cat([g.reshape(-1) for g in local])
+                dist.all_reduce(buf, group=self.layout.dp_group)
+                buf /= self.layout.dp_size
                 off = 0
-                for p in ps:
-                    p.grad.copy_(buf[off:off + p.numel()].view_as(p))
-                    off += p.numel()
+                for g in local:
+                    g.copy_(buf[off:off + g.numel()].view_as(g))
+                    off += g.numel()
 
     # --- evaluation
     @torch.no_grad()
@@ -492,6 +457,8 @@ class ParallelModel(nn.Module):
                 res.append(fn(self.module(*args, **kwargs), ext[i]))
             return res
         res: list[Any] = [None] * m
+        if self.step_sync is not None:  # gathered now, whichever module's code reads them
+            self.step_sync.unsharded_params()
         for a in forward_only(self.local_stages, m):
             st = stages[a.stage]
             args, kwargs = _as_call(mbs[a.mb])
@@ -499,6 +466,8 @@ class ParallelModel(nn.Module):
             if st.is_last:
                 res[a.mb] = fn(out, ext[a.mb])
         self.transport.flush()
+        if self.step_sync is not None:  # units stay gathered after a forward under a pipeline
+            self.step_sync.reshard()
         return self.from_last_stage(res)
 
 
@@ -562,8 +531,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     ``train_step(..., structure=name)`` / ``predict(..., structure=name)``. The partition is
     balanced on ``example_inputs`` only. Plans need the whole model, so they are made here, before
     the parameters of other ranks are freed; they take the eager path."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    cfg.validate(world)
     structures = dict(structures or {})
     bad = [n for n in structures if not isinstance(n, str) or not n]
     if bad:
@@ -572,20 +539,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         steady_malloc()
     if cfg.bind_cores:  # before the partition times the model, so it times it as it will run
         bind_cores(next((p.device for p in model.parameters()), torch.device("cpu")))
-    # 1. mesh
-    groups = build_groups(cfg)
-    from . import spmd  # registers the TP -> AC -> FSDP stage hook (issue 6)
-    if cfg.tp > 1 and "tensor_parallel" not in STAGE_HOOKS:
-        raise NotImplementedError("tp > 1 needs the tensor-parallel stage hook (parallel.tp, issue 6)")
+    # 1. mesh (validates the layout against the world first)
+    layout = layout_of(cfg)
     v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
     k = cfg.pp * v
     if cfg.pp == 1:
-        held = {id(p) for p in model.parameters()}
-        pm = ParallelModel(model, cfg, groups, None, None, {}, None, None, held, [], [0])
+        pm = ParallelModel(model, cfg, layout, None, None, {}, None, None, set(), [], [0])
         pm.structure_names = set(structures)
-        pm.example_inputs = example_inputs  # the TP planner traces the dataflow on it
-        _run_hooks(pm, cfg, groups)
-        pm._held = {id(p) for p in model.parameters()}  # TP / FSDP replaced them by DTensors
+        # 4. TP -> AC -> compile -> FSDP on the whole model
+        _shard(pm, example_inputs, None)
         _broadcast_dp(pm)
         return pm
     # 2. partition
@@ -597,11 +559,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     gplan, path = _graph_plan(model, cfg, partition, k, args, kwargs, sorted(structures))
     log.info("pipeline stages: %s", path)
     extra_plans: dict[str, Plan] = {}
+    replayer = None
+    heads: dict[str, int] = {}
+    for u, s in zip(partition.units, partition.unit_stage):
+        if u.kind == "module":
+            heads[u.module] = s
     if gplan is None:
-        heads: dict[str, int] = {}
-        for u, s in zip(partition.units, partition.unit_stage):
-            if u.kind == "module":
-                heads[u.module] = s
         replayer = Replayer(model, set(heads))
         plan = build_plan(replayer, heads, k, args, kwargs)
         for name, ex in structures.items():
@@ -610,13 +573,11 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
                      len(plan.names))
     for p in model.parameters():
         p.grad = None
-    local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == groups.pp_rank]
+    local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == layout.pp_rank]
     held_stages = _held_stages(model, partition, k)
     held: set[int] = set()
     ranks_of: dict[str, set[int]] = {}
-    canon: dict[int, str] = {}
     for name, p in model.named_parameters():
-        canon[id(p)] = name
         st = held_stages.get(name, set())
         ranks_of[name] = {stage_rank(s, cfg.pp, cfg.schedule) for s in st}
         if st & set(local):
@@ -627,23 +588,23 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         replicated = []
     numel = {n: p.numel() for n, p in model.named_parameters()}
     # a TP plan is read off the whole model's dataflow: found before the split, applied to each
-    # stage's part by the TP stage hook (issue 6)
-    tp_plan = spmd.discover_tp_plan(model, cfg, example_inputs) if cfg.tp > 1 else None
+    # rank's part below
+    tp_plan = discover_tp_plan(model, cfg, example_inputs) if cfg.tp > 1 else None
     for p in model.parameters():
         if id(p) not in held:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's: free it
     device = next((p.device for p in model.parameters() if id(p) in held), torch.device("cpu"))
-    stage_ranks = [groups.pp_ranks[stage_rank(s, cfg.pp, cfg.schedule)] for s in range(k)]
+    stage_ranks = [layout.pp_ranks[stage_rank(s, cfg.pp, cfg.schedule)] for s in range(k)]
     transport = Transport(stage_ranks, timeout_s, device)
-    # the I/W split (split_backward.py) is tested on plain stages; TP's DTensors and the saved-tensor
-    # hooks of checkpointing / offload keep the whole backward
+    # the I/W split (split_backward.py) is tested on plain and FSDP stages; TP's DTensors and the
+    # saved-tensor hooks of checkpointing / offload keep the whole backward
     split_drain = cfg.split_drain and cfg.tp == 1 and cfg.activation_checkpointing == "none" \
         and not cfg.activation_offload
     if cfg.split_drain and not split_drain:
         log.info("split_drain off: the last backward stays whole under tp / activation checkpointing / offload")
     orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches, split_drain)
-    transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, groups.rank, timeout_s, cfg.p2p)
-    log.info("pipeline p2p on rank %d: %s", groups.rank, how)
+    transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, layout.rank, timeout_s, cfg.p2p)
+    log.info("pipeline p2p on rank %d: %s", layout.rank, how)
     loss_group = _loss_group(cfg, device, timeout_s)
     local_params = [p for p in model.parameters() if id(p) in held]
     if gplan is not None:
@@ -651,23 +612,64 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         stages = {s: GraphStage(s, gplan, model, transport, local_params, device) for s in local}
     else:
         stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
-    order = orders[groups.pp_rank]
-    pm = ParallelModel(model, cfg, groups, partition, plan, stages, order, transport, held, replicated, local)
+    order = orders[layout.pp_rank]
+    pm = ParallelModel(model, cfg, layout, partition, plan, stages, order, transport, held, replicated, local)
     pm.structure_names = set(structures)
     pm.plans = extra_plans
     pm.structures = {name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
                      for name, p in extra_plans.items()}
     pm._numel = numel
-    pm.tp_plan = tp_plan
     pm.loss_group = loss_group
-    # 4. per-stage hooks (TP -> AC -> FSDP, issue 6)
-    _run_hooks(pm, cfg, groups)
+    # 4. TP -> AC -> compile -> FSDP on this rank's part
+    if tp_plan is not None:
+        tp_plan, notes = stage_plan(tp_plan, ranks_of, layout.pp_rank)
+        for msg in notes:
+            log.info("tp under pp: %s", msg)
+    # modules whose forward is container code (the root, ancestors of stage units): it runs on
+    # every stage and stops where the stage's work ends
+    container = {""} | {n for n, _ in model.named_modules() if n and any(h.startswith(n + ".") for h in heads)}
+    if replayer is not None:  # the replay intercepts whatever forwards sharding leaves
+        replayer.unwrap()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan)
+    if replayer is not None:
+        replayer.rewrap()
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
     _broadcast_replicated(pm)
     _broadcast_dp(pm)
-    log.info("pipeline rank %d: stages %s, %d parameters\n%s", groups.pp_rank, local,
+    log.info("pipeline rank %d: stages %s, %d parameters\n%s", layout.pp_rank, local,
              sum(p.numel() for p in pm.parameters()), plan.describe())
     return pm
+
+
+def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None) -> None:
+    """Step 4 of ``parallelize`` on this rank's part, then the bookkeeping that follows it: TP and
+    FSDP replace parameters by DTensors, so the rank's parameter set and its stages' lists are
+    rebuilt, and FSDP units that run several microbatches per step are driven by ``StepSync``."""
+    cfg, model = pm.cfg, pm.module
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if part is None or id(p) in part.held]
+    mesh = pm.layout.mesh
+    if mesh is not None:
+        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part)
+    elif cfg.activation_checkpointing != "none" or cfg.activation_offload:  # one process: savers only
+        from .memory import apply_activation_checkpointing, apply_activation_offload
+        from .spmd import find_blocks
+
+        blocks = find_blocks(model)
+        apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
+        if cfg.activation_offload:
+            apply_activation_offload(blocks)
+    new = dict(model.named_parameters(remove_duplicate=False))
+    pm._held = {id(new[n]) for n in names}
+    pm._named_held = [(n, new[n]) for n in names]
+    local = list({id(p): p for n in names if (p := new[n]).requires_grad}.values())
+    for st in pm.all_stages():
+        st.params = local
+    pm._trainable = local  # (while FSDP holds a unit gathered, the module shows its unsharded parameters)
+    units = pm.sharded.fsdp_units
+    pm._fsdp_ids = {id(p) for u in units for p in u.parameters()}
+    if units and (part is not None or cfg.microbatches > 1):
+        pm.step_sync = StepSync(units)
 
 
 def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: int, args: tuple,
@@ -678,8 +680,8 @@ def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: 
     why = ""
     if structures:  # an exported graph is one input structure; the replay plans one per structure
         why = f"further input structures {structures} replay on the eager path, one plan each"
-    elif cfg.tp > 1:
-        why = "tensor parallel under pp wraps the eager path's module calls"
+    elif cfg.tp > 1 or cfg.dp_shard > 1:
+        why = "tensor parallel and FSDP under pp shard the eager path's modules"
     else:
         try:
             gplan = build_graph_plan(model, partition, k, args, kwargs)
@@ -719,13 +721,6 @@ def _held_stages(model: nn.Module, part: Partition, k: int) -> dict[str, set[int
     return out
 
 
-def _run_hooks(pm: ParallelModel, cfg: ParallelConfig, groups: Groups) -> None:
-    for name, fn in STAGE_HOOKS.items():
-        if fn(pm, cfg, groups) == "reduces_grads":
-            pm.dp_reduce = False
-            log.info("stage hook %s reduces data-parallel gradients itself", name)
-
-
 def _broadcast_replicated(pm: ParallelModel) -> None:
     if not dist.is_initialized() or not pm._replicated:
         return
@@ -733,12 +728,12 @@ def _broadcast_replicated(pm: ParallelModel) -> None:
     held_stages = _held_stages(pm.module, pm.partition, pm.partition.num_stages)
     flat = []
     for n in pm._replicated:
-        first = min(stage_rank(s, pm.groups.pp_size, pm.cfg.schedule) for s in held_stages[n])
+        first = min(stage_rank(s, pm.layout.pp_size, pm.cfg.schedule) for s in held_stages[n])
         p = params[n]
-        flat.append(p.detach().reshape(-1).clone() if first == pm.groups.pp_rank else
+        flat.append(p.detach().reshape(-1).clone() if first == pm.layout.pp_rank else
                     torch.zeros(pm._numel[n], dtype=p.dtype, device=pm._device()))
     buf = torch.cat(flat)
-    dist.all_reduce(buf, group=pm.groups.pp_group)
+    dist.all_reduce(buf, group=pm.layout.pp_group)
     off = 0
     for n in pm._replicated:
         p, k = params[n], pm._numel[n]
@@ -748,13 +743,20 @@ def _broadcast_replicated(pm: ParallelModel) -> None:
         off += k
 
 
+@torch.no_grad()
 def _broadcast_dp(pm: ParallelModel) -> None:
-    if not dist.is_initialized() or pm.groups.dp_size == 1 or not pm.dp_reduce:  # FSDP / TP own it
+    """What FSDP does not shard starts equal on every data-parallel rank: dp rank 0's copy."""
+    if not dist.is_initialized() or pm.layout.dp_size == 1:
         return
-    src = pm.groups.pp_rank * pm.groups.dp_size  # dp rank 0 of this pipeline rank
+    src = dist.get_global_rank(pm.layout.dp_group, 0)
     for p in pm.parameters():
-        dist.broadcast(p.data, src=src, group=pm.groups.dp_group)
+        if id(p) not in pm._fsdp_ids:
+            dist.broadcast(_local(p.data), src=src, group=pm.layout.dp_group)
 
 
-__all__ = ["ParallelConfig", "ParallelModel", "parallelize", "register_stage_hook", "split_microbatches",
-           "PipelineError", "Groups", "build_groups"]
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the same part on every data-parallel or pipeline peer), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = ["ParallelConfig", "ParallelModel", "parallelize", "split_microbatches", "PipelineError"]

@@ -76,6 +76,16 @@ class ParallelConfig:
             errors.append(f"p2p must be auto, shm or gloo (got {self.p2p!r})")
         if self.mixed_precision not in ("fp32", "bf16"):
             errors.append(f"mixed_precision must be fp32 or bf16 (got {self.mixed_precision!r})")
+        if self.pp > 1 and self.mixed_precision != "fp32":
+            errors.append(f"mixed_precision={self.mixed_precision!r} with pp={self.pp}: FSDP's bf16 parameters would "
+                          "change the dtype of the tensors crossing the pipeline cuts; run the step under "
+                          "torch.autocast instead (train_step keeps it on the forwards)")
+        if self.pp > 1 and self.cpu_offload:
+            errors.append(f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the whole "
+                          "step, so offloading between microbatches would only copy; use cpu_offload with pp=1")
+        if self.pp > 1 and self.stage_path == "graph" and (self.tp > 1 or self.dp_shard > 1):
+            errors.append(f"stage_path='graph' with tp={self.tp}, dp_shard={self.dp_shard}: the exported stage "
+                          "graphs do not carry tensor-parallel or FSDP modules; use stage_path='eager'")
         if errors:
             raise ValueError("invalid ParallelConfig: " + "; ".join(errors))
         fixed = self.pp * self.dp_replicate * self.tp

@@ -2,6 +2,12 @@
 the dp mesh is 2-D (replicate x shard), bf16 parameters with fp32 gradient reduction, optional
 CPU offload of parameters, gradients and optimizer state (the optimizer then steps on the host).
 
+Under a pipeline a rank holds only its stages' part, and the pipeline runs many microbatch
+forwards and backwards per step, so the units are this rank's blocks and the other modules that
+own its parameters, and one step is driven from outside (``StepSync``, as torch's own pipelining
+stages do): parameters are gathered at the first forward and kept for the whole step,
+gradients accumulate unsharded, and are reduce-scattered once after the last backward.
+
 Composes with tensor parallel: parameters that are DTensors on the tp mesh get a 2-D layout
 (dp shard x tp). A parameter whose TP layout is a strided fused block (q|k|v) is sharded by FSDP
 on another dimension, so its ``full_tensor()`` keeps the single-device layout.
@@ -23,6 +29,10 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 
 log = logging.getLogger("parallel.fsdp")
+
+# FSDP2's per-module state and parameter group are not public API; torch's pipelining stage
+# (``perform_reduce_grad``) drives them the same way. ``_fsdp_param_group`` is the attribute on
+# torch 2.11 and a compatibility property on 2.14 (one group per ``fully_shard`` call here).
 
 
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
@@ -79,3 +89,80 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torc
     for g in grads:
         g.mul_(coef.to(g.device))
     return total
+
+
+def fsdp_units(model: nn.Module, held: set[int], blocks: list[nn.Module], container: set[str]) -> list[nn.Module]:
+    """The FSDP units of one pipeline rank's part, innermost first: each held block, then the
+    outermost modules around the rest of its parameters (an attention module with its output
+    projection, whose weight the parent's own code reads, not the projection's forward). Left
+    out, so they stay replicated over the data-parallel ranks (their gradients averaged like
+    DDP's): parameters of the root or of a module in ``container`` (whose forward is container
+    code, interrupted where the stage ends: FSDP's post-forward would not run), and parameters
+    shared by several modules (a tied embedding: FSDP swaps a parameter only on the modules of
+    its own unit, and a stage's tied head outside that unit would keep the unsharded original)."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    ok = {i for i in held if owners.get(i, 0) == 1}
+
+    def shardable(m: nn.Module, skip: set[int] = frozenset()) -> bool:
+        ps = [p for p in m.parameters() if id(p) not in skip]
+        return bool(ps) and all(id(p) in ok and p.numel() > 0 for p in ps)
+
+    units = [b for b in blocks if shardable(b)]
+    covered = {id(p) for b in units for p in b.parameters()}
+    outer: list[str] = []
+    for n, m in model.named_modules():  # pre-order: an outer module before its children
+        if not n or n in container or any(n.startswith(o + ".") for o in outer):
+            continue
+        if shardable(m, covered):
+            outer.append(n)
+    mods = dict(model.named_modules())
+    return units + [mods[n] for n in outer]
+
+
+class StepSync:
+    """One training step of FSDP units that run many forwards and backwards (microbatches): no
+    reduce-scatter and no resharding until ``finish``, which reduce-scatters each unit's
+    accumulated gradient once and reshards. ``unsharded_params`` are what autograd sees during
+    the step (the split backward's weight step needs them, not the sharded parameters)."""
+
+    def __init__(self, units: list[nn.Module]):
+        self.units = units
+
+    def begin(self) -> None:
+        for u in self.units:
+            u.set_is_last_backward(False)
+            u.set_reshard_after_backward(False, recurse=False)
+            u.set_requires_gradient_sync(False, recurse=False)
+
+    def unsharded_params(self) -> dict[int, torch.Tensor]:
+        """id(sharded parameter) -> the unsharded parameter autograd sees (gathers every unit now)."""
+        out = {}
+        for u in self.units:
+            u.unshard()
+            group = fully_shard.state(u)._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else []:
+                out[id(fp.sharded_param)] = fp.unsharded_param
+        return out
+
+    def reshard(self) -> None:
+        """Free the gathered parameters (after forward-only use: evaluation leaves them gathered)."""
+        for u in self.units:
+            u.reshard()
+
+    def finish(self) -> None:
+        for u in self.units:
+            u.set_is_last_backward(True)
+            u.set_reshard_after_backward(True, recurse=False)
+            u.set_requires_gradient_sync(True, recurse=False)
+        roots = []
+        for u in self.units:
+            state = fully_shard.state(u)
+            if state._fsdp_param_group is not None:
+                state._fsdp_param_group.post_backward()
+            if state._is_root:
+                roots.append(state)
+        for state in roots:  # waits for the reduce-scatters, back to idle
+            state._root_post_backward_final_callback()

@@ -1,12 +1,21 @@
-"""One DeviceMesh for every kind of parallelism, built from ``ParallelConfig``.
+"""One DeviceMesh for every kind of parallelism, built once from ``ParallelConfig``.
 
 Dimensions, outermost first: ``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` (torchtitan's
 order): tensor-parallel ranks are adjacent (they talk every layer, so they should share a node),
 pipeline ranks are farthest apart (they exchange one activation per microbatch). Every dimension
-is present even at size 1, so code can always slice ``mesh["tp"]``.
+is present even at size 1, so code can always slice ``mesh["tp"]``. Global rank
+``r = ((pp_i * R + rep_i) * S + shard_i) * T + tp_i`` for degrees (P, R, S, T).
+
+``Layout`` is where this rank sits on that mesh, with the process groups the runtime uses that a
+1-D mesh slice does not give directly: the pipeline (``mesh["pp"]``) and the data-parallel ranks
+(``dp_replicate`` x ``dp_shard`` flattened: the ranks holding the same part of the model).
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,3 +51,46 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["tp"]
+
+
+@dataclass
+class Layout:
+    """Where this rank sits on the (pp, dp_replicate, dp_shard, tp) mesh."""
+
+    rank: int  # global rank
+    pp_rank: int  # index along the pipeline
+    pp_size: int
+    dp_rank: int  # index among the data-parallel ranks (dp_replicate x dp_shard): which share of the data
+    dp_size: int
+    tp_rank: int  # index among the tensor-parallel ranks (they read the same data)
+    tp_size: int
+    pp_ranks: list[int]  # global ranks of this rank's pipeline, by pipeline index
+    pp_group: Any  # process group of this pipeline (None: pp == 1)
+    dp_group: Any  # process group of the data-parallel ranks holding this rank's part (None: dp == 1)
+    mesh: DeviceMesh | None  # the 4-D mesh (None in a single process without a process group)
+
+
+def layout_of(cfg: ParallelConfig, device_type: str | None = None) -> Layout:
+    """Build the mesh once (a collective: every rank calls it) and this rank's place on it. Without
+    a process group (one process), a layout of size 1 everywhere and no mesh."""
+    if not dist.is_initialized():
+        cfg.validate(1)
+        return Layout(0, 0, 1, 0, 1, 0, 1, [0], None, None, None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = build_mesh(cfg, world, device_type)
+    P, R, S, T = (getattr(cfg, d) for d in DIMS)
+    coord = dict(zip(DIMS, mesh.get_coordinate()))
+    dp_i = coord["dp_replicate"] * S + coord["dp_shard"]
+
+    def rank_at(p: int, d: int, t: int) -> int:  # d: flattened (dp_replicate, dp_shard) index
+        return (p * R * S + d) * T + t
+
+    pp_ranks = [rank_at(p, dp_i, coord["tp"]) for p in range(P)]
+    pp_group = mesh.get_group("pp") if P > 1 else None
+    dp_group = None
+    if R * S > 1:  # every rank creates every group, in the same order (new_group is collective)
+        for p, t in itertools.product(range(P), range(T)):
+            g = dist.new_group([rank_at(p, d, t) for d in range(R * S)])
+            if (p, t) == (coord["pp"], coord["tp"]):
+                dp_group = g
+    return Layout(rank, coord["pp"], P, dp_i, R * S, coord["tp"], T, pp_ranks, pp_group, dp_group, mesh)

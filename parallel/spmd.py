@@ -1,25 +1,48 @@
-"""``parallelize_spmd``: tensor parallel, activation checkpointing / offload and FSDP2 applied to
-one module over the non-pipeline dimensions of the mesh, in torchtitan's order.
+"""``parallelize_spmd``: the one function that shards a rank's part of the model over the
+non-pipeline dimensions of the mesh, in torchtitan's order (``parallelize_llama``):
+tensor parallel -> activation checkpointing / offload -> compile -> FSDP2.
 
-``parallel.parallelize`` calls it for the whole model when pp == 1, and the pipeline code calls
-it for each stage module.
+``parallel.parallelize`` calls it for every layout: on the whole model when pp == 1, and on each
+pipeline rank's part (the model with other ranks' parameters freed) when pp > 1.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.config import ParallelConfig
-from parallel.fsdp import apply_fsdp
+from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
 from parallel.memory import apply_activation_checkpointing, apply_activation_offload
 from parallel.mesh import dp_mesh
-from parallel.tp.plan import TPPlan, apply_tp, find_block_lists
+from parallel.tp.plan import TPPlan, apply_plan, apply_tp, find_block_lists
 
 log = logging.getLogger("parallel.spmd")
+
+
+@dataclass
+class Sharded:
+    """What ``parallelize_spmd`` did to a model part."""
+
+    tp_plan: TPPlan | None = None  # the TP plan applied (None: tp == 1)
+    fsdp_units: list[nn.Module] = field(default_factory=list)  # FSDP modules, innermost first
+    fsdp_root: bool = False  # the whole model is one FSDP root (pp == 1): its own hooks run the step
+
+
+@dataclass
+class StagePart:
+    """A pipeline rank's part of the whole model (pp > 1)."""
+
+    held: set[int]  # ids of the parameters this rank holds (others are freed, numel 0)
+    container: set[str]  # modules whose forward is container code (strict ancestors of stage units)
+    # ids of parameters held by several pipeline ranks (their gradients are summed over the
+    # pipeline on the whole tensor): FSDP leaves them whole
+    replicated: set[int] = field(default_factory=set)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -30,30 +53,70 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, example_inputs: Any = None, *,
                      plan: TPPlan | None = None, blocks: list[nn.Module] | None = None,
-                     loss_parallel: bool = False, seq_dim: int = 1) -> TPPlan | None:
-    """Apply ``cfg``'s tp / activation savers / dp_replicate x dp_shard to ``model`` in place.
+                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None) -> Sharded:
+    """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in place.
+
     ``mesh``: the 4-D mesh of ``parallel.mesh.build_mesh`` (or any mesh with dims named tp,
     dp_replicate, dp_shard). ``example_inputs`` (on the model's device, or meta for a meta model)
-    let the TP planner see the dataflow; not needed when ``plan`` is given or tp == 1.
-    Returns the TP plan (None when tp == 1)."""
+    let the TP planner see the dataflow; not needed when ``plan`` is given or tp == 1. ``part``:
+    this pipeline rank's part (pp > 1); ``plan`` is then the whole model's TP plan restricted to
+    the part (``stage_plan``), and FSDP shards the part's units only."""
     blocks = find_blocks(model) if blocks is None else blocks
-    tp_plan = None
+    if part is not None:  # a pipeline rank: only the blocks it holds
+        blocks = [b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())]
+    out = Sharded()
     # 1. tensor parallel first: it changes the modules' forwards and turns parameters into DTensors
     #    on the tp mesh, which the later steps must see
     if mesh["tp"].size() > 1:
-        tp_plan = apply_tp(model, mesh["tp"], example_inputs, plan=plan, sequence_parallel=cfg.sequence_parallel,
-                           loss_parallel=loss_parallel, seq_dim=seq_dim)
+        if part is None:
+            out.tp_plan = apply_tp(model, mesh["tp"], example_inputs, plan=plan,
+                                   sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel,
+                                   seq_dim=seq_dim)
+        else:  # the plan was read off the whole model's dataflow before the split
+            apply_plan(model, plan, mesh["tp"])
+            out.tp_plan = plan
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
     apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.activation_offload:
         apply_activation_offload(blocks)
-    # (3. torch.compile would go here, per block)
+    # 3. torch.compile per block would go here; not applied: the eager pipeline replays Python
+    #    module calls that a compiled block would hide, and CPU runs gain nothing measurable
     # 4. FSDP2 last: it shards whatever parameters (plain or TP DTensors) the steps above left
     dp = dp_mesh(mesh)
-    if dp.size() > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
-        apply_fsdp(model, dp, blocks, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload)
-    return tp_plan
+    if part is None:
+        if dp.size() > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
+            apply_fsdp(model, dp, blocks, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload)
+            out.fsdp_units, out.fsdp_root = [*blocks, model], True
+    elif cfg.dp_shard > 1:
+        out.fsdp_units = _shard_part(model, dp, blocks, part, cfg)
+    return out
+
+
+def _shard_part(model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part: StagePart,
+                cfg: ParallelConfig) -> list[nn.Module]:
+    """FSDP2 on a pipeline rank's units (``fsdp.fsdp_units``). ``reshard_after_forward=False``: a
+    unit's parameters stay gathered between its microbatch forwards and backwards, so the step
+    gathers each once instead of twice per microbatch (torchtitan turns it off under PP too); the
+    pipeline's ``StepSync`` reduce-scatters once per step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from parallel.fsdp import _placement_fn
+
+    units = fsdp_units(model, part.held - part.replicated, blocks, part.container)
+    for u in units:
+        fully_shard(u, mesh=dp, reshard_after_forward=False, shard_placement_fn=_placement_fn,
+                    mp_policy=mixed_precision_policy(cfg.mixed_precision))
+    left = sum(p.numel() for p in model.parameters() if id(p) in part.held and not _is_dtensor(p))
+    log.info("fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
+             "(container-owned, tied or held by several stages)", len(units), tuple(dp.shape), left)
+    return units
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any) -> TPPlan:
@@ -67,7 +130,7 @@ def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any)
     return discover_plan(model, cfg.tp, example_inputs=example_inputs)
 
 
-def _stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
+def stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
     """The part of the whole-model ``plan`` that this pipeline rank applies: entries whose modules
     are held by this rank alone. A pair whose column and row halves sit on different pipeline
     ranks (or on several) is left replicated, so every tensor crossing a cut is a plain,
@@ -90,77 +153,3 @@ def _stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TP
         if e.group < 0 and e.role != "replicate" and only_mine(n):
             out.entries[n] = e
     return out, notes
-
-
-def _pipeline_stage_hook(pm, cfg: ParallelConfig) -> str | None:
-    """TP -> AC -> FSDP on this pipeline rank's part, on the stage's (dp_replicate, dp_shard, tp)
-    sub-mesh. The eager runtime keeps replaying the whole model's Python, so the replayer's call
-    interception is re-installed over the forwards TP replaces, and the rank's parameter list is
-    refreshed (TP / FSDP swap parameters for DTensors)."""
-    from parallel.api import _held_stages
-    from parallel.mesh import build_mesh
-    from parallel.pipeline.schedule import stage_rank
-    from parallel.tp.plan import apply_plan
-
-    if cfg.cpu_offload or cfg.mixed_precision != "fp32" or cfg.dp_shard > 1 or (cfg.tp > 1 and cfg.dp_replicate > 1):
-        raise NotImplementedError("pp > 1 composes with tp (3-D: pp x tp), dp_replicate (without tp) and "
-                                  "activation checkpointing / offload; FSDP options under pp (dp_shard, "
-                                  "cpu_offload, mixed_precision) and tp x dp_replicate under pp are not wired "
-                                  "into the pipeline runtime yet")
-    model = pm.module
-    named = list(model.named_parameters(remove_duplicate=False))
-    held_names = {n for n, p in named if id(p) in pm._held}
-    # 1. tensor parallel with the whole-model plan, restricted to this rank's modules, on this
-    #    rank's slice of the (pp, dp_replicate, dp_shard, tp) mesh
-    if cfg.tp > 1:
-        mesh = build_mesh(cfg)
-        k = pm.partition.num_stages
-        rank_of = {n: {stage_rank(s, cfg.pp, cfg.schedule) for s in st}
-                   for n, st in _held_stages(model, pm.partition, k).items()}
-        plan, notes = _stage_plan(pm.tp_plan, rank_of, pm.pp_rank)
-        for msg in notes:
-            log.info("tp under pp: %s", msg)
-        replayer = next(iter(pm.stages.values())).replayer
-        mods = dict(model.named_modules())
-        wrapped = [n for n in replayer.heads if n and "forward" in mods[n].__dict__]
-        for n in wrapped:  # the class forward back, so TP's forwards replace the real one ...
-            del mods[n].__dict__["forward"]
-        apply_plan(model, plan, mesh["tp"])
-        for n in wrapped:  # ... and the interception wraps whatever forward the module has now
-            replayer._wrap(mods[n], n)
-    # 2. activation checkpointing / offload of the blocks this rank holds
-    held = [b for b in find_blocks(model) if all(p.numel() for p in b.parameters())]
-    apply_activation_checkpointing(held, cfg.activation_checkpointing, cfg.ac_every)
-    if cfg.activation_offload:
-        apply_activation_offload(held)
-    # (3. FSDP2 over the stage's dp_shard ranks would go here: rejected above for now)
-    new = dict(model.named_parameters(remove_duplicate=False))
-    pm._held = {id(new[n]) for n in held_names}
-    local = [new[n] for n in held_names if new[n].requires_grad]
-    for st in pm.all_stages():
-        st.params = list({id(p): p for p in local}.values())
-    # tp ranks hold shards (TP reduces inside the layers): no data-parallel averaging over them
-    return "reduces_grads" if cfg.tp > 1 else None
-
-
-def _stage_hook(pm, cfg: ParallelConfig, groups) -> str | None:
-    """``parallel.api`` stage hook: TP -> AC -> FSDP on the model ``parallelize`` prepared."""
-    wanted = (cfg.tp > 1 or cfg.dp_shard > 1 or cfg.activation_checkpointing != "none" or cfg.activation_offload
-              or cfg.cpu_offload or cfg.mixed_precision != "fp32")
-    if not wanted:
-        return None
-    if cfg.pp > 1:
-        return _pipeline_stage_hook(pm, cfg)
-    from parallel.mesh import build_mesh
-
-    mesh = build_mesh(cfg)
-    parallelize_spmd(pm.module, cfg, mesh, getattr(pm, "example_inputs", None))
-    return "reduces_grads" if dp_mesh(mesh).size() > 1 or cfg.tp > 1 else None
-
-
-try:  # register with the pipeline API when it is present
-    from parallel.api import register_stage_hook
-
-    register_stage_hook("tensor_parallel", _stage_hook)
-except ImportError:  # pragma: no cover
-    pass

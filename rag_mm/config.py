@@ -87,7 +87,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree of the reader (its attention heads / MLP split over tp ranks)
     dp_shard: int = 1  # of dp, ranks that shard the reader's parameters, gradients and Adam state (FSDP2); 1 = replicate (DDP)
     microbatches: int = 1  # pipeline microbatches per step (pp > 1)
-    schedule: str = "1f1b"  # pipeline schedule name (pp > 1)
+    schedule: str = "1f1b"  # pipeline schedule name (pp > 1; parallel.config.SCHEDULES)
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
     grad_reduce: str = "pg"  # gradient all-reduce path: pg (process group) | auto | shm | hier_int8
     timeout_s: int = 600  # collective timeout: a dead rank fails the job instead of hanging it
@@ -124,7 +124,6 @@ class TrainConfig:
 
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "reference")
 PRECISIONS = ("fp32", "bf16")
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
 
 
@@ -182,8 +181,6 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         _positive(e, f"parallel.{key}", getattr(p, key))
     if p.dp == 0 or p.dp < -1:
         e.append(f"parallel.dp must be positive or -1 for 'the remaining ranks' (got {p.dp})")
-    if p.schedule not in SCHEDULES:
-        e.append(f"parallel.schedule must be one of {SCHEDULES} (got {p.schedule!r})")
     if p.backend not in ("auto", "gloo", "nccl"):
         e.append(f"parallel.backend must be auto, gloo or nccl (got {p.backend!r})")
     if p.grad_reduce not in GRAD_REDUCE:
@@ -204,12 +201,32 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
         if p.dp_shard < 1 or (dp > 0 and dp % p.dp_shard):
             e.append(f"parallel.dp_shard ({p.dp_shard}) must be >= 1 and divide the data-parallel degree ({dp})")
+        elif not e:  # the layout's own checks (schedule, degrees, option x layout) live in parallel/
+            try:
+                parallel_config(cfg, world_size).validate(world_size)
+            except ValueError as err:
+                e.append(f"parallel: {err}".replace("invalid ParallelConfig: ", ""))
         if p.pp > 1 or p.tp > 1 or p.dp_shard > 1:
-            from rag_mm.pipelined import check as check_pipeline
-
-            e += check_pipeline(cfg)
+            if d.batch_size % p.microbatches:
+                e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({d.batch_size})")
+            if d.eval_batch_size % p.microbatches:
+                e.append(f"parallel.microbatches ({p.microbatches}) must divide data.eval_batch_size "
+                         f"({d.eval_batch_size})")
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+def parallel_config(cfg: Any, world_size: int):
+    """The runtime's ``parallel.ParallelConfig`` for the reader, from the run's ``parallel`` group:
+    ``dp`` data-parallel ranks (-1: what pp x tp leave of the world), of which ``dp_shard`` shard
+    the reader (FSDP2) and the rest replicate it (``dp_replicate = dp / dp_shard``: HSDP when
+    both are > 1)."""
+    from parallel.config import ParallelConfig as Layout
+
+    p = cfg.parallel
+    dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
+    return Layout(pp=p.pp, tp=p.tp, dp_replicate=max(dp // max(p.dp_shard, 1), 1), dp_shard=p.dp_shard,
+                  microbatches=p.microbatches, schedule=p.schedule, partition="auto")
 
 
 def check_shards(cfg: Any) -> None:

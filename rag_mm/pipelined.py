@@ -36,27 +36,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
+from rag_mm.config import parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
 
 log = logging.getLogger(__name__)
-
-
-def check(cfg) -> list[str]:
-    """Config errors of a pipelined run (empty when it can run), each naming its keys."""
-    p = cfg.parallel
-    e = []
-    if p.pp <= 1 and p.tp <= 1 and p.dp_shard <= 1:
-        return e
-    what = f"parallel.pp={p.pp}, tp={p.tp}, dp_shard={p.dp_shard}"
-    if p.pp > 1 and p.dp_shard > 1:
-        e.append(f"{what}: FSDP (dp_shard > 1) under a pipeline is not supported yet; use dp_shard=1")
-    if p.pp > 1 and p.tp > 1 and p.dp not in (-1, 1):
-        e.append(f"{what}: pp x tp with data parallel replicas (dp={p.dp}) is not supported yet; use dp=1")
-    if cfg.data.batch_size % p.microbatches:
-        e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({cfg.data.batch_size})")
-    if cfg.data.eval_batch_size % p.microbatches:
-        e.append(f"parallel.microbatches ({p.microbatches}) must divide data.eval_batch_size ({cfg.data.eval_batch_size})")
-    return e
 
 
 def _answer_tokens(inputs: dict, _target=None) -> float:
@@ -70,10 +53,7 @@ class PipelinedRag:
     def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
         p = cfg.parallel
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        dp = world // (p.pp * p.tp)  # model replicas (each: pp x tp ranks)
-        self.pcfg = parallel.ParallelConfig(pp=p.pp, tp=p.tp, dp_replicate=dp // p.dp_shard, dp_shard=p.dp_shard,
-                                            microbatches=p.microbatches, schedule=p.schedule, partition="auto")
+        self.pcfg = parallel_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
         r = self.rcfg
@@ -85,20 +65,20 @@ class PipelinedRag:
                 {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")})
         self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s),
                                            structures=structures)
-        if self.pmodel.groups.rank == 0 and self.pmodel.partition is not None:
+        if self.pmodel.layout.rank == 0 and self.pmodel.partition is not None:
             log.info("reader pipeline partition:\n%s", self.pmodel.partition.table())
         self.training = True
 
     # ------------------------------------------------------------------ layout
     @property
     def dp_rank(self) -> int:
-        """Which share of the data this rank draws: its replica's index (the tp ranks of a stage,
-        innermost in the mesh, share it)."""
-        return self.pmodel.dp_rank // self.pcfg.tp
+        """Which share of the data this rank draws: its data-parallel index (the pipeline and
+        tensor-parallel ranks of one replica share it)."""
+        return self.pmodel.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return self.pmodel.dp_size // self.pcfg.tp
+        return self.pmodel.dp_size
 
     @property
     def pp_rank(self) -> int:
@@ -283,8 +263,8 @@ class PipelinedRag:
                 if isinstance(g2, DTensor):  # a TP / FSDP shard: the sum over its mesh (a collective)
                     g2 = g2.full_tensor()
                 sq += g2.cpu() / copies.get(n, 1)
-        if dist.is_initialized() and pm.groups.pp_size > 1:
-            dist.all_reduce(sq, group=pm.groups.pp_group)
+        if dist.is_initialized() and pm.layout.pp_size > 1:
+            dist.all_reduce(sq, group=pm.layout.pp_group)
         if self.rag.retriever is not None:
             for q in self.rag.retriever.parameters():
                 if q.grad is not None:

@@ -14,8 +14,8 @@ top-level call of a unit module is intercepted (SageMaker's library does the sam
   are rebuilt as NaN placeholders of the right shape, so container code that only looks at
   shapes, dtypes or devices (mask creation) still works, and a wrong "not needed" decision shows
   up as a NaN instead of a silently wrong number;
-- after its last own call a non-last stage stops (``_StageDone``); calls of later stages that
-  precede it in program order (a tied embedding called again by a decoder) get placeholders
+- a non-last stage stops (``_StageDone``) at the first top-level call after its last own one;
+  calls of later stages that precede that point in program order (a tied embedding called again by a decoder) get placeholders
   shaped like the traced example;
 - container code therefore runs on every stage up to that stage's last call: it is duplicated
   work, small next to the blocks for the models we know (charged to every stage, not balanced).
@@ -74,7 +74,7 @@ class _Ctx:
         self.names = names
         self.call_stage = call_stage
         self.stub = stub
-        self.last_call = last_call  # raise _StageDone after this call index (None: run to the end)
+        self.last_call = last_call  # raise _StageDone at the first call after this index (None: run to the end)
         self.idx = 0
         self.depth = 0
         self.outputs: dict[int, Any] = {}
@@ -82,6 +82,10 @@ class _Ctx:
 
     def call(self, name: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
         idx = self.idx
+        if self.last_call is not None and idx > self.last_call:
+            # the stage's work is done: stop at the next top-level call, not inside the last one,
+            # so the module hooks around that call (FSDP's post-forward) still run
+            raise _StageDone
         self.idx += 1
         if self.names is not None:
             if idx >= len(self.names) or self.names[idx] != name:
@@ -101,8 +105,6 @@ class _Ctx:
         finally:
             self.depth -= 1
         self.outputs[idx] = out
-        if self.last_call is not None and idx == self.last_call:
-            raise _StageDone
         return out
 
 
@@ -114,12 +116,24 @@ class Replayer:
         self.model = model
         self.ctx: _Ctx | None = None
         self.heads = heads
-        for name, mod in model.named_modules():  # canonical name per module object
-            if name in heads and name != "":
+        self.wrapped: dict[str, nn.Module] = {}
+        self.rewrap()
+
+    def unwrap(self) -> None:
+        """The modules' own forwards back (before sharding replaces or wraps them)."""
+        for mod in self.wrapped.values():
+            mod.__dict__.pop("forward", None)
+        self.wrapped = {}
+
+    def rewrap(self) -> None:
+        """Intercept whatever forward each unit-head module has now."""
+        for name, mod in self.model.named_modules():  # canonical name per module object
+            if name in self.heads and name != "" and name not in self.wrapped:
                 self._wrap(mod, name)
 
     def _wrap(self, mod: nn.Module, name: str) -> None:
         orig = mod.forward
+        self.wrapped[name] = mod
 
         def forward(*args, **kwargs):
             ctx = self.ctx

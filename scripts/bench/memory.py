@@ -17,6 +17,11 @@ batch 8, 1 document at smaller batches). Per rank, for DDP and FSDP2 (2 AdamW st
   to the OS): adds the allocator's slack, gloo's and the runtime's own buffers and caches, which
   no data parallel scheme shards. Measured in a first run, without the profiler.
 
+Under a pipeline (``--pipeline``, 4 ranks): pp=2 x dp_shard=2 (FSDP2 inside each stage) against
+pp=2 x dp_replicate=2 (each stage replicated, gradients all-reduced), same partition (balanced by
+parameters), 4 microbatches, 1F1B: the per-rank ``state`` as above (the larger rank's) and the
+step time (median of 5 steps after 2 warm-up ones, the slower rank's).
+
 Why an activation-heavy shape misses the goal: FSDP shards only the model state; activations
 (batch 8 with 2 retrieved documents: ~290 MB on 384 x 8 against ~250 MB of state) and FSDP's
 unsharded working set (the gathered block, its full gradient before the reduce-scatter, the root's
@@ -155,6 +160,46 @@ def dp_rank_fn(rank, world, mode, dim, layers, batch=8):
     return dict(state=state, peak=max(totals), rss=rss.peak - rss.base)
 
 
+def pipeline_rank_fn(rank, world, mode, dim, layers, batch=8, steps=5):
+    """Per-rank state and step times of the reader over pp=2 with FSDP or replicated stages."""
+    import time
+
+    import parallel
+    from rag_mm.model import Reader
+
+    cfg, inputs = _reader(dim, layers, batch)
+    model = Reader(cfg, vocab_size=1000)
+    dp = dict(dp_shard=2) if mode == "pp_fsdp" else dict(dp_replicate=2)
+    pc = parallel.ParallelConfig(pp=2, microbatches=4, schedule="1f1b", partition="parameters", **dp)
+    pm = parallel.parallelize(model, pc, inputs)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
+    times = []
+    for i in range(2 + steps):
+        t0 = time.perf_counter()
+        pm.train_step(inputs, loss_fn=lambda out, _t: out.loss)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return dict(state=_state_bytes(pm, opt), step_s=times, pp_rank=pm.pp_rank)
+
+
+def pipeline_compare(shape: str) -> dict:
+    from tests.distributed import run_ranks
+
+    dim, layers, batch = (int(x) for x in shape.split("x"))
+    r = {mode: run_ranks(pipeline_rank_fn, 4, mode, dim, layers, batch, timeout_s=1800)
+         for mode in ("pp_dp", "pp_fsdp")}
+    out = {"shape": shape}
+    for mode, ranks in r.items():
+        out[f"{mode}_state_bytes"] = max(x["state"] for x in ranks)
+        steps = [max(x["step_s"][i] for x in ranks) for i in range(len(ranks[0]["step_s"]))]  # slower rank
+        out[f"{mode}_step_s"] = sorted(steps)[len(steps) // 2]
+    out["fsdp_vs_dp_state"] = out["pp_fsdp_state_bytes"] / out["pp_dp_state_bytes"]
+    out["fsdp_vs_dp_step_time"] = out["pp_fsdp_step_s"] / out["pp_dp_step_s"]
+    return out
+
+
 def activation_bytes(dim, layers, mode):
     from parallel.memory import SavedBytes, apply_activation_checkpointing
     from rag_mm.model import Reader
@@ -173,11 +218,22 @@ def main():
     ap.add_argument("--shapes", default="768x8x2,384x8x8",
                     help="reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)")
     ap.add_argument("--activations", default="384x8", help="dim x layers for the activation-checkpointing table")
+    ap.add_argument("--pipeline", default="384x8x8", help="dim x layers x batch of the pp=2 comparison ('' skips)")
+    ap.add_argument("--only", choices=("all", "pipeline"), default="all", help="pipeline: the pp=2 comparison alone")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tests.distributed import run_ranks
 
     res = {"shapes": {}}
+    if a.pipeline:
+        res["pipeline"] = pipeline_compare(a.pipeline)
+        print("pipeline", json.dumps(res["pipeline"]), flush=True)
+    if a.only == "pipeline":
+        print(json.dumps(res, indent=1))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     for shape in a.shapes.split(","):
         dim, layers, batch = (int(x) for x in shape.split("x"))
         r = {mode: run_ranks(dp_rank_fn, 2, mode, dim, layers, batch, timeout_s=1200) for mode in ("ddp", "fsdp")}

@@ -1,10 +1,18 @@
-"""3-D composition: pipeline x tensor parallel through ``parallel.parallelize`` on 4 gloo ranks
-(pp=2 stages, each stage's part tensor-parallel over 2 ranks) against one process (fp32): the
-step loss and every gradient, on GPT-2 (tied embeddings across the cut) and the rag_mm reader;
-layouts that cannot work fail before training. (uniform partitions: the auto one follows
-measured times, and may leave a stage with nothing to shard.)"""
+"""Every layout composed on one mesh, through ``parallel.parallelize``, against one process (fp32,
+rtol 1e-4): the step loss and every gradient (full tensors of the TP / FSDP shards), over two
+steps, on the rag_mm reader and Hugging Face GPT-2 (tied embeddings across the cut) and Llama:
+
+- pp=2 x tp=2 on 4 gloo ranks;
+- pp=2 x dp_shard=2 (FSDP2 under the pipeline) on 4 ranks, under 1F1B and zero-bubble, with each
+  FSDP unit gathered and reduce-scattered once per step, not once per microbatch;
+- pp=2 x tp=2 x dp_shard=2 on 8 ranks; HSDP (dp_replicate=2 x dp_shard=2) under pp=2 in the slow grid.
+
+Layouts that cannot work fail before training. (uniform partitions where TP is on: the auto one
+follows measured times, and may leave a stage with nothing to shard.)"""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -31,6 +39,53 @@ def test_pp2_tp2_matches_one_process():
         assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2]
 
 
+def _check(res, cases, world, fsdp_once=False):
+    for rank, per in enumerate(res):
+        for case, r in per.items():
+            for loss in r["losses"]:  # two steps: gradients accumulate like plain autograd after zero_grad
+                assert abs(loss - r["ref"]) <= RTOL * abs(r["ref"]), (rank, case, r["losses"], r["ref"])
+            assert r["n"] > 0 and r["err"] < RTOL, (rank, case, r["err"])
+            assert r["dtensors"], f"rank {rank} {case}: nothing was sharded on this stage"
+            if fsdp_once:  # one all-gather and one reduce-scatter per unit and step (m = 4)
+                assert r["fsdp_units"] > 0, (rank, case)
+                assert r["collectives"] == {"all_gather": r["fsdp_units"], "reduce_scatter": r["fsdp_units"]}, \
+                    (rank, case, r["collectives"], r["fsdp_units"])
+    assert len(res) == world and all(len(per) == len(cases) for per in res)
+
+
+FSDP_PP = [(name, dict(pp=2, dp_shard=2, schedule=s)) for name in ("reader", "gpt2", "llama")
+           for s in ("1f1b", "zero_bubble")]
+
+
+@pytest.mark.multirank
+def test_fsdp_under_pipeline_matches_one_process():
+    res = run_ranks(tp_cases.pp_tp_suite, 4, FSDP_PP, timeout_s=600)
+    assert [next(iter(r.values()))["pp_rank"] for r in res] == [0, 0, 1, 1]  # pp outermost on the mesh
+    _check(res, FSDP_PP, 4, fsdp_once=True)
+
+
+PP_TP_DP = [("reader", dict(pp=2, tp=2, dp_shard=2, partition="uniform")),
+            ("llama", dict(pp=2, tp=2, dp_shard=2, partition="uniform")),
+            ("gpt2", dict(pp=2, tp=2, dp_shard=2, partition="uniform", schedule="zero_bubble"))]
+
+
+@pytest.mark.multirank
+def test_pp2_tp2_dp_shard2_matches_one_process():
+    res = run_ranks(tp_cases.pp_tp_suite, 8, PP_TP_DP, timeout_s=900)
+    assert [next(iter(r.values()))["pp_rank"] for r in res] == [0] * 4 + [1] * 4
+    _check(res, PP_TP_DP, 8)
+
+
+HSDP_PP = [(name, dict(pp=2, dp_replicate=2, dp_shard=2)) for name in ("reader", "llama")]
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_hsdp_under_pipeline_matches_one_process():
+    res = run_ranks(tp_cases.pp_tp_suite, 8, HSDP_PP, timeout_s=900)
+    _check(res, HSDP_PP, 8)
+
+
 def test_3d_layout_errors_before_training():
     from parallel import ParallelConfig
     from parallel.spmd import discover_tp_plan
@@ -41,5 +96,10 @@ def test_3d_layout_errors_before_training():
     model, inputs = tp_cases.factory("gpt2")
     with pytest.raises(ValueError, match=r"tp=3 does not divide the head count"):
         discover_tp_plan(model, ParallelConfig(pp=2, tp=3), inputs)
+    for bad, key in ((dict(pp=2, dp_shard=2, mixed_precision="bf16"), "mixed_precision='bf16' with pp=2"),
+                     (dict(pp=2, dp_shard=2, cpu_offload=True), "cpu_offload with pp=2"),
+                     (dict(pp=2, dp_shard=2, stage_path="graph"), "stage_path='graph' with tp=1, dp_shard=2")):
+        with pytest.raises(ValueError, match=re.escape(key)):
+            ParallelConfig(**bad).validate(4)
     with pytest.raises(NotImplementedError, match="sequence_parallel with pp > 1"):
         discover_tp_plan(model, ParallelConfig(pp=2, tp=2, sequence_parallel=True), inputs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 
@@ -303,12 +304,16 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
         if isinstance(mod, torch.nn.Dropout):
             mod.p = 0.0
     ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
-    cfg = parallel.ParallelConfig(microbatches=m, schedule="1f1b", **cfg_kw)
+    cfg = parallel.ParallelConfig(**({"microbatches": m, "schedule": "1f1b"} | cfg_kw))
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
-    res = dict(pp_rank=pm.pp_rank, losses=[], err=0.0, n=0, dtensors=[], names=[])
-    for _ in range(2):
+    res = dict(pp_rank=pm.pp_rank, losses=[], err=0.0, n=0, dtensors=[], names=[],
+               fsdp_units=len(pm.sharded.fsdp_units))
+    for step in range(2):
         pm.zero_grad()
-        loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        with count_collectives() as calls:
+            loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
+        if step == 1:  # the first step also gathers for FSDP's lazy initialisation
+            res["collectives"] = dict(calls)
         res["losses"].append(float(loss))
         for n, p in pm.named_parameters():
             r, g = ref_grads.get(n), p.grad
@@ -319,12 +324,39 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
             # relative to the tensor's scale (a floor at 1% of its largest entry, as the pipeline tests)
             err = float(((g - r).abs() / (r.abs() + r.abs().max() * 1e-2 + 1e-12)).max())
             res["err"] = max(res["err"], err)
+            res.setdefault("errs", {})[n] = err
             res["n"] += 1
             if isinstance(p, DTensor):
                 res["dtensors"].append(n)
     res["ref"] = ref_loss
     res["names"] = sorted(n for n, _ in pm.named_parameters())
     return res
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count FSDP's all-gathers and reduce-scatters inside the block (torch 2.14 calls the
+    ``*_single`` collectives, 2.11 the ``*_tensor`` ones)."""
+    import torch.distributed as dist
+
+    kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    orig = {n: getattr(dist, n) for n in kinds if hasattr(dist, n)}
+
+    def spy(n):
+        def call(*a, **k):
+            calls[kinds[n]] += 1
+            return orig[n](*a, **k)
+        return call
+
+    for n in orig:
+        setattr(dist, n, spy(n))
+    try:
+        yield calls
+    finally:
+        for n, f in orig.items():
+            setattr(dist, n, f)
 
 
 def pp_tp_suite(rank, world, cases):
