@@ -1,5 +1,6 @@
 """Tensor parallelism on DTensor: a registry of rules, plan discovery from the traced dataflow,
-vocabulary-parallel embedding / LM head / cross-entropy, and sequence parallel."""
+a self-check that keeps replicated whatever the sharded plan does not reproduce, vocabulary-parallel
+embedding / LM head / cross-entropy, and sequence parallel."""
 
 from parallel.tp.loss import vocab_parallel_cross_entropy
 from parallel.tp.plan import (
@@ -18,7 +19,9 @@ from parallel.tp.registry import (
            unregister_tp_rule,
 )
 from parallel.tp.rules import TPContext
+from parallel.tp.verify import CapturedInputs, capture_inputs, verify_and_apply, verify_plan
 
-__all__ = ["LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp", "discover_plan",
-           "find_block_lists", "register_linear_kind", "register_tp_rule", "tied_modules",
-           "unregister_tp_rule", "vocab_parallel_cross_entropy"]
+__all__ = ["CapturedInputs", "LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp",
+           "capture_inputs", "discover_plan", "find_block_lists", "register_linear_kind", "register_tp_rule",
+           "tied_modules", "unregister_tp_rule", "verify_and_apply", "verify_plan",
+           "vocab_parallel_cross_entropy"]

@@ -5,11 +5,15 @@ source of linear B when A's output reaches B passing only through parameter-free
 (activations, dropout) and the parent's own code (reshape, attention, rotary, products), and no
 other linear on the way. B is row-parallel when every linear that reaches it reaches only B.
 With one source whose width is k times B's input (GPT-2's c_attn: q|k|v, 3 x hidden) the source
-is fused and sharded per block. Head counts on the pair's owner are divided by tp.
+is taken as k fused blocks and sharded per block; on a real (not meta) example the blocks are then
+read off the dataflow (``parallel.tp.layout``: GPT-NeoX's per-head [q_h k_h v_h] is one block).
+Head counts on the pair's owner are divided by tp.
 
 Left replicated, and logged: modules that share a parameter (tied embeddings / LM heads; SMP
 makes the same choice), linears without a partner (other than the LM head), anything whose width
-does not divide.
+does not divide, fused layouts no DTensor placement holds (a grouped-query q|k|v). ``apply_tp``
+then checks the plan unit by unit before sharding (``parallel.tp.verify``) and keeps replicated
+whatever does not reproduce the model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.tp.layout import read_pair_blocks
 from parallel.tp.registry import linear_kind, log, module_rule
 from parallel.tp.rules import HEAD_ATTRS, SIZE_ATTRS, TPContext, _with_sp
 from parallel.trace import TraceResult
@@ -102,11 +107,14 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[str]]]:
     return [(n, b) for n, b in out if not any(n != o and n.startswith(o + ".") for o, _ in out)]
 
 
-def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str]) -> dict[str, set[str]]:
+def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
+                    keep: dict[str, list[Any]] | None = None) -> dict[str, set[str]]:
     """Run one forward (under autograd, on any device incl. meta) and return, for each linear-like
     module, the linears whose outputs reach its input through parameter-free computation only:
     the autograd graph is walked back from each linear's input and stops at the output of any
-    module that holds parameters (a linear: a source; a norm, an embedding: a barrier)."""
+    module that holds parameters (a linear: a source; a norm, an embedding: a barrier).
+    ``keep``: filled with ``name -> [input, output]`` of each linear's first call (their graph
+    stays alive while the caller holds them; ``parallel.tp.layout`` reads fused layouts off it)."""
     mods = dict(model.named_modules())
     barrier: dict[Any, str] = {}  # grad_fn of a parameterised module's output -> module name
     inputs: dict[str, list[Any]] = {}
@@ -116,6 +124,8 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str]) ->
         def hook(mod, args, kwargs):
             ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.grad_fn is not None]
             inputs.setdefault(name, []).extend(t.grad_fn for t in ts)
+            if keep is not None and name not in keep and ts:
+                keep[name] = [ts[0], None]
         return hook
 
     def post(name):
@@ -124,6 +134,10 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str]) ->
             for o in outs:
                 if o.grad_fn is not None:
                     barrier.setdefault(o.grad_fn, name)
+            if keep is not None and name in linears and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                keep.setdefault(name, [None, None])
+                if keep[name][1] is None:
+                    keep[name][1] = out
         return hook
 
     for n, m in mods.items():
@@ -189,9 +203,11 @@ def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[s
 
 def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, example_inputs: Any = None, *,
                   sequence_parallel: bool = False, loss_fn=None, shard_embedding: bool = True,
-                  shard_lm_head: bool = True) -> TPPlan:
+                  shard_lm_head: bool = True, read_layouts: bool = True) -> TPPlan:
     """The TP plan for ``model`` at degree ``tp`` (see module doc). Raises ValueError, before
-    anything is changed, when tp does not divide a head count or a width the plan needs."""
+    anything is changed, when tp does not divide a head count or a width the plan needs.
+    ``read_layouts``: read each pair's fused layout off the example's gradients
+    (``parallel.tp.layout``; needs real, not meta, tensors) instead of trusting the width rule."""
     if trace is None and example_inputs is None:
         raise ValueError("tp plan discovery needs example inputs (or a TraceResult) to see the dataflow")
     mods = dict(model.named_modules())
@@ -218,8 +234,9 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         return not any(n == c or n.startswith(c + ".") for c in claimed) and n not in plan.entries
 
     linears = {n for n, m in mods.items() if linear_kind(m) is not None and free(n)}
+    keep: dict[str, list[Any]] | None = {} if read_layouts else None
     if example_inputs is not None:
-        sources_of = linear_dataflow(model, example_inputs, linears)
+        sources_of = linear_dataflow(model, example_inputs, linears, keep)
     else:  # a stored trace only: its module-level edges (containers' own code is not resolved)
         sources_of = _edges_dataflow(trace, mods, linears)
     R: dict[str, set[str]] = {a: set() for a in linears}
@@ -260,6 +277,19 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             ok = False
         if not ok:
             continue
+        if keep:
+            read, why = read_pair_blocks(keep, mods, srcs, b, tp, blocks)
+            if read is None:
+                for n in srcs + [b]:
+                    plan.entries[n] = TPEntry("replicate", reason=f"fused layout fits no DTensor placement: {why}")
+                plan.log.append(f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); left replicated")
+                used.update(srcs + [b])
+                continue
+            for s in srcs:
+                if read[s] != blocks[s]:
+                    plan.log.append(f"{s}: fused layout read from the dataflow: blocks={read[s]} "
+                                    f"(the width rule said {blocks[s]})")
+            blocks = read
         for s in srcs:
             plan.entries[s] = TPEntry("colwise", blocks[s], gid)
         plan.entries[b] = TPEntry("rowwise", 1, gid)
@@ -307,11 +337,25 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
     return plan
 
 
+def _gather_point(plan: TPPlan, gid: int, srcs: list[str]) -> str | None:
+    """Sequence parallel: the module whose input is gathered for pair ``gid`` (None: each source
+    gathers its own). The pair's owner when nothing in it runs on a sequence shard (an attention
+    module, which reads the sequence length off its input), else the sources' common parent."""
+    owner = plan.owners.get(gid, "")
+    inside = [n for n, e in plan.entries.items() if e.role == "sequence_local" and
+              (n == owner or n.startswith(owner + "."))]
+    if owner and owner not in srcs and not inside:
+        return owner
+    top = _lca(srcs)
+    return top if len(srcs) > 1 and top not in srcs else None
+
+
 def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-               loss_parallel: bool = False, seq_dim: int = 1) -> TPContext:
-    """Shard ``model`` in place following ``plan``; returns the context (with its log)."""
+               loss_parallel: bool = False, seq_dim: int = 1, quiet: bool = False) -> TPContext:
+    """Shard ``model`` in place following ``plan``; returns the context (with its log). ``quiet``:
+    keep the log in the context only (the self-check's trial copies)."""
     ctx = TPContext(mesh, sequence_parallel=sequence_parallel and bool(plan.regions), seq_dim=seq_dim,
-                    loss_parallel=loss_parallel)
+                    loss_parallel=loss_parallel, echo=not quiet)
     for msg in plan.log:
         ctx.note(msg)
     mods = dict(model.named_modules())
@@ -343,9 +387,9 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
         return ctx if ctx.sequence_parallel and any(n.startswith(p) for p in lists) else plain
 
     if ctx.sequence_parallel:
-        for _gid, (srcs, _) in plan.pairs().items():
-            top = _lca(srcs)
-            if len(srcs) > 1 and top not in srcs and top in mods and ctx_of(top) is ctx:
+        for gid, (srcs, _) in plan.pairs().items():
+            top = _gather_point(plan, gid, srcs)
+            if top is not None and top in mods and ctx_of(top) is ctx:
                 ctx.gather_input(mods[top])  # HF attention reads the sequence length off its input
                 ready.update(srcs)
     for n, e in plan.entries.items():
@@ -378,14 +422,21 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, trace: TraceResult | None = None,
              plan: TPPlan | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
-             loss_fn=None, seq_dim: int = 1) -> TPPlan:
-    """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan; its
-    ``log`` says what was sharded, what was left replicated and why."""
+             loss_fn=None, seq_dim: int = 1, verify: bool = True, rtol: float = 1e-4) -> TPPlan:
+    """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan as
+    applied; its ``log`` says what was sharded, what was left replicated and why. ``verify``: run
+    the self-check first (``parallel.tp.verify``: each unit of the plan, sharded, must reproduce
+    its replicated output and gradients on the example within ``rtol``, or it stays replicated)."""
     if mesh.size() == 1:
         return plan or TPPlan()
     if plan is None:
         plan = discover_plan(model, mesh.size(), trace, example_inputs, sequence_parallel=sequence_parallel,
                              loss_fn=loss_fn)
+    if verify:
+        from parallel.tp.verify import capture_inputs, verify_and_apply
+
+        return verify_and_apply(model, plan, mesh, capture_inputs(model, plan, example_inputs), rtol=rtol,
+                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, seq_dim=seq_dim)
     ctx = apply_plan(model, plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
                      seq_dim=seq_dim)
     plan.log = ctx.log

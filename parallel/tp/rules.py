@@ -49,6 +49,7 @@ class TPContext:
     loss_parallel: bool = False  # LM head returns vocab-sharded DTensor logits
     log: list[str] = field(default_factory=list)  # what was sharded, left alone, and why
     sharded: set = field(default_factory=set)  # ids of modules already given a sharded form
+    echo: bool = True  # also send log lines to the ``parallel.tp`` logger (off for the self-check's trial copies)
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
@@ -57,7 +58,8 @@ class TPContext:
 
     def note(self, msg: str) -> None:
         self.log.append(msg)
-        log.info("tp: %s", msg)
+        if self.echo:
+            log.info("tp: %s", msg)
 
     # ------------------------------------------------------------------ parameters
     def shard_param(self, m: nn.Module, pname: str, dim: int, blocks: int = 1) -> None:

@@ -1,5 +1,6 @@
 """Tensor parallel on 2 gloo ranks against one process (fp32): loss and every gradient, on the
-rag_mm reader and Hugging Face / open_clip models; forward collectives per layer; layout errors."""
+rag_mm reader and Hugging Face / open_clip models; forward collectives per layer; layout errors;
+fused layouts read off the dataflow and the self-check that leaves misread modules replicated."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _check(res: dict, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def default_suite():
-    return run_ranks(tp_cases.suite, 2, ["reader", "gpt2"], ["llama"], ["llama"], timeout_s=240)
+    """Every default-run multi-rank case, in one spawned process group."""
+    return run_ranks(tp_cases.tp_default_group, 2, timeout_s=300)
 
 
 @pytest.mark.multirank
@@ -60,9 +62,8 @@ def test_tp2_model_grid():
 
 
 @pytest.mark.multirank
-def test_forward_collectives_per_layer():
-    plain = run_ranks(tp_cases.layer_collectives, 2, "llama", False)[0]
-    sp = run_ranks(tp_cases.layer_collectives, 2, "llama", True)[0]
+def test_forward_collectives_per_layer(default_suite):
+    plain, sp = default_suite[0]["collectives"], default_suite[0]["collectives+sp"]
     assert len(plain) == 4 and len(sp) == 4
     # one all-reduce after attention's row-parallel o_proj, one after the MLP's down_proj
     assert all(c == {"all_reduce": 2} for c in plain), plain
@@ -111,3 +112,104 @@ def test_discovery_without_names():
     plan = discover_plan(Anon(), 2, example_inputs=(torch.randn(2, 8),))
     roles = {n: e.role for n, e in plan.entries.items()}
     assert roles == {"a": "colwise", "b": "colwise", "z": "rowwise", "y": "replicate"}, roles
+
+
+@pytest.mark.multirank
+def test_self_check_leaves_misread_modules_replicated(default_suite):
+    """``mix`` keeps its head count in an attribute the planner does not know: sharded it runs and
+    computes another function. The self-check leaves it replicated and names it; ``attn``'s
+    per-head interleaved qkv is sharded as one block (read off the dataflow); with the width rule
+    alone (three blocks: wrong) the self-check leaves ``attn`` replicated too. Both match one process."""
+    for rank_res in default_suite:
+        for case in ("selfcheck_lm", "selfcheck_lm+width_rule"):
+            _check(rank_res[case], case)
+    r = default_suite[0]["selfcheck_lm"]
+    roles, blocks, log = r["roles"], r["blocks"], r["log"]
+    assert roles["mix.qkv"] == roles["mix.out"] == "replicate", roles
+    assert any(line.startswith("self-check: mix left replicated: max relative error") for line in log), log
+    assert roles["attn.qkv"] == "colwise" and blocks["attn.qkv"] == 1 and roles["attn.out"] == "rowwise", roles
+    assert roles["mlp.0"] == "colwise" and roles["mlp.2"] == "rowwise"
+    assert roles["emb"] == "vocab_embedding" and roles["head"] == "lm_head"
+    # ``skew``'s rule is wrong on rank 1 only: both ranks leave it replicated (one decision)
+    for rank_res in default_suite:
+        s = rank_res["selfcheck_lm"]
+        assert s["roles"]["skew"] == "replicate", s["roles"]
+        assert any(line.startswith("self-check: skew left replicated") for line in s["log"]), s["log"]
+    w = default_suite[0]["selfcheck_lm+width_rule"]
+    assert w["roles"]["attn.qkv"] == "replicate" and w["roles"]["mix.qkv"] == "replicate", w["roles"]
+    assert any(line.startswith("self-check: attn left replicated") and "blocks=3" in line for line in w["log"])
+    assert w["roles"]["mlp.0"] == "colwise"
+
+
+@pytest.mark.multirank
+def test_self_check_on_a_pipeline_part(default_suite):
+    """``capture_inputs`` on the whole model, ``verify_and_apply`` on a part with the rest freed:
+    the part's units are checked and decided as on the whole model."""
+    for rank_res in default_suite:
+        r = rank_res["selfcheck_part"]
+        assert r["roles"]["attn.qkv"] == "colwise" and r["roles"]["mix.qkv"] == "replicate", r["roles"]
+        assert any(line.startswith("self-check: mix left replicated") for line in r["log"]), r["log"]
+        assert any(line.startswith("self-check: 1 of 2 units sharded") for line in r["log"]), r["log"]
+        assert max(r["errs"].values()) < 1e-5, r["errs"]
+
+
+@pytest.mark.multirank
+def test_hf_fused_layouts(default_suite):
+    """GPT-NeoX (per-head interleaved fused qkv) and Phi-3 (grouped-query fused qkv, fused
+    gate|up), neither otherwise tested: each matches one process at tp=2 (GPT-NeoX also with
+    sequence parallel)."""
+    for rank_res in default_suite:
+        for case in ("gptneox", "gptneox+sp", "gptneox+width_rule+sp", "phi3"):
+            _check(rank_res[case], case)
+    r = default_suite[0]
+    neox = "gpt_neox.layers.0.attention"
+    for case in ("gptneox", "gptneox+sp"):
+        assert r[case]["roles"][f"{neox}.query_key_value"] == "colwise"
+        assert r[case]["blocks"][f"{neox}.query_key_value"] == 1  # [q_h k_h v_h] per head: one block
+        assert not any("left replicated" in line for line in r[case]["log"])
+    assert any(line.startswith("sequence parallel over") for line in r["gptneox+sp"]["log"])
+    # the width rule's three blocks are caught by the self-check; sequence parallel then stays off
+    # over the layers (a replicated attention would see a sequence shard)
+    w = r["gptneox+width_rule+sp"]
+    assert w["roles"][f"{neox}.query_key_value"] == "replicate"
+    assert any(line.startswith(f"self-check: {neox} left replicated") for line in w["log"])
+    assert any(line.startswith("sequence parallel off over gpt_neox.layers.0") for line in w["log"])
+    assert not any(role == "sequence_local" for role in w["roles"].values())
+    # q|k|v of unequal widths (4 query heads, 2 kv heads) fits no DTensor placement: replicated, logged;
+    # the fused gate|up is two equal blocks
+    phi = r["phi3"]
+    assert phi["roles"]["model.layers.0.self_attn.qkv_proj"] == "replicate"
+    assert any("fits no DTensor placement" in line and "qkv_proj" in line for line in phi["log"])
+    assert phi["roles"]["model.layers.0.mlp.gate_up_proj"] == "colwise"
+    assert phi["blocks"]["model.layers.0.mlp.gate_up_proj"] == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_tp2_more_hf_models():
+    """Qwen2, Mistral (grouped-query, separate q / k / v), Phi (partial rotary) shard whole;
+    GPT-BigCode's multi-query fused c_attn (one k and one v head read by every rank) fits no
+    DTensor placement and stays replicated, logged. All match one process."""
+    res = run_ranks(tp_cases.selfcheck_suite, 2, ["qwen2", "mistral", "phi", "gpt_bigcode"], timeout_s=600)
+    for rank_res in res:
+        for case, r in rank_res.items():
+            _check(r, case)
+            assert not any("left replicated:" in line for line in r["log"]), (case, r["log"])
+    big = res[0]["gpt_bigcode"]
+    assert big["roles"]["transformer.h.0.attn.c_attn"] == "replicate"
+    assert any("fits no DTensor placement" in line and "c_attn" in line for line in big["log"])
+    assert res[0]["qwen2"]["roles"]["model.layers.0.self_attn.k_proj"] == "colwise"
+
+
+def test_fused_layout_read_from_dataflow():
+    """One process: the planner reads a per-head interleaved qkv as one block, a concatenated one
+    as three, whatever the widths suggest (both are 3 x the output projection's width)."""
+    from parallel.tp import discover_plan
+
+    torch.manual_seed(0)
+    model, inputs = tp_cases.SELFCHECK_MODELS["selfcheck_lm"]()
+    plan = discover_plan(model, 2, example_inputs=inputs)
+    assert plan.entries["attn.qkv"].blocks == 1 and plan.entries["mix.qkv"].blocks == 3
+    assert any("attn.qkv: fused layout read from the dataflow: blocks=1" in line for line in plan.log)
+    width_rule = discover_plan(model, 2, example_inputs=inputs, read_layouts=False)
+    assert width_rule.entries["attn.qkv"].blocks == 3

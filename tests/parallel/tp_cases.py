@@ -408,3 +408,222 @@ def fsdp_mixed_precision_case(rank, world, name="llama"):
                 param_dtypes={p.dtype for p in model.parameters()},
                 grad_dtypes={p.grad.dtype for p in model.parameters() if p.grad is not None},
                 state_dtypes={v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"})
+
+
+# ----------------------------------------------------------------------------- the TP self-check
+
+
+class InterleavedAttention(torch.nn.Module):
+    """A fused qkv whose output is per head [q_h | k_h | v_h] (GPT-NeoX's layout): the width rule
+    (3 x the sink's width) reads three contiguous blocks q|k|v; the dataflow shows one block."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, self.heads, 3, -1).permute(3, 0, 2, 1, 4)  # 3 x (B, H, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+class GroupsAttention(torch.nn.Module):
+    """A concatenated q|k|v (a layout the planner reads right) whose head count sits in an
+    attribute no rule knows (``groups``): sharded, each rank splits its heads into half-heads and
+    still runs, computing another function."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.groups = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q, k, v = (t.view(B, S, self.groups, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, S, hd)
+        return self.out(y.transpose(1, 2).flatten(2))
+
+
+class SkewedMLP(torch.nn.Module):
+    """An MLP whose registered rule (``_shard_skewed``) is wrong on tp rank 1 only: the ranks'
+    own comparisons disagree, the decision must not."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(dim, 2 * dim)
+        self.proj = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+_SKEW_REGISTERED: list = []
+
+
+def _shard_skewed(m, ctx):
+    ctx.colwise(m.fc)
+    ctx.rowwise(m.proj)
+    inner = m.forward
+
+    def forward(self_, x):
+        return inner(x) * (1.0 + 1e-3 * ctx.rank)  # rank 1: 1e-3 off, ten times the tolerance
+
+    m.forward = types.MethodType(forward, m)
+
+
+class SelfCheckLM(torch.nn.Module):
+    """A small LM with one attention of each kind above, a rank-skewed MLP, an MLP, and a
+    vocabulary-sized embedding and head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(5))
+        self.attn = InterleavedAttention(dim, heads)
+        self.mix = GroupsAttention(dim, heads)
+        self.skew = SkewedMLP(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids):
+        h = self.emb(input_ids)
+        h = h + self.attn(self.norms[0](h))
+        h = h + self.mix(self.norms[1](h))
+        h = h + self.skew(self.norms[2](h))
+        h = h + self.mlp(self.norms[3](h))
+        return self.head(self.norms[4](h))
+
+
+def _selfcheck_lm():
+    from parallel.tp import register_tp_rule
+
+    if not _SKEW_REGISTERED:  # once per process
+        register_tp_rule(SkewedMLP, _shard_skewed)
+        _SKEW_REGISTERED.append(_shard_skewed)
+    return SelfCheckLM(), {"input_ids": torch.randint(0, 64, (2, 8))}
+
+
+def _gptneox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                        vocab_size=256, max_position_embeddings=64, rotary_pct=0.5)
+    return GPTNeoXForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # grouped-query attention (2 kv heads for 4 query heads) in a fused qkv_proj: unequal blocks
+    cfg = Phi3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=256, max_position_embeddings=64, pad_token_id=0)
+    return Phi3ForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
+
+
+def _hf_causal_lm(config_cls: str, model_cls: str, **kw):
+    """A tiny random-initialised causal LM of ``transformers`` and its example (2 x 12 tokens)."""
+    import transformers
+
+    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                vocab_size=256, max_position_embeddings=64)
+    cfg = getattr(transformers, config_cls)(**(base | kw))
+    return getattr(transformers, model_cls)(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
+
+
+SELFCHECK_MODELS = {
+    "selfcheck_lm": _selfcheck_lm, "gptneox": _gptneox, "phi3": _phi3,
+    "qwen2": lambda: _hf_causal_lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
+    "mistral": lambda: _hf_causal_lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2),
+    "phi": lambda: _hf_causal_lm("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5),
+    # multi-query attention in a fused c_attn (q | one k head | one v head)
+    "gpt_bigcode": lambda: _hf_causal_lm("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=64,
+                                         n_head=4, n_positions=64, multi_query=True, attn_pdrop=0.0),
+}
+
+
+def _next_token_loss(ids):
+    def loss_fn(out):
+        lg = out if isinstance(out, torch.Tensor) else out.logits
+        return F.cross_entropy(lg[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    return loss_fn
+
+
+def selfcheck_case(rank, world, name, read_layouts=True, sequence_parallel=False):
+    """apply_tp with the self-check against one process: loss, gradients, the roles as applied,
+    the plan's blocks and log, and the seconds discovery and check + apply took."""
+    import time
+
+    from parallel.tp import apply_tp, discover_plan
+
+    torch.manual_seed(0)
+    model, inputs = SELFCHECK_MODELS[name]()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ref = copy.deepcopy(model)
+    loss_fn = _next_token_loss(inputs["input_ids"])
+    ref_loss = run(ref, inputs, loss_fn)
+    ref_loss.backward()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    t0 = time.perf_counter()
+    plan = discover_plan(model, world, example_inputs=inputs, read_layouts=read_layouts,
+                         sequence_parallel=sequence_parallel)
+    t1 = time.perf_counter()
+    plan = apply_tp(model, mesh, inputs, plan=plan, sequence_parallel=sequence_parallel)
+    t2 = time.perf_counter()
+    loss = run(model, inputs, loss_fn)
+    loss.backward()
+    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
+                roles={n: e.role for n, e in plan.entries.items()},
+                blocks={n: e.blocks for n, e in plan.entries.items()}, log=plan.log,
+                discover_s=t1 - t0, apply_s=t2 - t1)
+
+
+def tp_default_group(rank, world):
+    """The default-run TP cases in one process group (start-up paid once): equivalence on the
+    reader / GPT-2 / Llama (+sp, +loss_parallel), collectives per layer, and the self-check cases."""
+    out = suite(rank, world, ["reader", "gpt2"], ["llama"], ["llama"])
+    out["collectives"] = layer_collectives(rank, world, "llama", False)
+    out["collectives+sp"] = layer_collectives(rank, world, "llama", True)
+    out["selfcheck_lm"] = selfcheck_case(rank, world, "selfcheck_lm")
+    out["selfcheck_lm+width_rule"] = selfcheck_case(rank, world, "selfcheck_lm", read_layouts=False)
+    out["selfcheck_part"] = selfcheck_part_case(rank, world)
+    out["gptneox"] = selfcheck_case(rank, world, "gptneox")
+    out["gptneox+sp"] = selfcheck_case(rank, world, "gptneox", sequence_parallel=True)
+    out["gptneox+width_rule+sp"] = selfcheck_case(rank, world, "gptneox", read_layouts=False, sequence_parallel=True)
+    out["phi3"] = selfcheck_case(rank, world, "phi3")
+    return out
+
+
+def selfcheck_part_case(rank, world):
+    """The pipeline path: inputs captured on the whole model before the split, then
+    ``verify_and_apply`` on a part holding only ``attn`` and ``mix`` (the rest freed, as on a
+    pipeline rank) with the plan restricted to it. Returns the roles, the log and each held
+    module's max error against the unsharded module on a fresh input."""
+    from parallel.tp import TPPlan, capture_inputs, discover_plan, verify_and_apply
+
+    torch.manual_seed(0)
+    model, inputs = _selfcheck_lm()
+    ref = copy.deepcopy(model)
+    plan = discover_plan(model, world, example_inputs=inputs)
+    captured = capture_inputs(model, plan, inputs)
+    held = ("attn", "mix")
+    for n, p in model.named_parameters():
+        if not n.startswith(tuple(h + "." for h in held)):
+            p.data = torch.empty(0)  # another pipeline rank's
+    part = TPPlan(entries={n: e for n, e in plan.entries.items() if n.split(".")[0] in held},
+                  owners={g: o for g, o in plan.owners.items() if o in held}, log=list(plan.log))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    applied = verify_and_apply(model, part, mesh, captured)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    errs = {h: float((getattr(model, h)(x) - getattr(ref, h)(x)).abs().max()) for h in held}
+    return dict(roles={n: e.role for n, e in applied.entries.items()}, log=applied.log, errs=errs)
+
+
+def selfcheck_suite(rank, world, names):
+    """``selfcheck_case`` for several models in one process group."""
+    return {n: selfcheck_case(rank, world, n) for n in names}
