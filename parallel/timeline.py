@@ -4,11 +4,12 @@ Each rank records ``Event(rank, kind, stage, mb, start, end)`` with ``time.perf_
 system-wide monotonic clock on Linux, so ranks of one host share a time base; ranks on other hosts
 are aligned by their step start). ``gather`` collects them on every rank, ``to_chrome_trace``
 writes Chrome's trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing: one row per
-rank), ``plot`` draws a PNG, and ``bubble_fraction`` measures the idle share of the step:
+rank) and ``from_chrome_trace`` reads it back, ``figure`` draws a Gantt chart (``plot`` saves it as
+a PNG), and ``bubble_fraction`` measures the idle share of the step:
 
     bubble = 1 - sum over ranks of busy time / (ranks x step time)
 
-to compare with the theory (p - 1) / (m + p - 1) for GPipe / 1F1B (research/parallel.md §8).
+to compare with the theory (p - 1) / (m + p - 1) for GPipe / 1F1B.
 """
 
 from __future__ import annotations
@@ -79,11 +80,21 @@ def to_chrome_trace(events: list[Event], path: str) -> None:
         json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
 
 
-def plot(events: list[Event], path: str, title: str = "") -> None:
-    """A Gantt chart (PNG): one row per rank, boxes labelled with the microbatch."""
-    import matplotlib
+def from_chrome_trace(trace: list[dict]) -> list[Event]:
+    """The events of a trace ``to_chrome_trace`` wrote (its "X" entries), times in seconds."""
+    out = []
+    for e in trace:
+        if e.get("ph") != "X":
+            continue
+        args = e.get("args", {})
+        start = e["ts"] / 1e6
+        out.append(Event(e["pid"], e.get("cat", e["name"]), args.get("stage", -1), args.get("microbatch", -1),
+                         start, start + e["dur"] / 1e6))
+    return out
 
-    matplotlib.use("Agg")
+
+def figure(events: list[Event], title: str = ""):
+    """A Gantt chart: one row per rank, boxes labelled with the microbatch; the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     t0 = min(e.start for e in events)
@@ -103,5 +114,16 @@ def plot(events: list[Event], path: str, title: str = "") -> None:
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     ax.legend(handles, list(COLORS), loc="upper right", fontsize=7, ncol=len(COLORS))
     fig.tight_layout()
+    return fig
+
+
+def plot(events: list[Event], path: str, title: str = "") -> None:
+    """``figure`` written to ``path`` as a PNG (headless: the Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(events, title)
     fig.savefig(path, dpi=120)
     plt.close(fig)

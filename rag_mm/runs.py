@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RECALL_KS = (1, 5, 10)  # the recall@k keys rag_mm.evaluate reports
-TRACE_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "loss": "#8172b3", "sync": "#937860"}
 
 
 @dataclass
@@ -188,31 +187,17 @@ def plot_recall(runs: list[Run]):
 
 def plot_timeline(run: Run):
     """The pipeline timeline (timeline.json, Chrome trace events): one row per rank."""
-    import matplotlib.pyplot as plt
+    from parallel import timeline  # torch comes with it: imported only to draw
 
-    fig, ax = plt.subplots(figsize=(11, 2.5))
-    events = [e for e in (run.trace or []) if e.get("ph") == "X"]
+    events = timeline.from_chrome_trace(run.trace or [])
     if not events:
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(11, 2.5))
         _note(ax, "no timeline.json in this run (the pipeline runtime writes one when parallel.pp > 1)")
         return fig
-    ranks = sorted({e["pid"] for e in events})
-    for e in events:
-        y = ranks.index(e["pid"])
-        x, w = e["ts"] / 1e3, e["dur"] / 1e3
-        ax.barh(y, w, left=x, height=0.8, color=TRACE_COLORS.get(e.get("cat"), "#999999"), edgecolor="black", lw=0.3)
-        if w > 0:
-            ax.text(x + w / 2, y, e["name"], ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms")
-    busy = sum(e["dur"] for e in events if e.get("cat") in ("F", "B", "I", "W", "loss"))
-    span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
-    ax.set_title(f"pipeline timeline ({len(ranks)} ranks, bubble {max(0.0, 1 - busy / (len(ranks) * span)):.0%})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in TRACE_COLORS.values()]
-    ax.legend(handles, list(TRACE_COLORS), loc="upper right", fontsize=7, ncol=len(TRACE_COLORS))
-    fig.set_size_inches(11, 0.6 * len(ranks) + 1.5)
-    fig.tight_layout()
-    return fig
+    ranks = len({e.rank for e in events})
+    return timeline.figure(events, f"pipeline timeline, {ranks} ranks:")
 
 
 def plot_gallery(run: Run, n: int = 6):

@@ -1,46 +1,34 @@
-"""A thin layer over faiss: build, search, save and load a document index, and swap it safely.
+"""A thin layer over faiss: build, search, save and load one document index.
 
-Three faces:
+``FaissIndex`` is one faiss index built from an ``index_factory`` string ("Flat", "IVF4096,Flat",
+"HNSW32", "IVF4096,PQ32,RFlat", ...) with metric "ip" or "l2", the document ids of its rows,
+search parameters (nprobe, efSearch, refine factor) and an ``IndexMetadata`` record that travels
+with it on disk. ``search`` takes numpy or torch queries and answers in kind; ``to_gpu`` moves it
+to a GPU when the gate ``gpu_unavailable_reason`` allows, and logs once why not otherwise.
+``build_index`` trains and fills one in a single call.
 
-- ``FaissIndex``: one faiss index built from an ``index_factory`` string ("Flat", "IVF4096,Flat",
-  "HNSW32", "IVF4096,PQ32,RFlat", ...) with metric "ip" or "l2", the document ids of its rows,
-  search parameters (nprobe, efSearch, refine factor) and an ``IndexMetadata`` record that travels
-  with it on disk. ``search`` takes numpy or torch queries and answers in kind.
-- ``DocumentIndex``: the index that serves searches during training, with ``rebuild`` (one call,
-  synchronous or in a background thread) that builds a new index from fresh embeddings while the
-  old one keeps serving, then swaps it in atomically.
-- ``default_factory`` / ``default_search_params``: what to build for a memory of a given size,
-  chosen from ``scripts/bench/index.py`` (numbers in BENCHMARKS.md, "Retrieval index").
+Around it, one concern per file:
+
+- retriever/index_choice.py: what to build for a memory of a given size (``default_factory``,
+  ``default_search_params``);
+- retriever/index_io.py: the file format, its metadata and the hashes it carries (``save`` and
+  ``load`` write and read through it);
+- retriever/serve.py: ``DocumentIndex``, the index that serves searches while a new one is built.
+
+The functions and records callers use from the first two are importable from here too;
+``DocumentIndex`` is imported from retriever.serve, which builds on this module.
 
 Score convention: higher is better for both metrics. "ip" returns inner products, "l2" returns
 minus the squared L2 distance, so shards and callers merge and rank with one rule. Within a
 result row, ties are broken by ascending document id; missing results (fewer than k documents)
 have id -1 and score -inf.
-
-File format (one file, so an index and its metadata can never be separated):
-
-    b"RAGMMIDX" | u32 format version | u64 header length | header JSON (utf-8)
-    | faiss bytes (faiss.serialize_index) | document ids (int64 LE, absent when ids are 0..N-1)
-    | sha256 of everything before it (32 bytes)
-
-The header holds ``IndexMetadata`` and the two payload lengths. ``load`` checks the length
-(truncation), the checksum (bit flips), then the metadata against what the caller expects.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
-import math
 import os
-import re
-import struct
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,151 +36,38 @@ import faiss
 import numpy as np
 import torch
 
-from retriever.errors import CorruptIndexError, IndexMismatchError
+from retriever.errors import CorruptIndexError
+from retriever.index_choice import default_factory, default_search_params, ivf_nlist
+from retriever.index_io import (
+    IndexMetadata,
+    check_metadata,
+    fingerprint,
+    read_index_file,
+    read_metadata,
+    write_index_file,
+)
+
+__all__ = [  # with the names callers take from index_choice.py and index_io.py
+    "METRICS",
+    "FaissIndex",
+    "IndexMetadata",
+    "build_index",
+    "check_metadata",
+    "default_factory",
+    "default_search_params",
+    "fingerprint",
+    "gpu_unavailable_reason",
+    "ivf_nlist",
+    "read_metadata",
+    "sort_rows",
+]
 
 log = logging.getLogger(__name__)
 
 METRICS = {"ip": faiss.METRIC_INNER_PRODUCT, "l2": faiss.METRIC_L2}
-MAGIC = b"RAGMMIDX"
-FORMAT_VERSION = 1
-_PREFIX = struct.Struct("<8sIQ")  # magic, format version, header length
-_DIGEST_BYTES = 32  # sha256
 
 # Our names for search parameters -> faiss ParameterSpace names.
 _PARAM_NAMES = {"nprobe": "nprobe", "ef_search": "efSearch", "k_factor": "k_factor_rf"}
-
-
-# ---------------------------------------------------------------------------------------------
-# Choosing an index
-# ---------------------------------------------------------------------------------------------
-
-# Below this many documents exact search is the default: Flat needs no training, loses nothing,
-# and costs 2*N*d FLOPs per query -- 51 MFLOP at 100k x 256, ~4,000 queries/s on this machine's
-# 2 idle cores (it answers ~370 q/s at 1M) -- more than a training step asks for. Above it, the
-# approximate index pays for itself.
-FLAT_MAX_DOCS = 100_000
-# IVF lists: faiss's guideline is K ~ 4..16 * sqrt(N); 4*sqrt(N) rounded to a power of two gives
-# 4096 lists of ~250 vectors at 1M. k-means wants >= 39 training points per list (faiss warns
-# below), so nlist is capped by N/39.
-# Fraction of the lists probed by default. 1M x 256 benchmark (BENCHMARKS.md, "Retrieval index"):
-# IVF4096,Flat reached recall@10 0.994 / 0.998 / 0.9994 at nprobe 8 / 32 / 64, i.e. 128x / 43x /
-# 23x Flat's queries/s (a repeat run: 295x / 64x / 36x). We take nprobe = nlist/128 (32 at 1M):
-# recall stays far above 0.95, and it scans ~12k vectors per query (32 lists of ~244 plus 4096
-# centroids), 84x fewer dot products than Flat, so it keeps > 10x even on an idle machine where
-# Flat's BLAS runs at full speed (the benchmark machine was loaded). Memories whose clusters
-# overlap more need more probes (at 100k, ~50 vectors per cluster, the same generator needed
-# 1/32 of the lists for 0.96): measure yours with `scripts/bench/index.py --embeddings`. HNSW32
-# was slower at equal recall (0.973 at 54x, 0.987 at 35x), took 3.3x longer to build (318 s vs
-# 97 s), has no GPU version and is rebuilt from scratch on refresh, whereas IVF keeps its
-# centroids (DocumentIndex.rebuild(retrain=False)). So IVF-Flat is the default above Flat.
-NPROBE_FRACTION = 1 / 128
-# Above this many documents the coarse quantizer itself (nlist x d) becomes slow to scan, so it is
-# replaced by an HNSW graph over the centroids (faiss "IVFx_HNSW32" tier for 1M-10M+).
-HNSW_QUANTIZER_MIN_DOCS = 2_000_000
-
-
-def ivf_nlist(num_docs: int) -> int:
-    """IVF list count for a memory: 4·sqrt(N) as a power of two, capped by N/39 and 2^18."""
-    nlist = 2 ** round(math.log2(4 * math.sqrt(num_docs)))
-    return int(max(16, min(nlist, 2 ** int(math.log2(max(num_docs // 39, 16))), 2**18)))
-
-
-def default_factory(num_docs: int, dim: int, memory_budget_bytes: int | None = None) -> str:
-    """The factory string to build for ``num_docs`` vectors of ``dim`` floats.
-
-    Flat (exact) for small memories; IVF-Flat beyond ``FLAT_MAX_DOCS`` (recall@10 >= 0.95 at
-    >= 10x Flat's speed on the 1M benchmark); an HNSW coarse quantizer from 2M documents. When the
-    raw vectors (4 * dim bytes each) would not fit ``memory_budget_bytes``, IVF-PQ with
-    dim/8 one-byte codes (32x smaller) -- at a large recall cost (0.57 recall@10 on the 1M
-    benchmark; re-ranking with ",RFlat" recovers it but keeps the raw vectors).
-    """
-    if num_docs <= FLAT_MAX_DOCS and (
-        memory_budget_bytes is None or 4 * dim * num_docs <= memory_budget_bytes
-    ):
-        return "Flat"
-    nlist = ivf_nlist(num_docs)
-    coarse = f"IVF{nlist}_HNSW32" if num_docs >= HNSW_QUANTIZER_MIN_DOCS else f"IVF{nlist}"
-    if memory_budget_bytes is not None and 4 * dim * num_docs > memory_budget_bytes:
-        m = max(1, dim // 8)
-        while dim % m:  # PQ needs m to divide dim
-            m -= 1
-        # "np": no polysemous training, which costs ~20 s per 8 sub-quantizers and only helps
-        # polysemous (Hamming-filtered) search, which this layer does not use.
-        return f"{coarse},PQ{m}np"
-    return f"{coarse},Flat"
-
-
-def default_search_params(factory: str) -> dict[str, int]:
-    """Search parameters that go with ``factory`` when the caller gives none."""
-    params: dict[str, int] = {}
-    ivf = re.search(r"IVF(\d+)", factory)
-    if ivf:
-        nlist = int(ivf.group(1))
-        # At least 8 probes: with few lists a fixed fraction would probe only one or two.
-        params["nprobe"] = min(nlist, max(8, round(nlist * NPROBE_FRACTION)))
-    elif re.match(r"^(IDMap2?,)?HNSW", factory):
-        # efSearch 128: HNSW32 reached recall@10 0.987 at 35x Flat's q/s on the 1M benchmark.
-        params["ef_search"] = 128
-    if "RFlat" in factory or factory.startswith("Refine"):
-        # Re-rank 8k candidates exactly: on the 1M benchmark IVF4096,PQ32 + RFlat reached recall@10
-        # 0.945 with k_factor 4 (the PQ shortlist misses neighbours) and 0.989 with 8.
-        params["k_factor"] = 8
-    return params
-
-
-# ---------------------------------------------------------------------------------------------
-# Metadata and hashing
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class IndexMetadata:
-    """What an index was built from; saved in the file header and checked on load."""
-
-    dim: int  # embedding width; queries must match it
-    metric: str  # "ip" or "l2"
-    factory: str  # faiss index_factory string
-    num_docs: int = 0  # vectors in the index
-    encoder_hash: str = ""  # fingerprint of the document-encoder checkpoint that made the vectors
-    corpus_hash: str = ""  # fingerprint of the documents (and their order, which fixes the ids)
-    search_params: dict = field(default_factory=dict)  # nprobe / ef_search / k_factor in force
-    faiss_version: str = faiss.__version__  # the faiss that wrote the file
-    created: str = ""  # UTC time of save, ISO 8601
-    format_version: int = FORMAT_VERSION  # layout of the file
-
-
-def fingerprint(*parts: Any) -> str:
-    """A sha256 hex digest of strings, bytes, numpy arrays, torch tensors or state dicts.
-
-    Use it for ``encoder_hash`` (pass the encoder's ``state_dict()``) and ``corpus_hash`` (pass
-    the document keys in memory order). Tensors are hashed by dtype, shape and bytes.
-    """
-    h = hashlib.sha256()
-
-    def feed(p: Any) -> None:
-        if isinstance(p, dict):
-            for k in sorted(p):
-                feed(str(k))
-                feed(p[k])
-        elif isinstance(p, (list, tuple)):
-            for q in p:
-                feed(q)
-        elif isinstance(p, torch.Tensor):
-            t = p.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-d tensors too
-        elif isinstance(p, np.ndarray):
-            h.update(f"{p.dtype}{p.shape}".encode())
-            h.update(np.ascontiguousarray(p).tobytes())
-        elif isinstance(p, (bytes, bytearray, memoryview)):
-            h.update(bytes(p))
-        else:
-            h.update(str(p).encode())
-        h.update(b"\x00")
-
-    for p in parts:
-        feed(p)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,17 +207,10 @@ class FaissIndex:
         self.meta.num_docs = self.ntotal
         return self
 
-    def reset(self) -> FaissIndex:
-        """Drop every vector but keep what training learned (IVF centroids, PQ codebooks)."""
-        self.index.reset()
-        self._ids = None
-        self.meta.num_docs = 0
-        return self
-
     def empty_like(self) -> FaissIndex:
         """A new index with the same trained quantizers and settings, holding no vectors.
 
-        Refreshing with it skips k-means: Atlas's ``reset()`` + ``add()`` pattern, minus the
+        Refreshing with it skips k-means: Atlas's reset-then-add pattern, minus the
         retraining. Good while the embedding distribution drifts slowly.
         """
         cpu = faiss.index_gpu_to_cpu(self.index) if self.on_gpu else self.index
@@ -444,36 +312,13 @@ class FaissIndex:
     # -- save / load -------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write header + faiss bytes + ids + sha256 to ``path`` atomically (temp file + rename)."""
-        path = Path(path)
+        """Write the index, its ids and metadata to one checksummed file (retriever/index_io.py)."""
         cpu = faiss.index_gpu_to_cpu(self.index) if self.on_gpu else self.index
         blob = faiss.serialize_index(cpu)  # (nbytes,) uint8
         ids = b"" if self._ids is None else self._ids.astype("<i8").tobytes()
         self.meta.num_docs = self.ntotal
         self.meta.created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        header = json.dumps(
-            {
-                "metadata": dataclasses.asdict(self.meta),
-                "faiss_bytes": int(blob.nbytes),
-                "ids_bytes": len(ids),
-            },
-            sort_keys=True,
-        ).encode()
-        h = hashlib.sha256()
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            for part in (
-                _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)),
-                header,
-                memoryview(blob),
-                ids,
-            ):
-                h.update(part)
-                f.write(part)
-            f.write(h.digest())
-        os.replace(tmp, path)
-        return path
+        return write_index_file(Path(path), self.meta, blob, ids)
 
     @classmethod
     def load(
@@ -493,7 +338,7 @@ class FaissIndex:
         ``IndexMismatchError`` (listing each field, expected vs found) for a stale one.
         """
         path = Path(path)
-        data, meta, header_end, faiss_n, ids_n = _read_verified(path)
+        meta, blob, ids = read_index_file(path)
         expected = {
             "dim": dim,
             "metric": metric,
@@ -507,9 +352,8 @@ class FaissIndex:
             _log_once(
                 f"index {path} was written by faiss {meta.faiss_version}; reading with {faiss.__version__}"
             )
-        buf = np.frombuffer(data, dtype=np.uint8, count=faiss_n, offset=header_end)
         try:
-            index = faiss.deserialize_index(buf)
+            index = faiss.deserialize_index(blob)
         except RuntimeError as e:
             raise CorruptIndexError(
                 f"{path}: faiss could not read the index payload: {str(e).splitlines()[0]}"
@@ -527,10 +371,7 @@ class FaissIndex:
             meta.dim, meta.factory, meta.metric, search_params=meta.search_params, _index=index
         )
         out.meta = meta
-        if ids_n:
-            out._ids = np.frombuffer(
-                data, dtype="<i8", count=ids_n // 8, offset=header_end + faiss_n
-            ).astype(np.int64)
+        out._ids = ids
         return out
 
     def _check_dim(self, x: np.ndarray) -> None:
@@ -577,172 +418,3 @@ def build_index(
         index.train(x, max_points=train_size)
     index.meta.encoder_hash, index.meta.corpus_hash = encoder_hash, corpus_hash
     return index.add(x, ids)
-
-
-# ---------------------------------------------------------------------------------------------
-# File checks
-# ---------------------------------------------------------------------------------------------
-
-
-def _parse_prefix(path: Path, head: bytes, size: int) -> tuple[dict, int]:
-    if len(head) < _PREFIX.size:
-        raise CorruptIndexError(
-            f"{path}: file is {size} bytes, too short to be a rag_mm index (truncated?)"
-        )
-    magic, version, header_len = _PREFIX.unpack_from(head)
-    if magic != MAGIC:
-        raise CorruptIndexError(
-            f"{path}: not a rag_mm index file (starts with {magic!r}, expected {MAGIC!r})"
-        )
-    if version != FORMAT_VERSION:
-        raise CorruptIndexError(
-            f"{path}: index format version {version}, this code reads version {FORMAT_VERSION}"
-        )
-    header_end = _PREFIX.size + header_len
-    if header_end + _DIGEST_BYTES > size:
-        raise CorruptIndexError(
-            f"{path}: file is {size} bytes but its header alone claims {header_end} (truncated?)"
-        )
-    try:
-        header = json.loads(head[_PREFIX.size : header_end].decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptIndexError(
-            f"{path}: index header is not valid JSON ({e}); the file is damaged"
-        ) from e
-    return header, header_end
-
-
-def _metadata_from(path: Path, header: dict) -> IndexMetadata:
-    try:
-        known = {f.name for f in dataclasses.fields(IndexMetadata)}
-        return IndexMetadata(**{k: v for k, v in header["metadata"].items() if k in known})
-    except (KeyError, TypeError) as e:
-        raise CorruptIndexError(f"{path}: index header lacks metadata ({e})") from e
-
-
-def read_metadata(path: str | os.PathLike) -> IndexMetadata:
-    """The metadata of a saved index, reading only the header (``load`` verifies the checksum)."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(_PREFIX.size)
-        if len(head) == _PREFIX.size:
-            head += f.read(_PREFIX.unpack_from(head)[2])
-    header, _ = _parse_prefix(path, head, size)
-    return _metadata_from(path, header)
-
-
-def _read_verified(path: Path) -> tuple[bytes, IndexMetadata, int, int, int]:
-    data = path.read_bytes()
-    size = len(data)
-    header, header_end = _parse_prefix(path, data, size)
-    try:
-        faiss_n, ids_n = int(header["faiss_bytes"]), int(header["ids_bytes"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptIndexError(f"{path}: index header lacks payload sizes ({e})") from e
-    expected_size = header_end + faiss_n + ids_n + _DIGEST_BYTES
-    if size != expected_size:
-        raise CorruptIndexError(
-            f"{path}: file is {size} bytes, its header says {expected_size} (truncated or appended to)"
-        )
-    body = memoryview(data)[: size - _DIGEST_BYTES]
-    if hashlib.sha256(body).digest() != data[size - _DIGEST_BYTES :]:
-        raise CorruptIndexError(
-            f"{path}: sha256 checksum mismatch; the file was altered or damaged after it was written"
-        )
-    return data, _metadata_from(path, header), header_end, faiss_n, ids_n
-
-
-def check_metadata(
-    meta: IndexMetadata, path: str | os.PathLike = "<index>", **expected: Any
-) -> None:
-    """Raise ``IndexMismatchError`` naming each field whose expected value (not None) differs."""
-    bad = {
-        k: (v, getattr(meta, k))
-        for k, v in expected.items()
-        if v is not None and getattr(meta, k) != v
-    }
-    if bad:
-        raise IndexMismatchError(str(path), bad)
-
-
-# ---------------------------------------------------------------------------------------------
-# The serving holder
-# ---------------------------------------------------------------------------------------------
-
-
-class DocumentIndex:
-    """The index that answers searches, replaced atomically by ``rebuild``.
-
-    Searches read ``self.current`` once (one attribute read, atomic in CPython), so a search that
-    started on the old index finishes on it while the new one is swapped in. Rebuilds run one at a
-    time, on a single background thread when ``background=True``; faiss releases the GIL while it
-    trains, adds and searches, so serving continues at full speed on the other core(s).
-    """
-
-    def __init__(self, index: FaissIndex | None = None):
-        self._current = index
-        self._swap_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self.version = 0 if index is None else 1  # bumps on every swap
-
-    @property
-    def current(self) -> FaissIndex:
-        index = self._current
-        if index is None:
-            raise RuntimeError("DocumentIndex is empty: call rebuild() or swap() first")
-        return index
-
-    def search(self, queries: Any, k: int) -> tuple[Any, Any]:
-        return self.current.search(queries, k)
-
-    def swap(self, index: FaissIndex) -> FaissIndex | None:
-        """Serve ``index`` from now on; returns the one it replaced."""
-        with self._swap_lock:
-            old, self._current = self._current, index
-            self.version += 1
-        return old
-
-    def rebuild(
-        self,
-        embeddings: Any,
-        ids: Any = None,
-        *,
-        background: bool = False,
-        retrain: bool = True,
-        **build_kwargs: Any,
-    ) -> FaissIndex | Future:
-        """Build an index from fresh ``embeddings`` and swap it in: one call.
-
-        ``retrain=False`` reuses the current index's trained quantizers (no k-means). Other keywords
-        go to ``build_index`` (factory, metric, train_size, encoder_hash, corpus_hash, ...); by
-        default the current index's factory, metric and search params carry over. With
-        ``background=True`` returns a ``Future`` of the new index; the caller must not modify
-        ``embeddings`` until it completes.
-        """
-        old = self._current
-        if old is not None:
-            build_kwargs.setdefault("factory", old.meta.factory)
-            build_kwargs.setdefault("metric", old.meta.metric)
-            build_kwargs.setdefault("search_params", dict(old.meta.search_params))
-            if not retrain:
-                build_kwargs["like"] = old
-
-        def job() -> FaissIndex:
-            t = time.perf_counter()
-            new = build_index(embeddings, ids, **build_kwargs)
-            self.swap(new)
-            log.info("rebuilt %r in %.1fs (version %d)", new, time.perf_counter() - t, self.version)
-            return new
-
-        if not background:
-            return job()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-rebuild")
-        return self._pool.submit(job)
-
-    def close(self) -> None:
-        """Wait for a pending background rebuild and stop its thread."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None

@@ -1,10 +1,10 @@
 """The document memory's embeddings and their faiss index, refreshed as the encoder trains.
 
 ``refresh`` re-embeds every document with the current document encoder and swaps a new index in
-(``retriever.index.DocumentIndex``). Synchronous refresh splits the embedding across ranks (each
-rank embeds 1/W of the documents, then all-gather), as Atlas does; background refresh embeds a
-frozen copy of the encoder on a worker thread while training goes on with the old index, the way
-REALM's asynchronous index builder works.
+through ``retriever.serve.DocumentIndex.rebuild``. Synchronous refresh splits the embedding across
+ranks (each rank embeds 1/W of the documents, then all-gather: ``retriever.sharded.embed_sharded``),
+as Atlas does; background refresh embeds a frozen copy of the encoder on the rebuild thread while
+training goes on with the old index, the way REALM's asynchronous index builder works.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from retriever.encoders import DualEncoder
-from retriever.index import DocumentIndex, build_index, default_factory
+from retriever.index import FaissIndex
+from retriever.serve import DocumentIndex
+from retriever.sharded import embed_sharded
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +38,6 @@ class RetrievalMemory:
         self.index = DocumentIndex()
         self.refresh_seconds: list[float] = []  # wall time of each refresh (embedding + index build)
         self.embeddings: torch.Tensor | None = None  # (N, E) of the last refresh: the negatives bank
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
 
     def __len__(self) -> int:
         return len(self.doc_ids)
@@ -62,62 +60,40 @@ class RetrievalMemory:
                                       self.text_len[idx].to(self.device)).float().cpu())
         return torch.cat(out)
 
-    def _embed_sharded(self) -> torch.Tensor:
-        """Each rank embeds a contiguous 1/W of the memory; all-gather assembles the whole."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.embed()
-        W, r, N = dist.get_world_size(), dist.get_rank(), len(self)
-        per = -(-N // W)
-        mine = self.embed(rows=range(min(N, r * per), min(N, (r + 1) * per)))
-        buf = torch.zeros(per, self._dim())
-        buf[: len(mine)] = mine
-        parts = [torch.zeros_like(buf) for _ in range(W)]
-        dist.all_gather(parts, buf)
-        return torch.cat(parts)[:N]
-
     def _dim(self) -> int:
         return int(self.encoder.cfg.embed_dim)
-
-    def _build(self, emb: torch.Tensor, encoder_hash: str):
-        factory = default_factory(len(emb), emb.shape[1]) if self.factory == "auto" else self.factory
-        return build_index(emb.numpy(), self.doc_ids, factory=factory, metric="ip",
-                           encoder_hash=encoder_hash, corpus_hash=self.corpus_hash)
 
     # ------------------------------------------------------------------------------ refresh
     def refresh(self, background: bool = False, step: int = 0) -> None:
         """Re-embed the memory and swap the new index in (now, or when the worker finishes)."""
-        if not background or not self.built:
-            t = time.perf_counter()
-            emb = self._embed_sharded()
-            self.index.swap(self._build(emb, f"step{step}"))
-            self.embeddings = emb
-            self.refresh_seconds.append(time.perf_counter() - t)
-            return
-        if self._pending is not None and not self._pending.done():
+        background = background and self.built  # the first refresh always runs now
+        if background and self.index.rebuilding:
             log.info("index refresh at step %d skipped: the previous one is still running", step)
             return
-        frozen = _FrozenDocSide(self.encoder)  # training keeps changing the live weights
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memory-refresh")
+        frozen = _FrozenDocSide(self.encoder) if background else None  # training changes the live weights
 
-        def job() -> None:
-            t = time.perf_counter()
-            emb = self.embed(encoder=frozen)
-            self.index.swap(self._build(emb, f"step{step}"))
+        def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
+            if frozen is not None:  # no collectives off the main thread: this rank embeds it all
+                return self.embed(encoder=frozen)
+            return embed_sharded(lambda rows: self.embed(rows=rows), len(self), self._dim())
+
+        start = time.perf_counter()
+
+        def keep(_: FaissIndex, emb: torch.Tensor) -> None:
             self.embeddings = emb  # one reference assignment: readers see the old or the new bank
-            self.refresh_seconds.append(time.perf_counter() - t)
+            self.refresh_seconds.append(time.perf_counter() - start)
 
-        self._pending = self._pool.submit(job)
+        # factory None is "auto": build_index picks default_factory(N, E).
+        self.index.rebuild(embed, self.doc_ids, background=background, on_swap=keep,
+                           factory=None if self.factory == "auto" else self.factory, metric="ip",
+                           search_params=None, encoder_hash=f"step{step}", corpus_hash=self.corpus_hash)
 
     def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
+        """Wait for a background refresh; raises what it raised."""
+        self.index.wait()
 
     def close(self) -> None:
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         self.index.close()
 
     def negatives(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +111,6 @@ class RetrievalMemory:
         """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E)."""
         scores, ids = self.index.search(queries.detach().float().cpu().numpy(), k)
         return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(np.ascontiguousarray(ids))
-
 
 
 class _FrozenDocSide:

@@ -1,7 +1,11 @@
-"""Search a document memory split across ranks, for memories that outgrow one process.
+"""A document memory split across ranks: embedding it, and searching it when it outgrows one process.
 
-Each rank holds an index over 1/W of the documents, added with their global ids
-(``shard_bounds`` gives the contiguous split). A search is collective, Atlas-style:
+``embed_sharded`` has each rank embed a contiguous 1/W of the documents and all-gathers the whole
+(the memory's synchronous refresh and scripts/build_index.py).
+
+``ShardedIndex`` searches a memory too large for one process: each rank holds an index over 1/W
+of the documents, added with their global ids (``shard_bounds`` gives the contiguous split).
+A search is collective, Atlas-style:
 
 1. all-gather the queries (each rank may bring a different number, zero included);
 2. every rank searches its shard for all queries: top-k (scores, global ids) per query;
@@ -15,6 +19,7 @@ tensors) and nccl (CUDA tensors; the faiss search itself runs wherever the shard
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +31,25 @@ from retriever.index import sort_rows
 
 class Searchable(Protocol):
     def search(self, queries: Any, k: int) -> tuple[Any, Any]: ...
+
+
+def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: int) -> torch.Tensor:
+    """``embed(rows)`` -> (len(rows), dim) over all ``num_rows`` rows, split across the ranks.
+
+    Each rank embeds a contiguous ceil(N/W) rows (the last may get fewer or none); all-gather over
+    the default group assembles the (num_rows, dim) whole on every rank. Without a process group,
+    or with one rank, ``embed(range(num_rows))``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return embed(range(num_rows))
+    W, r, N = dist.get_world_size(), dist.get_rank(), num_rows
+    per = -(-N // W)
+    mine = embed(range(min(N, r * per), min(N, (r + 1) * per)))  # (<= per, dim)
+    buf = torch.zeros(per, dim)  # all_gather needs equal sizes: pad to per rows
+    buf[: len(mine)] = mine
+    parts = [torch.zeros_like(buf) for _ in range(W)]
+    dist.all_gather(parts, buf)
+    return torch.cat(parts)[:N]
 
 
 def shard_bounds(num_docs: int, rank: int, world: int) -> tuple[int, int]:
@@ -40,7 +64,7 @@ class ShardedIndex:
 
     ``local`` is anything with ``search(queries, k) -> (scores, ids)`` that follows the
     ``FaissIndex`` conventions (higher score is better, global ids, -1 / -inf for missing): a
-    ``FaissIndex`` or a ``DocumentIndex`` (whose rebuilds then swap this rank's shard).
+    ``FaissIndex`` or a ``retriever.serve.DocumentIndex`` (whose rebuilds then swap this rank's shard).
     """
 
     def __init__(self, local: Searchable, group: dist.ProcessGroup | None = None):

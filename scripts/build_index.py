@@ -31,6 +31,7 @@ from rag_mm.data.urls import expand_urls  # noqa: E402
 from retriever.config import RetrieverConfig  # noqa: E402
 from retriever.encoders import DualEncoder  # noqa: E402
 from retriever.index import FaissIndex, build_index, default_factory, fingerprint  # noqa: E402
+from retriever.sharded import embed_sharded  # noqa: E402
 
 
 @dataclass
@@ -121,16 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     N = len(store)
 
     t0 = time.perf_counter()
-    per = -(-N // world)  # each rank encodes a contiguous 1/W; rank 0 gathers
-    mine = encode(enc, store, range(min(N, rank * per), min(N, (rank + 1) * per)), cfg.batch_size, rank == 0 and sys.stderr.isatty())
-    if world > 1:
-        buf = torch.zeros(per, enc.cfg.embed_dim)
-        buf[: len(mine)] = mine
-        parts = [torch.zeros_like(buf) for _ in range(world)]
-        dist.all_gather(parts, buf)
-        emb = torch.cat(parts)[:N]
-    else:
-        emb = mine
+    progress = rank == 0 and sys.stderr.isatty()
+    # each rank encodes a contiguous 1/W; all-gather assembles the whole, which rank 0 indexes
+    emb = embed_sharded(lambda rows: encode(enc, store, rows, cfg.batch_size, progress), N, enc.cfg.embed_dim)
     encode_s = time.perf_counter() - t0
     if rank != 0:
         dist.destroy_process_group()

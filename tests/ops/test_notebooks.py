@@ -28,7 +28,7 @@ def _train(root, run_dir, *extra) -> None:
         t.close()
 
 
-def _timeline(path: Path) -> None:
+def _timeline(path: Path) -> list:
     """A pipeline trace in the format parallel.timeline writes (2 stages, 1F1B, 4 microbatches)."""
     from parallel.timeline import Event, to_chrome_trace
 
@@ -40,6 +40,7 @@ def _timeline(path: Path) -> None:
             events.append(Event(rank, op[0], rank, int(op[1]), t[rank], t[rank] + dur))
             t[rank] += dur + 0.0002
     to_chrome_trace(events, str(path))
+    return events
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,17 @@ def test_run_reader_keeps_the_last_record_of_a_replayed_step(tmp_path):
     for plot in (runs.plot_loss([run]), runs.plot_accuracy([run]), runs.plot_recall([run]),
                  runs.plot_timeline(run), runs.plot_gallery(run)):  # absent parts draw a note, not an error
         assert plot is not None
+
+
+def test_run_timeline_is_the_runtime_timeline_read_back(tmp_path):
+    """plot_timeline draws parallel.timeline's chart from timeline.json: the same events come back."""
+    from parallel import timeline
+
+    events = _timeline(tmp_path / "timeline.json")
+    run = runs.load_run(tmp_path)
+    back = timeline.from_chrome_trace(run.trace)
+    assert [(e.rank, e.kind, e.stage, e.mb) for e in back] == [(e.rank, e.kind, e.stage, e.mb) for e in events]
+    assert all(abs((b.end - b.start) - (e.end - e.start)) < 1e-9 for b, e in zip(back, events))
+    assert abs(timeline.bubble_fraction(back) - timeline.bubble_fraction(events)) < 1e-9
+    fig = runs.plot_timeline(run)
+    assert fig.axes[0].get_title() == f"pipeline timeline, 2 ranks: bubble {timeline.bubble_fraction(events):.1%}"

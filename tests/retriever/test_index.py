@@ -12,7 +12,6 @@ import torch
 
 from retriever.errors import CorruptIndexError, IndexMismatchError
 from retriever.index import (
-    DocumentIndex,
     FaissIndex,
     build_index,
     default_factory,
@@ -20,6 +19,7 @@ from retriever.index import (
     fingerprint,
     read_metadata,
 )
+from retriever.serve import DocumentIndex
 
 DIM = 32
 # One factory per index family; nlist 16 with nprobe 16 probes every list, so IVF-Flat is exact.
@@ -323,3 +323,29 @@ def test_background_rebuild_serves_old_index_until_swap(data):
     assert holder.current is new and holder.version == 2
     s_new, _ = holder.search(q, 3)
     np.testing.assert_allclose(s_new, 2 * s_mid, rtol=1e-5)
+
+
+def test_background_rebuild_embeds_on_its_thread_and_reports_the_swap(data):
+    x, _, _ = data
+    holder = DocumentIndex(build_index(x, factory="Flat"))
+    seen = {}
+
+    def embed():  # what RetrievalMemory.refresh hands over: the embedding runs off this thread
+        seen["thread"] = threading.current_thread()
+        return 2 * x
+
+    def on_swap(new, emb):
+        seen["served"], seen["emb"] = holder.current is new, emb
+
+    try:
+        future = holder.rebuild(embed, background=True, on_swap=on_swap)
+        holder.wait()
+        assert not holder.rebuilding and future.result() is holder.current and holder.version == 2
+        assert seen["thread"] is not threading.current_thread() and seen["served"]
+        np.testing.assert_array_equal(seen["emb"], 2 * x)
+        holder.rebuild(lambda: 1 / 0, background=True)
+        with pytest.raises(ZeroDivisionError):  # a failed rebuild surfaces in wait(), the old index serves
+            holder.wait()
+        assert holder.version == 2
+    finally:
+        holder.close()

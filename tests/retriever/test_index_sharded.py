@@ -1,4 +1,5 @@
-"""Sharded search on 2 gloo ranks equals one Flat index over all documents, exactly."""
+"""Sharded search on 2 gloo ranks equals one Flat index over all documents, exactly; sharded
+embedding assembles every row once, in order."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from retriever.index import FaissIndex, build_index
-from retriever.sharded import ShardedIndex, shard_bounds
+from retriever.sharded import ShardedIndex, embed_sharded, shard_bounds
 from tests.distributed import run_ranks
 
 DIM, K = 24, 10
@@ -88,3 +89,26 @@ def test_shard_bounds_cover_every_document_once():
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
             sizes = [b - a for a, b in spans]
             assert max(sizes) - min(sizes) <= 1
+
+
+def _embed_rows(rank, world, n):
+    asked = []
+
+    def embed(rows):  # row r -> (r, 10 r, 100 r): the whole shows where each row came from
+        asked.append((rows.start, rows.stop))
+        r = torch.arange(rows.start, rows.stop, dtype=torch.float32)
+        return torch.stack([r, 10 * r, 100 * r], 1)
+
+    return embed_sharded(embed, n, 3), asked
+
+
+@pytest.mark.multirank
+def test_embed_sharded_splits_rows_and_gathers_them_in_order():
+    for n, spans in ((5, [(0, 3), (3, 5)]), (1, [(0, 1), (1, 1)])):  # with 1 row, rank 1 embeds none
+        out = run_ranks(_embed_rows, 2, n)
+        r = torch.arange(n, dtype=torch.float32)
+        for emb, _ in out:  # every rank gets the whole
+            assert torch.equal(emb, torch.stack([r, 10 * r, 100 * r], 1))
+        assert [asked for _, asked in out] == [[s] for s in spans]
+    emb, asked = _embed_rows(0, 1, 4)  # no process group: one call over all rows
+    assert emb.shape == (4, 3) and asked == [(0, 4)]
