@@ -52,6 +52,7 @@ from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import Action, forward_only, pipeline_order, stage_rank, stages_per_rank
 from .spmd import Sharded, StagePart, discover_tp_plan, parallelize_spmd, stage_plan
 from .timeline import Event
+from .tp.verify import capture_inputs
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,9 @@ class ParallelModel(nn.Module):
         self.sharded = Sharded()  # what parallelize_spmd applied to this rank's part
         self.step_sync: StepSync | None = None  # FSDP units driven once per step (microbatches)
         self._fsdp_ids: set[int] = set()  # parameters whose gradients FSDP reduces
+        # averages the flat gradient of what FSDP does not reduce over the data-parallel ranks
+        # (``cfg.grad_reduce``: the process group, or the shared-memory / int8 reducers)
+        self.grad_mean_: Callable[[torch.Tensor, int], torch.Tensor] | None = None
         self.loss_group = None  # shared-memory collectives for the step loss (_loss_group), or gloo
         # further input structures (``parallelize(structures=...)``): name -> this rank's stages,
         # each replaying the model on its own plan (``plans[name]``)
@@ -431,8 +435,7 @@ class ParallelModel(nn.Module):
             if ps:
                 local = [_local(p.grad) for p in ps]
                 buf = torch.cat([g.reshape(-1) for g in local])
-                dist.all_reduce(buf, group=self.layout.dp_group)
-                buf /= self.layout.dp_size
+                self.grad_mean_(buf, 0)
                 off = 0
                 for g in local:
                     g.copy_(buf[off:off + g.numel()].view_as(g))
@@ -475,7 +478,7 @@ class ParallelModel(nn.Module):
 
 
 def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
-    """Shared-memory collectives for the end-of-step loss where issue 8's gate allows them (CPU
+    """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them (CPU
     tensors, every rank on this host), else None (the process group). After a pipelined step
     gloo's threads have gone idle and its all-reduce of one number took ~0.7 ms here
     (BENCHMARKS.md, Pipeline); the shared-memory one ~80 us. A collective: every rank learns every
@@ -540,7 +543,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if cfg.bind_cores:  # before the partition times the model, so it times it as it will run
         bind_cores(next((p.device for p in model.parameters()), torch.device("cpu")))
     # 1. mesh (validates the layout against the world first)
-    layout = layout_of(cfg)
+    layout = layout_of(cfg, timeout_s=timeout_s)
     v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
     k = cfg.pp * v
     if cfg.pp == 1:
@@ -590,6 +593,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     # a TP plan is read off the whole model's dataflow: found before the split, applied to each
     # rank's part below
     tp_plan = discover_tp_plan(model, cfg, example_inputs) if cfg.tp > 1 else None
+    # each TP unit's inputs in the whole model's example forward: the plan checks itself on them
+    captured = capture_inputs(model, tp_plan, example_inputs) if tp_plan is not None else None
     for p in model.parameters():
         if id(p) not in held:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's: free it
@@ -631,7 +636,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if replayer is not None:  # the replay intercepts whatever forwards sharding leaves
         replayer.unwrap()
     params = dict(model.named_parameters(remove_duplicate=False))
-    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan)
+    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan, captured)
     if replayer is not None:
         replayer.rewrap()
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
@@ -642,7 +647,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     return pm
 
 
-def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None) -> None:
+def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None,
+           captured: Any = None) -> None:
     """Step 4 of ``parallelize`` on this rank's part, then the bookkeeping that follows it: TP and
     FSDP replace parameters by DTensors, so the rank's parameter set and its stages' lists are
     rebuilt, and FSDP units that run several microbatches per step are driven by ``StepSync``."""
@@ -650,7 +656,7 @@ def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_pl
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if part is None or id(p) in part.held]
     mesh = pm.layout.mesh
     if mesh is not None:
-        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part)
+        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part, captured=captured)
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload:  # one process: savers only
         from .memory import apply_activation_checkpointing, apply_activation_offload
         from .spmd import find_blocks
@@ -745,9 +751,13 @@ def _broadcast_replicated(pm: ParallelModel) -> None:
 
 @torch.no_grad()
 def _broadcast_dp(pm: ParallelModel) -> None:
-    """What FSDP does not shard starts equal on every data-parallel rank: dp rank 0's copy."""
+    """What FSDP does not shard starts equal on every data-parallel rank: dp rank 0's copy; and
+    the reducer that averages its gradients there."""
     if not dist.is_initialized() or pm.layout.dp_size == 1:
         return
+    from .comm_hooks import make_grad_reducer
+
+    pm.grad_mean_ = make_grad_reducer(pm.cfg.grad_reduce, pm.layout.dp_group)
     src = dist.get_global_rank(pm.layout.dp_group, 0)
     for p in pm.parameters():
         if id(p) not in pm._fsdp_ids:

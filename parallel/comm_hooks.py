@@ -10,8 +10,9 @@ Pieces, from small to large:
   hosts (process group; optionally block-wise int8 with error feedback, as ZeRO++'s qgZ:
   quantised all-to-all reduce-scatter, dequantise-sum, requantise, all-gather) -> all-gather
   within the host. With one host it is a single shared-memory all-reduce.
-* ``make_grad_reduce_hook(kind, process_group)``: a DDP comm hook + state for
-  ``parallel.grad_reduce: auto | pg | shm | hier_int8``.
+* ``make_grad_reducer(kind, process_group)``: averages a flat gradient buffer in place, for
+  ``parallel.grad_reduce: auto | pg | shm | hier_int8`` (``ParallelModel``'s data-parallel step);
+  ``make_grad_reduce_hook``: the same as a DDP comm hook, for users' own DDP models.
 * ``ShmReduceScatter``: FSDP2's custom reduce-scatter (``FSDPModule.set_custom_reduce_scatter``)
   through shared memory, for single-host sharded data parallel.
 
@@ -261,10 +262,13 @@ def _done(buf: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-def _shm_hook(state: GradReduceState, bucket) -> torch.futures.Future:
-    """Average the bucket over the data-parallel group, synchronously, through the reducer."""
-    buf = bucket.buffer()  # flat (numel,) gradients of this bucket
+def _mean_(state: GradReduceState, buf: torch.Tensor, key: int) -> torch.Tensor:
+    """Average the flat gradient ``buf`` over the data-parallel group in place, synchronously,
+    through the reducer (``key``: which buffer, for the reducer's per-buffer error feedback)."""
     r = state.reducer
+    if r is None:  # pg, or the extension unavailable
+        dist.all_reduce(buf, group=state.group)
+        return buf.div_(state.world)
     if r.n_hosts == 1:
         ok, why = should_use_shm(buf, state.group, op="grad all_reduce", hosts=hosts_of(state.group))
         if not ok or r.shm is None:
@@ -272,9 +276,37 @@ def _shm_hook(state: GradReduceState, bucket) -> torch.futures.Future:
                 _log_once(logging.WARNING, "grad_reduce=%s: using the process group (%s)", state.kind,
                           why if not ok else r.shm_reason)
             dist.all_reduce(buf, group=state.group)
-            return _done(buf.div_(state.world))
-    r.all_reduce_(buf, key=bucket.index())  # falls back per stage where shm cannot serve
-    return _done(buf.div_(state.world))
+            return buf.div_(state.world)
+    r.all_reduce_(buf, key=key)  # falls back per stage where shm cannot serve
+    return buf.div_(state.world)
+
+
+def _shm_hook(state: GradReduceState, bucket) -> torch.futures.Future:
+    """Average the bucket over the data-parallel group, synchronously, through the reducer."""
+    return _done(_mean_(state, bucket.buffer(), bucket.index()))  # buffer: flat (numel,) gradients
+
+
+def make_grad_reducer(kind: str, process_group=None) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``mean_(flat_grads, key)``: average a flat gradient buffer over ``process_group`` in place,
+    as ``kind`` says (the same kinds and gates as ``make_grad_reduce_hook``); its ``.state.stats``
+    are the inter-host bytes (None for the process group). Collective; call it on every rank."""
+    if kind not in GRAD_REDUCE_KINDS:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE_KINDS}, got {kind!r}")
+    world = dist.get_world_size(process_group)
+    reducer = None
+    if kind != "pg":
+        built, why = K.available()
+        if built:
+            reducer = HierAllReduce(group=process_group, quantize=kind == "hier_int8")
+        else:
+            _log_once(logging.WARNING, "grad_reduce=%s: extension unavailable (%s); using the process group", kind, why)
+    state = GradReduceState(kind, process_group, reducer, world)
+
+    def mean_(buf: torch.Tensor, key: int = 0) -> torch.Tensor:
+        return _mean_(state, buf, key)
+
+    mean_.state = state
+    return mean_
 
 
 # DDP checks the hook's return annotation object; `from __future__ import annotations` made it a string.
@@ -344,5 +376,5 @@ class ShmReduceScatter(_RSBase):
 
 __all__ = [
     "GRAD_REDUCE_KINDS", "CommStats", "GradReduceState", "HierAllReduce", "ShmReduceScatter",
-    "hosts_of", "make_grad_reduce_hook", "should_use_shm",
+    "hosts_of", "make_grad_reduce_hook", "make_grad_reducer", "should_use_shm",
 ]

@@ -19,7 +19,7 @@ class ParallelConfig:
     """Degrees of each kind of parallelism and the knobs of each."""
 
     pp: int = 1  # pipeline stages (ranks along the pipeline dimension)
-    dp_replicate: int = 1  # replicas of the (sharded) model: HSDP's replicate dimension / plain DDP
+    dp_replicate: int = 1  # replicas of the (sharded) model: HSDP's replicate dimension / plain data parallel
     dp_shard: int = 1  # FSDP2 shard degree; -1 = whatever the other degrees leave of the world
     tp: int = 1  # tensor-parallel degree (DTensor, one mesh dimension)
     microbatches: int = 1  # pipeline microbatches per step; >= pp keeps every stage busy
@@ -74,6 +74,8 @@ class ParallelConfig:
             errors.append(f"stage_path must be auto, graph or eager (got {self.stage_path!r})")
         if self.p2p not in ("auto", "shm", "gloo"):
             errors.append(f"p2p must be auto, shm or gloo (got {self.p2p!r})")
+        if self.grad_reduce not in ("pg", "auto", "shm", "hier_int8"):
+            errors.append(f"grad_reduce must be pg, auto, shm or hier_int8 (got {self.grad_reduce!r})")
         if self.mixed_precision not in ("fp32", "bf16"):
             errors.append(f"mixed_precision must be fp32 or bf16 (got {self.mixed_precision!r})")
         if self.pp > 1 and self.mixed_precision != "fp32":

@@ -9,7 +9,7 @@
   stage's last call (pipeline/eager.py);
 - memory: ``params * (1 + grad_factor + optimizer_factor) + buffers + activations * in-flight
   microbatches`` for the stage's rank under the chosen schedule;
-- the objective mixes them as SageMaker's library does (research/parallel.md §1.3):
+- the objective mixes them as SageMaker's library does:
   ``cost = (1 - w) * time / total_time + w * memory / total_memory``, with ``w`` the memory weight.
 """
 
@@ -57,7 +57,7 @@ def rank_of_stage(stage: int, num_ranks: int, cfg: CostConfig) -> int:
 
 
 def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
-    """Microbatches whose activations a stage holds at peak (research/parallel.md §8):
+    """Microbatches whose activations a stage holds at peak:
     GPipe all m; 1F1B min(m, p - r) on rank r, eager 1F1B min(m, 2 (p - r) - 1), at least 2 on a
     rank after the first (the split drain's deferred weight gradients); interleaved
     1F1B: Megatron's warm-up of 2(p - r - 1) + (v - 1)p chunk-microbatches plus one, spread over

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -70,9 +71,10 @@ class Layout:
     mesh: DeviceMesh | None  # the 4-D mesh (None in a single process without a process group)
 
 
-def layout_of(cfg: ParallelConfig, device_type: str | None = None) -> Layout:
+def layout_of(cfg: ParallelConfig, device_type: str | None = None, timeout_s: float | None = None) -> Layout:
     """Build the mesh once (a collective: every rank calls it) and this rank's place on it. Without
-    a process group (one process), a layout of size 1 everywhere and no mesh."""
+    a process group (one process), a layout of size 1 everywhere and no mesh. ``timeout_s``: how
+    long a collective on the data-parallel group waits for a dead peer (None: torch's default)."""
     if not dist.is_initialized():
         cfg.validate(1)
         return Layout(0, 0, 1, 0, 1, 0, 1, [0], None, None, None)
@@ -88,9 +90,12 @@ def layout_of(cfg: ParallelConfig, device_type: str | None = None) -> Layout:
     pp_ranks = [rank_at(p, dp_i, coord["tp"]) for p in range(P)]
     pp_group = mesh.get_group("pp") if P > 1 else None
     dp_group = None
-    if R * S > 1:  # every rank creates every group, in the same order (new_group is collective)
+    if R * S == world:  # every rank holds the same part: the default group, with its own timeout
+        dp_group = dist.group.WORLD
+    elif R * S > 1:  # every rank creates every group, in the same order (new_group is collective)
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
         for p, t in itertools.product(range(P), range(T)):
-            g = dist.new_group([rank_at(p, d, t) for d in range(R * S)])
+            g = dist.new_group([rank_at(p, d, t) for d in range(R * S)], timeout=timeout)
             if (p, t) == (coord["pp"], coord["tp"]):
                 dp_group = g
     return Layout(rank, coord["pp"], P, dp_i, R * S, coord["tp"], T, pp_ranks, pp_group, dp_group, mesh)

@@ -10,7 +10,7 @@ Shared parameters (tied embedding / LM head): a contiguous linear pipeline canno
 first and the last layer, so the default policy ``shared="replicate"`` keeps a copy on every stage
 that uses the parameter and marks the group ``grad_sync`` - the runtime broadcasts it at start and
 all-reduces its gradient over those stages each step (as Megatron and DeepSpeed do for tied
-embeddings, research/parallel.md §4-5). Where all users land on one rank (one stage, or the first
+embeddings). Where all users land on one rank (one stage, or the first
 and last stage of a V-shaped schedule) the group is reported ``colocated`` and needs no sync.
 ``shared="colocate"`` instead forbids every cut between the users (SageMaker's rule).
 """

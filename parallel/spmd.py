@@ -20,7 +20,8 @@ from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
 from parallel.memory import apply_activation_checkpointing, apply_activation_offload
 from parallel.mesh import dp_mesh
-from parallel.tp.plan import TPPlan, apply_plan, apply_tp, find_block_lists
+from parallel.tp.plan import TPPlan, apply_tp, find_block_lists
+from parallel.tp.verify import CapturedInputs, verify_and_apply
 
 log = logging.getLogger("parallel.spmd")
 
@@ -53,14 +54,16 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, example_inputs: Any = None, *,
                      plan: TPPlan | None = None, blocks: list[nn.Module] | None = None,
-                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None) -> Sharded:
+                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None,
+                     captured: CapturedInputs | None = None) -> Sharded:
     """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in place.
 
     ``mesh``: the 4-D mesh of ``parallel.mesh.build_mesh`` (or any mesh with dims named tp,
     dp_replicate, dp_shard). ``example_inputs`` (on the model's device, or meta for a meta model)
     let the TP planner see the dataflow; not needed when ``plan`` is given or tp == 1. ``part``:
     this pipeline rank's part (pp > 1); ``plan`` is then the whole model's TP plan restricted to
-    the part (``stage_plan``), and FSDP shards the part's units only."""
+    the part (``stage_plan``), checked unit by unit on ``captured`` (its inputs in the whole
+    model's example forward, ``tp.capture_inputs``), and FSDP shards the part's units only."""
     blocks = find_blocks(model) if blocks is None else blocks
     if part is not None:  # a pipeline rank: only the blocks it holds
         blocks = [b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())]
@@ -73,8 +76,10 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
                                    sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel,
                                    seq_dim=seq_dim)
         else:  # the plan was read off the whole model's dataflow before the split
-            apply_plan(model, plan, mesh["tp"])
-            out.tp_plan = plan
+            out.tp_plan = verify_and_apply(model, plan, mesh["tp"], captured or CapturedInputs(skipped="not captured"))
+            for line in out.tp_plan.log:
+                if "left replicated" in line:
+                    log.warning("tp under pp: %s", line)
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
     apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
@@ -84,8 +89,8 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
     #    module calls that a compiled block would hide, and CPU runs gain nothing measurable
     # 4. FSDP2 last: it shards whatever parameters (plain or TP DTensors) the steps above left
     dp = dp_mesh(mesh)
-    if part is None:
-        if dp.size() > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
+    if part is None:  # replicas alone (dp_shard == 1) are plain data parallel: ParallelModel averages
+        if cfg.dp_shard > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
             apply_fsdp(model, dp, blocks, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload)
             out.fsdp_units, out.fsdp_root = [*blocks, model], True
     elif cfg.dp_shard > 1:

@@ -5,7 +5,7 @@ module calls.
 
 No graph capture: the model runs as ordinary Python (control flow, ``DynamicCache`` outputs and
 keyword-only inputs all work), so it traces anything that runs eagerly. SageMaker's library does
-the same in its first step (research/parallel.md §1); we additionally record backward time and
+the same in its first step; we additionally record backward time and
 the dataflow the pipeline and tensor-parallel code need.
 
 How each quantity is measured:
@@ -583,8 +583,8 @@ def _build_result(model, tr: _Tracer, fwd_runs, bwd_runs, totals, flops, device,
 
 
 def _shared_groups(model, alias, owner, registrants, users) -> list[SharedGroup]:
-    """Connected components of the module<->parameter graph (SageMaker's rule, research/parallel.md
-    §1.2) restricted to components with more than one module: registering a parameter and using
+    """Connected components of the module<->parameter graph (SageMaker's rule) restricted to
+    components with more than one module: registering a parameter and using
     it in a forward (outside the registrant's subtree) both count."""
     links: dict[str, set[str]] = {}
     for canon, regs in registrants.items():

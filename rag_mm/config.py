@@ -85,7 +85,7 @@ class ParallelConfig:
     dp: int = -1  # data-parallel degree; -1 = world_size / (pp * tp)
     pp: int = 1  # pipeline stages for the reader
     tp: int = 1  # tensor-parallel degree of the reader (its attention heads / MLP split over tp ranks)
-    dp_shard: int = 1  # of dp, ranks that shard the reader's parameters, gradients and Adam state (FSDP2); 1 = replicate (DDP)
+    dp_shard: int = 1  # of dp, ranks that shard the reader's parameters, gradients and Adam state (FSDP2); 1 = replicate
     microbatches: int = 1  # pipeline microbatches per step (pp > 1)
     schedule: str = "1f1b"  # pipeline schedule name (pp > 1; parallel.config.SCHEDULES)
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
@@ -226,7 +226,7 @@ def parallel_config(cfg: Any, world_size: int):
     p = cfg.parallel
     dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
     return Layout(pp=p.pp, tp=p.tp, dp_replicate=max(dp // max(p.dp_shard, 1), 1), dp_shard=p.dp_shard,
-                  microbatches=p.microbatches, schedule=p.schedule, partition="auto")
+                  microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce)
 
 
 def check_shards(cfg: Any) -> None:

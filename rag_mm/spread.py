@@ -1,28 +1,30 @@
-"""The RagModel with its reader spread by ``parallel.parallelize``: pipelined (``parallel.pp >
-1``), tensor parallel (``parallel.tp > 1``), FSDP2-sharded (``parallel.dp_shard > 1``), or pp x tp.
+"""The RagModel with its reader spread by ``parallel.parallelize``, for every layout: one
+process, data parallel, FSDP2 / HSDP (``parallel.dp_shard``), tensor parallel (``parallel.tp``),
+pipelined (``parallel.pp``) and their combinations. The trainer's one step path.
 
-The reader is cut into stages by ``parallel.parallelize`` (traced, balanced, eager replay), and
-each stage's part is tensor-parallel over ``tp`` ranks / sharded over ``dp_shard``; the
-retriever stays whole on every rank. Every rank of one model replica (its pipeline stages and
-tensor-parallel ranks) draws the same batch. Every rank of one pipeline draws the same batch, so in
-``learned`` mode each of them runs the query encoder, the faiss search and the contrastive loss
-identically (same batch, same seed) and feeds the same documents to the reader pipeline.
+The retrieval, the retriever losses and the answer scoring are the RagModel's own
+(``reader_inputs``, ``retriever_loss``); only the reader is spread. The retriever stays whole on
+every rank. Every rank of one model replica (its pipeline stages and tensor-parallel ranks) draws
+the same batch, so in ``learned`` mode each of them runs the query encoder, the faiss search and
+the contrastive loss identically (same batch, same seed) and feeds the same documents to the
+reader's stages.
 
-Supported: ``retriever.mode`` none / oracle / learned, the latter with every retriever loss of
-RagModel (its own ``retriever_loss``: hard negatives, the contrastive term, the retrieval prior in
-the reader). The reader-driven losses read the spread reader as one process reads it:
+The reader-driven retriever losses read the spread reader as one process reads it:
 
 - pdist / emdr need the reader's answer NLL with each document alone: a forward-only pass over
-  the pipeline on (B*k) one-document inputs. That input makes the reader run another sequence of
+  the reader on (B*k) one-document inputs. That input makes the reader run another sequence of
   module calls than the training batch (one document embedding instead of k), so the reader is
   parallelized with a second input structure, ``one_document``, replayed on its own plan;
 - adist needs the reader's copy attention per document: the last stage keeps it from the
   training step's own forward and hands it to every rank of the pipeline.
 
 Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
-weighted by their answer-token count: the step loss and gradients equal the full batch's.
-Gradients of the pipelined reader are averaged over data-parallel replicas by ``ParallelModel``;
-the retriever's here, over every rank (see ``_average_retriever_grads``).
+weighted by their answer-token count: the step loss and gradients equal the full batch's. The
+reader's gradients are reduced over its data-parallel ranks by ``ParallelModel`` (FSDP's
+reduce-scatter, or an all-reduce of what FSDP does not shard, ``parallel.grad_reduce`` choosing
+how); the retriever's here, over every rank (see ``_average_retriever_grads``). The reader loss
+takes no gradient path into the retriever (the retrieval prior is detached), so the two
+backwards give the gradients of the joint loss.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def _answer_tokens(inputs: dict, _target=None) -> float:
     return float((inputs["a_len"] - 1).clamp_min(0).sum())
 
 
-class PipelinedRag:
-    """Stands where the RagModel (or its DDP wrapper) stands in the trainer."""
+class SpreadRag:
+    """The RagModel as the trainer trains it: its reader spread over the ranks as ``parallel`` says."""
 
     def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
@@ -83,6 +85,17 @@ class PipelinedRag:
     @property
     def pp_rank(self) -> int:
         return self.pmodel.pp_rank
+
+    @property
+    def whole_reader(self) -> bool:
+        """Every rank holds the whole, unsharded reader (one process or plain data parallel)."""
+        c = self.pcfg
+        return c.pp == 1 and c.tp == 1 and c.dp_shard == 1
+
+    @property
+    def reader(self):
+        """The reader module (whole only where ``whole_reader``)."""
+        return self.rag.reader
 
     @property
     def rcfg(self):
@@ -131,31 +144,12 @@ class PipelinedRag:
         return {k: v.to(self.device) for k, v in x.items()}
 
     def _reader_inputs(self, inputs: dict, train: bool, search_k: int = 0):
-        """(reader inputs, retrieved ids or None, what the retriever loss needs or None), as
-        RagModel.forward."""
-        rag, mode = self.rag, self.rcfg.mode
+        """(reader inputs, retrieved ids or None, (queries, RagModel.reader_inputs' learned-mode
+        tuple) or None). In learned mode every rank of a replica searches for itself: the same
+        batch and the same retriever give the same documents."""
         q = {k: inputs[k] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
-        if mode == "none":
-            return q, None, None
-        gold = inputs.get("gold")
-        if mode == "oracle":
-            if gold is None or bool((gold < 0).any()):
-                raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
-            ids = gold[:, None].cpu()
-            return {**q, **rag._docs(ids, self.device)}, ids, None
-        # learned: the retriever is whole on every rank of the pipeline, which all draw the same
-        # batch, so each computes the same search, prior and retriever loss (RagModel's own)
-        enc, r = rag.retriever, self.rcfg
-        with torch.set_grad_enabled(train):
-            q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        sims, ids = rag.memory.search(q_emb.detach(), max(r.top_k, search_k))  # (B, max(k, search_k))
-        top = ids[:, :r.top_k]
-        docs = rag._docs(top, self.device)
-        x = {**q, **docs}
-        prior = rag.doc_prior(sims, self.device)
-        if prior is not None:
-            x["doc_prior"] = prior
-        return x, ids, (q, q_emb, top, docs, gold)
+        x, ids, ret = self.rag.reader_inputs(q, inputs.get("gold"), search_k=search_k, grad=train)
+        return x, ids, (q, *ret) if ret is not None else None
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
@@ -183,7 +177,8 @@ class PipelinedRag:
         loss = self.pmodel.train_step(x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens) / scale
         r_det = None
         if ret is not None:
-            q, q_emb, top, docs, gold = ret
+            q, q_emb, top, docs, _ = ret
+            gold = inputs.get("gold")
             att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
             nll = self._per_document_nll if self.per_document else None
             r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att)
@@ -281,15 +276,19 @@ class PipelinedRag:
     @torch.no_grad()
     def __call__(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = False,
                  search_k: int = 0) -> RagOutput:
-        """Forward-only over the pipeline (what ``evaluate`` needs: per-example correct and NLL)."""
+        """Forward-only over the spread reader (what ``evaluate`` needs: per-example correct and
+        NLL, the retrieved ids and their scores)."""
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
         self._broadcast_retriever_buffers()
-        x, ids, _ = self._reader_inputs(inputs, train=False, search_k=search_k)
+        x, ids, ret = self._reader_inputs(inputs, train=False, search_k=search_k)
         res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
         correct = torch.cat([c for c, _ in res])
         nll = torch.cat([n for _, n in res])
         reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
-        return RagOutput(reader.loss, reader, None, ids, None)
+        scores = None
+        if ret is not None:  # the index's similarities, scaled as the retriever scores
+            scores = self.rag.retriever.scale().detach() * ret[-1][:, :self.rcfg.top_k]
+        return RagOutput(reader.loss, reader, None, ids, scores)
 
     # ------------------------------------------------------------------ checkpoints
     def model_state(self) -> dict:

@@ -1,7 +1,9 @@
 """The training loop: build -> (restore) -> fit -> close.
 
-One process per rank (torchrun); data parallel with DDP over every rank. Checkpoints, metrics
-and the resolved config live in ``cfg.run_dir``.
+One process per rank (torchrun). Every layout (one process, data parallel, FSDP2, tensor
+parallel, a pipeline and their combinations) takes the same step path: the RagModel's reader is
+spread by ``parallel.parallelize`` (``SpreadRag``), the retriever is whole on every rank.
+Checkpoints, metrics and the resolved config live in ``cfg.run_dir``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, faults, preemption
@@ -26,7 +26,7 @@ from rag_mm.distributed import all_reduce_sum, cleanup, init_distributed, world_
 from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger
 from rag_mm.optim import build_optimizer, build_scheduler
-from rag_mm.pipelined import PipelinedRag
+from rag_mm.spread import SpreadRag
 from rag_mm.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,12 @@ class Trainer:
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
         retriever = parts.retriever
-        self.dp_model = self.rag
-        self.grad_reduce_stats = None  # CommStats of a hierarchical gradient reduction, if one runs
-        self.pipe = None  # pp / tp / dp_shard > 1: the reader spread by parallel, the retriever on every rank
-        self.data_rank, self.data_size = self.env.rank, self.env.world_size  # who draws which batches
-        p = cfg.parallel
-        if p.pp > 1 or p.tp > 1 or p.dp_shard > 1:
-            self.pipe = PipelinedRag(self.rag, cfg, self.device)
-            self.data_rank, self.data_size = self.pipe.dp_rank, self.pipe.dp_size  # a replica shares a batch
-        elif self.env.world_size > 1:
-            self.dp_model = DDP(self.rag, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            self._register_grad_reduce()
-        self.opt = build_optimizer(self.pipe or self.rag, cfg.optim)
+        self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
+        self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
+        reducer = self.spread.pmodel.grad_mean_
+        # bytes a hierarchical gradient reduction sent between hosts, if one runs
+        self.grad_reduce_stats = reducer.state.stats if reducer is not None else None
+        self.opt = build_optimizer(self.spread, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
         self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
@@ -79,26 +73,15 @@ class Trainer:
         log.info("reader: %.2f M parameters, retriever: %.2f M, world size %d, device %s",
                  n_params / 1e6, n_retr / 1e6, self.env.world_size, self.device)
 
-    def _register_grad_reduce(self) -> None:
-        kind = self.cfg.parallel.grad_reduce
-        if kind == "pg":
-            return
-        from parallel.comm_hooks import make_grad_reduce_hook
-
-        hook, state = make_grad_reduce_hook(kind)
-        self.dp_model.register_comm_hook(state, hook)
-        self.grad_reduce_stats = getattr(getattr(state, "reducer", None), "stats", None)  # inter-host bytes
-        log.info("gradient reduction: %s", kind)
-
     # ------------------------------------------------------------------------------ retrieval
     def refresh_index(self) -> None:
         """Re-embed the memory with the current document encoder (learned mode)."""
         if self.memory is None:
             return
         r = self.cfg.retriever
-        if self.pipe is not None:  # its ranks search independently: their retrievers must be one
-            self.watch.at("index refresh (retriever copies check)", self.step)
-            self.pipe.check_retriever_copies()
+        # every rank searches for itself: the retriever copies must be one
+        self.watch.at("index refresh (retriever copies check)", self.step)
+        self.spread.check_retriever_copies()
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
         self.memory.refresh(background=r.refresh_background, step=self.step)
         if self.memory.refresh_seconds:
@@ -115,19 +98,19 @@ class Trainer:
     def evaluate_split(self, split: str, max_batches: int = 0) -> dict:
         self.watch.at(f"evaluation on {split} (all_reduce of counts)")
         self._ensure_index()
-        examples = self.run_dir / "retrieved_examples.json" if self.env.is_main and self.memory is not None else None
-        if self.pipe is not None:  # forward-only over the pipeline; every stage counts the batch
-            return evaluate(self.pipe, self._stream(split, train=False), self.device, max_batches,
-                            replicas=self.env.world_size // self.data_size)
-        return evaluate(self.rag, self._stream(split, train=False), self.device, max_batches,
-                        examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok)
+        # a few queries with their answers and documents, generated by the whole reader on rank 0
+        examples = None
+        if self.env.is_main and self.memory is not None and self.spread.whole_reader:
+            examples = self.run_dir / "retrieved_examples.json"
+        # every rank of a replica (its stages and tp ranks) counts the batch: divided by them
+        return evaluate(self.spread, self._stream(split, train=False), self.device, max_batches,
+                        examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok,
+                        replicas=self.env.world_size // self.data_size)
 
     # ------------------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
-        if self.pipe is not None:  # each rank its stages' part, under the RagModel's names
-            return {"model": self.pipe.model_state(), "optim": self.pipe.optim_state(self.opt)}
-        model_sd, optim_sd = get_state_dict(self.rag, self.opt)
-        return {"model": model_sd, "optim": optim_sd}
+        # each rank its part (its stages', its shards), under the RagModel's names
+        return {"model": self.spread.model_state(), "optim": self.spread.optim_state(self.opt)}
 
     def save(self) -> Path:
         trainer_state = {
@@ -154,11 +137,12 @@ class Trainer:
             return
         state = self._state()
         ts = checkpoint.load(path, state)
-        if self.pipe is None:  # the pipeline's state was loaded in place
-            set_state_dict(self.rag, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            self.pipe.load_done(state)
+        self.spread.load_done(state)  # loaded in place; gathered TP blocks scattered back
         self.sched.load_state_dict(ts["scheduler"])
+        # the optimizer's state is saved per parameter, its groups come from the config: their
+        # learning rate is the schedule's at the restored step (a scheduler's load sets none)
+        for group, lr in zip(self.opt.param_groups, self.sched.get_last_lr()):
+            group["lr"] = lr
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
         log.info("resumed from %s at step %d", path, self.step)
@@ -178,13 +162,11 @@ class Trainer:
     def _warmup_retriever(self, it, autocast) -> None:
         """Retriever-only contrastive steps before joint training (DPR-style warm-up): a random
         retriever hands the reader random documents, from which it learns nothing. Its own
-        optimizer at a constant ``retriever.warmup_lr``; gradients averaged over every rank by
-        hand, since the reader (inside DDP) takes no part. Not checkpointed: a run stopped during
-        the warm-up restarts it."""
+        optimizer at a constant ``retriever.warmup_lr``; gradients averaged over every rank (the
+        retriever is whole on each). Not checkpointed: a run stopped during the warm-up restarts it."""
         c, r = self.cfg, self.cfg.retriever
         params = [p for p in self.rag.retriever.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
-        no_sync = self.dp_model.no_sync if isinstance(self.dp_model, DDP) else contextlib.nullcontext
         t0 = window_t = time.perf_counter()
         refresh_before = sum(self.memory.refresh_seconds)
         loss_sum, hits, n = 0.0, 0.0, 0
@@ -195,7 +177,7 @@ class Trainer:
             self.consumed += 1
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
             inputs = batch_inputs(batch, self.device)
-            with no_sync(), autocast:
+            with autocast:
                 loss, hit = self.rag.retriever_warmup(**inputs)
             loss.backward()
             if self.env.world_size > 1:
@@ -241,31 +223,23 @@ class Trainer:
             while self.step < c.max_steps:
                 self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
                 faults.inject("step", self.step, self.env.rank)
-                self.watch.at("forward/backward (DDP gradient all_reduce)", self.step)
+                self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
                 r_loss_sum, hits = torch.zeros((), device=self.device), 0.0
-                for micro in range(accum):
+                for _ in range(accum):
                     batch = next(it)
                     self.consumed += 1
                     wid, counts = batch["skipped"]
                     if counts:
                         self.skipped[wid] = counts
-                    sync = micro == accum - 1 or not isinstance(self.dp_model, DDP)
-                    if self.pipe is not None:  # forward and backward over the pipeline stages
-                        with autocast:  # train_step keeps it on the forwards only (pp, tp and FSDP alike)
-                            out = self.pipe.train_step(batch_inputs(batch, self.device), scale=1 / accum)
-                    else:
-                        with (contextlib.nullcontext() if sync else self.dp_model.no_sync()), autocast:
-                            out = self.dp_model(**batch_inputs(batch, self.device))
-                        (out.loss / accum).backward()
+                    with autocast:  # train_step keeps it on the forwards only
+                        out = self.spread.train_step(batch_inputs(batch, self.device), scale=1 / accum)
                     loss_sum += out.reader.loss.detach() / accum
                     if out.retriever_loss is not None:
                         r_loss_sum += out.retriever_loss / accum
                         hits += float((out.doc_ids == batch["doc_id"][:, None]).any(1).float().mean()) / accum
-                clip = self.pipe.clip_grad_norm_ if self.pipe is not None else \
-                    lambda n: torch.nn.utils.clip_grad_norm_(self.rag.parameters(), n)
-                gnorm = clip(c.optim.grad_clip or float("inf"))
+                gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
                 # every rank must take the same decision, so agree on finiteness
                 self.watch.at("all_reduce: non-finite check")
                 finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))

@@ -5,7 +5,7 @@ execution order), but the code between them - a container's own ``forward`` (GPT
 cache set-up, the reader's token packing, a ``for block in self.h`` loop) - is ordinary Python
 that no tracer has to understand. So every stage runs the root ``forward`` itself, and each
 top-level call of a unit module is intercepted (SageMaker's library does the same with its
-"module server", research/parallel.md §1):
+"module server"):
 
 - a call of a module placed on this stage runs for real;
 - a call of a module placed on an earlier stage returns that call's output *as received*: the

@@ -111,7 +111,7 @@ class Transport:
         # send copies at once and a received header is read at once, so the buffer can be reused;
         # written and read through its numpy view. Why: a step has m headers each way, and every
         # torch call after a microbatch's compute costs 5-20 us here (its code and data left the
-        # cache), against ~1 us for a numpy access (BENCHMARKS.md, Pipeline, session 5)
+        # cache), against ~1 us for a numpy access (BENCHMARKS.md, Pipeline)
         self._headers: dict[tuple, tuple[torch.Tensor, Any]] = {}
 
     def _header(self, edge: tuple) -> tuple[torch.Tensor, Any] | None:

@@ -1,4 +1,4 @@
-"""The knowledge world: entities with a drawn appearance and random facts (DESIGN.md §5).
+"""The knowledge world: entities with a drawn appearance and random facts.
 
 Everything here is deterministic given a seed. Facts are drawn independently of appearance, so
 no model can infer them from a picture: only a document that states them can answer.

@@ -50,31 +50,41 @@ class RagModel(nn.Module):
     def forward(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = True,
                 search_k: int = 0) -> RagOutput:
         """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle, contrastive)."""
-        mode = self.rcfg.mode
         q = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len)
+        x, ids, ret = self.reader_inputs(q, gold, search_k=search_k)
+        out = self.reader(**x)
+        if ret is None:
+            return RagOutput(out.loss, out, None, ids, None)
+        q_emb, top, docs, sims = ret
+        if not retriever_loss:  # scores: the index's, scaled as the retriever scores
+            return RagOutput(out.loss, out, None, ids, self.retriever.scale().detach() * sims[:, :top.shape[1]])
+        r_loss, scores = self.retriever_loss(q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention)
+        return RagOutput(out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+
+    def reader_inputs(self, q: dict, gold=None, search_k: int = 0, grad: bool = True):
+        """What the reader reads for queries ``q`` (image, q_ids, q_len, a_ids, a_len), by
+        ``retriever.mode``: (reader inputs, retrieved ids (B, max(k, search_k)) or None, and in
+        learned mode (query embeddings, top-k ids, their documents, the index's similarities) for
+        the retriever loss, else None). ``grad``: the query embeddings keep their graph (training)."""
+        mode, dev = self.rcfg.mode, q["image"].device
         if mode == "none":
-            out = self.reader(**q)
-            return RagOutput(out.loss, out, None, None, None)
+            return dict(q), None, None
         if mode == "oracle":
             if gold is None or bool((gold < 0).any()):
                 raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
             ids = gold[:, None].cpu()
-            out = self.reader(**q, **self._docs(ids, image.device))
-            return RagOutput(out.loss, out, None, ids, None)
-        return self._learned(q, gold, retriever_loss, search_k)
-
-    def _learned(self, q: dict, gold, want_loss: bool, search_k: int) -> RagOutput:
-        cfg, enc, dev = self.rcfg, self.retriever, q["image"].device
-        k = cfg.top_k
-        q_emb = enc.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        sims, ids = self.memory.search(q_emb, max(k, search_k))  # (B, max(k, search_k)) nearest first
+            return {**q, **self._docs(ids, dev)}, ids, None
+        k = self.rcfg.top_k
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
+        sims, ids = self.memory.search(q_emb.detach(), max(k, search_k))  # (B, max(k, search_k)) nearest first
         top = ids[:, :k]
         docs = self._docs(top, dev)
-        out = self.reader(**q, **docs, doc_prior=self.doc_prior(sims, dev))
-        if not want_loss:  # scores: the index's, scaled as the retriever scores
-            return RagOutput(out.loss, out, None, ids, enc.scale().detach() * sims[:, :k])
-        r_loss, scores = self.retriever_loss(q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention)
-        return RagOutput(out.loss + cfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+        x = {**q, **docs}
+        prior = self.doc_prior(sims, dev)
+        if prior is not None:
+            x["doc_prior"] = prior
+        return x, ids, (q_emb, top, docs, sims)
 
     def doc_prior(self, sims: torch.Tensor, dev) -> torch.Tensor | None:
         """log p(d | q) over the top-k documents (B, k), a constant for the reader; None when
@@ -88,8 +98,8 @@ class RagModel(nn.Module):
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
         (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
         with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the reader's copy
-        attention per document, for adist. The spread reader (rag_mm/pipelined.py) calls this too,
-        with both read over the pipeline."""
+        attention per document, for adist. The spread reader (rag_mm/spread.py) calls this too,
+        with both read over its stages."""
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)

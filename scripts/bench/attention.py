@@ -12,7 +12,7 @@ Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512.
   For packed and retrieval the TFLOP/s count only useful FLOPs (4*H*D per allowed query-key pair),
   so the ratio equals the speed-up.
 
-``--device cuda`` (issue 7's GPU figure): dense and causal, bf16 and fp16, B=4 x H=16, against SDPA
+``--device cuda`` (the GPU figure): dense and causal, bf16 and fp16, B=4 x H=16, against SDPA
 restricted to its flash backend (``sdpa_kernel(FLASH_ATTENTION)``), timed with CUDA events; goal
 >= 0.7x flash's TFLOP/s.
 

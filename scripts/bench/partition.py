@@ -1,4 +1,4 @@
-"""Benchmark of the automatic partitioner (issue 4), printing JSON.
+"""Benchmark of the automatic partitioner, printing JSON.
 
 1. Speed: partitioning a model of >= 1000 modules (tracing excluded), for 2, 4 and 8 stages, on
    a deep model (200 small blocks), a wide one (8 blocks of 127 modules, so the partitioner

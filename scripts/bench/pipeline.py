@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-D, BATCH, BLOCKS = 512, 256, 8  # the reference setting of issue 5
+D, BATCH, BLOCKS = 512, 256, 8  # the reference setting: an 8-block MLP, batch 256
 
 
 def mlp(d: int = D) -> nn.Module:
@@ -188,7 +188,7 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
     rounds of ``steps`` steps each (the machine is shared: load drifts within seconds, so what is
     compared is timed side by side). ``steps=1``: every round is one step of each, so T1, the
     floor and the pipeline are paired step by step (after one warm-up round of 3 steps each); the
-    speed of this VM drifts by up to 45% over tens of seconds (BENCHMARKS.md, Pipeline, session 7).
+    speed of this VM drifts by up to 45% over tens of seconds (BENCHMARKS.md, Pipeline).
     T1 runs on rank 0 while rank 1 blocks in a gloo barrier (no spinning).
 
     ``NAME+bind`` times pipeline NAME with every thread of both ranks bound to the cores

@@ -134,7 +134,7 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tiny_world,
 
 def test_nonfinite_losses_skip_the_step_then_abort(tiny_world, tmp_path, caplog):
     def poisoned(t: Trainer, calls: set[int] | None):
-        forward, n = t.dp_model.forward, [0]
+        forward, n = t.model.forward, [0]  # the reader: its loss turned NaN
 
         def fwd(*a, **k):
             out = forward(*a, **k)
@@ -143,7 +143,7 @@ def test_nonfinite_losses_skip_the_step_then_abort(tiny_world, tmp_path, caplog)
             n[0] += t.model.training
             return out
 
-        t.dp_model.forward = fwd
+        t.model.forward = fwd
 
     t = Trainer(compose(tiny_overrides(tiny_world, tmp_path / "a", "max_steps=4", "ckpt_every=0")))
     poisoned(t, {1, 2})
@@ -167,7 +167,7 @@ def test_collective_timeout_names_the_stuck_rank_and_operation(tiny_world, tmp_p
     res = torchrun(tiny_world, tmp_path / "run", "parallel.timeout_s=15", fault="hang:step=2:rank=1", timeout=300)
     assert res.returncode != 0
     err = res.stderr
-    assert "rank 0 failed in 'forward/backward (DDP gradient all_reduce)' at step 2" in err, err[-4000:]
+    assert "rank 0 failed in 'forward/backward (gradient reduction)' at step 2" in err, err[-4000:]
     assert "stuck rank(s): 1" in err
     # what rank 1 last did: step 2's checkpoint save (ckpt_every=2), then it hung
     assert "rank 1: step 2, in 'checkpoint save (DCP write + barriers)'" in err and "<- behind" in err

@@ -46,7 +46,7 @@ def _faults(mode: str) -> float:
 def test_steady_malloc_stops_page_fault_churn():
     churn, steady = _faults("default"), _faults("steady")
     # measured on the dev box: 1600-3000 faults per step with glibc's dynamic thresholds, 10-200
-    # with them fixed (the count moves with the host's memory management: session 7's CI run read
+    # with them fixed (the count moves with the host's memory management: one CI run read
     # 1620 against 195); a no-op steady_malloc would read about the same in both
     if churn < 500:
         pytest.skip(f"this libc's default thresholds do not churn ({churn:.0f} faults per step)")

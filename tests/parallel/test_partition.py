@@ -1,4 +1,4 @@
-"""Tests of the tracer and the automatic partitioner (issue 4). CPU only, small random models."""
+"""Tests of the tracer and the automatic partitioner. CPU only, small random models."""
 
 from __future__ import annotations
 
@@ -235,8 +235,8 @@ def test_memory_cap_respected_and_infeasible_cap_names_largest_module():
 
 def test_memory_objective_lowers_peak_memory():
     # compute costs from FLOPs, not the measured times: "memory" blends time (0.2) with memory,
-    # and on a busy host the timings moved the speed partition below it in one CI run (session 7:
-    # 2.54 MB against 2.65 MB); with FLOPs both partitions are deterministic (7.9 / 4.3 MB)
+    # and on a busy host the timings moved the speed partition below it in one CI run
+    # (2.54 MB against 2.65 MB); with FLOPs both partitions are deterministic (7.9 / 4.3 MB)
     tr = dataclasses.replace(traced("t5")[1], timed=False)
     speed = parallel.partition_trace(tr, 4, objective="speed")
     memory = parallel.partition_trace(tr, 4, objective="memory")

@@ -225,7 +225,7 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
       second stage, so the bf16 attention output feeds an add on both stages and its gradient is
       summed from two bf16-rounded parts, where one process rounds the fp32 sum once. The first
       rank comes out 1.0e-3 off (a plain split emulated in one process: 1.4e-3 over all
-      parameters); held to half of bf16's effect. Session 7's CI failures printed this family's
+      parameters); held to half of bf16's effect. Earlier CI failures printed this family's
       values (9.8e-4: a cut one module later), most likely ``auto``'s choice on a busy host."""
     if cut == "layers":
         partition = "uniform"

@@ -21,12 +21,16 @@ def test_tp_config_rejections(tiny_world, tmp_path):
 
     bad(2, "parallel.tp=4", match=r"not divisible by parallel.pp \* parallel.tp = 4")
     bad(3, "parallel.tp=3", "model.heads=3", "model.dim=48", match=r"parallel.tp \(3\) must divide the vision heads")
-    bad(4, "parallel.pp=2", "parallel.dp_shard=2", match=r"FSDP \(dp_shard > 1\) under a pipeline is not supported")
+    bad(2, "parallel.schedule=bogus", match=r"parallel: schedule must be one of")
     bad(2, "parallel.dp_shard=4", match=r"parallel.dp_shard \(4\) must be >= 1 and divide the data-parallel degree \(2\)")
     for ok in (["parallel.tp=2"], ["parallel.dp_shard=2"]):
         validate(compose(tiny_overrides(tiny_world, tmp_path, *ok)), world_size=2)
     validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.tp=2",
                                     "parallel.microbatches=2")), world_size=4)
+    for ok, world in ((["parallel.pp=2", "parallel.dp_shard=2"], 4),
+                      (["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"], 8),
+                      (["parallel.pp=2", "parallel.tp=2"], 8)):  # pp x tp with 2 replicas
+        validate(compose(tiny_overrides(tiny_world, tmp_path, *ok)), world_size=world)
 
 
 @pytest.mark.multirank
