@@ -2,7 +2,7 @@
 rtol 1e-4): the step loss and every gradient (full tensors of the TP / FSDP shards), over two
 steps, on the rag_mm reader and Hugging Face GPT-2 (tied embeddings across the cut) and Llama:
 
-- pp=2 x tp=2 on 4 gloo ranks;
+- pp=2 x tp=2 on 4 gloo ranks (slow grid);
 - pp=2 x dp_shard=2 (FSDP2 under the pipeline) on 4 ranks, under 1F1B and zero-bubble, with each
   FSDP unit gathered and reduce-scattered once per step, not once per microbatch;
 - pp=2 x tp=2 x dp_shard=2 on 8 ranks; HSDP (dp_replicate=2 x dp_shard=2) under pp=2 in the slow grid.
@@ -24,6 +24,7 @@ RTOL = 1e-4
 CASES = [("gpt2", dict(pp=2, tp=2, partition="uniform")), ("reader", dict(pp=2, tp=2, partition="uniform"))]
 
 
+@pytest.mark.slow  # the default run covers pp x tp in the 8-rank pp x tp x dp_shard test below
 @pytest.mark.multirank
 def test_pp2_tp2_matches_one_process():
     res = run_ranks(tp_cases.pp_tp_suite, 4, CASES, timeout_s=300)
