@@ -229,19 +229,31 @@ def parallel_config(cfg: Any, world_size: int):
                   microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce)
 
 
-def check_shards(cfg: Any) -> None:
-    """Fail before any work if a local shard pattern matches no file."""
-    from rag_mm.data.urls import expand_urls, missing_local_shards
+def shard_problems(cfg: Any) -> list[str]:
+    """Local shard patterns that match a missing file, a directory or an unreadable file."""
+    from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards
 
+    e = []
     for split in ("corpus", "train", "val", "test"):
         urls = expand_urls(cfg.data.root, getattr(cfg.data, split))
         missing = missing_local_shards(urls)
         if missing:
-            raise ConfigError(
+            e.append(
                 f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
                 f"(data.root={cfg.data.root!r}; generate the demo data with "
                 f"`python -m rag_mm.data.knowledge_world out={cfg.data.root}`)"
             )
+        unusable = unusable_local_shards(urls)
+        if unusable:
+            e.append(f"data.{split}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}")
+    return e
+
+
+def check_shards(cfg: Any) -> None:
+    """Fail before any work if a local shard pattern matches no file, a directory or an unreadable file."""
+    e = shard_problems(cfg)
+    if e:
+        raise ConfigError("\n".join(e) if len(e) == 1 else "invalid shards:\n  - " + "\n  - ".join(e))
 
 
 def register_configs() -> None:
@@ -251,8 +263,9 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def compose(overrides: list[str] | None = None, config_dir: str | None = None):
-    """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests, notebooks)."""
+def compose(overrides: list[str] | None = None, config_dir: str | None = None, return_hydra_config: bool = False):
+    """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests, notebooks);
+    with ``return_hydra_config`` its ``hydra`` node too (the output directory Hydra would create)."""
     from pathlib import Path
 
     from hydra import compose as hydra_compose
@@ -261,4 +274,5 @@ def compose(overrides: list[str] | None = None, config_dir: str | None = None):
     register_configs()
     conf = config_dir or str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []))
+        return hydra_compose(config_name="config", overrides=list(overrides or []),
+                             return_hydra_config=return_hydra_config)

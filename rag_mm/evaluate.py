@@ -26,7 +26,9 @@ import torch
 
 from rag_mm import checkpoint
 from rag_mm.build import SPLITS, batch_inputs, build_rag, make_stream
+from rag_mm.data.pipeline import DataError
 from rag_mm.distributed import all_reduce_sum
+from rag_mm.paths import data_key
 
 RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 
@@ -143,13 +145,20 @@ def load_config(run_dir: Path, overrides: list[str]):
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    from rag_mm.config import ConfigError, TrainConfig, check_shards, validate
+    from rag_mm.config import ConfigError, TrainConfig, validate
+    from rag_mm.paths import check_paths, dir_problem, file_problem, writable_dir_problem
 
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise EvalError(f"run directory {run_dir} not found")
+    why = dir_problem("RUN_DIR", run_dir)
+    if why:
+        raise EvalError(why)
     cfg_path = run_dir / ".hydra" / "config.yaml"
-    if not cfg_path.is_file():
+    if not cfg_path.exists():
         raise EvalError(f"{cfg_path} not found (is {run_dir} a run directory?)")
+    why = file_problem("RUN_DIR", cfg_path)
+    if why:
+        raise EvalError(why)
     for o in overrides:
         if not OVERRIDE.match(o):
             raise EvalError(f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)")
@@ -163,9 +172,13 @@ def load_config(run_dir: Path, overrides: list[str]):
     p.dp = p.pp = p.tp = p.dp_shard = p.microbatches = 1
     try:
         validate(cfg, world_size=1)
-        check_shards(cfg)
+        check_paths(cfg, training=False)
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
+    if cfg.retriever.mode == "learned":  # retrieved_examples.json is written there
+        why = writable_dir_problem("RUN_DIR", run_dir)
+        if why:
+            raise EvalError(why)
     return cfg
 
 
@@ -209,7 +222,10 @@ def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.seed)
     device = _device(cfg.device)
-    parts = build_rag(cfg, device)
+    try:
+        parts = build_rag(cfg, device)
+    except DataError as exc:  # the corpus holds no readable document
+        raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     step = load_model_state(parts.rag, ckpt)["step"]
     try:
         if parts.memory is not None:  # index the documents with the loaded document encoder
@@ -217,6 +233,8 @@ def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
         examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
         metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
                            n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok)
+    except DataError as exc:  # no usable sample in the split
+        raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
         if parts.memory is not None:
             parts.memory.close()

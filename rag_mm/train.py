@@ -11,13 +11,48 @@ import json
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rag_mm.config import ConfigError, check_shards, register_configs, validate
+from rag_mm.config import ConfigError, register_configs, validate
+from rag_mm.paths import check_paths, data_key, run_dir_problems
 
 register_configs()
+
+
+def _fail(exc: ConfigError, cfg=None) -> NoReturn:
+    """Bad input (a config value, a path, data that cannot feed the run): one message, exit 2.
+    A data error raised in the data layer names its shards; the config key is added here."""
+    urls = getattr(exc, "urls", None)
+    key = data_key(cfg, urls) if cfg is not None and urls else ""
+    print(f"rag_mm.train: {key + ': ' if key else ''}{exc}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_output_dir(argv: list[str]) -> None:
+    """Hydra creates the run's output directory (``hydra.run.dir``, which is ``run_dir``) and
+    writes ``.hydra/`` into it before ``main`` runs: a file in its place or a read-only parent
+    would end in Hydra's traceback. The overrides are composed once here to check it first; a
+    command line Hydra itself would reject (or a sweep, or a flag) is left to Hydra."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rag_mm.config import compose
+
+    try:
+        cfg = compose(argv, return_hydra_config=True)
+        run_dir, out_dir = str(cfg.run_dir), str(cfg.hydra.run.dir)
+    except (HydraException, OmegaConfBaseException):
+        return
+    problems = run_dir_problems("run_dir", run_dir)
+    if out_dir != run_dir:
+        problems += run_dir_problems("hydra.run.dir", out_dir)
+    if problems:
+        _fail(ConfigError("invalid paths:\n  - " + "\n  - ".join(problems)))
 
 
 def _setup_logging() -> None:
@@ -38,19 +73,25 @@ def main(cfg: DictConfig) -> None:
     _setup_logging()
     from rag_mm.distributed import world_size_from_env
 
-    try:  # reject bad values before any heavy import or work
+    try:  # reject bad values and paths before any heavy import or work
         validate(cfg, world_size_from_env())
-        check_shards(cfg)
+        check_paths(cfg)
     except ConfigError as exc:
-        print(f"rag_mm.train: {exc}", file=sys.stderr)
-        sys.exit(2)
+        _fail(exc)
     from rag_mm.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    try:  # the document memory is read here: a corpus without a readable document stops the run
+        trainer = Trainer(cfg)
+    except ConfigError as exc:
+        _fail(exc, cfg)
     requeue = preemption.SubmititRequeue(trainer._on_sigterm)  # submitit's USR2: checkpoint, then requeue
     try:
         trainer.restore()
         summary = trainer.fit()
+    except ConfigError as exc:  # a split whose every shard or sample is unreadable (rag_mm.data.DataError)
+        trainer.metrics.close()
+        trainer.watch.close()
+        _fail(exc, cfg)
     except Exception as exc:
         if trainer.env.world_size > 1:  # name the stuck rank and the operation, not only gloo's message
             logging.getLogger(__name__).error("%s", trainer.watch.explain(exc))
@@ -65,4 +106,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    _check_output_dir(sys.argv[1:])
     main()

@@ -23,11 +23,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rag_mm import checkpoint as ckpt  # noqa: E402
+from rag_mm import paths  # noqa: E402
 from rag_mm.data.documents import DocumentStore  # noqa: E402
-from rag_mm.data.urls import expand_urls  # noqa: E402
+from rag_mm.data.pipeline import DataError  # noqa: E402
+from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards  # noqa: E402
 from retriever.config import RetrieverConfig  # noqa: E402
 from retriever.encoders import DualEncoder  # noqa: E402
 from retriever.index import FaissIndex, build_index, default_factory, fingerprint  # noqa: E402
@@ -60,6 +64,48 @@ def _dist() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def _fail(message: str) -> SystemExit:
+    """Bad input: the message on stderr, exit status 2."""
+    print(f"build_index: error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _shard_problems(key: str, root: str, pattern: str) -> list[str]:
+    urls = expand_urls(root, pattern)
+    missing, unusable = missing_local_shards(urls), unusable_local_shards(urls)
+    e = [f"{key}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]}"] if missing else []
+    return e + ([f"{key}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}"] if unusable else [])
+
+
+def check_args(cfg: BuildConfig) -> list[str]:
+    """Every problem with the path arguments, before the process group, the corpus or the encoder."""
+    e = _shard_problems("corpus", cfg.root, cfg.corpus)
+    if cfg.queries:
+        e += _shard_problems("queries", cfg.root, cfg.queries)
+    if cfg.checkpoint:
+        p = Path(cfg.checkpoint)
+        if (p / "checkpoints").is_dir():  # a run directory: its saved config and a valid checkpoint
+            saved = p / ".hydra" / "config.yaml"
+            why = paths.file_problem("checkpoint", saved) if saved.exists() else None
+            if why is None and saved.exists():
+                try:
+                    OmegaConf.merge(OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever)
+                    int(OmegaConf.load(saved).model.image_size)
+                except (OmegaConfBaseException, YAMLError, AttributeError, TypeError, ValueError) as exc:  # damaged or foreign
+                    why = f"checkpoint: the run's saved config {saved} is unusable ({paths.short_error(exc)})"
+            e += [why] if why else []
+            if ckpt.latest_valid(p / "checkpoints") is None:
+                e.append(f"checkpoint: no valid checkpoint under {p / 'checkpoints'}")
+        else:
+            e += paths.checkpoint_dir_problems("checkpoint", p)
+    e += paths.output_file_problems("out", cfg.out, must_be="index")
+    if cfg.save_embeddings:
+        where = Path(cfg.save_embeddings + "docs.npy").parent  # np.save creates no directory
+        why = paths.dir_problem("save_embeddings", where) or paths.writable_dir_problem("save_embeddings", where)
+        e += [why] if why else []
+    return e
+
+
 def load_encoder(cfg: BuildConfig) -> tuple[DualEncoder, str]:
     """The dual encoder from a run's checkpoint (and its saved config), or a fresh one."""
     rcfg, path = cfg.retriever, None
@@ -72,18 +118,23 @@ def load_encoder(cfg: BuildConfig) -> tuple[DualEncoder, str]:
                 cfg.image_size = int(OmegaConf.load(saved).model.image_size)
             path = ckpt.latest_valid(p / "checkpoints")
             if path is None:
-                raise SystemExit(f"build_index: no valid checkpoint under {p / 'checkpoints'}")
+                raise _fail(f"checkpoint: no valid checkpoint under {p / 'checkpoints'}")
         else:
             path = p
     enc = DualEncoder(rcfg, cfg.image_size)  # type: ignore[arg-type]
     if path is not None:
         why = ckpt.verify(path)
         if why:
-            raise SystemExit(f"build_index: checkpoint {path} failed verification: {why}")
+            raise _fail(f"checkpoint {path} failed verification: {why}")
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         state = {"model": {f"retriever.{k}": v for k, v in enc.state_dict().items()}}
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except CheckpointException as exc:  # e.g. a run without a learned retriever: no retriever.* entries
+            why = "; ".join(f"{type(err).__name__}: {err}" for err, _ in exc.failures.values())
+            raise _fail(f"checkpoint {path} holds no retriever this config builds: {why}") from None
         enc.load_state_dict({k[len("retriever."):]: v for k, v in state["model"].items()})
     return enc.eval(), str(path or "fresh")
 
@@ -109,16 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         print(f"build_index: error: {exc}", file=sys.stderr)
         return 2
+    problems = check_args(cfg)
+    if problems:
+        print("build_index: error: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = _dist()
     urls = expand_urls(cfg.root, cfg.corpus)
-    missing = [u for u in urls if not u.startswith(("pipe:", "http")) and not Path(u).is_file()]
-    if missing:
-        print(f"build_index: error: corpus shard not found: {missing[0]}", file=sys.stderr)
-        return 2
     enc, source = load_encoder(cfg)
-    store = DocumentStore.load(urls, cfg.image_size, cfg.max_text)
+    try:
+        store = DocumentStore.load(urls, cfg.image_size, cfg.max_text)
+    except DataError as exc:
+        raise _fail(f"corpus: {exc}") from None
     N = len(store)
 
     t0 = time.perf_counter()
@@ -149,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
                           max_answer=8, batch_size=cfg.batch_size, train=False)
         qs, gold = [], []
         with torch.no_grad():
-            for b in make_loader(spec, 0):
-                qs.append(enc.embed_queries(b["image"], b["q_ids"], b["q_len"]))
-                gold.append(b["doc_id"])
+            try:
+                for b in make_loader(spec, 0):
+                    qs.append(enc.embed_queries(b["image"], b["q_ids"], b["q_len"]))
+                    gold.append(b["doc_id"])
+            except DataError as exc:
+                raise _fail(f"queries: {exc}") from None
         q, gold = torch.cat(qs).numpy(), torch.cat(gold).numpy()
     else:
         pick = np.random.default_rng(0).choice(N, min(cfg.num_queries, N), replace=False)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import webdataset as wds
 
-from rag_mm.data.pipeline import SkipCounter, decode_image, image_to_tensor
+from rag_mm.data.pipeline import DataError, SkipCounter, decode_image, image_to_tensor
 from rag_mm.data.tokenizer import get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,17 +58,19 @@ class DocumentStore:
                 img = image_to_tensor(decode_image(sample), image_size)
                 text = sample["txt"].decode("utf-8")
                 meta = json.loads(sample["json"]) if "json" in sample else {}
-            except Exception as exc:
+                doc_id = int(meta.get("doc_id", len(ids)))
+            except Exception as exc:  # a broken picture (PIL raises several types), text or JSON
                 counter.counts["bad_document"] += 1
                 log.warning("skipping document %s: %s", sample.get("__key__"), exc)
                 continue
-            ids.append(int(meta.get("doc_id", len(ids))))
+            ids.append(doc_id)
             images.append(img)
             texts.append(tok.encode(text))
             passages.append(text)
         if not ids:
-            raise RuntimeError(f"no readable document in {urls[:3]}{'...' if len(urls) > 3 else ''}")
+            raise DataError("no readable document in the corpus", urls, counter.counts)
         if len(set(ids)) != len(ids):
-            raise ValueError("duplicate doc_id values in the corpus")
+            dup = sorted(d for d, n in Counter(ids).items() if n > 1)
+            raise DataError(f"duplicate doc_id values in the corpus (e.g. {dup[:5]})", urls, counter.counts)
         text_ids, text_len = tok.pad(texts, max_text)
         return cls(torch.tensor(ids), torch.stack(images), text_ids, text_len, passages, dict(counter.counts))

@@ -5,6 +5,10 @@ by (seed, epoch), augmentation by (seed, epoch, sample key). A rank that resumes
 batches replays its stream and drops what it had consumed, so no sample is seen twice or
 skipped. Corrupt input (a truncated tar, an undecodable picture, bad JSON, a missing key) is
 dropped and counted, never slept on (webdataset's ``warn_and_continue`` sleeps 0.5 s per error).
+A full pass that yields no usable sample stops the stream with a ``DataError`` (naming the shards
+and the drop counts by reason) instead of spinning over them forever. Loader workers are other
+processes: batches carry their drop counts, and a worker's error travels as a record that
+``Loader`` raises in the iterating process.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 import webdataset as wds
 from PIL import Image
 
+from rag_mm.config import ConfigError
 from rag_mm.data.tokenizer import get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +56,22 @@ def decode_image(sample: dict) -> Image.Image:
             img.load()  # force the decode here, where errors are caught and counted
             return img
     raise KeyError(f"no image member ({'/'.join(IMAGE_KEYS)})")
+
+
+class DataError(ConfigError):
+    """Shards a config key names cannot feed the run: a full pass over them yielded no usable
+    sample. It is bad input, as a bad config value is (``rag_mm.train`` prints it and exits 2);
+    ``urls`` are the shards read, ``counts`` the dropped input by reason."""
+
+    def __init__(self, what: str, urls: list[str], counts: dict[str, int]) -> None:
+        self.what, self.urls, self.counts = what, list(urls), dict(counts)
+        shown = ", ".join(self.urls[:3]) + (f", ... ({len(self.urls)} shards)" if len(self.urls) > 3 else "")
+        dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "nothing (the shards hold no samples)"
+        super().__init__(f"{what}: {shown}; dropped by reason: {dropped}")
+
+    def fields(self) -> dict:
+        """Plain data to rebuild the error in another process."""
+        return {"what": self.what, "urls": self.urls, "counts": self.counts}
 
 
 class SkipCounter:
@@ -120,25 +141,34 @@ class QueryStream(torch.utils.data.IterableDataset):
     def _decode(self, sample: dict, counter: SkipCounter) -> dict | None:
         s = self.spec
         tok = get_tokenizer()
+        key = sample.get("__key__")
         try:
             img = decode_image(sample)
-            if "txt" not in sample:
-                raise KeyError("no txt member (the question)")
-            meta = json.loads(sample["json"]) if "json" in sample else {}
-            if "answer" not in meta:
-                raise KeyError("json has no 'answer'")
-            question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
         except KeyError as exc:
             counter.counts["missing_key"] += 1
-            log.warning("skipping sample %s: %s", sample.get("__key__"), exc)
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            counter.counts["bad_json"] += 1
-            log.warning("skipping sample %s: bad JSON/text: %s", sample.get("__key__"), exc)
+            log.warning("skipping sample %s: %s", key, exc)
             return None
         except Exception as exc:  # PIL raises several types for broken pictures
             counter.counts["bad_image"] += 1
-            log.warning("skipping sample %s: undecodable image: %s", sample.get("__key__"), exc)
+            log.warning("skipping sample %s: undecodable image: %s", key, exc)
+            return None
+        try:
+            if "txt" not in sample:
+                raise KeyError("no txt member (the question)")
+            meta = json.loads(sample["json"]) if "json" in sample else {}
+            if not isinstance(meta, dict):
+                raise ValueError(f"json is a {type(meta).__name__}, not an object")
+            if "answer" not in meta:
+                raise KeyError("json has no 'answer'")
+            doc_id = int(meta.get("doc_id", -1))
+            question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
+        except KeyError as exc:
+            counter.counts["missing_key"] += 1
+            log.warning("skipping sample %s: %s", key, exc)
+            return None
+        except (ValueError, TypeError) as exc:  # bad JSON, text that is not UTF-8, a doc_id that is no integer
+            counter.counts["bad_json"] += 1
+            log.warning("skipping sample %s: bad JSON/text: %s", key, exc)
             return None
         answer = str(meta["answer"])
         return {
@@ -148,7 +178,7 @@ class QueryStream(torch.utils.data.IterableDataset):
             "answer": answer,
             "q_ids": tok.encode(question)[: s.max_question],
             "a_ids": (tok.encode(answer)[: s.max_answer - 1]) + [tok.eot_id],
-            "doc_id": int(meta.get("doc_id", -1)),
+            "doc_id": doc_id,
             "heldout": bool(meta.get("heldout", False)),
             "attribute": str(meta.get("attribute", "")),
         }
@@ -163,20 +193,28 @@ class QueryStream(torch.utils.data.IterableDataset):
             raw = self._raw_samples(urls, counter)
             if s.train:
                 raw = _seeded_shuffle(raw, s.shuffle_buffer, random.Random(f"{s.seed}-{epoch}-{s.rank}-{worker}"))
-            n_seen = 0
+            n_raw = n_share = n_seen = 0
             for i, sample in enumerate(raw):
+                n_raw += 1
                 if not s.train and (i % s.world_size != s.rank or (i // s.world_size) % num_workers != worker):
                     continue  # evaluation: every rank reads all shards and keeps its share
+                n_share += 1
                 out = self._decode(sample, counter)
                 if out is None:
                     continue
                 n_seen += 1
                 out["epoch"] = epoch
                 yield out
+            # Training: this worker's shards gave nothing in a whole pass, and every later pass would
+            # too. Evaluation reads every shard in each worker: no sample at all means the split has
+            # none; a share with samples none of which decoded means (all but) the whole split is bad.
+            if n_seen == 0 and (s.train or n_raw == 0 or n_share > 0):
+                where = f" (rank {s.rank}, loader worker {worker} of {num_workers})" if s.world_size * num_workers > 1 else ""
+                what = (f"no usable sample in a full pass over {len(urls)} shard(s){where}" if n_raw
+                        else f"no readable sample at all in {len(urls)} shard(s){where}")
+                raise DataError(what, urls, counter.counts)
             if not s.train:
                 return
-            if n_seen == 0:
-                raise RuntimeError(f"no valid sample in {len(urls)} shard(s) of rank {s.rank}: {urls[:3]}")
             epoch += 1
 
     def __iter__(self) -> Iterator[dict]:
@@ -191,19 +229,27 @@ class QueryStream(torch.utils.data.IterableDataset):
             worker = (worker + s.skip_batches) % num_workers
         skip = len(range(worker, s.skip_batches, num_workers)) if s.train else 0
         batch: list[dict] = []
-        for sample in self._samples(counter, worker, num_workers):
-            if skip:
+        try:
+            for sample in self._samples(counter, worker, num_workers):
+                if skip:
+                    batch.append(sample)
+                    if len(batch) == s.batch_size:
+                        batch, skip = [], skip - 1
+                    continue
+                if s.train and s.augment:
+                    rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
+                    sample["image"] = _augment(sample["image"], rng)
                 batch.append(sample)
                 if len(batch) == s.batch_size:
-                    batch, skip = [], skip - 1
-                continue
-            if s.train and s.augment:
-                rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
-                sample["image"] = _augment(sample["image"], rng)
-            batch.append(sample)
-            if len(batch) == s.batch_size:
-                yield collate(batch, counter)
-                batch = []
+                    yield collate(batch, counter)
+                    batch = []
+        except DataError as exc:
+            if info is None:
+                raise
+            # a worker's exception reaches the main process as a formatted traceback: send the
+            # error's fields instead, for Loader to raise there
+            yield {"error": exc.fields(), "skipped": (info.id, dict(counter.counts))}
+            return
         if batch:  # evaluation keeps the partial last batch
             yield collate(batch, counter)
 
@@ -243,16 +289,50 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
     }
 
 
-def make_loader(spec: StreamSpec, num_workers: int) -> torch.utils.data.DataLoader:
-    """A DataLoader over a QueryStream (batching happens in the stream)."""
-    return torch.utils.data.DataLoader(
-        QueryStream(spec),
-        batch_size=None,
-        num_workers=num_workers,
-        persistent_workers=False,
-        prefetch_factor=4 if num_workers > 0 else None,
-        worker_init_fn=_ignore_sigterm if num_workers > 0 else None,
-    )
+class Loader:
+    """Batches of a QueryStream through a DataLoader (batching happens in the stream).
+
+    A worker's ``DataError`` is raised here, in the process that iterates. ``skipped`` holds the
+    latest cumulative drop counts of each loader worker (every batch carries its worker's), and
+    the end of a finite pass logs what was dropped.
+    """
+
+    def __init__(self, spec: StreamSpec, num_workers: int) -> None:
+        self.spec = spec
+        self.loader = torch.utils.data.DataLoader(
+            QueryStream(spec),
+            batch_size=None,
+            num_workers=num_workers,
+            persistent_workers=False,
+            prefetch_factor=4 if num_workers > 0 else None,
+            worker_init_fn=_ignore_sigterm if num_workers > 0 else None,
+        )
+        self.skipped: dict[int, dict[str, int]] = {}
+
+    def __iter__(self) -> Iterator[dict]:
+        self.skipped = {}
+        for batch in self.loader:
+            wid, counts = batch["skipped"]
+            self.skipped[wid] = counts
+            if "error" in batch:
+                raise DataError(**batch["error"])
+            yield batch
+        dropped = self.skipped_total()
+        if dropped:
+            log.warning("dropped %d samples in a pass over %s%s: %s", sum(dropped.values()), self.spec.urls[0],
+                        f" and {len(self.spec.urls) - 1} more shards" if len(self.spec.urls) > 1 else "", dropped)
+
+    def skipped_total(self) -> dict[str, int]:
+        """Drop counts by reason, summed over the loader workers."""
+        total: Counter[str] = Counter()
+        for counts in self.skipped.values():
+            total.update(counts)
+        return dict(total)
+
+
+def make_loader(spec: StreamSpec, num_workers: int) -> Loader:
+    """The batches of ``spec``'s stream, read by ``num_workers`` loader processes (0: this one)."""
+    return Loader(spec, num_workers)
 
 
 def _ignore_sigterm(_worker_id: int) -> None:

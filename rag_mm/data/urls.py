@@ -22,4 +22,20 @@ def expand_urls(root: str, pattern: str) -> list[str]:
 
 
 def missing_local_shards(urls: list[str]) -> list[str]:
-    return [u for u in urls if not u.startswith(REMOTE) and not os.path.isfile(u)]
+    """Local shard paths that do not exist."""
+    return [u for u in urls if not u.startswith(REMOTE) and not os.path.exists(u)]
+
+
+def unusable_local_shards(urls: list[str]) -> list[str]:
+    """Local shard paths that exist but cannot be read as a tar file, each with the reason."""
+    bad = []
+    for u in urls:
+        if u.startswith(REMOTE) or not os.path.exists(u):
+            continue
+        if os.path.isdir(u):
+            bad.append(f"{u} is a directory, not a shard file")
+        elif not os.path.isfile(u):
+            bad.append(f"{u} is not a regular file")
+        elif not os.access(u, os.R_OK):
+            bad.append(f"{u} is not readable (permissions)")
+    return bad
