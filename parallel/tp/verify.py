@@ -56,6 +56,10 @@ class CapturedInputs:
     # unit's gradient for them is a per-rank partial sum nothing consumes)
     needs_grad: dict[str, list[bool]] = field(default_factory=dict)
     skipped: str = ""  # why nothing could be captured (then the plan is applied unchecked, logged)
+    # per unit, the indexes (``_tensors`` order) of its outputs that a module called later takes
+    # as input: T5's attention returns its position bias, and the next block adds it to its own
+    # scores, so that output's head count must match the next block's, not only the first output
+    consumed: dict[str, set[int]] = field(default_factory=dict)
 
 
 def plan_units(plan: TPPlan) -> dict[str, list[str]]:
@@ -112,7 +116,25 @@ def capture_inputs(model: nn.Module, plan: TPPlan, example_inputs: Any) -> Captu
             cap.needs_grad[name] = flags
         return hook
 
+    produced: dict[int, tuple[str, int, torch.Tensor]] = {}  # id -> (unit, output index, tensor kept alive)
+
+    def post(name: str):
+        def hook(mod, args, out):
+            if name not in cap.consumed:  # first call only, as the inputs
+                cap.consumed[name] = set()
+                for i, t in enumerate(_tensors(out)):
+                    produced.setdefault(id(t), (name, i, t))
+        return hook
+
+    def consumer(mod, args, kwargs):
+        for t in _tensors((args, kwargs)):
+            hit = produced.get(id(t))
+            if hit is not None and hit[2] is t:
+                cap.consumed[hit[0]].add(hit[1])
+
     handles = [mods[u].register_forward_pre_hook(pre(u), with_kwargs=True) for u in units if u in mods]
+    handles += [mods[u].register_forward_hook(post(u)) for u in units if u in mods]
+    handles += [m.register_forward_pre_hook(consumer, with_kwargs=True) for m in model.modules()]
     modes = [(m, m.training) for m in model.modules()]
     model.eval()  # dropout off: the ranks see the same activations
     try:
@@ -265,7 +287,12 @@ def _check_unit(model: nn.Module, unit: str, plan: TPPlan, unit_of: dict[str, st
     # a broken layout; the collectives of the backward below must line up on every rank)
     if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:
         return math.inf, f"outputs {[tuple(t.shape) for t in y]}, replicated {[tuple(t.shape) for t in y_ref]}"
-    # the first output must agree in shape; later ones (per-head attention weights) may be sharded
+    # the first output must agree in shape, and so must every output a later module takes in;
+    # the others (per-head attention weights nothing reads) may stay sharded
+    for i in sorted(captured.consumed.get(unit, ())):
+        if i < len(y) and y[i].shape != y_ref[i].shape:
+            return math.inf, (f"output {i}, which a later module takes in, has shape {tuple(y[i].shape)}, "
+                              f"replicated {tuple(y_ref[i].shape)}")
     idx = [i for i in range(len(y)) if y[i].shape == y_ref[i].shape]
     err, what = _worst([(f"output {i}", y[i].detach(), y_ref[i].detach()) for i in idx
                         if y[i].is_floating_point() or y_ref[i].is_floating_point()], 0.0)

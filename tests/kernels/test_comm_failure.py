@@ -15,8 +15,7 @@ import torch.multiprocessing as mp
 from parallel.kernels import comm as K
 from tests.distributed import free_port, run_ranks
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(not K.available()[0], reason="rmm_comm extension not built")]
+pytestmark = [pytest.mark.multirank, pytest.mark.usefixtures("comm_built")]
 
 
 def _shm_entries():

@@ -9,8 +9,7 @@ import torch.distributed as dist
 from parallel.kernels import comm as K
 from tests.distributed import run_ranks
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(not K.available()[0], reason="rmm_comm extension not built")]
+pytestmark = [pytest.mark.multirank, pytest.mark.usefixtures("comm_built")]
 
 
 def _hier(rank, world):

@@ -7,7 +7,7 @@ import torch
 
 from parallel.kernels import comm as K
 
-pytestmark = pytest.mark.skipif(not K.available()[0], reason="rmm_comm extension not built")
+pytestmark = pytest.mark.usefixtures("comm_built")
 
 
 @pytest.mark.parametrize("shape,block", [((1000,), 256), ((3, 517), 64), ((2, 5000), 2048), ((7,), 256)])

@@ -9,8 +9,7 @@ import torch.distributed as dist
 from parallel.kernels import comm as K
 from tests.distributed import run_ranks
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.skipif(not K.available()[0], reason="rmm_comm extension not built")]
+pytestmark = [pytest.mark.multirank, pytest.mark.usefixtures("comm_built")]
 
 # Odd sizes; with the 4 KiB-chunk group every size above 1024 fp32 elements runs through the
 # chunk loop, and on 4 ranks above 256 KiB (70001 fp32 elements) through two-shot all-reduce.

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.kernels import comm as K
 from tests.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +54,7 @@ def worker(out_dir: str) -> None:  # runs under torchrun
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.skipif(not K.available()[0], reason="rmm_comm extension not built")
+@pytest.mark.usefixtures("comm_built")
 def test_two_node_torchrun_int8_sends_fewer_bytes(tmp_path):
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run"]

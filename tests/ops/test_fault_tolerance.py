@@ -2,8 +2,9 @@
 non-finite losses, stuck ranks.
 
 Kill points are injected with ``RAG_MM_FAULT`` (rag_mm/faults.py): a real SIGKILL of one rank
-process at an exact step, or inside a checkpoint save. The default suite draws one point at
-random (set RAG_MM_TEST_KILL to replay one); the slow suite walks through all of them.
+process at an exact step, or inside a checkpoint save. The default suite draws one point with a
+seeded generator (RAG_MM_TEST_KILL_SEED picks another draw, RAG_MM_TEST_KILL names a point to
+replay); the slow suite walks through all of them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ from tests.rag_mm.conftest import tiny_overrides
 # (after its DCP shard is written, before the manifest), on either rank.
 STEP_KILLS = [f"kill:step={k}:rank={r}" for k in range(1, 8) for r in (0, 1)]
 SAVE_KILLS = [f"kill:save={k}:rank={r}" for k in (2, 4, 6) for r in (0, 1)]
+CKPT_EVERY = 2  # tests.ops.helpers.FT_ARGS
+
+
+def _resume_step(fault: str) -> int:
+    """The step the restarted group must resume from: the newest checkpoint complete at the kill
+    (0: none yet, it starts over). ``step=k`` fires with k steps done, after checkpoint k if k is
+    a checkpoint step; ``save=k`` dies inside checkpoint k, so k - 2 is the newest complete one."""
+    point, k = fault.split(":")[1].split("=")
+    k = int(k)
+    return (k // CKPT_EVERY) * CKPT_EVERY if point == "step" else k - CKPT_EVERY
 
 
 def _check_killed_run_matches(tiny_world, run_dir, fault: str, reference) -> None:
@@ -47,6 +58,11 @@ def _check_killed_run_matches(tiny_world, run_dir, fault: str, reference) -> Non
     assert res.returncode == 0, f"{where}\n{res.stderr[-4000:]}"
     assert f"fault injection: kill rank {fault.rsplit('=', 1)[1]}" in res.stderr, f"{where}: the fault did not fire"
     assert res.stderr.count("rank 0/2 joined") == 2, f"{where}: the worker group was not restarted"
+    resume_at = _resume_step(fault)
+    if resume_at:  # the restart loaded the newest complete checkpoint rather than starting over
+        assert f"step_{resume_at:08d} at step {resume_at}" in res.stderr, f"{where}: did not resume from step {resume_at}"
+    else:
+        assert "starting fresh" in res.stderr, f"{where}: no checkpoint was complete, yet it did not start over"
     step, params = final_state(tiny_world, run_dir)
     assert step == 8, where
     ref_params, ref_losses = reference
@@ -58,9 +74,12 @@ def _check_killed_run_matches(tiny_world, run_dir, fault: str, reference) -> Non
 
 @pytest.mark.multirank
 def test_sigkill_one_rank_at_a_random_point_restart_matches_uninterrupted(tiny_world, tmp_path, reference):
-    """torchrun --max-restarts=1 brings the group back; resume=auto; same final parameters."""
-    fault = os.environ.get("RAG_MM_TEST_KILL") or random.Random().choice(STEP_KILLS + SAVE_KILLS)
-    print(f"kill point: {fault}")
+    """torchrun --max-restarts=1 brings the group back; resume=auto from the newest complete
+    checkpoint; same final parameters. Drawn among the points with a checkpoint to resume from."""
+    seed = int(os.environ.get("RAG_MM_TEST_KILL_SEED", "0"))
+    resumable = [f for f in STEP_KILLS + SAVE_KILLS if _resume_step(f)]
+    fault = os.environ.get("RAG_MM_TEST_KILL") or random.Random(seed).choice(resumable)
+    print(f"kill point: {fault} (RAG_MM_TEST_KILL_SEED={seed})")
     _check_killed_run_matches(tiny_world, tmp_path / "run", fault, reference)
 
 

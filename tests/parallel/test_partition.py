@@ -307,3 +307,25 @@ def test_baselines_balance_their_own_measure():
     auto = parallel.partition_trace(tr, 4)
     # auto descends below the layer list, so it is never worse than balancing layers by time
     assert auto.max_time <= parallel.baseline_partition(tr, 4, "time").max_time * (1 + 0.011)
+
+
+class _Heavy(nn.Linear):
+    """A linear layer followed by 200 elementwise passes: work a FLOP count (matmuls only) does
+    not see. Only the measured times say it is the costly one."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        for _ in range(200):
+            y = torch.tanh(y) * 1.5
+        return y
+
+
+def test_partition_follows_measured_costs_not_flops():
+    model = nn.Sequential(_Heavy(256, 256), *(nn.Linear(256, 256) for _ in range(3)))  # equal FLOPs
+    tr = trace_model(model, (torch.randn(64, 256),), passes=2)
+    assert tr.timed
+    part = parallel.partition_trace(tr, 2)
+    # by measured time the slow layer is a stage alone; by FLOPs the cut falls in the middle
+    assert part.module_stages["0"] == [0] and part.module_stages["1"] == [1], part.table()
+    flops_only = parallel.partition_trace(dataclasses.replace(tr, timed=False), 2)
+    assert flops_only.module_stages["1"] == [0] and flops_only.module_stages["2"] == [1], flops_only.table()

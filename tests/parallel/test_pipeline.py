@@ -42,14 +42,15 @@ def _compare(pm, loss, ref_loss, ref_grads) -> list[str]:
     return bad
 
 
-def _equivalence_worker(rank, world, name, schedules, m, partition, pp=None):
+def _equivalence_worker(rank, world, name, schedules, m, partition, pp=None, **cfg_extra):
     import parallel
 
     out = {}
     for schedule in schedules:
         model, inputs, target, loss_fn, weight_fn = make_case(name)
         ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
-        cfg = parallel.ParallelConfig(pp=pp or world, microbatches=m, schedule=schedule, partition=partition)
+        cfg = parallel.ParallelConfig(pp=pp or world, microbatches=m, schedule=schedule, partition=partition,
+                                      **cfg_extra)
         pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
         loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
         bad = _compare(pm, loss, ref_loss, ref_grads)
@@ -77,6 +78,8 @@ SLOW = [
     (name, world, ("gpipe", "1f1b", "eager_1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()),
      part)
     for name in ("reader", "gpt2", "llama", "bert", "t5") for world in (2, 4) for part in ("auto", "uniform")
+] + [
+    (name, 2, ("looped_bfs", "dualpipev"), "auto") for name in ("reader", "gpt2", "llama", "bert", "t5")
 ]
 
 
@@ -84,6 +87,21 @@ SLOW = [
 @pytest.mark.parametrize("name,world,schedules,partition", FAST, ids=[f"{c[0]}-{c[1]}" for c in FAST])
 def test_pipeline_matches_single_process(name, world, schedules, partition):
     _check(run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=240), name)
+
+
+# Llama, BERT and T5 once each, carrying the two schedules no FAST case runs and the memory
+# partition objective; one process group
+HF_FAST = (("llama", ("looped_bfs",), {}), ("bert", ("dualpipev",), {}), ("t5", ("1f1b",), {"objective": "memory"}))
+
+
+def _models_worker(rank, world, cases, m, partition):
+    return {f"{name} {schedule}": bad for name, schedules, extra in cases
+            for schedule, bad in _equivalence_worker(rank, world, name, schedules, m, partition, **extra).items()}
+
+
+@pytest.mark.multirank
+def test_pipeline_matches_single_process_hf_models():
+    _check(run_ranks(_models_worker, 2, HF_FAST, 4, "auto", timeout_s=300), "hf")
 
 
 @pytest.mark.multirank

@@ -13,8 +13,6 @@ from torch.distributed.tensor import DTensor
 
 from parallel.trace import default_loss
 
-_REGISTERED: list = []  # the reader's user rule, registered once per process
-
 
 def reader_factory(layers: int = 2):
     from rag_mm.config import ModelConfig
@@ -39,35 +37,8 @@ def reader_loss(out):
     return out.loss
 
 
-def register_reader_rule():
-    """rag_mm's SelfAttention computes its head width as ``D // self.heads`` from the replicated
-    input, so it is registered as a user rule with a width-agnostic forward (the way a user adds
-    a rule for their own attention class)."""
-    from parallel.kernels.attention import attention
-    from parallel.tp import register_tp_rule
-    from rag_mm.model.blocks import SelfAttention
-
-    def forward(self, x, seg_offsets):
-        B, S, _ = x.shape
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H/tp, S, hd)
-        y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)
-        return self.dropout(self.proj(y.transpose(1, 2).flatten(2)))
-
-    def shard_reader_attention(m, ctx):
-        ctx.colwise(m.qkv, blocks=3)
-        ctx.rowwise(m.proj)
-        ctx.divide_attr(m, "heads")
-        m.forward = types.MethodType(forward, m)
-
-    if not _REGISTERED:
-        register_tp_rule(SelfAttention, shard_reader_attention)
-        _REGISTERED.append(shard_reader_attention)
-    return _REGISTERED[0]
-
-
 def factory(name: str):
-    if name == "reader":
-        register_reader_rule()
+    if name == "reader":  # rag_mm's own attention: planned automatically, as the trainer does
         return reader_factory()
     from tests.parallel.partition_models import MODELS
 
@@ -134,6 +105,8 @@ def prepare(name):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
+        elif isinstance(getattr(m, "dropout", None), float):  # functional dropout (T5's attention)
+            m.dropout = 0.0
     return model, copy.deepcopy(model), inputs, loss_for(name, inputs)
 
 
@@ -297,8 +270,6 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
     import parallel
     from tests.parallel.pipeline_cases import make_case, reference
 
-    if name == "reader":
-        register_reader_rule()
     model, inputs, target, loss_fn, weight_fn = make_case(name)
     for mod in model.modules():
         if isinstance(mod, torch.nn.Dropout):
@@ -584,8 +555,9 @@ def selfcheck_case(rank, world, name, read_layouts=True, sequence_parallel=False
 
 def tp_default_group(rank, world):
     """The default-run TP cases in one process group (start-up paid once): equivalence on the
-    reader / GPT-2 / Llama (+sp, +loss_parallel), collectives per layer, and the self-check cases."""
-    out = suite(rank, world, ["reader", "gpt2"], ["llama"], ["llama"])
+    reader (automatic plan) / GPT-2 / BERT / T5 / Llama (+sp,
+    +loss_parallel), collectives per layer, and the self-check cases."""
+    out = suite(rank, world, ["reader", "gpt2", "bert", "t5"], ["llama"], ["llama"])
     out["collectives"] = layer_collectives(rank, world, "llama", False)
     out["collectives+sp"] = layer_collectives(rank, world, "llama", True)
     out["selfcheck_lm"] = selfcheck_case(rank, world, "selfcheck_lm")

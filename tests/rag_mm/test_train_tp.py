@@ -57,15 +57,18 @@ def test_torchrun_tp_matches_one_process(tiny_world, tmp_path):
 @pytest.mark.multirank
 def test_torchrun_fsdp_matches_ddp(tiny_world, tmp_path):
     """parallel.dp_shard=2 (FSDP2: each rank holds half of the reader's parameters, gradients and
-    Adam state) trains like DDP on the same two ranks; its checkpoint is written."""
+    Adam state) trains like data parallel on the same two ranks, whose gradients are averaged
+    through shared memory (parallel.grad_reduce=shm); the FSDP checkpoint is written."""
     runs = {}
-    for name, extra in (("ddp", []), ("fsdp", ["parallel.dp_shard=2"])):
+    for name, extra in (("ddp", ["parallel.grad_reduce=shm"]), ("fsdp", ["parallel.dp_shard=2"])):
         d = tmp_path / name
         args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
                 "-m", "rag_mm.train", *tiny_overrides(tiny_world, d, *COMMON, *extra)]
         res = run_module(args, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = d
+        if name == "ddp":
+            assert "intra=shm" in res.stderr, res.stderr[-3000:]  # the shared-memory path, no fallback to gloo
     assert (runs["fsdp"] / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").is_file()
     a, b = _losses(runs["ddp"]), _losses(runs["fsdp"])
     assert len(a) == len(b) == STEPS

@@ -1,0 +1,233 @@
+"""Break the code on purpose and check that the tests meant to guard it fail.
+
+    python scripts/mutation_check.py                  # every mutation, a table and JSON
+    python scripts/mutation_check.py --only restore   # one (a name, or a prefix of one)
+    python scripts/mutation_check.py --list           # what each mutation breaks
+
+Each mutation is an exact text replacement in one or more source files (Python or C++). The
+script copies the working tree (tracked and untracked, not ignored: no .venv, no data) to a
+scratch directory once, then for each mutation applies it there, runs the tests that should
+catch it with the default ``make test`` selection (``-m "not gpu and not slow"``), and restores
+the file. The working tree is never touched. A mutation is
+
+- ``caught``: the tests fail (pytest exit 1);
+- ``MISSED``: they pass, so the tests do not guard what they claim;
+- ``error``: pytest could not run them (collection error, no test selected, timeout).
+
+Before any mutation the same tests run unmutated (``--no-baseline`` skips it): a test that fails
+without a mutation catches nothing. C++ mutations build their extension into a fresh cache
+(``RAG_MM_EXT_CACHE``), so the cached build of the real sources is never replaced.
+Exit status: 0 when every mutation is caught and the baseline passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SELECTION = "not gpu and not slow"  # the default `make test` selection
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str  # short handle for --only
+    breaks: str  # the capability it breaks, in words
+    edits: tuple[tuple[str, str, str], ...]  # (path, exact old text, new text): every occurrence replaced
+    tests: tuple[str, ...]  # pytest node ids that must fail
+    native: bool = False  # C++ source: the extension is rebuilt in a fresh cache
+
+
+MUTATIONS = (
+    Mutation(
+        "restore", "checkpoint restore disabled: resume=auto starts over",
+        (("rag_mm/trainer.py", '        if r == "never":\n            return', "        if True:\n            return"),),
+        ("tests/rag_mm/test_train.py::test_resume_after_checkpoint_matches_uninterrupted_run",)),
+    Mutation(
+        "skip-count", "skipped samples not counted (undecodable pictures dropped silently)",
+        (("rag_mm/data/pipeline.py", 'counter.counts["bad_image"] += 1', 'counter.counts["bad_image"] += 0'),),
+        ("tests/rag_mm/test_train.py::test_corrupt_shards_are_skipped_and_counted",)),
+    Mutation(
+        "pp-grad", "pipeline: the first stage's parameter gradients dropped",
+        (("parallel/pipeline/eager.py",
+          "        roots, grads = self._roots(mb)\n        if roots:\n            torch.autograd.backward(roots, grads)",
+          "        roots, grads = self._roots(mb)\n        if roots and not self.is_first:\n"
+          "            torch.autograd.backward(roots, grads)"),),
+        ("tests/parallel/test_pipeline.py::test_pipeline_matches_single_process",)),
+    Mutation(
+        "tp-dim", "tensor parallel: the row-parallel rule shards the weight's output dimension",
+        (("parallel/tp/rules.py", 'self.shard_param(m, "weight", 1 - kind.out_dim)',
+          'self.shard_param(m, "weight", kind.out_dim)'),),
+        ("tests/parallel/test_tp.py::test_tp2_matches_one_process",)),
+    Mutation(
+        "attn-mask", "fused attention: the causal mask lets each row see one key past itself",
+        (("csrc/attention/cpu/attention_cpu.cpp", "std::max<int64_t>(row - kb + 1, 0)",
+          "std::max<int64_t>(row - kb + 2, 0)"),
+         ("csrc/attention/cpu/attention_cpu.cpp", "_mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key)))",
+          "_mm512_cmpge_epi32_mask(rows, _mm512_set1_epi32(int(key) - 1))")),
+        ("tests/kernels/test_attention.py",), native=True),
+    Mutation(
+        "shm-twice", "shared-memory all-reduce: rank 0's buffer summed twice, rank 1's never",
+        (("csrc/comm/cpu/shm_collectives.cpp",
+          "for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r, b));",
+          "for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r == 1 ? 0 : r, b));"),),
+        ("tests/kernels/test_comm_shm.py::test_collectives_match_gloo",), native=True),
+    Mutation(
+        "partition-cost", "partitioning ignores measured costs (FLOPs only)",
+        (("parallel/cost.py", "[u.time if timed else u.flops / cfg.flops_per_s for u in units]",
+          "[u.flops / cfg.flops_per_s for u in units]"),),
+        ("tests/parallel/test_partition.py::test_partition_follows_measured_costs_not_flops",)),
+    Mutation(
+        "index-meta", "faiss index metadata check disabled (an index of other documents is served)",
+        (("retriever/index_io.py", "    if bad:\n        raise IndexMismatchError(str(path), bad)",
+          "    if False:\n        raise IndexMismatchError(str(path), bad)"),),
+        ("tests/retriever/test_index.py", "tests/retriever/test_retriever.py")),
+    Mutation(
+        "sigterm", "SIGTERM not handled: the job dies without a checkpoint",
+        (("rag_mm/trainer.py", "prev = signal.signal(signal.SIGTERM, self._on_sigterm)",
+          "prev = signal.getsignal(signal.SIGTERM)"),),
+        ("tests/ops/test_fault_tolerance.py::test_sigterm_checkpoints_exits_cleanly_and_resumes",)),
+    Mutation(
+        "refresh", "the retriever's index never refreshed during training",
+        (("rag_mm/trainer.py", "if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:",
+          "if False and self.step % r.refresh_every == 0 and self.step < c.max_steps:"),),
+        ("tests/rag_mm/test_train.py::test_learned_retrieval_trains_both_towers",)),
+    Mutation(
+        "fsdp-rs", "FSDP under a pipeline: the once-per-step gradient reduce-scatter left off",
+        (("parallel/fsdp.py", "            u.set_requires_gradient_sync(True, recurse=False)",
+          "            u.set_requires_gradient_sync(False, recurse=False)"),),
+        ("tests/parallel/test_3d.py::test_fsdp_under_pipeline_matches_one_process",)),
+    Mutation(
+        "tp-selfcheck", "tensor-parallel self-check accepts any error",
+        (("parallel/tp/verify.py", "    if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:",
+          "    return 0.0, ''\n    if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:"),),
+        ("tests/parallel/test_tp.py::test_self_check_leaves_misread_modules_replicated",)),
+    Mutation(
+        "ckpt-verify", "checkpoint verification off: a truncated checkpoint is resumed from",
+        (("rag_mm/checkpoint.py", "def verify(", "def _verify_unused("),
+         ("rag_mm/checkpoint.py", "\ndef load(", "\ndef verify(path):\n    return None\n\n\ndef load(")),
+        ("tests/ops/test_fault_tolerance.py::test_truncated_newest_checkpoint_is_skipped_for_the_previous_one",)),
+)
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # caught | MISSED | error | pass (baseline) | fail (baseline)
+    seconds: float
+    detail: str = ""
+    tests: list[str] = field(default_factory=list)
+
+
+def copy_tree(dst: Path) -> None:
+    """The files git would commit (tracked and untracked, not ignored), as they are on disk."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, check=True).stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+def run_tests(root: Path, tests: tuple[str, ...], ext_cache: Path, timeout: int) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(root), "RAG_MM_EXT_CACHE": str(ext_cache), "OMP_NUM_THREADS": "1",
+           "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", SELECTION, *tests]
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return -1, time.perf_counter() - t0, f"timed out after {timeout} s"
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    summary = next((ln for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln
+                                                                      or "error" in ln)), lines[-1] if lines else "")
+    first_fail = next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
+    return res.returncode, time.perf_counter() - t0, (first_fail + " | " if first_fail else "") + summary.strip("= ")
+
+
+def apply(root: Path, m: Mutation) -> dict[Path, str]:
+    """Apply ``m`` in ``root``; returns the original texts. Each old text must occur in its file
+    (a source that moved on makes the mutation fail loudly rather than test nothing)."""
+    saved: dict[Path, str] = {}
+    for rel, old, new in m.edits:
+        path = root / rel
+        text = saved.get(path) or path.read_text()
+        saved.setdefault(path, text)
+        current = path.read_text()
+        if old not in current:
+            for p, t in saved.items():
+                p.write_text(t)
+            raise ValueError(f"{m.name}: the text to mutate is not in {rel}: {old[:80]!r}")
+        path.write_text(current.replace(old, new))
+    return saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", default=[], help="mutation name or prefix (repeatable)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(m.name.startswith(o) for o in args.only)]
+    if args.list or not chosen:
+        for m in MUTATIONS:
+            print(f"{m.name:15s} {m.breaks}\n{'':15s} tests: {' '.join(m.tests)}")
+        return 0 if chosen else 2
+
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="rag_mm_mutants_") as tmp:
+        root, base_cache = Path(tmp) / "tree", Path(tmp) / "ext-base"
+        copy_tree(root)
+        for m in chosen:  # every edit must apply to the current sources before anything runs
+            try:
+                saved = apply(root, m)
+            except ValueError as e:
+                print(f"mutation_check: {e}", file=sys.stderr)
+                return 2
+            for p, t in saved.items():
+                p.write_text(t)
+        if not args.no_baseline:
+            tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+            rc, dt, detail = run_tests(root, tests, base_cache, args.timeout * 2)
+            outcomes.append(Outcome("(baseline)", "pass" if rc == 0 else "fail", dt, detail, list(tests)))
+            print(f"baseline: {outcomes[-1].status} in {dt:.0f} s ({detail})", flush=True)
+        for m in chosen:
+            saved = apply(root, m)
+            try:
+                cache = Path(tmp) / f"ext-{m.name}" if m.native else base_cache
+                rc, dt, detail = run_tests(root, m.tests, cache, args.timeout)
+            finally:
+                for p, t in saved.items():
+                    p.write_text(t)
+            status = {0: "MISSED", 1: "caught"}.get(rc, "error")
+            outcomes.append(Outcome(m.name, status, dt, detail, list(m.tests)))
+            print(f"{m.name}: {status} in {dt:.0f} s ({detail})", flush=True)
+
+    print()
+    print(f"| {'mutation':15s} | {'what it breaks':78s} | {'result':7s} | {'s':>5s} |")
+    print(f"|{'-' * 17}|{'-' * 80}|{'-' * 9}|{'-' * 7}|")
+    breaks = {m.name: m.breaks for m in MUTATIONS}
+    for o in outcomes:
+        print(f"| {o.name:15s} | {breaks.get(o.name, 'the tests below, unmutated'):78s} | {o.status:7s} | "
+              f"{o.seconds:5.0f} |")
+    report = {"selection": SELECTION, "results": [o.__dict__ for o in outcomes]}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    ok = all(o.status in ("caught", "pass") for o in outcomes)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
