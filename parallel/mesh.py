@@ -13,7 +13,9 @@ is present even at size 1, so code can always slice ``mesh["tp"]``. Global rank
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,6 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.config import ParallelConfig
+
+log = logging.getLogger(__name__)
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -34,13 +38,35 @@ def default_device_type() -> str:
     return "cpu"
 
 
-def build_mesh(cfg: ParallelConfig, world_size: int | None = None, device_type: str | None = None) -> DeviceMesh:
+def _timeout_override(device_type: str, timeout_s: float | None) -> dict | None:
+    """``init_device_mesh``'s ``backend_override`` giving every dimension's process group the run's
+    collective timeout: without it each sub-group gets torch's default (30 min), so a dead peer
+    on the pipeline or tensor-parallel group would hang the job that long. None where it cannot
+    be said (no timeout asked, or a torch whose ``init_device_mesh`` lacks the argument)."""
+    if not timeout_s or "backend_override" not in inspect.signature(init_device_mesh).parameters:
+        if timeout_s:
+            log.warning("this torch's init_device_mesh takes no backend_override: mesh sub-groups keep "
+                        "torch's default collective timeout")
+        return None
+    nccl = device_type == "cuda" and "nccl" in dist.get_backend()
+    opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return {d: ("nccl" if nccl else "gloo", opts) for d in DIMS}
+
+
+def build_mesh(cfg: ParallelConfig, world_size: int | None = None, device_type: str | None = None,
+               timeout_s: float | None = None) -> DeviceMesh:
     """The 4-D mesh (pp, dp_replicate, dp_shard, tp) for ``cfg``; validates the layout first, so a
-    layout that does not fit the world fails here, before any model code runs."""
+    layout that does not fit the world fails here, before any model code runs. ``timeout_s``: the
+    collective timeout of every dimension's group (None: torch's default)."""
     world_size = world_size if world_size is not None else dist.get_world_size()
     cfg.validate(world_size)
     shape = tuple(getattr(cfg, d) for d in DIMS)
-    return init_device_mesh(device_type or default_device_type(), shape, mesh_dim_names=DIMS)
+    device_type = device_type or default_device_type()
+    override = _timeout_override(device_type, timeout_s)
+    if override is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=DIMS, backend_override=override)
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -74,12 +100,12 @@ class Layout:
 def layout_of(cfg: ParallelConfig, device_type: str | None = None, timeout_s: float | None = None) -> Layout:
     """Build the mesh once (a collective: every rank calls it) and this rank's place on it. Without
     a process group (one process), a layout of size 1 everywhere and no mesh. ``timeout_s``: how
-    long a collective on the data-parallel group waits for a dead peer (None: torch's default)."""
+    long a collective on any of the mesh's groups waits for a dead peer (None: torch's default)."""
     if not dist.is_initialized():
         cfg.validate(1)
         return Layout(0, 0, 1, 0, 1, 0, 1, [0], None, None, None)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = build_mesh(cfg, world, device_type)
+    mesh = build_mesh(cfg, world, device_type, timeout_s)
     P, R, S, T = (getattr(cfg, d) for d in DIMS)
     coord = dict(zip(DIMS, mesh.get_coordinate()))
     dp_i = coord["dp_replicate"] * S + coord["dp_shard"]

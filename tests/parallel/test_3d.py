@@ -42,6 +42,7 @@ def _check(res, cases, world, fsdp_once=False):
                 assert abs(loss - r["ref"]) <= RTOL * abs(r["ref"]), (rank, case, r["losses"], r["ref"])
             assert r["n"] > 0 and r["err"] < RTOL, (rank, case, r["err"])
             assert r["dtensors"], f"rank {rank} {case}: nothing was sharded on this stage"
+            assert r["group_timeouts_s"] and set(r["group_timeouts_s"].values()) == {60.0}, r["group_timeouts_s"]
             if fsdp_once:  # one all-gather and one reduce-scatter per unit and step (m = 4)
                 assert r["fsdp_units"] > 0, (rank, case)
                 assert r["collectives"] == {"all_gather": r["fsdp_units"], "reduce_scatter": r["fsdp_units"]}, \
