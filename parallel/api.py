@@ -169,7 +169,7 @@ class ParallelModel(nn.Module):
         self._replicated = replicated  # canonical names held by more than one pipeline rank
         self.local_stages = local_stages
         self.events: list[Event] = []  # timeline of the last step
-        self.record_timeline = True
+        self.record_timeline = True  # train_step records ``events`` (off: they stay empty)
         self.sharded = Sharded()  # what parallelize_spmd applied to this rank's part
         self.step_sync: StepSync | None = None  # FSDP units driven once per step (microbatches)
         self._fsdp_ids: set[int] = set()  # parameters whose gradients FSDP reduces

@@ -3,7 +3,9 @@
 A run directory (``run_dir``) holds ``metrics.jsonl`` (one record per log / evaluation, ``kind`` =
 train | val | test), ``metrics.json`` (the final summary), ``.hydra/config.yaml``,
 ``checkpoints/``, and, when they were produced, ``retrieved_examples.json`` (queries with the
-documents the retriever returned) and ``timeline.json`` (the pipeline runtime's Chrome trace).
+documents the retriever returned) and, from runs with ``parallel.pp > 1``, ``timeline.json`` and
+``timeline.png`` (the pipeline's Chrome trace of the last step and its chart; the step's bubble
+fraction is in metrics.json under "pipeline").
 After a restart, steps after the last checkpoint are trained and logged again: the last record
 of each (kind, step) is the one that counts.
 """

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
+from parallel.timeline import write_run_timeline
 from rag_mm.config import parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
 
@@ -271,6 +272,26 @@ class SpreadRag:
                 if q.grad is not None:
                     q.grad.mul_(coef)
         return norm
+
+    # ------------------------------------------------------------------ pipeline timeline
+    @property
+    def pipelined(self) -> bool:
+        return self.pmodel.layout.pp_size > 1
+
+    def record_timeline(self, on: bool) -> None:
+        """Whether the next ``train_step`` records the pipeline's per-action events."""
+        self.pmodel.record_timeline = on
+
+    def write_timeline(self, run_dir) -> dict | None:
+        """The recorded step of the pipeline that holds global rank 0, its ranks' events merged
+        on rank 0 into ``run_dir`` (timeline.json / timeline.png); the summary (bubble fraction)
+        on rank 0, None elsewhere. A collective over that pipeline: its ranks call it together,
+        the other replicas' pipelines skip it."""
+        lay = self.pmodel.layout
+        if not self.pipelined or 0 not in lay.pp_ranks:
+            return None
+        title = f"pp={lay.pp_size}, {self.pcfg.microbatches} microbatches, {self.pcfg.schedule}:"
+        return write_run_timeline(self.pmodel.events, run_dir, lay.pp_group, title)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()

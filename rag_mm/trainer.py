@@ -66,6 +66,7 @@ class Trainer:
         self.skipped: dict[int, dict[str, int]] = {}  # per loader worker: cumulative dropped samples
         self.train_time = 0.0
         self.warmup_time = 0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
+        self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         self._stop_signal = False
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -214,6 +215,9 @@ class Trainer:
         samples_per_step = c.data.batch_size * accum * self.data_size
         bad_steps, window_t, window_steps = 0, time.perf_counter(), 0
         stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
+        # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
+        # (allocator growth, lazy initialisation), written once; recorded on that step only
+        timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
         r = c.retriever
         refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
         self._ensure_index()
@@ -223,6 +227,7 @@ class Trainer:
             while self.step < c.max_steps:
                 self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
                 faults.inject("step", self.step, self.env.rank)
+                self.spread.record_timeline(self.step + 1 == timeline_step)
                 self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
@@ -279,6 +284,9 @@ class Trainer:
                     val = self.evaluate_split("val")
                     self.metrics.log({"step": self.step, **val}, prefix="val")
                     log.info("step %d val: acc %.3f (seen %.3f, held-out %.3f)", self.step, val["acc"], val["acc_seen"], val["acc_heldout"])
+                if self.step == timeline_step:  # after the step's timing and logging: not counted in them
+                    self.watch.at("pipeline timeline (gather of events)", self.step)
+                    self._write_timeline()
                 self.watch.at("all_reduce: stop-signal agreement", self.step)
                 if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
                     self._stop_signal = True
@@ -293,6 +301,14 @@ class Trainer:
             return self.finish(loss_sum.item())
         finally:
             signal.signal(signal.SIGTERM, prev)
+
+    def _write_timeline(self) -> None:
+        self.pipeline = self.spread.write_timeline(self.run_dir)  # rank 0 writes it and gets the summary
+        if self.pipeline is not None:
+            self.pipeline["step"] = self.step
+            log.info("pipeline timeline of step %d in %s: bubble %.1f%% (GPipe / 1F1B theory %.1f%%)", self.step,
+                     self.run_dir / "timeline.png", 100 * self.pipeline["bubble_fraction"],
+                     100 * self.pipeline["theory_bubble"])
 
     def finish(self, last_loss: float) -> dict:
         """Final evaluation on val and test; metrics.json in the run directory."""
@@ -316,6 +332,8 @@ class Trainer:
             "skipped_documents": self.store.skipped,
             **self._refresh_summary(),
         }
+        if self.pipeline is not None:
+            summary["pipeline"] = self.pipeline
         if self.grad_reduce_stats is not None:  # bytes this rank sent between hosts (nccl-tests bus factors)
             summary["grad_reduce"] = {"kind": self.cfg.parallel.grad_reduce, "inter_host_bytes": self.grad_reduce_stats.inter_bytes,
                                       "inter_host_calls": self.grad_reduce_stats.inter_calls}

@@ -1,5 +1,5 @@
 """The evaluation notebooks execute headless (nbclient, this venv's ipykernel) on tiny runs and
-save their figures as PNG files."""
+save their figures as PNG files; the timeline panel draws a pipelined run's own timeline.json."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from rag_mm import runs
 from rag_mm.config import compose
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides
+from tests.rag_mm.test_train_pipeline import check_run_timeline, pp2_run
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -28,21 +29,6 @@ def _train(root, run_dir, *extra) -> None:
         t.close()
 
 
-def _timeline(path: Path) -> list:
-    """A pipeline trace in the format parallel.timeline writes (2 stages, 1F1B, 4 microbatches)."""
-    from parallel.timeline import Event, to_chrome_trace
-
-    order = {0: ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"], 1: ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]}
-    events, t = [], {0: 0.0, 1: 0.001}
-    for rank, ops in order.items():
-        for op in ops:
-            dur = 0.001 if op[0] == "F" else 0.002
-            events.append(Event(rank, op[0], rank, int(op[1]), t[rank], t[rank] + dur))
-            t[rank] += dur + 0.0002
-    to_chrome_trace(events, str(path))
-    return events
-
-
 @pytest.fixture(scope="module")
 def run_dirs(tiny_world, tmp_path_factory):
     """A learned-retriever run (recall@k, retrieved examples) and a closed-book one to compare."""
@@ -50,8 +36,13 @@ def run_dirs(tiny_world, tmp_path_factory):
     learned, closed = base / "learned", base / "closed_book"
     _train(tiny_world, learned, "retriever=learned", "retriever.refresh_every=2", "name=learned")
     _train(tiny_world, closed, "retriever=none", "name=closed_book")
-    _timeline(learned / "timeline.json")
     return learned, closed
+
+
+@pytest.fixture
+def pipelined_run(tiny_world, tmp_path_factory) -> Path:
+    """The pp=2 torchrun run test_train_pipeline compares with one process (run once a session)."""
+    return pp2_run(tiny_world, tmp_path_factory)[1]
 
 
 def _kernel_env(tmp_path: Path) -> dict:
@@ -125,15 +116,20 @@ def test_run_reader_keeps_the_last_record_of_a_replayed_step(tmp_path):
         assert plot is not None
 
 
-def test_run_timeline_is_the_runtime_timeline_read_back(tmp_path):
-    """plot_timeline draws parallel.timeline's chart from timeline.json: the same events come back."""
+@pytest.mark.multirank
+def test_evaluate_run_notebook_draws_the_runs_timeline(pipelined_run, tmp_path):
+    """A pp=2 run writes its last step's timeline; the notebook's panel draws that file: the
+    figure's title carries the bubble fraction of the file's events, which the run recorded."""
     from parallel import timeline
 
-    events = _timeline(tmp_path / "timeline.json")
-    run = runs.load_run(tmp_path)
-    back = timeline.from_chrome_trace(run.trace)
-    assert [(e.rank, e.kind, e.stage, e.mb) for e in back] == [(e.rank, e.kind, e.stage, e.mb) for e in events]
-    assert all(abs((b.end - b.start) - (e.end - e.start)) < 1e-9 for b, e in zip(back, events))
-    assert abs(timeline.bubble_fraction(back) - timeline.bubble_fraction(events)) < 1e-9
-    fig = runs.plot_timeline(run)
-    assert fig.axes[0].get_title() == f"pipeline timeline, 2 ranks: bubble {timeline.bubble_fraction(events):.1%}"
+    events = check_run_timeline(pipelined_run)
+    run = runs.load_run(pipelined_run)
+    assert [(e.rank, e.kind, e.mb) for e in timeline.from_chrome_trace(run.trace)] == \
+        [(e.rank, e.kind, e.mb) for e in events]
+    title = f"pipeline timeline, 2 ranks: bubble {timeline.bubble_fraction(events):.1%}"
+    assert runs.plot_timeline(run).axes[0].get_title() == title
+    figures = tmp_path / "figures"
+    nb = _execute("evaluate_run.ipynb", tmp_path, RAG_MM_RUN_DIR=str(pipelined_run), RAG_MM_FIGURES=str(figures))
+    _check_pngs(figures, ["timeline"])
+    text = _outputs(nb)
+    assert title in text and f"bubble fraction {run.summary['pipeline']['bubble_fraction']:.3f}" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,74 @@ STEPS = 4
 # oracle retrieval, deterministic kernels, no clipping surprises: the pipeline must reproduce the
 # single-process losses up to float reassociation (microbatch sums, token-weighted)
 COMMON = ["retriever=oracle", "deterministic=true", f"max_steps={STEPS}", "log_every=1", "ckpt_every=2"]
+
+
+PP2 = [*COMMON, "parallel.pp=2", "parallel.microbatches=2"]
+_PP2_RUN: dict[str, tuple[Path, Path]] = {}
+
+
+def pp2_run(root, tmp_path_factory) -> tuple[Path, Path]:
+    """A pipelined run (pp=2, 2 microbatches, 2 gloo ranks) on the world ``root``, once per test
+    session: the first caller's world and run directory, (root, run_dir), for every later caller.
+    The one-process comparison below and the notebook tests (its timeline) read it."""
+    if "run" not in _PP2_RUN:
+        run = tmp_path_factory.mktemp("pp2") / "run"
+        args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                "-m", "rag_mm.train", *tiny_overrides(root, run, *PP2)]
+        res = run_module(args, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        _PP2_RUN["run"] = (Path(root), run)
+    return _PP2_RUN["run"]
+
+
+def check_run_timeline(run_dir: Path, microbatches: int = 2) -> list:
+    """The run directory's pipeline timeline, as the trainer writes it for its last step: both
+    ranks' events on one time base (timeline.json), the figure (timeline.png), the bubble fraction
+    (metrics.json's "pipeline", the trace's "otherData"), measured from those events. The events."""
+    from parallel.timeline import bubble_fraction, from_chrome_trace, theory_bubble
+
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    events = from_chrome_trace(trace["traceEvents"])
+    assert {e.rank for e in events} == {0, 1}
+    # every microbatch's forward and backward on each rank, on its own stage: a backward is B, or
+    # its input gradient (I, sent upstream at once) and weight gradient (W) apart, as the pipeline
+    # runs the last backwards of a step on every rank but the first (parallel.split_drain)
+    for r in (0, 1):
+        mine = [e for e in events if e.rank == r and e.kind in "FBIW"]
+        assert {e.stage for e in mine} == {r}
+        for i in range(microbatches):
+            kinds = sorted(e.kind for e in mine if e.mb == i)
+            assert kinds in (["B", "F"], ["F", "I", "W"]), (r, i, kinds)
+    # one clock: a stage computes a microbatch after the stage that sends it its input began it
+    # (activations forward, gradients back; the sender's event ends after its send returns, which
+    # may be after the receiver's compute began)
+    at = {(e.rank, "B" if e.kind == "I" else e.kind, e.mb): e for e in events if e.kind in "FBI"}
+    for i in range(microbatches):
+        assert at[1, "F", i].start >= at[0, "F", i].start, i
+        assert at[0, "B", i].start >= at[1, "B", i].start, i
+    png = (run_dir / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    pipe = json.loads((run_dir / "metrics.json").read_text())["pipeline"]
+    bf = bubble_fraction(events)
+    assert 0 <= pipe["bubble_fraction"] < 1
+    assert pipe["bubble_fraction"] == pytest.approx(bf, abs=1e-6)  # the trace keeps microseconds
+    assert trace["otherData"]["bubble_fraction"] == pipe["bubble_fraction"]
+    assert pipe["theory_bubble"] == pytest.approx(theory_bubble(2, microbatches))
+    assert pipe["step"] == STEPS and pipe["ranks"] == [0, 1] and pipe["microbatches"] == microbatches
+    return events
+
+
+def test_timeline_merges_ranks_of_other_hosts_on_the_barrier():
+    """Ranks that read the first rank's clock keep their times; another host's clock (another boot
+    id) is shifted so that its barrier read lands on the first rank's."""
+    from parallel.timeline import Event, align
+
+    parts = [("host-a", 10.0, [Event(0, "F", 0, 0, 9.0, 9.5)]),  # barrier left at 10.0 on clock A
+             ("host-a", 10.001, [Event(1, "F", 1, 0, 9.5, 9.8)]),  # same clock: kept as it is
+             ("host-b", 500.0, [Event(2, "F", 2, 0, 499.8, 499.9)]),  # clock B reads 500.0 at that barrier
+             ("host-b", 500.002, [Event(3, "F", 3, 0, 499.9, 499.95)])]  # one shift for all of host B
+    got = [(e.rank, round(e.start, 6), round(e.end, 6)) for e in align(parts)]
+    assert got == [(0, 9.0, 9.5), (1, 9.5, 9.8), (2, 9.8, 9.9), (3, 9.9, 9.95)]
 
 
 def _losses(run_dir) -> list[float]:
@@ -33,14 +102,12 @@ def test_pipeline_config_rejections(tiny_world, tmp_path):
 
 
 @pytest.mark.multirank
-def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path):
-    single, pipe = tmp_path / "single", tmp_path / "pp2"
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *COMMON)], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "rag_mm.train", *tiny_overrides(tiny_world, pipe, *COMMON, "parallel.pp=2",
-                                                  "parallel.microbatches=2")]
-    res = run_module(args, timeout=600)
+def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path_factory, tmp_path):
+    """Losses, test metrics and checkpoint of pp=2 as one process; the pipeline timeline of its
+    last step in the run directory."""
+    root, pipe = pp2_run(tiny_world, tmp_path_factory)
+    single = tmp_path / "single"
+    res = run_module(["-m", "rag_mm.train", *tiny_overrides(root, single, *COMMON)], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((pipe / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["step"] == STEPS
@@ -50,7 +117,9 @@ def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path):
     assert len(a) == len(b) == STEPS
     assert b == pytest.approx(a, rel=2e-4, abs=2e-5), (a, b)
     ref = json.loads((single / "metrics.json").read_text())
+    assert "pipeline" not in ref and not (single / "timeline.json").exists()
     assert summary["test"]["nll"] == pytest.approx(ref["test"]["nll"], rel=1e-3, abs=1e-4)
+    check_run_timeline(pipe)
 
 
 @pytest.mark.multirank
