@@ -111,6 +111,10 @@ MUTATIONS = (
           "    return 0.0, ''\n    if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:"),),
         ("tests/parallel/test_tp.py::test_self_check_leaves_misread_modules_replicated",)),
     Mutation(
+        "timeline", "a pipelined run's timeline holds the first pipeline rank's events only",
+        (("parallel/timeline.py", "    merged = align(parts)\n", "    merged = align(parts[:1])\n"),),
+        ("tests/rag_mm/test_train_pipeline.py::test_torchrun_pipeline_matches_one_process",)),
+    Mutation(
         "ckpt-verify", "checkpoint verification off: a truncated checkpoint is resumed from",
         (("rag_mm/checkpoint.py", "def verify(", "def _verify_unused("),
          ("rag_mm/checkpoint.py", "\ndef load(", "\ndef verify(path):\n    return None\n\n\ndef load(")),
