@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -57,21 +58,30 @@ def dir_problem(key: str, path: str | os.PathLike) -> str | None:
 
 
 def writable_dir_problem(key: str, path: str | os.PathLike) -> str | None:
-    """Why a directory this process writes into cannot be used or created at ``path``."""
+    """Why a directory this process writes into cannot be used or created at ``path``. Permission
+    bits do not tell everything (root ignores them; /proc, read-only mounts and full disks refuse
+    anyway), so the directory is then created (the run would create it) and a file written and
+    removed in it."""
     p = Path(path)
     if p.exists():
         if not p.is_dir():
             return f"{key}: {path} is a file, expected a directory"
         if not os.access(p, os.W_OK | os.X_OK):
             return f"{key}: directory {path} is not writable (permissions)"
-        return None
-    parent = p.absolute().parent
-    while not parent.exists():  # the nearest existing ancestor decides whether it can be created
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{key}: {path} cannot be created: {parent} is a file"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{key}: {path} cannot be created: {parent} is not writable (permissions)"
+    else:
+        parent = p.absolute().parent
+        while not parent.exists():  # the nearest existing ancestor decides whether it can be created
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"{key}: {path} cannot be created: {parent} is a file"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{key}: {path} cannot be created: {parent} is not writable (permissions)"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        return f"{key}: {path} cannot be created or written ({e.strerror or e})"
     return None
 
 

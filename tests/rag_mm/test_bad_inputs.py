@@ -18,7 +18,7 @@ from rag_mm.config import compose
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import DataError, StreamSpec, make_loader
 from rag_mm.data.urls import expand_urls
-from rag_mm.paths import path_problems
+from rag_mm.paths import path_problems, run_dir_problems
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import REPO, _corrupt_copy, run_module
@@ -70,6 +70,9 @@ def test_bad_paths_are_rejected_before_work(tiny_world, tmp_path, capsys, monkey
     res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={bad['text']}/run"], timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "run_dir" in res.stderr and "Traceback" not in res.stderr + res.stdout, res.stderr
+    # a parent whose permission bits allow it but that refuses new directories (as root, too)
+    if Path("/proc").is_dir():
+        assert "cannot be created or written" in run_dir_problems("run_dir", "/proc/rag_mm_run/x")[0]
 
     # every other bad path in one run, each named in one message
     run = tmp_path / "run"
