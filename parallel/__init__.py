@@ -28,8 +28,8 @@ _EXPORTS = {
     "materialize": "parallel.memory",
     "parallelize": "parallel.api",
     "ParallelConfig": "parallel.api",
-    "ParallelModel": "parallel.api",
-    "PipelineError": "parallel.api",
+    "ParallelModel": "parallel.model",
+    "PipelineError": "parallel.pipeline.p2p",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -88,7 +88,7 @@ def make_case(name: str, b: int = 8):
 
 def reference(model, inputs, target, loss_fn, weight_fn, m: int):
     """Single-process loss and gradients of the full batch (the quantity train_step defines)."""
-    from parallel.api import _as_call, split_microbatches
+    from parallel.inputs import _as_call, split_microbatches
 
     ref = copy.deepcopy(model)
     if weight_fn is None:  # equal microbatches of a mean loss: one full-batch pass is the reference

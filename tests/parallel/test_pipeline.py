@@ -191,7 +191,7 @@ def test_pipeline_input_structures(schedule):
 def _autocast_reference(model, inputs, loss_fn, weight_fn, m: int, cast: bool):
     """One process, the same m microbatches: forward and loss under bf16 autocast (when ``cast``),
     backward outside it, as autocast asks; gradients accumulate."""
-    from parallel.api import _as_call, split_microbatches
+    from parallel.inputs import _as_call, split_microbatches
 
     ref = copy.deepcopy(model)
     mbs = split_microbatches(inputs, m)
@@ -249,7 +249,7 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
         partition = "uniform"
     else:
         from parallel import auto_partition
-        from parallel.api import split_microbatches
+        from parallel.inputs import split_microbatches
 
         model, inputs, *_ = make_case("reader")
         part = auto_partition(model, split_microbatches(inputs, 4)[0], 2, manual=["blocks.3.mlp"],
@@ -400,7 +400,7 @@ def test_tree_roundtrip_keeps_structure():
 
 
 def test_split_microbatches():
-    from parallel.api import split_microbatches
+    from parallel.inputs import split_microbatches
 
     parts = split_microbatches({"x": torch.arange(8).view(8, 1), "flag": True}, 4)
     assert len(parts) == 4 and parts[1]["x"].flatten().tolist() == [2, 3] and parts[3]["flag"] is True
