@@ -41,7 +41,7 @@ class ModelConfig:
     max_answer: int = 8  # answer tokens kept, EOT included
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
     max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
-    attention_backend: str = "auto"  # auto | fused | sdpa | reference (see parallel.kernels.attention)
+    attention_backend: str = "auto"  # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
     tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
     copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
 
@@ -122,7 +122,7 @@ class TrainConfig:
     stop_after_steps: int = 0  # testing aid: exit cleanly after this many steps (0 = never)
 
 
-ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "flex", "reference")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
 

@@ -1,4 +1,4 @@
-"""Attention with one backend switch: ``auto`` | ``fused`` | ``sdpa`` | ``reference``.
+"""Attention with one backend switch: ``auto`` | ``fused`` | ``flex`` | ``sdpa`` | ``reference``.
 
 Layouts (all tensors ``(B, H, S, D)`` unless said otherwise):
 
@@ -12,6 +12,9 @@ Layouts (all tensors ``(B, H, S, D)`` unless said otherwise):
   to back, ``cu_seqlens`` (int32, ``(B + 1,)``) as in FlashAttention's varlen API.
 
 The fused C++/CUDA kernels live in ``csrc/attention``; this module is their only Python face.
+``flex`` is ``torch.nn.attention.flex_attention`` with a block mask per layout (``flex.py``).
+``auto`` picks per device, layout and CPU capability (``select_backend``) and logs the choice and
+its reason once per (layout, dtype).
 """
 
 from __future__ import annotations
@@ -24,14 +27,20 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "fused", "sdpa", "reference")
-_logged: set[tuple[str, str]] = set()
+BACKENDS = ("auto", "fused", "flex", "sdpa", "reference")
+LAYOUTS = ("dense", "causal", "packed", "retrieval")
+_logged: set[tuple] = set()
 
 
-def _log_once(backend: str, reason: str) -> None:
-    if (backend, reason) not in _logged:
-        _logged.add((backend, reason))
+def _log_once(layout: str, dtype: torch.dtype, backend: str, reason: str) -> None:
+    key = (layout, dtype, backend, reason)
+    if key not in _logged:
+        _logged.add(key)
         log.info("attention backend: %s (%s)", backend, reason)
+
+
+def _layout(causal: bool, seg_offsets) -> str:
+    return "retrieval" if seg_offsets is not None else ("causal" if causal else "dense")
 
 
 # ----------------------------------------------------------------------------- masks / reference
@@ -160,12 +169,90 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
     return True, "supported"
 
 
-def select_backend(requested: str, q: torch.Tensor) -> tuple[str, str]:
-    """Resolve ``requested`` to a concrete backend and a human-readable reason."""
+# Fastest CPU backend per layout, by the vector ISA ATen dispatches to. Measured with
+# scripts/bench/attention.py --quick --head-dims 64 (forward, 2 threads, S 512 and 1024, median
+# fused time / SDPA time, fp32 | bf16) on an AVX2-only EPYC: dense 1.46 | 1.64, causal 0.90 | 0.91
+# (points from 0.66 to 1.17: a tie within the shared machine's noise; SDPA's flash CPU kernel is
+# kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused kernel skips masked blocks where
+# SDPA takes a dense mask and computes every score). AVX-512 CPUs keep the fused kernel (built with
+# -march=native) on every layout, as before this table; not measured on this machine. ISAs without
+# a row (no AVX, NEON, VSX, ...) use the AVX2 row: SDPA where the layout is unmasked, the fused
+# kernel where it skips masked work.
+CPU_AUTO_TABLE = {
+    "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
+    "avx2": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
+}
+
+
+def cpu_capability() -> str:
+    """The CPU vector ISA ATen dispatches to, lower case: "avx512", "avx2", "default", ...
+
+    Read at run time (``torch.backends.cpu.get_cpu_capability``, which honours
+    ``ATEN_CPU_CAPABILITY``); torch builds without it fall back to /proc/cpuinfo's flags.
+    """
+    try:
+        return torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    except (AttributeError, RuntimeError):
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            return "default"
+        return "avx512" if " avx512f" in flags else ("avx2" if " avx2" in flags else "default")
+
+
+def _flex_gate(q: torch.Tensor) -> tuple[bool, str]:
+    from parallel.kernels import flex
+
+    ok, why = flex.available()
+    if not ok:
+        return False, why
+    if q.device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return False, "flex on CUDA needs Triton"
+        major, minor = torch.cuda.get_device_capability(q.device)
+        if major < 8:
+            return False, f"flex's Triton kernels target sm80+, device is sm{major}{minor}"
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False, f"no flex CUDA kernel for dtype {q.dtype}"
+    return True, why
+
+
+def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> tuple[str, str]:
+    """CUDA rule (not measured here, no GPU): dense and causal -> SDPA, whose flash / cuDNN kernels
+    are the fastest published ones for unmasked attention (FlexAttention reaches ~90% of
+    FlashAttention-2 there, the fused kernel targets >= 0.7x). Masked layouts (packed, retrieval)
+    -> flex on sm80+ with Triton: it skips masked 128 x 128 blocks where SDPA must take a dense
+    mask (and so leaves its flash kernel), and its Triton kernels are autotuned upstream; else the
+    fused CUDA kernel (also block-skipping); else SDPA."""
+    if layout in ("dense", "causal"):
+        return "sdpa", f"{layout} on CUDA: SDPA's flash/cuDNN kernels are the fastest for unmasked attention"
+    ok, why = _flex_gate(q)
+    if ok:
+        return "flex", f"{layout} on CUDA: flex skips masked blocks ({why})"
+    if fused_ok:
+        return "fused", f"{layout} on CUDA: flex unavailable ({why}); fused kernel skips masked blocks"
+    return "sdpa", f"{layout} on CUDA: flex unavailable ({why}), fused unavailable ({fused_why})"
+
+
+def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tuple[str, str]:
+    """Resolve ``requested`` to a concrete backend and a human-readable reason.
+
+    ``layout`` (one of ``LAYOUTS``) matters for ``auto``: on the CPU the choice follows
+    ``CPU_AUTO_TABLE`` for ``cpu_capability()``, on CUDA the rule of ``_auto_cuda``.
+    """
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"attention layout must be one of {LAYOUTS}, got {layout!r}")
     if requested in ("sdpa", "reference"):
         return requested, "requested"
+    if requested == "flex":
+        ok, why = _flex_gate(q)
+        if not ok:
+            raise RuntimeError(f"attention backend 'flex' requested but unavailable: {why}")
+        return "flex", "requested"
     ok, why = fused_available()
     if ok:
         ok, why_not = _fused_supports(q)
@@ -174,7 +261,18 @@ def select_backend(requested: str, q: torch.Tensor) -> tuple[str, str]:
         if not ok:
             raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
         return "fused", "requested"
-    return ("fused", why) if ok else ("sdpa", f"fused unavailable: {why}")
+    if q.device.type == "cuda":
+        return _auto_cuda(q, layout, ok, why)
+    if not ok:
+        return "sdpa", f"fused unavailable: {why}"
+    if q.device.type != "cpu":
+        return "fused", why
+    cap = cpu_capability()
+    row = CPU_AUTO_TABLE.get(cap, CPU_AUTO_TABLE["avx2"])
+    table = cap if cap in CPU_AUTO_TABLE else f"avx2 (no row for {cap})"
+    choice = row[layout]
+    faster = "SDPA is faster than the fused kernel" if choice == "sdpa" else "the fused kernel is faster than SDPA"
+    return choice, f"{layout} {str(q.dtype).removeprefix('torch.')} on a {table} CPU: {faster}"
 
 
 def _scale(q, scale):
@@ -183,8 +281,13 @@ def _scale(q, scale):
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
-    chosen, reason = select_backend(backend, q)
-    _log_once(chosen, reason)
+    layout = _layout(causal, seg_offsets)
+    chosen, reason = select_backend(backend, q, layout)
+    _log_once(layout, q.dtype, chosen, reason)
+    if chosen == "flex":
+        from parallel.kernels.flex import flex_attention
+
+        return flex_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
     if chosen == "reference":
         return reference_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
     if chosen == "fused":
@@ -204,8 +307,12 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
     sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
     """
-    chosen, reason = select_backend(backend, q)
-    _log_once(chosen, reason)
+    chosen, reason = select_backend(backend, q, "packed")
+    _log_once("packed", q.dtype, chosen, reason)
+    if chosen == "flex":
+        from parallel.kernels.flex import flex_varlen_attention
+
+        return flex_varlen_attention(q, k, v, cu_seqlens, causal=causal, scale=scale)
     if chosen == "reference":
         return reference_varlen_attention(q, k, v, cu_seqlens, causal=causal, scale=scale)
     if chosen == "fused":

@@ -1,6 +1,12 @@
-"""Fused attention (csrc/attention) against SDPA on the CPU: TFLOP/s and peak extra memory.
+"""Fused attention (csrc/attention) and FlexAttention against SDPA on the CPU: TFLOP/s, time
+ratios and the ``auto`` choice, and peak extra memory.
 
     python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick] [--backward]
+        [--dtypes float32,bfloat16] [--head-dims 64,128] [--no-flex]
+
+Every point times ``fused``, ``sdpa``, ``flex`` (compiled flex_attention with a cached block mask;
+compilation happens in the warm-up) and ``auto`` (whatever ``backend="auto"`` picks here) and
+reports each one's time over SDPA's (``ratios``: below 1 is faster than SDPA).
 
 Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
 
@@ -44,8 +50,8 @@ from parallel.kernels import attention as A  # noqa: E402
 H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implementations
 
 
-def make_case(case: str, S: int, D: int, dtype: torch.dtype):
-    """Returns (fused_fn, sdpa_fn, useful_flops)."""
+def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fused"):
+    """Returns (backend_fn, sdpa_fn, useful_flops); ``backend`` is any of ``A.BACKENDS``."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     scale = D**-0.5
@@ -53,7 +59,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype):
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         c = case == "causal"
         flops = 4 * S * S * H * D / (2 if c else 1)
-        return (lambda: A.attention(q, k, v, causal=c, backend="fused"),
+        return (lambda: A.attention(q, k, v, causal=c, backend=backend),
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale), flops)
     if case == "packed":
         lens = [S, S // 2, S // 4, S // 4]  # mean S/2: 50% padding when padded to S
@@ -61,7 +67,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype):
         T = int(cu[-1])
         q, k, v = (rnd(T, H, D) for _ in range(3))
         flops = sum(4 * L * L * H * D for L in lens)
-        return (lambda: A.varlen_attention(q, k, v, cu, S, backend="fused"),
+        return (lambda: A.varlen_attention(q, k, v, cu, S, backend=backend),
                 lambda: A.sdpa_varlen_attention(q, k, v, cu, S), flops)
     if case == "retrieval":
         doc, n_docs = S // 10, 8
@@ -69,7 +75,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype):
         seg = torch.tensor([bounds], dtype=torch.int32)
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         pairs = int(A.layout_mask(seg, S).sum())
-        return (lambda: A.attention(q, k, v, seg_offsets=seg, backend="fused"),
+        return (lambda: A.attention(q, k, v, seg_offsets=seg, backend=backend),
                 lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
     raise ValueError(case)
 
@@ -91,17 +97,23 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
 
 
 def time_pair(f1, f2, reps: int, grad: bool = False) -> tuple[float, float]:
+    return tuple(time_many([f1, f2], reps, grad))
+
+
+def time_many(fns, reps: int, grad: bool = False) -> list[float]:
+    """Median seconds per call of each fn, calls interleaved (a load spike hits all alike)."""
     ctx = torch.enable_grad if grad else torch.no_grad
     with ctx():
-        f1(), f2()  # warm-up
-    t1, t2 = [], []
+        for fn in fns:  # warm-up: builds, compiles, block masks
+            fn()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        for fn, acc in ((f1, t1), (f2, t2)):
+        for fn, acc in zip(fns, times):
             t = time.perf_counter()
             with ctx():
                 fn()
             acc.append(time.perf_counter() - t)
-    return statistics.median(t1), statistics.median(t2)
+    return [statistics.median(t) for t in times]
 
 
 def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: int) -> float:
@@ -193,6 +205,9 @@ def main() -> None:
     ap.add_argument("--memory-only", action="store_true", help="add the memory table to an existing --out")
     ap.add_argument("--backward", action="store_true", help="also time dense/causal forward + backward")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: against SDPA's flash backend")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--no-flex", action="store_true", help="skip flex (its first call per shape compiles)")
     args = ap.parse_args()
     if args.device == "cuda":
         return cuda_main(args)
@@ -201,26 +216,43 @@ def main() -> None:
     ok, why = A.fused_available()
     if not ok:
         sys.exit(f"fused attention unavailable: {why}")
+    from parallel.kernels import flex
+
+    flex_ok = not args.no_flex and flex.available()[0]
     seqs = [512, 1024] if args.quick else [512, 1024, 2048, 4096]
     results = []
     if args.memory_only:
         seqs = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for D in (64, 128):
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for D in (int(d) for d in args.head_dims.split(",")):
             cases = ["dense", "causal", "packed", "retrieval"] + (["dense+bwd", "causal+bwd"] if args.backward else [])
             for case in cases:
                 for S in seqs:
                     bwd = case.endswith("+bwd")
-                    maker = make_train_case if bwd else make_case
-                    fused, sdpa, flops = maker(case.removesuffix("+bwd"), S, D, dtype)
                     reps = args.reps if S <= 2048 else max(2, args.reps // 2)
-                    t_f, t_s = time_pair(fused, sdpa, reps, grad=bwd)
+                    if bwd:
+                        fused, sdpa, flops = make_train_case(case.removesuffix("+bwd"), S, D, dtype)
+                        fns = {"fused": fused, "sdpa": sdpa}
+                    else:
+                        fused, sdpa, flops = make_case(case, S, D, dtype)
+                        fns = {"fused": fused, "sdpa": sdpa}
+                        if flex_ok:
+                            fns["flex"] = make_case(case, S, D, dtype, "flex")[0]
+                        fns["auto"] = make_case(case, S, D, dtype, "auto")[0]
+                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd)))
+                    layout = case.removesuffix("+bwd")
+                    q = torch.empty(1, 1, 1, D, dtype=dtype)
                     row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
-                               fused_tflops=flops / t_f / 1e12, sdpa_tflops=flops / t_s / 1e12,
-                               fused_ms=t_f * 1e3, sdpa_ms=t_s * 1e3, speedup=t_s / t_f)
+                               fused_tflops=flops / times["fused"] / 1e12, sdpa_tflops=flops / times["sdpa"] / 1e12,
+                               speedup=times["sdpa"] / times["fused"],
+                               **{f"{k}_ms": t * 1e3 for k, t in times.items()},
+                               ratios={k: t / times["sdpa"] for k, t in times.items() if k != "sdpa"})
+                    if not bwd:
+                        row["auto_picks"] = A.select_backend("auto", q, layout)[0]
                     results.append(row)
-                    print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} fused {row['fused_tflops']*1e3:7.1f} "
-                          f"GFLOP/s  sdpa {row['sdpa_tflops']*1e3:7.1f} GFLOP/s  x{row['speedup']:.2f}", flush=True)
+                    print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa']*1e3:7.2f} ms  "
+                          + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
+                          + (f"  (auto -> {row['auto_picks']})" if not bwd else ""), flush=True)
     memory = []
     if not args.quick:
         for case in ("dense", "retrieval"):
@@ -236,22 +268,35 @@ def main() -> None:
         sp = [r["speedup"] for r in results if r["case"] == case and r["dtype"] == dtype]
         return dict(min=min(sp), median=statistics.median(sp), max=max(sp)) if sp else None
 
+    def ratio_summary(case, dtype):
+        rows = [r for r in results if r["case"] == case and r["dtype"] == dtype]
+        if not rows:
+            return None
+        out = {k: statistics.median(r["ratios"][k] for r in rows) for k in rows[0]["ratios"]}
+        out["auto_max"] = max(r["ratios"]["auto"] for r in rows) if "auto" in out else None
+        out["auto_picks"] = sorted({r.get("auto_picks") for r in rows} - {None})
+        return out
+
+    cases = ("dense", "causal", "packed", "retrieval", "dense+bwd", "causal+bwd")
+    dtypes = ("float32", "bfloat16")
     report = dict(
-        machine=dict(cpu=platform.processor() or platform.machine(), threads=args.threads,
-                     torch=torch.__version__, note="shared 2-core machine; compare ratios within one run"),
+        machine=dict(cpu=platform.processor() or platform.machine(), cpu_capability=A.cpu_capability(),
+                     threads=args.threads, torch=torch.__version__,
+                     note="shared 2-core machine; compare ratios within one run"),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
-        speedup_summary={f"{c}/{d}": summary(c, d)
-                         for c in ("dense", "causal", "packed", "retrieval", "dense+bwd", "causal+bwd")
-                         for d in ("float32", "bfloat16")},
+        speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
+        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point",
+        ratio_summary={f"{c}/{d}": ratio_summary(c, d) for c in cases for d in dtypes
+                       if ratio_summary(c, d) is not None},
         results=results, memory=memory,
     )
     if args.memory_only:
         report = json.loads(Path(args.out).read_text())
         report["memory"] = memory
     Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report.get("speedup_summary"), indent=1))
+    print(json.dumps(report.get("ratio_summary"), indent=1))
 
 
 if __name__ == "__main__":
