@@ -1,10 +1,13 @@
-"""Evaluation: exact-match answer accuracy and answer NLL, for seen and held-out entities.
+"""Evaluation: exact-match answer accuracy and answer NLL, for seen and held-out entities, and the
+VQA accuracy where queries carry their human answers.
 
     python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
     python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
-exactly when every gold token (EOT included) is the argmax given the gold prefix.
+exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
+(``rag_mm.vqa_metric``) scores the greedy answer itself against the human answers, so queries whose
+json has ``answers`` (VQA shards from ``scripts/convert.py``) are also decoded token by token.
 
 The command line evaluates a run directory in one process, whatever layout trained it: the run's
 saved config builds the model (``rag_mm.build``), and only the checkpoint's model entries are
@@ -17,6 +20,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import re
 import sys
 import warnings
@@ -27,8 +31,12 @@ import torch
 from rag_mm import checkpoint
 from rag_mm.build import SPLITS, batch_inputs, build_rag, make_stream
 from rag_mm.data.pipeline import DataError
+from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.distributed import all_reduce_sum
 from rag_mm.paths import data_key
+from rag_mm.vqa_metric import vqa_accuracy
+
+log = logging.getLogger(__name__)
 
 RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 
@@ -41,13 +49,21 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     Every rank evaluates its share of the split; the sums are all-reduced (and divided by
     ``replicas``, the ranks that see each batch: the stages of a pipeline). ``examples_path``
     (main rank only) receives a few queries with their retrieved documents for inspection.
+    ``vqa_acc`` (with ``n_vqa``, the queries it averages) is reported when queries carry human
+    answers and the reader is whole on every rank (greedy decoding needs it).
     """
     was_training = rag.training
     rag.eval()
     learned = rag.rcfg.mode == "learned"
-    # per group (seen, held-out): n, correct, nll, then recall hits for each k in RECALL_AT
-    width = 3 + len(RECALL_AT)
+    # per group (seen, held-out): n, correct, nll, queries with a gold document, then recall hits
+    # for each k in RECALL_AT (a query naming no gold document, doc_id -1, is no recall query:
+    # faiss pads short result lists with id -1 too)
+    width = 4 + len(RECALL_AT)
     acc = torch.zeros(2 * width, dtype=torch.float64)
+    vqa = torch.zeros(2, dtype=torch.float64)  # summed VQA accuracy, queries scored
+    whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
+    tok = tokenizer if tokenizer is not None else get_tokenizer()
+    warned = False
     examples: list[dict] = []
     for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
@@ -56,19 +72,33 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
         hits = []
+        has_gold = batch["doc_id"] >= 0
         if learned:
             gold = batch["doc_id"][:, None]
-            hits = [(out.doc_ids[:, :k] == gold).any(1) for k in RECALL_AT]
+            hits = [(out.doc_ids[:, :k] == gold).any(1) & has_gold for k in RECALL_AT]
         for j, mask in enumerate((~held, held)):
             base = j * width
             acc[base] += float(mask.sum())
             acc[base + 1] += float((correct & mask).sum())
             acc[base + 2] += float((nll * mask).sum())
+            acc[base + 3] += float((has_gold & mask).sum())
             for h, hit in enumerate(hits):
-                acc[base + 3 + h] += float((hit & mask).sum())
+                acc[base + 4 + h] += float((hit & mask).sum())
+        answers = batch.get("answers") or []
+        rows = [r for r, a in enumerate(answers) if a]
+        if rows and whole:
+            preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
+            max_answer = rag.reader.cfg.max_answer
+            for r, ids in zip(rows, preds):
+                vqa[0] += vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r])
+            vqa[1] += len(rows)
+        elif rows and not warned:  # every rank has the same layout, so the same (fixed-size) sums below
+            warned = True
+            log.warning("vqa_acc not computed: greedy answers need the whole reader on each rank "
+                        "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate")
         if examples_path is not None and len(examples) < n_examples:
             examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
-    acc = all_reduce_sum(acc) / replicas
+    acc, vqa = (all_reduce_sum(torch.cat([acc, vqa])) / replicas).split([2 * width, 2])
     rag.train(was_training)
     seen, held = acc[:width].tolist(), acc[width:].tolist()
     n = seen[0] + held[0]
@@ -81,10 +111,14 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         "n_seen": int(seen[0]),
         "n_heldout": int(held[0]),
     }
-    if learned:
+    n_gold = seen[3] + held[3]
+    if learned and n_gold:
         for h, k in enumerate(RECALL_AT):
-            res[f"recall@{k}"] = (seen[3 + h] + held[3 + h]) / max(n, 1)
-            res[f"recall@{k}_heldout"] = held[3 + h] / held[0] if held[0] else float("nan")
+            res[f"recall@{k}"] = (seen[4 + h] + held[4 + h]) / n_gold
+            res[f"recall@{k}_heldout"] = held[4 + h] / held[3] if held[3] else float("nan")
+    if vqa[1] > 0:
+        res["vqa_acc"] = float(vqa[0] / vqa[1])
+        res["n_vqa"] = int(vqa[1])
     if examples_path is not None and examples:
         examples_path.parent.mkdir(parents=True, exist_ok=True)
         examples_path.write_text(json.dumps(examples, indent=1))
@@ -103,6 +137,31 @@ def _png_b64(img: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _greedy(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:
+    """The reader's greedy answers (token ids, EOT dropped) to the queries ``rows`` of ``batch``,
+    reading the documents the evaluated forward ``out`` read."""
+    x = batch_inputs(batch, device)
+    r = rows.to(device)
+    docs = {}
+    if out.doc_ids is not None:
+        docs = {name: t.to(device) for name, t in rag.store.fetch(out.doc_ids[rows, :rag.rcfg.top_k]).items()}
+    prior = None
+    if rag.rcfg.reader_prior and out.scores is not None:  # as the evaluated forward read them
+        prior = torch.log_softmax(out.scores[rows].to(device), -1)
+    return rag.reader.generate(x["image"][r], x["q_ids"][r], x["q_len"][r], docs.get("doc_image"),
+                               docs.get("doc_ids"), docs.get("doc_len"), eot_id=tokenizer.eot_id, doc_prior=prior)
+
+
+def _answer_text(ids: list[int], answers: list[str], tokenizer, max_answer: int) -> str:
+    """A greedy answer as text: the human answer whose (training-truncated) tokens it reproduces,
+    if any, else its decoding. The BPE decoding respaces punctuation ("t-shirt" comes back as
+    "t - shirt"), which the metric would otherwise count against an answer the reader got right."""
+    for a in answers:
+        if tokenizer.encode(a)[: max_answer - 1] == ids:
+            return a
+    return tokenizer.decode(ids)
+
+
 def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     """A few queries with what the reader answered and which documents it was given."""
     n = min(n, len(batch["key"]))
@@ -110,13 +169,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
         return []
     k = rag.rcfg.top_k
     ids = out.doc_ids[:n, :k]
-    docs = {name: t.to(device) for name, t in rag.store.fetch(ids).items()}
-    x = batch_inputs(batch, device)
-    prior = None
-    if rag.rcfg.reader_prior and out.scores is not None:  # as the evaluated forward read them
-        prior = torch.log_softmax(out.scores[:n].to(device), -1)
-    pred = rag.reader.generate(x["image"][:n], x["q_ids"][:n], x["q_len"][:n], docs["doc_image"], docs["doc_ids"],
-                               docs["doc_len"], eot_id=tokenizer.eot_id, doc_prior=prior)
+    pred = _greedy(rag, batch, out, device, torch.arange(n), tokenizer)
     rows = rag.store.rows(ids)
     res = []
     for i in range(n):

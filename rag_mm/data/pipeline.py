@@ -161,6 +161,9 @@ class QueryStream(torch.utils.data.IterableDataset):
             if "answer" not in meta:
                 raise KeyError("json has no 'answer'")
             doc_id = int(meta.get("doc_id", -1))
+            answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.vqa_metric
+            if answers is not None and not (isinstance(answers, list) and all(isinstance(a, str) for a in answers)):
+                raise ValueError("json 'answers' is not a list of strings")
             question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
         except KeyError as exc:
             counter.counts["missing_key"] += 1
@@ -181,6 +184,7 @@ class QueryStream(torch.utils.data.IterableDataset):
             "doc_id": doc_id,
             "heldout": bool(meta.get("heldout", False)),
             "attribute": str(meta.get("attribute", "")),
+            "answers": answers or None,
         }
 
     def _samples(self, counter: SkipCounter, worker: int, num_workers: int) -> Iterator[dict]:
@@ -283,6 +287,7 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
         "attribute": [s["attribute"] for s in samples],
         "question": [s["question"] for s in samples],
         "answer": [s["answer"] for s in samples],
+        "answers": [s["answers"] for s in samples],  # per query: its human answers (list[str]) or None
         "key": [s["key"] for s in samples],
         # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
         "skipped": (info.id if info else 0, dict(counter.counts) if counter else {}),
