@@ -30,6 +30,8 @@ _EXPORTS = {
     "ParallelConfig": "parallel.api",
     "ParallelModel": "parallel.model",
     "PipelineError": "parallel.pipeline.p2p",
+    "plan_layout": "parallel.planner",
+    "Cluster": "parallel.cluster",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,201 @@
+"""A cluster description for the layout planner, its presets, and an alpha-beta model of the
+collectives that run on it.
+
+A collective over ``n`` ranks moving ``S`` bytes per rank costs ``steps * alpha + volume * S / beta``
+on the slowest link it crosses, with NCCL's algorithms (nccl-tests' PERFORMANCE.md formulas):
+
+- ring all-reduce: ``2 (n - 1)`` steps, ``2 (n - 1) / n`` of the buffer over each link;
+- tree all-reduce (double binary tree): ``2 ceil(log2 n)`` steps, about ``2 S`` over each link;
+  NCCL picks whichever is faster, so small messages pay the tree's logarithmic latency;
+- reduce-scatter / all-gather (ring): ``n - 1`` steps, ``(n - 1) / n`` of the (unsharded) buffer.
+
+Link of a group: ranks are numbered node by node, and a mesh dimension of size ``n`` and stride
+``s`` (the product of the inner dimensions) stays inside a node when ``n * s <= devices_per_node``.
+A group spanning nodes crosses the nodes' network: every device of a node runs the same collective
+at once in every layout planned here, so ``devices_per_node / members_per_node`` groups share a
+node's network bandwidth (tp=16 over two nodes: one group per node gets the whole 400 Gb/s;
+data parallel across nodes under tp=8: eight groups share it).
+
+Presets live in ``conf/cluster/<name>.yaml``; ``calibrate()`` measures the local machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "cluster"
+
+
+@dataclass
+class Cluster:
+    """The machines a layout runs on. Bandwidths are bytes/s in one direction."""
+
+    name: str = "custom"  # label for tables and JSON
+    nodes: int = 1  # hosts
+    devices_per_node: int = 8  # accelerators (or CPU ranks) per host; tensor parallel stays within one
+    device_memory_bytes: float = 40 * 2**30  # memory of one device
+    # peak dense FLOP/s of one device per compute dtype ("fp32", "bf16")
+    peak_flops: dict[str, float] = field(default_factory=lambda: {"fp32": 19.5e12, "bf16": 312e12})
+    compute_efficiency: float = 0.5  # fraction of peak a training step achieves on its matmuls (MFU)
+    intra_bandwidth: float = 300e9  # per device, to another device of its node (NVLink / NVSwitch)
+    intra_latency_s: float = 5e-6  # per step of a collective inside a node
+    inter_bandwidth: float = 50e9  # per node: all its network adapters together
+    inter_latency_s: float = 20e-6  # per step of a collective between nodes
+    host_bandwidth: float = 25e9  # per device, device <-> host memory (PCIe): CPU offload traffic
+    host_memory_bytes: float = 1024 * 2**30  # per node: where CPU offload keeps state
+    host_memory_bandwidth: float = 200e9  # per node: DRAM bandwidth a host-side Adam step streams at
+    usable_fraction: float = 0.9  # of device memory a plan may fill (CUDA context, allocator slack)
+    backend: str = "nccl"  # collective library the figures describe (informational)
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achieved FLOP/s of one device in ``dtype``: peak x efficiency."""
+        return self.peak_flops[dtype] * self.compute_efficiency
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> Cluster:
+        """``conf/cluster/<name>.yaml`` with ``overrides`` (e.g. ``nodes=16``)."""
+        path = PRESET_DIR / f"{name}.yaml"
+        if not path.exists():
+            known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+            raise ValueError(f"unknown cluster preset {name!r}; known: {known}")
+        with open(path) as f:
+            d = yaml.safe_load(f)
+        d.update(overrides)
+        d.setdefault("name", name)
+        # YAML 1.1 reads "50.0e9" (no exponent sign) as a string: convert by the field's type
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for k, v in d.items():
+            if types.get(k) == "float":
+                d[k] = float(v)
+            elif types.get(k) == "int":
+                d[k] = int(v)
+        d["peak_flops"] = {k: float(v) for k, v in d.get("peak_flops", {}).items()}
+        return cls(**d)
+
+    # ------------------------------------------------------------------ links and collectives
+
+    def group_link(self, size: int, stride: int) -> tuple[float, float, bool]:
+        """(bandwidth per group, latency, crosses nodes) of a mesh dimension of ``size`` ranks
+        ``stride`` apart (see the module doc)."""
+        dpn = self.devices_per_node
+        if size * stride <= dpn:
+            return self.intra_bandwidth, self.intra_latency_s, False
+        per_node = max(1, min(size, dpn // stride)) if stride < dpn else 1
+        share = self.inter_bandwidth * per_node / dpn
+        return min(self.intra_bandwidth, share), self.inter_latency_s, True
+
+    def all_reduce(self, nbytes: float, size: int, stride: int) -> float:
+        """Seconds of an all-reduce of ``nbytes`` over a group: the faster of ring and tree."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat, _ = self.group_link(size, stride)
+        ring = 2 * (size - 1) * lat + 2 * (size - 1) / size * nbytes / bw
+        tree = 2 * math.ceil(math.log2(size)) * lat + 2 * nbytes / bw
+        return min(ring, tree)
+
+    def all_gather(self, nbytes: float, size: int, stride: int) -> float:
+        """Seconds of an all-gather (or a reduce-scatter) whose unsharded buffer is ``nbytes``."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, lat, _ = self.group_link(size, stride)
+        return (size - 1) * lat + (size - 1) / size * nbytes / bw
+
+    reduce_scatter = all_gather
+
+    def send(self, nbytes: float, stride: int) -> float:
+        """Seconds of a point-to-point send to the rank ``stride`` away (a pipeline hand-over)."""
+        if nbytes <= 0:
+            return 0.0
+        bw, lat, _ = self.group_link(2, stride)
+        return lat + nbytes / bw
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def _matmul_flops(dtype, n: int, seconds: float) -> float:
+    import torch
+
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)  # warm-up (allocations, kernel selection)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        torch.mm(a, b)
+        reps += 1
+    return 2.0 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times = []
+    for n in sizes:
+        t = torch.ones(n // 4)  # fp32 elements
+        dist.all_reduce(t)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t)
+        times.append((time.perf_counter() - t0) / reps)
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0.3) -> Cluster:
+    """Measure this machine: matmul FLOP/s (fp32, bf16; 512-square, ``seconds`` each, one thread,
+    as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes (8 B for
+    the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring formula). About 8 s on a
+    loaded 2-core host, most of it starting the two processes.
+    Efficiency is 1: the matmul rate is already what a step achieves on its matmuls."""
+    import multiprocessing as mp
+    import socket
+
+    import torch
+
+    base = base or Cluster.preset("local")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = _matmul_flops(torch.float32, 512, seconds)
+        bf16 = _matmul_flops(torch.bfloat16, 512, seconds)
+    finally:
+        torch.set_num_threads(threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    small, big = 8, 4 * 2**20
+    procs = [ctx.Process(target=_all_reduce_worker, args=(r, ranks, port, [small, big], 20, q)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    t_small, t_big = q.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+    n = ranks
+    alpha = t_small / (2 * (n - 1))
+    beta = 2 * (n - 1) / n * big / max(t_big - 2 * (n - 1) * alpha, 1e-9)
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return dataclasses.replace(
+        base, name="local (calibrated)", peak_flops={"fp32": fp32, "bf16": bf16}, compute_efficiency=1.0,
+        intra_bandwidth=beta, intra_latency_s=alpha, inter_bandwidth=beta, inter_latency_s=alpha,
+        device_memory_bytes=float(mem) / base.devices_per_node, host_memory_bytes=float(mem))

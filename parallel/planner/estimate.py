@@ -1,0 +1,286 @@
+"""Estimating one layout's memory and step time, and enumerating every layout of a cluster (the
+cost model is described in ``parallel/planner/__init__.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from ..balance import InfeasiblePartition
+from ..cluster import Cluster
+from ..cost import CostConfig, inflight, rank_of_stage
+from ..partition import baseline_partition, partition_trace
+from ..trace import TraceResult
+from .report import GiB, Layout, overrides
+from .stats import ModelStats, PartStats
+
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")  # parallel.config names, enumerated
+# parallel.config schedule -> (cost.py schedule for in-flight counts, stages per rank); as
+# api.COST_SCHEDULE and pipeline.schedule.stages_per_rank resolve them with the default v
+SCHEDULE_COST = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved", 2),
+                 "zero_bubble": ("interleaved", 1), "zbv": ("zbv", 2)}
+MICROBATCH_FACTORS = (1, 2, 4, 8)  # microbatches tried under a pipeline: pp x these
+ACCUMULATION = (1, 2, 4, 8, 16, 32)  # gradient-accumulation steps tried without a pipeline
+# up to this many modules the stages come from the partitioner's full search; above it from the
+# min-max balance of the layer list (balance.balanced_bounds), ~100x faster at 1000 modules (64
+# stages: 0.03 s against 10 s) and within a few percent on block-structured models. The planner
+# needs each stage's load, not the final cut: the runtime partitions again with the full search.
+FULL_SEARCH_MODULES = 300
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the smallest gradient message left at the end
+RECOMPUTE = 4.0 / 3.0  # checkpointing runs each block's forward twice: (1 + 1 + 2) / (1 + 2)
+HOST_ADAM_BYTES = 7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
+
+
+def bubble_slots(schedule: str, p: int, v: int) -> float:
+    """Idle microbatch slots of a step on the busiest rank (GPipe / 1F1B: p - 1, the bubble
+    fraction (p - 1)/(m + p - 1); interleaved: / v (Narayanan et al. 2021); ZB-H1: a third
+    of 1F1B's; ZB-V: none when forward, input- and weight-backward take equal time (Qi et al. 2023))."""
+    if p <= 1:
+        return 0.0
+    if schedule in ("gpipe", "1f1b", "eager_1f1b"):
+        return float(p - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / v
+    if schedule == "zero_bubble":
+        return (p - 1) / (3.0 * v)
+    return 0.0  # zbv, dualpipev
+
+
+
+class Planner:
+    def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
+                 tp_divisor: int | None, partition: str):
+        self.stats = ModelStats(trace, samples)
+        self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
+        # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings
+        self.flops_trace = dataclasses.replace(trace, timed=False)
+        if partition == "auto":
+            partition = "search" if len(trace.modules) <= FULL_SEARCH_MODULES else "layers"
+        if partition not in ("search", "layers"):
+            raise ValueError(f"partition must be auto, search or layers (got {partition!r})")
+        self.partition = partition
+        self.tp_divisor = tp_divisor
+        self._parts: dict[int, list[PartStats] | str] = {}  # stage count -> per-stage stats or why not
+
+    # --- pipeline stages from the partitioner, one solve per stage count
+    def stages(self, k: int) -> list[PartStats] | str:
+        if k in self._parts:
+            return self._parts[k]
+        st = self.stats
+        if k == 1:
+            self._parts[k] = [st.whole]
+            return self._parts[k]
+        c = self.cluster
+        # the time objective: the split balances FLOPs (+ sends at the cuts) whatever the schedule
+        cfg = CostConfig(schedule="interleaved", microbatches=1, stages_per_rank=1,
+                         flops_per_s=c.flops_per_s("bf16"), bandwidth=c.inter_bandwidth / c.devices_per_node)
+        try:
+            if self.partition == "search":
+                part = partition_trace(self.flops_trace, k, "speed", cost_config=cfg)
+            else:
+                part = baseline_partition(self.flops_trace, k, "time", cfg)
+                if any(rep.num_units == 0 for rep in part.stages):
+                    raise InfeasiblePartition(f"the layer list has fewer than {k} layers")
+        except InfeasiblePartition as e:
+            self._parts[k] = f"no {k}-stage partition: {e}"
+            return self._parts[k]
+        mods: list[set[str]] = [set() for _ in range(k)]
+        for u, s in zip(part.units, part.unit_stage):
+            mods[s].update(u.modules)
+        held: list[list[str]] = [[] for _ in range(k)]
+        for p, stages in part.param_stages.items():
+            if self.trace.param_alias.get(p, p) == p:
+                for s in stages:
+                    held[s].append(p)
+        out = []
+        for s, rep in enumerate(part.stages):
+            ps = st.part(mods[s], held[s], rep.compute_time * cfg.flops_per_s)  # replayed container code included
+            ps.param_bytes = float(rep.param_bytes)
+            ps.cut_in, ps.cut_out = float(rep.comm_in), float(rep.comm_out)
+            out.append(ps)
+        self._parts[k] = out
+        return out
+
+    # --- one layout
+    def estimate(self, pp: int, tp: int, dp_replicate: int, dp_shard: int, microbatches: int = 1,
+                 schedule: str = "1f1b", activation_checkpointing: bool = False, mixed_precision: str = "bf16",
+                 cpu_offload: bool = False, stages_per_rank: int | None = None, **_: Any) -> Layout:
+        c, st = self.cluster, self.stats
+        if pp == 1:
+            schedule = "-"  # microbatches are gradient-accumulation steps
+        cost_sched, v = SCHEDULE_COST.get(schedule, ("1f1b", 1))
+        v = (stages_per_rank or v) if pp > 1 else 1
+        lay = Layout(pp, tp, dp_replicate, dp_shard, microbatches, schedule, v, activation_checkpointing,
+                     mixed_precision, cpu_offload)
+        dp = dp_replicate * dp_shard
+        world = pp * dp * tp
+        why = lay.reasons
+        if world != c.world:
+            why.append(f"pp*dp_replicate*dp_shard*tp = {world} != {c.world} devices")
+        if self.global_batch % (dp * microbatches):
+            why.append(f"global batch {self.global_batch} does not split into {dp} replicas x {microbatches} "
+                       "microbatches")
+        if self.tp_divisor and self.tp_divisor % tp:
+            why.append(f"tp={tp} does not divide the {self.tp_divisor} attention heads")
+        if tp > 1 and not st.blocks:
+            why.append("tp > 1 needs repeated blocks (children of a ModuleList / Sequential) to shard")
+        if activation_checkpointing and not st.blocks:
+            why.append("checkpointing needs repeated blocks to checkpoint")
+        if pp > 1 and st.blocks and pp * v > len(st.blocks):
+            why.append(f"{pp * v} pipeline stages > {len(st.blocks)} blocks")
+        if cpu_offload and pp > 1:
+            why.append("cpu_offload with pp > 1: a pipeline rank keeps its stage gathered for the whole step")
+        if cpu_offload and c.host_bandwidth <= 0:
+            why.append(f"no CPU offload on {c.name}: the devices are the host")
+        if pp > 1 and schedule not in SCHEDULE_COST:
+            why.append(f"unknown schedule {schedule!r}")
+        if why:
+            return lay
+        parts = self.stages(pp * v)
+        if isinstance(parts, str):
+            why.append(parts)
+            return lay
+        lay.microbatch_size = self.global_batch // (dp * microbatches)
+        scale = lay.microbatch_size / st.samples  # trace batch -> one microbatch
+        bf16 = mixed_precision == "bf16"
+        cdt = 2.0 / st.elt if bf16 else 1.0  # compute-dtype bytes per trace-dtype byte
+        rate = c.flops_per_s("bf16" if bf16 else "fp32")
+        ccfg = CostConfig(schedule=cost_sched, microbatches=microbatches, stages_per_rank=v)
+        ranks = [rank_of_stage(s, pp, ccfg) for s in range(len(parts))]
+        infl = [inflight(s, pp, ccfg) for s in range(len(parts))]
+        pp_stride = world // pp
+
+        def local(total: float, tp_part: float) -> float:  # bytes on one tp rank
+            return total - tp_part + tp_part / tp
+
+        best_mem, mem_parts, slots = -1.0, {}, []
+        for r in range(pp):
+            mine = [s for s in range(len(parts)) if ranks[s] == r]
+            P = sum(local(parts[s].param_bytes, parts[s].tp_param_bytes) for s in mine)
+            blockP = max(local(parts[s].block_param, parts[s].block_tp_param) for s in mine)
+            act = 0.0
+            for s in mine:
+                ps = parts[s]
+                a, a_rep = (ps.ckpt_act, ps.ckpt_act_rep) if activation_checkpointing else (ps.act, ps.act_rep)
+                act += local(a, a - a_rep) * infl[s]  # all but the replicated part split over tp
+            if activation_checkpointing:
+                act += max(parts[s].recompute_peak for s in mine) / tp
+            act *= scale * cdt
+            m = {"params": P / dp_shard, "grads": P / dp_shard, "optimizer": 2.0 * P / dp_shard,
+                 "gathered": 0.0, "activations": act}
+            if pp > 1 and dp_shard > 1:  # the stage stays gathered, gradients accumulate unsharded
+                m["gathered"], m["grads"] = P * cdt, P
+            elif dp_shard > 1 or cpu_offload:
+                m["gathered"] = 2.0 * blockP * cdt
+            elif bf16:
+                m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
+            host = 0.0
+            if cpu_offload:
+                host = m["params"] + m["grads"] + m["optimizer"]
+                m["params"] = m["grads"] = m["optimizer"] = 0.0
+            total = sum(m.values())
+            if total > best_mem:
+                best_mem, mem_parts, host_peak = total, m, host
+            # per microbatch on this rank
+            fl = sum(parts[s].flops for s in mine) * scale / tp * (RECOMPUTE if activation_checkpointing else 1.0)
+            t_c = fl / rate
+            nb = sum(parts[s].blocks for s in mine)
+            t_tp = 0.0
+            if tp > 1 and nb:
+                msg = sum(parts[s].block_out for s in mine) / nb * scale * cdt
+                t_tp = nb * (6 if activation_checkpointing else 4) * c.all_reduce(msg, tp, 1)
+            t_pp = 0.0
+            if pp > 1:
+                t_pp = sum(c.send(parts[s].cut_out * scale * cdt, pp_stride) + c.send(parts[s].cut_in * scale * cdt,
+                                                                                     pp_stride) for s in mine)
+            slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP))
+        lay.memory_bytes_per_device = best_mem
+        lay.memory = mem_parts
+        usable = c.device_memory_bytes * c.usable_fraction
+        if best_mem > usable:
+            why.append(f"memory: {best_mem / GiB:.1f} GiB > {usable / GiB:.1f} GiB usable per device ("
+                       + ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem_parts.items() if v) + ")")
+        if cpu_offload and host_peak * c.devices_per_node > c.host_memory_bytes * c.usable_fraction:
+            why.append(f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
+                       f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable")
+        # --- time
+        slot, t_c, t_tp, t_pp, P, blockP = max(slots)
+        m = microbatches
+        bub = bubble_slots(schedule, pp, v) * slot
+        # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype
+        # FSDP without a pipeline reshards after each forward and reduce-scatters every
+        # accumulation step (sharded gradients accumulate); under a pipeline the stage stays gathered
+        # and reduces once. DDP reduces once per step (no_sync while accumulating).
+        sh, rp = dp_shard, dp_replicate
+        rounds = m if pp == 1 and sh > 1 else 1
+        if sh > 1:
+            grad = rounds * c.reduce_scatter(P, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
+            last = c.reduce_scatter(blockP, sh, tp) + c.all_reduce(blockP / sh, rp, tp * sh)
+        else:
+            grad = c.all_reduce(P, rp, tp)
+            last = c.all_reduce(min(P, max(DDP_BUCKET_BYTES, blockP)), rp, tp)
+        ag = first = 0.0
+        if sh > 1:
+            gathers = 2 * m if pp == 1 else 1  # forward and backward of every step; a pipeline's once
+            ag = gathers * c.all_gather(P * cdt, sh, tp)
+            first = c.all_gather(blockP * cdt, sh, tp)
+        window = t_c * rounds  # compute the traffic can hide behind: the microbatches it overlaps
+        dp_t = max(last + first, grad + ag - window) if dp > 1 else 0.0
+        off = 0.0
+        if cpu_offload:
+            shard = P / sh
+            off = 3.0 * shard / c.host_bandwidth + HOST_ADAM_BYTES * shard / (c.host_memory_bandwidth / c.devices_per_node)
+        lay.breakdown = {"compute": m * t_c, "bubble": bub, "tp_comm": m * t_tp, "pp_comm": m * t_pp,
+                         "dp_comm": dp_t, "offload": off}
+        lay.step_time_s = m * slot + bub + dp_t + off
+        peak = c.peak_flops["bf16" if bf16 else "fp32"]
+        lay.mfu = st.flops / st.samples * self.global_batch / (lay.step_time_s * c.world * peak)
+        lay.fits = not why
+        if lay.fits:
+            top = max(lay.breakdown, key=lambda k: lay.breakdown[k])
+            why.append(f"{top} {lay.breakdown[top] / lay.step_time_s:.0%} of the step")
+            if pp > 1:
+                why.append(f"bubble {bub / lay.step_time_s:.0%}")
+            _, _, crosses = c.group_link(tp, 1)
+            if tp > 1 and crosses:
+                why.append("TP all-reduces cross nodes")
+        lay.overrides, lay.runtime = overrides(lay)
+        return lay
+
+    # --- every layout
+    def enumerate(self, schedules: Sequence[str], precisions: Sequence[str], checkpointing: Sequence[bool],
+                  offload: Sequence[bool], tp_across_nodes: bool) -> list[Layout]:
+        c = self.cluster
+        out = []
+        for pp, dpr, dps, tp in _factorisations(c.world):
+            if tp > c.devices_per_node and not tp_across_nodes:
+                continue
+            if tp_across_nodes is False and c.devices_per_node % tp:
+                continue
+            if pp == 1:
+                combos = [("-", a) for a in ACCUMULATION]
+            else:
+                combos = [(s, pp * f) for s in schedules for f in MICROBATCH_FACTORS]
+            for sched, m in combos:
+                for prec in precisions:
+                    for ac in checkpointing:
+                        for off in offload:
+                            if off and pp > 1:
+                                continue
+                            out.append(self.estimate(pp, tp, dpr, dps, m, sched, ac, prec, off))
+        return out
+
+
+def _factorisations(world: int) -> list[tuple[int, int, int, int]]:
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    out = []
+    for pp in divs:
+        for tp in divs:
+            if world % (pp * tp):
+                continue
+            rest = world // (pp * tp)
+            for dps in divs:
+                if rest % dps == 0:
+                    out.append((pp, rest // dps, dps, tp))
+    return out

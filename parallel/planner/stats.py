@@ -1,0 +1,98 @@
+"""Per-module statistics of a trace for the layout planner: FLOPs, parameter bytes (and the part
+tensor parallel shards), activation bytes (and what block checkpointing keeps), summed over any
+set of modules - the whole model or one pipeline stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..trace import TraceResult
+
+BLOCK_CONTAINERS = ("ModuleList", "Sequential")  # a repeated block is a child of one of these
+TP_TYPES = ("Linear", "Embedding", "Conv1D", "NonDynamicallyQuantizableLinear")  # weights TP shards
+REPLICATED_ACT = ("Norm", "Dropout")  # type substrings whose saved activations every tp rank holds
+
+@dataclass
+class PartStats:
+    """What a set of modules (the whole model, or one pipeline stage) costs per trace batch."""
+
+    flops: float = 0.0  # forward+backward FLOPs
+    param_bytes: float = 0.0  # parameters held (tied replicas included)
+    tp_param_bytes: float = 0.0  # of which tensor parallel shards (TP_TYPES' weights)
+    act: float = 0.0  # activations saved for backward
+    act_rep: float = 0.0  # of which every tp rank holds in full (norms, dropout)
+    ckpt_act: float = 0.0  # held with block checkpointing: outside whole blocks + block inputs
+    ckpt_act_rep: float = 0.0  # of which replicated across tp (block inputs, norms, dropout)
+    recompute_peak: float = 0.0  # largest whole block's activations (alive while it is recomputed)
+    block_param: float = 0.0  # largest whole block's parameters (FSDP's gathered unit)
+    block_tp_param: float = 0.0  # of which TP-sharded
+    blocks: int = 0  # whole blocks (each costs TP all-reduces)
+    block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
+    cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
+    cut_out: float = 0.0  # bytes sent per trace batch at its last cut
+
+
+class ModelStats:
+    """Per-module quantities of a trace, summed over any set of modules in O(set size)."""
+
+    def __init__(self, trace: TraceResult, samples: int):
+        self.trace, self.samples = trace, samples
+        mods = trace.modules
+        self.blocks: dict[str, set[str]] = {}  # block name -> its subtree
+        for name, node in mods.items():
+            parent = mods[node.parent] if node.parent is not None else None
+            if parent is not None and parent.type in BLOCK_CONTAINERS and node.calls and \
+                    sum(1 for c in parent.children if mods[c].calls) >= 2:
+                self.blocks[name] = self._subtree(name)
+        self.block_of = {m: b for b, sub in self.blocks.items() for m in sub}
+        self.tp_param = {p: mods[o].type in TP_TYPES for p, o in trace.param_owner.items()}
+        self.param_bytes = float(sum(b for b, _ in trace.param_sizes.values()))
+        numel = sum(n for _, n in trace.param_sizes.values())
+        self.elt = self.param_bytes / numel if numel else 4.0  # bytes per element of the trace's dtype
+        self.flops = float(mods[""].flops)
+        if self.flops <= 0:
+            raise ValueError("the trace counted no FLOPs (torch's FlopCounterMode failed on an op); the "
+                             "planner needs them for compute time")
+        self.whole = self.part(list(mods), sorted({p for p in trace.param_owner}), self.flops)
+
+    def _subtree(self, name: str) -> set[str]:
+        out, stack = set(), [name]
+        while stack:
+            m = stack.pop()
+            out.add(m)
+            stack.extend(self.trace.modules[m].children)
+        return out
+
+    def part(self, modules: Iterable[str], params: Iterable[str], flops: float) -> PartStats:
+        mods = self.trace.modules
+        modules = set(modules)
+        s = PartStats(flops=flops)
+        sizes = self.trace.param_sizes
+        for p in params:
+            s.param_bytes += sizes[p][0]
+            s.tp_param_bytes += sizes[p][0] if self.tp_param.get(p) else 0
+        whole = {b for b, sub in self.blocks.items() if b in modules and sub <= modules}
+        for m in modules:
+            node = mods[m]
+            rep = any(k in node.type for k in REPLICATED_ACT)
+            s.act += node.saved_bytes
+            s.act_rep += node.saved_bytes if rep else 0
+            if self.block_of.get(m) not in whole:  # outside every whole block: kept under checkpointing
+                s.ckpt_act += node.saved_bytes
+                s.ckpt_act_rep += node.saved_bytes if rep else 0
+        for b in whole:
+            sub = self.blocks[b]
+            node = mods[b]
+            b_in = node.out_bytes / max(node.calls, 1)  # a block's input is shaped like its output
+            s.ckpt_act += b_in
+            s.ckpt_act_rep += b_in
+            s.recompute_peak = max(s.recompute_peak, float(sum(mods[m].saved_bytes for m in sub)))
+            own = [p for m in sub for p in mods[m].params]
+            pb = sum(sizes[p][0] for p in own)
+            if pb > s.block_param:
+                s.block_param = float(pb)
+                s.block_tp_param = float(sum(sizes[p][0] for p in own if self.tp_param.get(p)))
+            s.blocks += 1
+            s.block_out += node.out_bytes
+        return s

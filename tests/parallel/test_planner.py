@@ -1,0 +1,213 @@
+"""The layout planner: its memory model against exact counts, its ranking on clear-cut cases, its
+overrides against rag_mm's config, and its speed on a 1000-module model over 128 devices."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from parallel.cluster import Cluster
+from parallel.config import ParallelConfig
+from parallel.pipeline.schedule import stages_per_rank
+from parallel.planner import SCHEDULE_COST, TP_TYPES, plan_layout
+from parallel.trace import trace_model
+
+SEQ = 8  # tokens per sample in the toy models
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln1, self.q, self.o = nn.LayerNorm(d), nn.Linear(d, d), nn.Linear(d, d)
+        self.ln2, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):  # (B, S, D)
+        x = x + self.o(torch.softmax(self.q(self.ln1(x)), -1))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self, d: int = 32, layers: int = 4, vocab: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, ids):  # (B, S) -> (B, S, vocab)
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def cluster(nodes=1, dpn=4, mem=2**30, intra=450e9, inter=50e9) -> Cluster:
+    return Cluster(name="test", nodes=nodes, devices_per_node=dpn, device_memory_bytes=float(mem),
+                   peak_flops={"fp32": 1e12, "bf16": 4e12}, compute_efficiency=0.5, intra_bandwidth=intra,
+                   intra_latency_s=2e-6, inter_bandwidth=inter, inter_latency_s=10e-6, host_bandwidth=25e9,
+                   usable_fraction=1.0)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.manual_seed(0)
+    model = Toy()
+    ids = torch.randint(0, 64, (4, SEQ))
+    return model, ids, trace_model(model, (ids,), passes=1)
+
+
+def exact_local_bytes(model: nn.Module, tp: int) -> tuple[float, float]:
+    """(parameter bytes, Adam state bytes) one tp rank holds: TP_TYPES' weights split tp ways,
+    everything else whole; Adam's state counted from a real optimizer step."""
+    params = 0.0
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            params += p.numel() * p.element_size() / (tp if type(mod).__name__ in TP_TYPES else 1)
+    opt = torch.optim.Adam(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    total_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    adam = sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items() if k != "step")
+    for p in model.parameters():
+        p.grad = None
+    return params, adam * params / total_params
+
+
+@pytest.mark.parametrize("tp,dp_shard", [(1, 4), (2, 2), (4, 1)])
+def test_memory_matches_exact_counts(toy, tp, dp_shard):
+    model, ids, tr = toy
+    plan = plan_layout(tr, (ids,), cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,))
+    lay = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32")
+    params, adam = exact_local_bytes(model, tp)
+    assert lay.memory["params"] == pytest.approx(params / dp_shard)
+    assert lay.memory["grads"] == pytest.approx(params / dp_shard)
+    assert lay.memory["optimizer"] == pytest.approx(adam / dp_shard)
+    # the microbatch's activations: the traced ones (4 samples) scaled to 2 per replica, the
+    # norms' replicated over tp and the rest split
+    st = plan.planner.stats.whole
+    per_sample = ((st.act - st.act_rep) / tp + st.act_rep) / 4
+    assert lay.memory["activations"] == pytest.approx(per_sample * lay.microbatch_size)
+    # checkpointing keeps less, and offload moves the state off the device
+    ac = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32",
+                       activation_checkpointing=True)
+    assert ac.memory["activations"] < lay.memory["activations"]
+    off = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32", cpu_offload=True)
+    assert off.memory["optimizer"] == 0 and off.memory_bytes_per_device < lay.memory_bytes_per_device
+
+
+def test_pure_data_parallel_ranks_first_on_fast_links():
+    """A model that fits one device many times over, on NVSwitch-class links: data parallel over
+    all 8 devices (replicated, or FSDP-sharded: both hide their traffic behind the backward) beats
+    every pipeline and tensor-parallel layout, with no recompute and no offload."""
+    with torch.device("meta"):
+        model = Toy(d=256, layers=4, vocab=512)
+    ids = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    plan = plan_layout(model, (ids,), cluster(dpn=8, mem=2**34), global_batch=256)
+    best = plan.best
+    print("\n" + plan.table(5, 2))
+    assert best is not None and (best.pp, best.tp, best.dp_replicate * best.dp_shard) == (1, 1, 8)
+    assert not best.activation_checkpointing and not best.cpu_offload and best.mixed_precision == "bf16"
+    ddp = min((lay for lay in plan.fitting if lay.dp_replicate == 8), key=lambda lay: lay.step_time_s)
+    assert ddp.step_time_s <= 1.02 * best.step_time_s
+    others = [lay for lay in plan.fitting if lay.pp > 1 or lay.tp > 1]
+    assert others and min(lay.step_time_s for lay in others) > ddp.step_time_s
+
+
+def test_model_too_big_for_one_device_needs_sharding(toy):
+    model, ids, tr = toy
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    mem = 3 * params  # params + grads + Adam need 4x: no replica fits
+    plan = plan_layout(tr, (ids,), cluster(dpn=8, mem=mem), global_batch=8, precisions=("fp32",))
+    dp_only = [lay for lay in plan.layouts if lay.pp == 1 and lay.tp == 1 and lay.dp_shard == 1
+               and not lay.cpu_offload and lay.microbatch_size]  # (the batch splits: memory was modelled)
+    assert dp_only and not any(lay.fits for lay in dp_only)
+    assert all(any(r.startswith("memory") for r in lay.reasons) for lay in dp_only)
+    assert plan.best is not None and (plan.best.dp_shard > 1 or plan.best.tp > 1 or plan.best.pp > 1)
+
+
+def test_bubble_and_schedules(toy):
+    model, ids, tr = toy
+    plan = plan_layout(tr, (ids,), cluster(), global_batch=16, precisions=("fp32",), checkpointing=(False,))
+    kw = dict(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=8, mixed_precision="fp32")
+    one = plan.estimate(schedule="1f1b", **kw)
+    b = one.breakdown
+    slot = (b["compute"] + b["tp_comm"] + b["pp_comm"]) / 8
+    assert b["bubble"] == pytest.approx(slot)  # (p - 1) / (m + p - 1) of the pipeline's time
+    assert one.step_time_s == pytest.approx(9 * slot + b["dp_comm"])
+    inter = plan.estimate(schedule="interleaved_1f1b", **kw)
+    zbv = plan.estimate(schedule="zbv", **kw)
+    assert inter.stages_per_rank == 2 and zbv.breakdown["bubble"] == 0.0
+    islot = (inter.breakdown["compute"] + inter.breakdown["pp_comm"]) / 8
+    assert inter.breakdown["bubble"] == pytest.approx(islot / 2)
+    # zero-bubble's lower bubble costs memory: more microbatches in flight on rank 0
+    zb = plan.estimate(schedule="zero_bubble", **kw)
+    assert zb.step_time_s < one.step_time_s and zb.memory["activations"] > one.memory["activations"]
+    for name, (_, v) in SCHEDULE_COST.items():
+        assert stages_per_rank(name, 1) == v
+
+
+def test_collectives_alpha_beta():
+    c = cluster(nodes=2, dpn=8)
+    n, big = 8, 2**30
+    assert c.all_reduce(big, n, 1) == pytest.approx(2 * (n - 1) * 2e-6 + 2 * (n - 1) / n * big / 450e9)
+    assert c.all_reduce(8, n, 1) == pytest.approx(2 * 3 * 2e-6 + 16 / 450e9)  # tree: log2 n steps
+    assert c.group_link(16, 1)[0] == 50e9  # one group spans the nodes: the whole network
+    assert c.group_link(2, 8)[0] == 50e9 / 8  # eight groups share it
+    assert c.group_link(8, 1)[2] is False and c.group_link(2, 8)[2] is True
+
+
+def test_overrides_are_valid_rag_mm_overrides(toy):
+    from rag_mm.config import compose, validate
+
+    model, ids, tr = toy
+    world = 8
+    plan = plan_layout(tr, (ids,), cluster(dpn=8, mem=2**34), global_batch=64, tp_divisor=4)
+    seen, checked = set(), 0
+    for lay in plan.fitting:
+        kind = (lay.pp > 1, lay.tp, lay.dp_shard > 1, lay.microbatches > 1, lay.schedule)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        cfg = compose(lay.overrides)
+        validate(cfg, world)
+        dp = cfg.parallel.dp
+        assert (cfg.parallel.pp, cfg.parallel.tp, dp, cfg.parallel.dp_shard) == \
+            (lay.pp, lay.tp, lay.dp_replicate * lay.dp_shard, lay.dp_shard)
+        assert cfg.data.batch_size * cfg.optim.grad_accum * dp == 64
+        ParallelConfig(pp=lay.pp, tp=lay.tp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
+                       microbatches=lay.microbatches if lay.pp > 1 else 1,
+                       schedule=lay.schedule if lay.pp > 1 else "1f1b", **lay.runtime).validate(world)
+        checked += 1
+        if checked == 6:  # each compose takes about a second
+            break
+    assert checked == 6
+
+
+class Wide(nn.Module):
+    """125 blocks of 8 modules plus the root, embedding, block list, norm and head: 1005 modules."""
+
+    def __init__(self, d: int = 64, layers: int = 125):
+        super().__init__()
+        self.embed = nn.Embedding(128, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, 128)
+
+    forward = Toy.forward
+
+
+@pytest.mark.slow  # 7-15 s on the shared 2-core host, by its load (the meta trace is ~5 s of it)
+def test_plan_1000_modules_on_128_devices():
+    with torch.device("meta"):
+        model = Wide()
+    assert len(list(model.modules())) >= 1000
+    ids = torch.zeros(2, SEQ, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    plan = plan_layout(model, (ids,), Cluster.preset("p4d", nodes=16), global_batch=1024)
+    dt = time.perf_counter() - t0
+    print(f"\nplanned {len(plan.layouts)} layouts of a {len(list(model.modules()))}-module model on 128 devices "
+          f"in {dt:.1f} s (trace included)")
+    assert plan.best is not None and len(plan.layouts) > 1000
+    assert any(lay.pp > 1 and lay.fits for lay in plan.layouts)
