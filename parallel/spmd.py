@@ -76,7 +76,8 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
                                    sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel,
                                    seq_dim=seq_dim)
         else:  # the plan was read off the whole model's dataflow before the split
-            out.tp_plan = verify_and_apply(model, plan, mesh["tp"], captured or CapturedInputs(skipped="not captured"))
+            out.tp_plan = verify_and_apply(model, plan, mesh["tp"], captured or CapturedInputs(skipped="not captured"),
+                                           sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim)
             for line in out.tp_plan.log:
                 if "left replicated" in line:
                     log.warning("tp under pp: %s", line)
@@ -129,10 +130,7 @@ def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any)
     split: pairs are read off the dataflow of the full forward)."""
     from parallel.tp import discover_plan
 
-    if cfg.sequence_parallel and cfg.pp > 1:
-        raise NotImplementedError("sequence_parallel with pp > 1: activations would cross the pipeline cuts "
-                                  "sharded over the sequence; use sequence_parallel=False under pp")
-    return discover_plan(model, cfg.tp, example_inputs=example_inputs)
+    return discover_plan(model, cfg.tp, example_inputs=example_inputs, sequence_parallel=cfg.sequence_parallel)
 
 
 def stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
@@ -157,4 +155,19 @@ def stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPP
     for n, e in plan.entries.items():
         if e.group < 0 and e.role != "replicate" and only_mine(n):
             out.entries[n] = e
+    # sequence parallel: each run of consecutive blocks this rank holds whole is a region of its
+    # own (split at its first block's input, gathered after its last), so every tensor crossing a
+    # pipeline cut is whole over the sequence; an interleaved schedule gives a rank several runs
+    for first, last in plan.regions:
+        prefix, _, i0 = first.rpartition(".")
+        run: list[int] = []
+        for i in range(int(i0), int(last.rpartition(".")[2]) + 1):
+            if only_mine(f"{prefix}.{i}"):
+                run.append(i)
+                continue
+            if run:
+                out.regions.append((f"{prefix}.{run[0]}", f"{prefix}.{run[-1]}"))
+            run = []
+        if run:
+            out.regions.append((f"{prefix}.{run[0]}", f"{prefix}.{run[-1]}"))
     return out, notes

@@ -200,21 +200,31 @@ class TPContext:
 
     def sequence_region(self, first: nn.Module, last: nn.Module) -> None:
         """Hidden states are split over the sequence at ``first``'s input and gathered again at
-        ``last``'s output (the residual stream between them stays sharded)."""
+        ``last``'s output (the residual stream between them stays sharded). Both go into the
+        modules' forwards rather than into hooks: the pipeline's replay sends what a block's
+        forward returned, which must already be whole when the region ends at a stage's cut."""
         ctx = self
 
-        def pre(mod, args, kwargs):
-            return _map_hidden(args, kwargs, lambda t: comm.split_seq(t, ctx.seq_dim, ctx.group))
-
-        def post(mod, args, kwargs, out):
+        def gather(out):
             if isinstance(out, torch.Tensor):
                 return comm.gather_from_seq(out, ctx.seq_dim, ctx.group)
             if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
                 return (comm.gather_from_seq(out[0], ctx.seq_dim, ctx.group), *out[1:])
             raise TypeError(f"sequence parallel: cannot find the hidden states in {type(out).__name__}")
 
-        first.register_forward_pre_hook(pre, with_kwargs=True)
-        last.register_forward_hook(post, with_kwargs=True)
+        first_fwd = first.forward
+
+        def split_then_forward(*args, **kwargs):
+            args, kwargs = _map_hidden(args, kwargs, lambda t: comm.split_seq(t, ctx.seq_dim, ctx.group))
+            return first_fwd(*args, **kwargs)
+
+        first.forward = split_then_forward
+        last_fwd = last.forward
+
+        def forward_then_gather(*args, **kwargs):
+            return gather(last_fwd(*args, **kwargs))
+
+        last.forward = forward_then_gather
 
 
 def _map_hidden(args, kwargs, fn):

@@ -5,7 +5,9 @@ steps, on the rag_mm reader and Hugging Face GPT-2 (tied embeddings across the c
 - pp=2 x tp=2 on 4 gloo ranks (slow grid);
 - pp=2 x dp_shard=2 (FSDP2 under the pipeline) on 4 ranks, under 1F1B and zero-bubble, with each
   FSDP unit gathered and reduce-scattered once per step, not once per microbatch;
-- pp=2 x tp=2 x dp_shard=2 on 8 ranks; HSDP (dp_replicate=2 x dp_shard=2) under pp=2 in the slow grid.
+- pp=2 x tp=2 x dp_shard=2 on 8 ranks (Llama with sequence parallel: each stage's run of blocks is
+  a region of its own, so tensors crossing the cut are whole); HSDP (dp_replicate=2 x dp_shard=2)
+  under pp=2 in the slow grid.
 
 Layouts that cannot work fail before training. (uniform partitions where TP is on: the auto one
 follows measured times, and may leave a stage with nothing to shard.)"""
@@ -62,7 +64,7 @@ def test_fsdp_under_pipeline_matches_one_process():
 
 
 PP_TP_DP = [("reader", dict(pp=2, tp=2, dp_shard=2, partition="uniform")),
-            ("llama", dict(pp=2, tp=2, dp_shard=2, partition="uniform")),
+            ("llama", dict(pp=2, tp=2, dp_shard=2, partition="uniform", sequence_parallel=True)),
             ("gpt2", dict(pp=2, tp=2, dp_shard=2, partition="uniform", schedule="zero_bubble"))]
 
 
@@ -71,6 +73,9 @@ def test_pp2_tp2_dp_shard2_matches_one_process():
     res = run_ranks(tp_cases.pp_tp_suite, 8, PP_TP_DP, timeout_s=900)
     assert [next(iter(r.values()))["pp_rank"] for r in res] == [0] * 4 + [1] * 4
     _check(res, PP_TP_DP, 8)
+    for per in res:  # Llama with sequence parallel: one region per stage, whole tensors at the cut
+        sp = next(r for case, r in per.items() if "sequence_parallel" in case)["sp_regions"]
+        assert len(sp) == 1 and sp[0].startswith("sequence parallel over model.layers."), sp
 
 
 HSDP_PP = [(name, dict(pp=2, dp_replicate=2, dp_shard=2)) for name in ("reader", "llama")]

@@ -300,6 +300,8 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
                 res["dtensors"].append(n)
     res["ref"] = ref_loss
     res["names"] = sorted(n for n, _ in pm.named_parameters())
+    tp_log = pm.sharded.tp_plan.log if pm.sharded.tp_plan is not None else []
+    res["sp_regions"] = [line for line in tp_log if line.startswith("sequence parallel over")]
     # the collective timeout (timeout_s above) of every group on the mesh, not torch's 30 min
     mesh = pm.layout.mesh
     res["group_timeouts_s"] = {d: mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
