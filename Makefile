@@ -21,7 +21,7 @@ demo: install
 	$(PY) -m rag_mm.train +experiment=demo data.root=$(DATA)
 
 test: install
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow"
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
 
 test-all: install
 	$(TEST_ENV) $(PY) -m pytest -q
