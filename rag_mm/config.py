@@ -94,6 +94,9 @@ class ParallelConfig:
     # CPU runs: bind each local rank's threads to its own slice of the host's cores (and its data
     # workers with it), as numactl / taskset would; only right when the job owns the machine
     bind_cores: bool = False
+    # plan the layout at start-up (rag_mm.plan.resolve_auto, conf/parallel/auto.yaml): the best
+    # fitting one for the run's world replaces the degrees above before validation
+    auto: bool = False
 
 
 @dataclass

@@ -74,6 +74,10 @@ def main(cfg: DictConfig) -> None:
     from rag_mm.distributed import world_size_from_env
 
     try:  # reject bad values and paths before any heavy import or work
+        if cfg.parallel.auto:  # plan the layout for this world and set it on cfg (every rank picks the same)
+            from rag_mm.plan import resolve_auto
+
+            resolve_auto(cfg, world_size_from_env(), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
         validate(cfg, world_size_from_env())
         check_paths(cfg)
     except ConfigError as exc:

@@ -1,0 +1,263 @@
+"""Which parallel layout to run the reader with: ``parallel.plan_layout`` on the run's own reader.
+
+    python -m rag_mm.plan +experiment=demo cluster=p4d cluster.nodes=2            # ranked table
+    python -m rag_mm.plan +experiment=demo cluster=h100 cluster.nodes=4 global_batch=1024 format=json
+    python -m rag_mm.train +experiment=demo parallel=auto                         # plan at start-up
+
+Arguments of the command line: ``cluster=<preset>`` (``conf/cluster/<preset>.yaml``, default
+``local``), ``cluster.<field>=<value>`` (any ``parallel.Cluster`` field: ``nodes``,
+``devices_per_node``, ``device_memory_bytes``, ...), ``global_batch=<samples per optimizer step>``
+(default: ``data.batch_size x optim.grad_accum x`` the cluster's devices, the batch plain data
+parallel would train with), ``format=table|json``, ``top=<rows>``. Every other argument is a
+training override, composed as ``python -m rag_mm.train`` composes it.
+
+What is planned: only the reader (``rag_mm.spread`` spreads the reader alone; the retriever stays
+whole on every rank), traced on the CPU on an example batch shaped like the run's: ``retriever.top_k``
+documents per query, ``model.image_size`` pictures, ``model.max_*`` text lengths (the longest, so
+the activation memory is an upper bound). Layouts with activation checkpointing or CPU offload are
+not considered: rag_mm has no keys that turn them on.
+
+``parallel=auto`` (``resolve_auto``): the plan for the world the run has (the ``local`` preset with
+``WORLD_SIZE`` ranks, ``LOCAL_WORLD_SIZE`` per node; the device memory of the GPU on CUDA), in the
+run's ``optim.precision``, for the run's global batch. Every rank plans on its own and all pick the
+same layout: the estimates come from the trace's FLOPs and saved-activation bytes (the planner
+balances stages on FLOPs and never reads timings, so the trace runs no timed pass), which do not
+depend on the rank or on the machine's load, and the ranking is a stable sort of a fixed enumeration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import shlex
+import sys
+from typing import Any
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from parallel.cluster import Cluster
+from rag_mm.config import ConfigError, compose, validate
+
+log = logging.getLogger(__name__)
+
+SAMPLES = 2  # samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
+OWN_KEYS = ("cluster", "global_batch", "format", "top")  # command-line keys that are not training overrides
+FORMATS = ("table", "json")
+AUTO_TOP = 3  # layouts the start-up log shows
+
+
+def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
+    """A reader batch shaped like the run's, on the CPU: full-length texts, ``retriever.top_k``
+    documents per query (none in closed-book mode)."""
+    m, k = cfg.model, cfg.retriever.top_k
+    img, lq, la, lt = m.image_size, m.max_question, m.max_answer, m.max_doc_text
+    x = {"image": torch.zeros(samples, 3, img, img),  # (B, 3, H, W)
+         "q_ids": torch.zeros(samples, lq, dtype=torch.long), "q_len": torch.full((samples,), lq),
+         "a_ids": torch.zeros(samples, la, dtype=torch.long), "a_len": torch.full((samples,), la)}
+    if k > 0:
+        x |= {"doc_image": torch.zeros(samples, k, 3, img, img),  # (B, k, 3, H, W)
+              "doc_ids": torch.zeros(samples, k, lt, dtype=torch.long), "doc_len": torch.full((samples, k), lt)}
+    return x
+
+
+def tp_divisor(cfg: Any) -> int:
+    """tp must divide the reader's attention heads and its vision tower's (``validate``'s rule)."""
+    m = cfg.model
+    return math.gcd(m.heads, m.vision_width // m.vision_head_width)
+
+
+def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")):
+    """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per step."""
+    from parallel import plan_layout
+    from rag_mm.data.tokenizer import get_tokenizer
+    from rag_mm.model import Reader
+
+    model_cfg = OmegaConf.to_object(cfg.model) if OmegaConf.is_config(cfg.model) else cfg.model
+    with torch.random.fork_rng(devices=[]):  # the reader's init must not move the run's seeded RNG
+        reader = Reader(model_cfg, get_tokenizer().vocab_size)
+    return plan_layout(reader, example_inputs(cfg), cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
+                       precisions=precisions, checkpointing=(False,), offload=(False,), passes=0)
+
+
+def default_global_batch(cfg: Any, world: int) -> int:
+    return cfg.data.batch_size * cfg.optim.grad_accum * world
+
+
+def _split(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def layout_overrides(cfg: Any, overrides: list[str]) -> list[str]:
+    """A layout's overrides as the run takes them: ``data.eval_batch_size`` stays the run's when
+    the layout's microbatches already divide it (the planner sets it to the training batch only so
+    that evaluation splits into the microbatches too)."""
+    values = dict(_split(o) for o in overrides)
+    m = int(values.get("parallel.microbatches", 1))
+    return [o for o in overrides if not (_split(o)[0] == "data.eval_batch_size" and cfg.data.eval_batch_size % m == 0)]
+
+
+def apply(cfg: Any, overrides: list[str]) -> None:
+    """Set ``key=value`` overrides on a composed config (values read as YAML, like Hydra's)."""
+    for o in overrides:
+        key, value = _split(o)
+        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
+
+
+def rag_mm_problem(cfg: Any, overrides: list[str], world: int) -> str | None:
+    """Why rag_mm would reject the config with ``overrides`` on ``world`` ranks, or None."""
+    trial = cfg.copy()
+    apply(trial, overrides)
+    try:
+        validate(trial, world)
+    except ConfigError as exc:
+        return str(exc).replace("invalid config:\n  - ", "").replace("\n  - ", "; ")
+    return None
+
+
+def runnable(cfg: Any, p, world: int, n: int) -> list[tuple[Any, list[str]]]:
+    """The first ``n`` fitting layouts of plan ``p`` that rag_mm validates, with their overrides."""
+    out = []
+    for lay in p.fitting:
+        o = layout_overrides(cfg, lay.overrides)
+        why = rag_mm_problem(cfg, o, world)
+        if why is None:
+            out.append((lay, o))
+            if len(out) == n:
+                break
+        else:
+            log.debug("layout %s skipped: %s", lay.key, why)
+    return out
+
+
+# ------------------------------------------------------------------------------ parallel=auto
+
+
+def auto_cluster(world: int, local_world: int | None = None) -> Cluster:
+    """The run's own machines: the ``local`` preset with ``world`` ranks, ``local_world`` per node
+    (torchrun's LOCAL_WORLD_SIZE), and the GPU's memory per device on CUDA."""
+    dpn = local_world if local_world and world % local_world == 0 else world
+    c = Cluster.preset("local", nodes=world // dpn, devices_per_node=dpn)
+    if torch.cuda.is_available():
+        c.device_memory_bytes = float(torch.cuda.get_device_properties(0).total_memory)
+    return c
+
+
+def resolve_auto(cfg: Any, world: int, local_world: int | None = None):
+    """``parallel.auto``: plan the reader for ``world`` ranks and set the best fitting layout's
+    overrides (parallel degrees, microbatches, schedule, the per-rank batch that keeps the run's
+    global batch, accumulation) on ``cfg``; log the top layouts and why. Returns the layout chosen
+    (None when ``parallel.auto`` is off); ``ConfigError`` when none fits."""
+    if not cfg.parallel.auto:
+        return None
+    validate(cfg, world)  # the reader is built from cfg.model: reject bad values before building it
+    cluster = auto_cluster(world, local_world)
+    gb = default_global_batch(cfg, world)
+    p = plan(cfg, cluster, gb, precisions=(cfg.optim.precision,))
+    best = runnable(cfg, p, world, 1)
+    if not best:
+        why = "; ".join(f"{lay.key}: {', '.join(lay.reasons)}" for lay in p.layouts[:3])
+        raise ConfigError(f"parallel=auto: no layout of the reader fits {world} rank(s) of {cluster.name} "
+                          f"(global batch {gb}): {why or 'none considered'}")
+    lay, overrides = best[0]
+    apply(cfg, overrides)
+    log.info("parallel=auto: %s for %d rank(s), global batch %d (%s)\n%s\nparallel=auto overrides: %s",
+             lay.key, world, gb, "; ".join(lay.reasons), p.table(AUTO_TOP, rejected=0), " ".join(overrides))
+    return lay
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+class UsageError(ValueError):
+    """A bad command-line argument; the message says which."""
+
+
+def parse(argv: list[str]) -> tuple[list[str], str, dict[str, Any], dict[str, Any]]:
+    """argv -> (training overrides, cluster preset, cluster field overrides, options)."""
+    train, preset, fields, opts = [], "local", {}, {"global_batch": None, "format": "table", "top": 10}
+    known = {f.name for f in dataclasses.fields(Cluster)} - {"name", "peak_flops"}
+    for a in argv:
+        if "=" not in a:
+            raise UsageError(f"expected key=value, got {a!r}")
+        key, value = a.split("=", 1)
+        if key == "cluster":
+            preset = value
+        elif key.startswith("cluster."):
+            f = key.removeprefix("cluster.")
+            if f not in known:
+                raise UsageError(f"unknown key {key!r}; cluster keys: {', '.join(sorted(known))}")
+            fields[f] = yaml.safe_load(value)
+        elif key in ("global_batch", "top"):
+            try:
+                opts[key] = int(value)
+            except ValueError:
+                raise UsageError(f"{key} must be an integer (got {value!r})") from None
+            if opts[key] <= 0:
+                raise UsageError(f"{key} must be positive (got {value})")
+        elif key == "format":
+            if value not in FORMATS:
+                raise UsageError(f"format must be one of {FORMATS} (got {value!r})")
+            opts[key] = value
+        else:
+            train.append(a)
+    return train, preset, fields, opts
+
+
+def make_cluster(preset: str, fields: dict[str, Any]) -> Cluster:
+    try:
+        c = Cluster.preset(preset, **fields)
+    except (TypeError, ValueError) as exc:  # an unknown preset, or a value of the wrong type
+        raise UsageError(str(exc)) from None
+    for key in ("nodes", "devices_per_node"):
+        if getattr(c, key) <= 0:
+            raise UsageError(f"cluster.{key} must be positive (got {getattr(c, key)})")
+    return c
+
+
+def command(train: list[str], overrides: list[str], cluster: Cluster) -> str:
+    """The launch line of a layout: the training overrides (those the layout sets dropped) and its own."""
+    keys = {_split(o)[0] for o in overrides}
+    args = [a for a in train if _split(a)[0] not in keys] + overrides
+    launch = "python -m rag_mm.train" if cluster.world == 1 else \
+        f"torchrun --nnodes={cluster.nodes} --nproc_per_node={cluster.devices_per_node} -m rag_mm.train"
+    return f"{launch} {shlex.join(args)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        train, preset, fields, opts = parse(argv)
+        cluster = make_cluster(preset, fields)
+        try:
+            cfg = compose(train)
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise UsageError(str(exc)) from None
+        validate(cfg, cluster.world)
+    except (UsageError, ConfigError) as exc:
+        print(f"rag_mm.plan: {exc}", file=sys.stderr)
+        return 2
+    gb = opts["global_batch"] or default_global_batch(cfg, cluster.world)
+    p = plan(cfg, cluster, gb)
+    if opts["format"] == "json":
+        print(p.to_json(opts["top"]))
+        return 0
+    print(p.table(opts["top"]))
+    best = runnable(cfg, p, cluster.world, 3)
+    print("\nbest layouts, as rag_mm runs them:" if best else "\nno fitting layout that rag_mm accepts")
+    for i, (lay, o) in enumerate(best, 1):
+        print(f"{i}. {lay.key} ({'; '.join(lay.reasons)})\n   {command(train, o, cluster)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
