@@ -85,12 +85,12 @@ class Plan:
 
     def table(self, top: int = 10, rejected: int = 3) -> str:
         c = self.cluster
-        lines = [f"{self.parameters / 1e9:.2f} B parameters on {c.name}: {c.nodes} x {c.devices_per_node} devices "
+        lines = [f"{self.parameters / 1e9:.3g} B parameters on {c.name}: {c.nodes} x {c.devices_per_node} devices "
                  f"of {c.device_memory_bytes / GiB:.0f} GiB, global batch {self.global_batch}; "
                  f"{len(self.fitting)} of {len(self.layouts)} layouts fit ({self.seconds:.1f} s)"]
         head = (f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} {'ac':>3} {'prec':>5} "
-                f"{'off':>4} {'GiB':>6} {'step s':>8} {'mfu':>5} {'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} "
-                f"{'pp':>7}  reasons")
+                f"{'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} {'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} "
+                f"{'pp':>7}  reasons")  # times in milliseconds: small models' steps are sub-millisecond
         lines += [head, "-" * len(head)]
         rows = self.fitting[:top] + [lay for lay in self.layouts if not lay.fits][:rejected]
         for i, lay in enumerate(rows):
@@ -99,9 +99,9 @@ class Plan:
                 f"{i + 1 if lay.fits else 'x':>3} {lay.pp:>3} {lay.tp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} "
                 f"{lay.microbatches:>4} {lay.schedule:<16} {'y' if lay.activation_checkpointing else 'n':>3} "
                 f"{lay.mixed_precision:>5} {'y' if lay.cpu_offload else 'n':>4} "
-                f"{lay.memory_bytes_per_device / GiB:>6.1f} {lay.step_time_s:>8.3f} {lay.mfu:>5.2f} "
-                f"{b.get('compute', 0):>8.3f} {b.get('bubble', 0):>7.3f} {b.get('tp_comm', 0):>7.3f} "
-                f"{b.get('dp_comm', 0):>7.3f} {b.get('pp_comm', 0):>7.3f}  {'; '.join(lay.reasons)}")
+                f"{lay.memory_bytes_per_device / GiB:>6.1f} {1e3 * lay.step_time_s:>8.4g} {lay.mfu:>5.2f} "
+                f"{1e3 * b.get('compute', 0):>8.4g} {1e3 * b.get('bubble', 0):>7.4g} {1e3 * b.get('tp_comm', 0):>7.4g} "
+                f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  {'; '.join(lay.reasons)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
