@@ -106,3 +106,17 @@ def test_3d_layout_errors_before_training():
     # sequence parallel under pp is planned on the whole model (regions cut per stage later)
     plan = discover_tp_plan(model, ParallelConfig(pp=2, tp=2, sequence_parallel=True), inputs)
     assert plan.regions == [("transformer.h.0", "transformer.h.3")], plan.regions
+
+
+def test_stage_plan_cuts_sequence_parallel_regions_per_run_of_held_blocks():
+    """Each run of consecutive blocks a pipeline rank holds is a region of its own: one per stage
+    under 1F1B, one per virtual stage under an interleaved schedule."""
+    from parallel.spmd import stage_plan
+    from parallel.tp.plan import TPPlan
+
+    plan = TPPlan(regions=[("h.0", "h.5")])
+    one_f_one_b = {f"h.{i}": {0 if i < 3 else 1} for i in range(6)}
+    assert stage_plan(plan, one_f_one_b, 1)[0].regions == [("h.3", "h.5")]
+    interleaved = {f"h.{i}": {(i // 2) % 2} for i in range(6)}  # stages 0..2 of 2 blocks, ranks 0 1 0
+    assert stage_plan(plan, interleaved, 0)[0].regions == [("h.0", "h.1"), ("h.4", "h.5")]
+    assert stage_plan(plan, interleaved, 1)[0].regions == [("h.2", "h.3")]
