@@ -164,9 +164,8 @@ def apply(root: Path, m: Mutation) -> dict[Path, str]:
     saved: dict[Path, str] = {}
     for rel, old, new in m.edits:
         path = root / rel
-        text = saved.get(path) or path.read_text()
-        saved.setdefault(path, text)
         current = path.read_text()
+        saved.setdefault(path, current)  # the first edit of a file sees its original text
         if old not in current:
             for p, t in saved.items():
                 p.write_text(t)
