@@ -49,6 +49,18 @@ class UnitBuilder:
         self._incl: dict[str, dict[str, float]] = {}
         for name in reversed(list(self.mods)):  # children before parents
             self._inclusive(name)
+        # the module whose code made each call: the innermost call enclosing it (None: the caller
+        # of the root); calls are in start order and nest, so one sweep with a stack finds them
+        self._caller: list[str | None] = []
+        open_calls: list[int] = []
+        for i, c in enumerate(trace.calls):
+            while open_calls and trace.calls[open_calls[-1]].end_seq < c.seq:
+                open_calls.pop()
+            self._caller.append(trace.calls[open_calls[-1]].module if open_calls else None)
+            open_calls.append(i)
+        self._calls_of: dict[str, list[int]] = {}
+        for i, c in enumerate(trace.calls):
+            self._calls_of.setdefault(c.module, []).append(i)
 
     def _inclusive(self, name: str) -> dict[str, float]:
         """Subtree totals. A container never called itself (``ModuleList``) sums its children."""
@@ -99,15 +111,28 @@ class UnitBuilder:
         )
 
     def is_expandable(self, name: str) -> bool:
-        """A module can be split if it ran exactly once and its running children nest inside that
-        call (a module run several times, e.g. in a loop, interleaves with others: kept whole)."""
+        """A module can be split if it ran exactly once (a module run several times, e.g. in a
+        loop, interleaves with others: kept whole) and each running child either nests inside
+        that call or is called only outside it, by the code of a module that encloses this one
+        (a language model's token embedding that a multimodal wrapper calls itself before the
+        decoder): such a child is placed where its calls are, as a sibling of this module would be."""
         n = self.mods[name]
         if n.calls != 1:
             return False
         kids = self._called_children(name)
-        return bool(kids) and all(
-            self.mods[c].first_seq > n.first_seq and self.mods[c].last_seq < n.last_seq for c in kids
-        )
+        ancestors, m = set(), n.parent
+        while m is not None:
+            ancestors.add(m)
+            m = self.mods[m].parent
+
+        def nested(c: str) -> bool:
+            return self.mods[c].first_seq > n.first_seq and self.mods[c].last_seq < n.last_seq
+
+        def called_from_outside(c: str) -> bool:
+            return all(not n.first_seq <= self.trace.calls[i].seq <= n.last_seq and self._caller[i] in ancestors
+                       for i in self._calls_of.get(c, []))
+
+        return bool(kids) and all(nested(c) or called_from_outside(c) for c in kids)
 
     def root(self) -> list[Unit]:
         return [self.module_unit("")]

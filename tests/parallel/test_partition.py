@@ -104,6 +104,13 @@ def test_trace_dataflow_pairs_llama_linears():
         assert (f"{layer}.self_attn.{src}", f"{layer}.self_attn.o_proj") in edges
     assert (f"{layer}.mlp.up_proj", f"{layer}.mlp.down_proj") in edges
     assert (f"{layer}.mlp.act_fn", f"{layer}.mlp.down_proj") in edges
+    # FLOPs are inclusive and charged where they run: no module holds more than its parent, and
+    # every layer (same shapes) the same
+    for name, node in tr.modules.items():
+        if node.parent is not None and tr.modules[node.parent].calls:
+            assert node.flops <= tr.modules[node.parent].flops * (1 + 1e-9), name
+    attn = [tr.modules[f"model.layers.{i}.self_attn"].flops for i in range(2)]
+    assert attn[0] > 0 and attn[0] == attn[1], attn
 
 
 class _ControlFlow(nn.Module):
@@ -185,6 +192,48 @@ def test_descends_into_blocks_when_too_coarse():
     assert any(n.startswith("transformer.h.") and n.count(".") >= 3 for n in names)
     spans = [st for m, st in part.module_stages.items() if m.startswith("transformer.h.") and m.count(".") == 2]
     assert any(len(st) > 1 for st in spans), "some block should be split across stages"
+
+
+class _Decoder(nn.Module):
+    def __init__(self, d: int = 16, n: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(50, d)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, inputs_embeds):
+        x = inputs_embeds
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class _Wrapper(nn.Module):
+    """A multimodal wrapper's pattern: it calls the decoder's own token embedding itself, before
+    the decoder, and hands the decoder embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 16)
+        self.lm = _Decoder()
+
+    def forward(self, ids, feats):
+        x = torch.cat([self.pre(feats), self.lm.embed(ids)], 1)
+        return self.lm(inputs_embeds=x).sum()
+
+
+def test_child_called_before_its_parent_is_placed_where_it_runs():
+    """The decoder is split into its layers although its embedding ran outside its call: the
+    embedding is a unit of its own at its calls, so the layers can go to several stages."""
+    from parallel.units import UnitBuilder
+
+    tr = trace_model(_Wrapper(), (torch.randint(0, 50, (2, 5)), torch.randn(2, 3, 8)), passes=1)
+    b = UnitBuilder(tr)
+    assert b.is_expandable("lm")
+    units = b.expand(next(u for u in b.expand(b.root()[0]) if u.name == "lm"))
+    names = [u.name for u in units]
+    assert names.index("lm.embed") < names.index("lm.layers.0"), names
+    part = parallel.partition_trace(tr, 3)
+    assert len({tuple(st) for m, st in part.module_stages.items() if m.startswith("lm.layers.")}) >= 2, part.module_stages
 
 
 # ----------------------------------------------------------------------------- tied weights
