@@ -13,8 +13,10 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
 
 - memory = params + grads + Adam (m, v) in the trace's dtype, each divided by ``dp_shard`` and the
   tensor-parallel part (Linear / Embedding weights) by ``tp``; under FSDP the gathered working
-  parameters (two blocks: the running one and the prefetched one; under a pipeline the whole stage
-  stays gathered with unsharded gradients, as the runtime keeps it for the step); a bf16 working
+  parameters (two blocks: the running one and the prefetched one, plus the root unit, i.e. every
+  parameter outside the blocks, which ``fsdp.apply_fsdp`` keeps gathered from forward through
+  backward; under a pipeline the whole stage stays gathered with unsharded gradients, as the
+  runtime keeps it for the step); a bf16 working
   copy of the parameters without FSDP (autocast saves its casts for backward); activations per
   microbatch x the schedule's in-flight count (``cost.inflight``), divided by ``tp`` except those of
   norms and dropout (replicated without sequence parallel); with checkpointing only each block's

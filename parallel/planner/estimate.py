@@ -159,6 +159,7 @@ class Planner:
             mine = [s for s in range(len(parts)) if ranks[s] == r]
             P = sum(local(parts[s].param_bytes, parts[s].tp_param_bytes) for s in mine)
             blockP = max(local(parts[s].block_param, parts[s].block_tp_param) for s in mine)
+            rootP = sum(local(parts[s].outside_param, parts[s].outside_tp_param) for s in mine)
             act = 0.0
             for s in mine:
                 ps = parts[s]
@@ -172,7 +173,9 @@ class Planner:
             if pp > 1 and dp_shard > 1:  # the stage stays gathered, gradients accumulate unsharded
                 m["gathered"], m["grads"] = P * cdt, P
             elif dp_shard > 1 or cpu_offload:
-                m["gathered"] = 2.0 * blockP * cdt
+                # the running and the prefetched block, and the root unit (everything outside the
+                # blocks: fsdp.apply_fsdp keeps it gathered from its forward to its backward)
+                m["gathered"] = (2.0 * blockP + rootP) * cdt
             elif bf16:
                 m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
             host = 0.0

@@ -27,6 +27,8 @@ class PartStats:
     recompute_peak: float = 0.0  # largest whole block's activations (alive while it is recomputed)
     block_param: float = 0.0  # largest whole block's parameters (FSDP's gathered unit)
     block_tp_param: float = 0.0  # of which TP-sharded
+    outside_param: float = 0.0  # parameters outside every whole block (FSDP's root unit: embeddings, head)
+    outside_tp_param: float = 0.0  # of which TP-sharded
     blocks: int = 0  # whole blocks (each costs TP all-reduces)
     block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
@@ -69,6 +71,7 @@ class ModelStats:
         modules = set(modules)
         s = PartStats(flops=flops)
         sizes = self.trace.param_sizes
+        params = list(params)
         for p in params:
             s.param_bytes += sizes[p][0]
             s.tp_param_bytes += sizes[p][0] if self.tp_param.get(p) else 0
@@ -81,6 +84,7 @@ class ModelStats:
             if self.block_of.get(m) not in whole:  # outside every whole block: kept under checkpointing
                 s.ckpt_act += node.saved_bytes
                 s.ckpt_act_rep += node.saved_bytes if rep else 0
+        in_blocks: set[str] = set()
         for b in whole:
             sub = self.blocks[b]
             node = mods[b]
@@ -89,10 +93,15 @@ class ModelStats:
             s.ckpt_act_rep += b_in
             s.recompute_peak = max(s.recompute_peak, float(sum(mods[m].saved_bytes for m in sub)))
             own = [p for m in sub for p in mods[m].params]
+            in_blocks.update(own)
             pb = sum(sizes[p][0] for p in own)
             if pb > s.block_param:
                 s.block_param = float(pb)
                 s.block_tp_param = float(sum(sizes[p][0] for p in own if self.tp_param.get(p)))
             s.blocks += 1
             s.block_out += node.out_bytes
+        for p in params:
+            if p not in in_blocks:
+                s.outside_param += sizes[p][0]
+                s.outside_tp_param += sizes[p][0] if self.tp_param.get(p) else 0
         return s

@@ -1,0 +1,485 @@
+"""How well does the layout planner predict real runs? Its per-rank memory and step time for a
+handful of layouts on 4 gloo ranks (CPU processes), against the same layouts run for real through
+``parallel.parallelize``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py [--steps 5] \
+        [--layouts dp4,fsdp4,pp2_dp2,pp2_fsdp2,tp2_dp2] [--json out.json]
+
+Model: a Hugging Face ``LlamaForCausalLM`` from a small random config (``--layers`` x ``--dim``,
+4 heads, 2 KV heads, vocab ``--vocab``; 3.4 M parameters at the defaults), fp32, AdamW,
+``--global-batch`` sequences of ``--seq`` tokens per step (split over the data-parallel ranks,
+and under a pipeline into ``--microbatches`` microbatches, 1F1B).
+
+Predicted: ``parallel.plan_layout`` on the ``local`` cluster preset with ``devices_per_node`` =
+the world size, calibrated by ``parallel.cluster.calibrate`` (single-thread matmul FLOP/s, a gloo
+all-reduce between as many processes as the run uses), fp32, no checkpointing, no offload. Per
+layout: the fullest rank's memory by kind (params, grads, optimizer, gathered, activations), its
+training state (params + grads + optimizer) and peak (everything), and the step time with its
+breakdown. Pipeline layouts run on the planner's own stage split (``--partition planner``,
+default: the partitioner's search on the planner's FLOPs trace, as ``Planner.stages`` does) so
+that a memory difference is the memory model's, not a different cut; ``--partition auto`` lets
+the runtime trace, time and split the model itself.
+
+Measured, per rank, in one group of ``world`` spawned gloo processes (one thread each) that runs
+the layouts one after another:
+
+- ``state``: parameters + gradients + optimizer state, counted from the actual tensors (the local
+  shards of DTensors) right after the last optimizer step, before gradients are cleared;
+  AdamW's ``step`` counters (one scalar per parameter tensor) are in the optimizer part;
+- ``peak`` (unless ``--no-peak``): parameters + optimizer state resident before one extra step,
+  plus the largest total the c10 CPU allocator reached above that during ``train_step`` (the
+  profiler's "Total Allocated", gradients cleared to None first): activations, gradients, FSDP's
+  gathered parameters and communication buffers. Allocations on gloo's own threads are not seen;
+- ``step time``: the median over ``--steps`` steps after ``--warmup`` of the slowest rank's
+  ``train_step`` (forward, backward, gradient reduction: what the planner models; ranks start
+  each step at a barrier), and separately the optimizer step (not modelled by the planner).
+
+Output: one JSON object on stdout: per layout predicted vs measured and the ratios
+(measured / predicted), the ranking of the layouts by predicted and by measured step time
+(Spearman's rho and concordant pairs), the calibration, the model's achieved FLOP/s in one
+process against the calibrated matmul rate, and the machine and library versions. Progress goes
+to stderr.
+
+What to expect on a small shared CPU host: memory close (it is counted, not timed); time far off
+in absolute terms: 4 ranks share the cores they get (2 on the reference VM), a small model's
+kernels run well below a 512-square matmul's rate, and per-op Python/dispatcher overhead, which
+the planner does not model, dominates at these sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+# name -> layout (degrees; pp > 1 layouts take --microbatches); the world is their product
+LAYOUTS = {
+    "dp4": dict(pp=1, tp=1, dp_replicate=4, dp_shard=1),
+    "fsdp4": dict(pp=1, tp=1, dp_replicate=1, dp_shard=4),
+    "hsdp2x2": dict(pp=1, tp=1, dp_replicate=2, dp_shard=2),
+    "pp2_dp2": dict(pp=2, tp=1, dp_replicate=2, dp_shard=1),
+    "pp2_fsdp2": dict(pp=2, tp=1, dp_replicate=1, dp_shard=2),
+    "tp2_dp2": dict(pp=1, tp=2, dp_replicate=2, dp_shard=1),
+    "tp2_fsdp2": dict(pp=1, tp=2, dp_replicate=1, dp_shard=2),
+    "pp2_tp2": dict(pp=2, tp=2, dp_replicate=1, dp_shard=1),
+    "pp4": dict(pp=4, tp=1, dp_replicate=1, dp_shard=1),
+}
+DEFAULT_LAYOUTS = "dp4,fsdp4,pp2_dp2,pp2_fsdp2,tp2_dp2"
+
+
+def log(msg: str) -> None:
+    print(f"[plan_accuracy {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def build_model(m: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=m["layers"], hidden_size=m["dim"], num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * m["dim"], vocab_size=m["vocab"],
+                      max_position_embeddings=max(128, m["seq"]), tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def make_batch(m: dict, batch: int, seed: int = 1) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, m["vocab"], (batch, m["seq"]), generator=g)
+    target = torch.randint(0, m["vocab"], (batch, m["seq"]), generator=g)
+    return {"input_ids": ids}, target
+
+
+def lm_loss(out, target):
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+
+
+# ----------------------------------------------------------------------------- measured side
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(params: list, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Local bytes of parameters, gradients and optimizer state (DTensors: their local shard)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+    for p in params:
+        out["params"] += _nbytes(p)
+        if p.grad is not None:
+            out["grads"] += _nbytes(p.grad)
+    for st in opt.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                out["optimizer"] += _nbytes(v)
+    return out
+
+
+def _step_peak(run) -> int:
+    """The most bytes the c10 CPU allocator held during ``run()`` above what it held when ``run``
+    began: the profiler's "Total Allocated" of its memory events, in time order, less its value
+    before the first (the counter is only updated while a profiler runs, so it carries what earlier
+    profiled runs allocated and others freed)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            events = json.load(g)["traceEvents"]
+    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not mem:
+        return 0
+    base = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    return max(0, max(e["args"]["Total Allocated"] for e in mem) - base)
+
+
+def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmup: int,
+                   partition: dict | None, peak: bool) -> dict:
+    import gc
+
+    import torch.distributed as dist
+
+    import parallel
+    from parallel.partition import Partition
+
+    dp = spec["dp_replicate"] * spec["dp_shard"]
+    mb = spec.get("microbatches", 1) if spec["pp"] > 1 else 1
+    inputs, target = make_batch(m, m["global_batch"] // dp, seed=1)
+    model = build_model(m)
+    cfg = parallel.ParallelConfig(pp=spec["pp"], tp=spec["tp"], dp_replicate=spec["dp_replicate"],
+                                  dp_shard=spec["dp_shard"], microbatches=mb, schedule="1f1b")
+    t0 = time.perf_counter()
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=300,
+                              partition=Partition.from_dict(partition) if partition else None)
+    setup_s = time.perf_counter() - t0
+    params = list(pm.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
+    fb, op, state = [], [], {}
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.train_step(inputs, target=target, loss_fn=lm_loss)
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fb.append(t1 - t0)
+            op.append(t2 - t1)
+        if i == warmup + steps - 1:
+            state = state_bytes(params, opt)  # after the optimizer step, gradients still there
+        opt.zero_grad(set_to_none=True)
+    out = dict(pp_rank=pm.pp_rank, setup_s=setup_s, train_step_s=fb, optimizer_s=op, state=state,
+               stages=list(pm.local_stages) if pm.partition is not None else [0])
+    if pm.partition is not None and rank == 0:
+        out["partition"] = pm.partition.table()
+    if peak:
+        gc.collect()
+        resident = state_bytes(params, opt)  # gradients are None now
+        dist.barrier()
+        extra = _step_peak(functools.partial(pm.train_step, inputs, target=target, loss_fn=lm_loss))
+        out["peak"] = dict(resident=resident["params"] + resident["optimizer"], step_extra=extra,
+                           total=resident["params"] + resident["optimizer"] + extra)
+        opt.zero_grad(set_to_none=True)
+    del pm, opt, params, model
+    gc.collect()
+    dist.barrier()
+    return out
+
+
+def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool) -> dict:
+    """Every layout in turn, in this one process group (spawning and importing once)."""
+    torch.set_num_threads(1)
+    res = {}
+    for name, spec, part in jobs:
+        t0 = time.perf_counter()
+        res[name] = measure_layout(rank, world, spec, m, steps, warmup, part, peak)
+        if rank == 0:
+            log(f"measured {name} in {time.perf_counter() - t0:.1f} s")
+    return res
+
+
+# ----------------------------------------------------------------------------- predicted side
+
+
+def planner_partition(plan, k: int) -> dict | None:
+    """The stage split ``Planner.stages(k)`` balances on (the same call), as a Partition dict the
+    runtime can take; None where the planner uses the layer-list split instead."""
+    from parallel.cost import CostConfig
+    from parallel.partition import partition_trace
+
+    pl, c = plan.planner, plan.cluster
+    if pl.partition != "search":
+        return None
+    cfg = CostConfig(schedule="interleaved", microbatches=1, stages_per_rank=1,
+                     flops_per_s=c.flops_per_s("bf16"), bandwidth=c.inter_bandwidth / c.devices_per_node)
+    part = partition_trace(pl.flops_trace, k, "speed", cost_config=cfg)
+    mine = [float(s.param_bytes) for s in part.stages]
+    theirs = pl.stages(k)
+    if isinstance(theirs, str) or [round(x) for x in mine] != [round(s.param_bytes) for s in theirs]:
+        raise RuntimeError(f"the reproduced {k}-stage split differs from the planner's ({mine})")
+    return part.to_dict()
+
+
+def achieved_flops(m: dict, flops_per_sample: float, batch: int, reps: int = 3) -> dict:
+    """Forward + backward of the whole model on ``batch`` sequences in this process (one thread):
+    the model's FLOPs (the planner's count) / the median time."""
+    model = build_model(m)
+    inputs, target = make_batch(m, batch)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        lm_loss(model(**inputs), target).backward()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    t = statistics.median(times[1:])
+    return {"batch": batch, "fwd_bwd_s": t, "flops_per_s": flops_per_sample * batch / t}
+
+
+# ----------------------------------------------------------------------------- comparison
+
+
+def _ranks(xs: list[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            r[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return r
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    if len(a) < 2:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / den if den else None
+
+
+def pairs(names: list[str], pred: list[float], meas: list[float]) -> dict:
+    agree, disagree = [], []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            same = (pred[i] - pred[j]) * (meas[i] - meas[j]) > 0
+            (agree if same else disagree).append(f"{names[i]} vs {names[j]}")
+    return {"agree": len(agree), "total": len(agree) + len(disagree), "disagreeing": disagree}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _mb(x: float) -> float:
+    return round(x / 2**20, 3)
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    import transformers
+
+    return {"platform": platform.platform(), "cpu": model or platform.processor(), "cpu_count": os.cpu_count(),
+            "cores_allowed": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--world", type=int, default=4, help="gloo ranks (every layout's degrees must multiply to it)")
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
+    ap.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (pp > 1 layouts)")
+    ap.add_argument("--partition", choices=("planner", "auto"), default="planner",
+                    help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
+    ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
+    ap.add_argument("--json", default="", help="also write the JSON here")
+    a = ap.parse_args()
+
+    from parallel.cluster import Cluster, calibrate
+    from parallel.planner import plan_layout
+    from tests.distributed import run_ranks
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    names = [n for n in a.layouts.split(",") if n]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad:
+        ap.error(f"unknown layouts {bad}; known: {sorted(LAYOUTS)}")
+    specs = {}
+    for n in names:
+        s = dict(LAYOUTS[n])
+        if s["pp"] * s["tp"] * s["dp_replicate"] * s["dp_shard"] != a.world:
+            ap.error(f"layout {n} ({s}) does not use {a.world} ranks")
+        if s["pp"] > 1:
+            s["microbatches"] = a.microbatches
+        specs[n] = s
+    m = dict(dim=a.dim, layers=a.layers, vocab=a.vocab, seq=a.seq, global_batch=a.global_batch)
+    load0 = os.getloadavg()
+
+    # --- predicted
+    log(f"calibrating the local cluster on {a.world} ranks")
+    t0 = time.perf_counter()
+    cluster = calibrate(Cluster.preset("local", devices_per_node=a.world), ranks=a.world)
+    calib_s = time.perf_counter() - t0
+    model = build_model(m)
+    numel = sum(p.numel() for p in model.parameters())
+    trace_batch = 2
+    example, _ = make_batch(m, trace_batch)
+    t0 = time.perf_counter()
+    plan = plan_layout(model, example, cluster, global_batch=a.global_batch, schedules=("1f1b",),
+                       precisions=("fp32",), checkpointing=(False,), offload=(False,))
+    plan_s = time.perf_counter() - t0
+    del model
+    stats = plan.planner.stats
+    flops_per_sample = stats.flops / stats.samples
+    preds, parts = {}, {}
+    for n, s in specs.items():
+        lay = plan.estimate(mixed_precision="fp32", schedule="1f1b", **s)
+        preds[n] = lay
+        if s["pp"] > 1 and a.partition == "planner":
+            parts[n] = planner_partition(plan, s["pp"])
+        log(f"predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
+            f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})"))
+    stage_flops = {}
+    for s in specs.values():
+        if s["pp"] > 1 and not isinstance(ps := plan.planner.stages(s["pp"]), str):
+            stage_flops[f"pp{s['pp']}"] = round(sum(p.flops for p in ps) / stats.flops, 3)
+    diag = achieved_flops(m, flops_per_sample, a.global_batch // a.world)
+
+    # --- measured
+    log(f"measuring {len(names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)")
+    jobs = [(n, specs[n], parts.get(n)) for n in names]
+    t0 = time.perf_counter()
+    res = run_ranks(rank_main, a.world, jobs, m, a.steps, a.warmup, not a.no_peak, timeout_s=900)
+    measure_s = time.perf_counter() - t0
+
+    # --- compare
+    out_layouts = {}
+    for n in names:
+        lay, ranks = preds[n], [r[n] for r in res]
+        steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(a.steps)]  # the slowest rank
+        steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(a.steps)]
+        t_fb, t_op = statistics.median(steps_fb), statistics.median(steps_op)
+        full = max(ranks, key=lambda r: sum(r["state"].values()))
+        st = full["state"]
+        state = sum(st.values())
+        pm = lay.memory
+        p_state = pm.get("params", 0.0) + pm.get("grads", 0.0) + pm.get("optimizer", 0.0)
+        entry = {
+            "layout": specs[n], "planner_key": lay.key, "fits": lay.fits, "microbatch_size": lay.microbatch_size,
+            "predicted": {
+                "state_bytes": p_state, "peak_bytes": lay.memory_bytes_per_device,
+                "memory_bytes": {k: v for k, v in pm.items()},
+                "step_time_s": lay.step_time_s, "breakdown_s": lay.breakdown, "reasons": lay.reasons},
+            "measured": {
+                "state_bytes": state, "state_bytes_by_kind": st,
+                "state_bytes_per_rank": [sum(r["state"].values()) for r in ranks],
+                "pp_rank": [r["pp_rank"] for r in ranks],
+                "train_step_s": t_fb, "train_step_s_all": [round(x, 4) for x in steps_fb],
+                "optimizer_step_s": t_op, "setup_s": max(r["setup_s"] for r in ranks)},
+            "ratio_measured_over_predicted": {
+                "state": _ratio(state, p_state),
+                "params": _ratio(st["params"], pm.get("params", 0.0)),
+                "grads": _ratio(st["grads"], pm.get("grads", 0.0)),
+                "optimizer": _ratio(st["optimizer"], pm.get("optimizer", 0.0)),
+                "step_time": _ratio(t_fb, lay.step_time_s)},
+        }
+        if not a.no_peak:
+            pk = max(ranks, key=lambda r: r["peak"]["total"])["peak"]
+            entry["measured"]["peak_bytes"] = pk["total"]
+            entry["measured"]["peak_detail"] = {**pk, "per_rank": [r["peak"]["total"] for r in ranks]}
+            entry["ratio_measured_over_predicted"]["peak"] = _ratio(pk["total"], lay.memory_bytes_per_device)
+        notes = []
+        if specs[n]["pp"] > 1 and specs[n]["dp_shard"] > 1:
+            notes.append("predicted grads are the unsharded gradients a pipeline stage accumulates during the step "
+                         "(its peak); measured after the step, when FSDP has reduce-scattered them to a shard")
+        if specs[n]["pp"] > 1:
+            notes.append("predicted memory is the fullest pipeline rank's; measured: the rank with the largest state")
+        if notes:
+            entry["notes"] = notes
+        part_table = next((r.get("partition") for r in ranks if r.get("partition")), None)
+        if part_table:
+            entry["measured"]["partition"] = part_table.splitlines()
+        out_layouts[n] = entry
+        r = entry["ratio_measured_over_predicted"]
+        log(f"{n}: state {_mb(state)} / {_mb(p_state)} MiB (x{r['state']}), "
+            f"step {t_fb * 1e3:.1f} / {lay.step_time_s * 1e3:.1f} ms (x{r['step_time']})"
+            + (f", peak x{r['peak']}" if "peak" in r else ""))
+
+    ok = [n for n in names if preds[n].fits]
+    p_t = [preds[n].step_time_s for n in ok]
+    m_t = [out_layouts[n]["measured"]["train_step_s"] for n in ok]
+    result = {
+        "benchmark": "plan_accuracy",
+        "model": {"type": "LlamaForCausalLM (random init)", "parameters": numel, "layers": a.layers, "dim": a.dim,
+                  "heads": 4, "kv_heads": 2, "intermediate": 2 * a.dim, "vocab": a.vocab, "seq": a.seq,
+                  "global_batch": a.global_batch, "microbatches_pp": a.microbatches, "dtype": "fp32",
+                  "optimizer": "AdamW", "trace_flops_per_sample": flops_per_sample},
+        "world": a.world, "steps": a.steps, "warmup": a.warmup, "partition": a.partition,
+        "cluster": {"name": cluster.name, "devices_per_node": cluster.devices_per_node,
+                    "fp32_flops_per_s": cluster.peak_flops["fp32"], "bf16_flops_per_s": cluster.peak_flops["bf16"],
+                    "link_bandwidth_Bps": cluster.intra_bandwidth, "link_latency_s": cluster.intra_latency_s,
+                    "calibrate_s": round(calib_s, 1)},
+        "diagnostics": {
+            "model_fwd_bwd_one_process": diag,
+            "model_flops_rate_over_calibrated_matmul": round(diag["flops_per_s"] / cluster.peak_flops["fp32"], 3),
+            "oversubscription_ranks_per_core": round(a.world / len(os.sched_getaffinity(0)), 2),
+            "pipeline_stage_flops_sum_over_model_flops": stage_flops,
+            "plan_s": round(plan_s, 2), "measure_s": round(measure_s, 1)},
+        "layouts": out_layouts,
+        "ranking_by_step_time": {
+            "layouts": ok,
+            "predicted_order": [n for _, n in sorted(zip(p_t, ok))],
+            "measured_order": [n for _, n in sorted(zip(m_t, ok))],
+            "spearman_rho": spearman(p_t, m_t),
+            "pairwise": pairs(ok, p_t, m_t)},
+        "machine": {**machine(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
+        "total_s": round(time.perf_counter() - t_start, 1),
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
