@@ -34,3 +34,28 @@ lint: install
 
 clean:
 	rm -rf outputs runs build data .pytest_cache
+
+# GPU checks on a lent GPU machine (torch there, no network). Here: `make gpu-wheels` fills
+# $(GPU_WHEELS) (ignored by git: carry it); there: `make gpu-check` installs from it what is
+# missing and runs scripts/gpu_check.py (results in $$OUT). `make gpu-check-dry`: the same steps on
+# this machine's CPU. GPU_PYVER=3.12 downloads for another python; GPU_ARGS="--only pytest" etc.
+GPU_WHEELS  ?= .gpu_wheels
+GPU_PYVER   ?=
+GPU_PY      ?= python3
+GPU_OUT     ?= $(or $(OUT),runs/gpu_check)
+GPU_ARGS    ?=
+GPU_MODULES := numpy faiss pytest ninja yaml omegaconf hydra webdataset ftfy regex safetensors \
+	tokenizers huggingface_hub transformers timm open_clip
+
+.PHONY: gpu-wheels gpu-check gpu-check-dry
+
+gpu-wheels: install
+	PY=$(PY) bash scripts/gpu_wheels.sh download $(GPU_WHEELS) $(GPU_PYVER)
+
+gpu-check:
+	$(GPU_PY) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))' \
+		$(GPU_MODULES) || bash scripts/gpu_wheels.sh install $(GPU_WHEELS) $(GPU_PY)
+	$(GPU_PY) scripts/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
+
+gpu-check-dry: install
+	$(PY) scripts/gpu_check.py --dry-run --out runs/gpu_check_dry $(GPU_ARGS)
