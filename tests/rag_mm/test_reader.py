@@ -2,7 +2,7 @@ import torch
 
 from rag_mm.config import ModelConfig
 from rag_mm.model import Reader
-from rag_mm.model.reader import IGNORE
+from rag_mm.model.layout import IGNORE
 
 EOT = 49407
 
@@ -29,7 +29,8 @@ def batch(B=3, k=2, seed=0):
 def test_assembly_offsets_and_labels():
     m = tiny_reader()
     b = batch()
-    x, labels, seg, _, _ = m.assemble(**b)
+    a = m.assemble(**b)
+    x, labels, seg = a.x, a.labels, a.seg_offsets
     P = m.num_patches  # 16
     doc_counts = (P + b["doc_len"]).tolist()
     query = (P + b["q_len"] + b["a_len"] - 1).tolist()
@@ -51,7 +52,8 @@ def test_documents_are_isolated_and_query_is_causal():
     b2["doc_ids"][0, 1, 8] += 1  # doc_len[0, 1] = 4: padding
     assert torch.allclose(m(**b2).logits, out1.logits)
     # the answer's last token never influences earlier predictions (causal query)
-    x, labels, seg, _, _ = m.assemble(**b)
+    a = m.assemble(**b)
+    x, seg = a.x, a.seg_offsets
     h1 = _hidden(m, x, seg)
     x2 = x.clone()
     last = int(seg[0, -1]) - 1

@@ -1,0 +1,83 @@
+"""The copy head: a pointer-generator answer distribution over the text tokens the reader saw."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def segment_ids(seg_offsets: torch.Tensor, S: int) -> torch.Tensor:
+    """(B, n_seg + 1) offsets -> (B, S) segment index of each position (n_seg for padding)."""
+    pos = torch.arange(S, device=seg_offsets.device).expand(seg_offsets.shape[0], S).contiguous()
+    return torch.searchsorted(seg_offsets[:, 1:].contiguous(), pos, right=True)
+
+
+class CopyHead(nn.Module):
+    """Pointer-generator mixing (See et al. 2017, arXiv 1704.04368): p(w) = g p_vocab(w) +
+    (1 - g) sum_{s: token(s) = w} a_s, with a an attention of the answer position over the text
+    tokens before it (documents and question). Gradients reach the attention scores directly,
+    so "find the fact and copy it" needs no value/output circuit to be learned first.
+
+    Keys are "smeared" over the two tokens before each position (Olsson et al. 2022, "In-context
+    learning and induction heads"): the key of "forest" in "habitat: forest" also carries
+    "habitat", so matching the question's attribute to the fact is a single learned bilinear map.
+    """
+
+    SMEAR = 2  # previous tokens mixed into each key: attribute name and separator
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.q_question = nn.Linear(dim, dim, bias=False)  # the pooled question joins the query (DrQA)
+        self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
+        self.k = nn.Linear(dim, dim)
+        self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
+        self.gate = nn.Linear(dim, 1)
+
+    def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
+        """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
+        the same segment (documents stay independent)."""
+        S = h_all.shape[1]
+        k = self.k(h_all)
+        for lag, proj in enumerate(self.k_prev, start=1):
+            prev = F.pad(proj(h_all), (0, 0, lag, 0))[:, :S]  # (B, S, D) shifted right by lag
+            same = seg_id == F.pad(seg_id, (lag, 0), value=-1)[:, :S]  # (B, S) same segment as s - lag
+            k = k + prev * same[..., None]
+        return k
+
+    def question_vector(self, h_all: torch.Tensor, is_question: torch.Tensor) -> torch.Tensor:
+        """Attention-pooled question encoding (Chen et al. 2017, DrQA): (B, S, D) -> (B, D)."""
+        w = self.pool(h_all).squeeze(-1).masked_fill(~is_question, float("-inf"))  # (B, S)
+        return torch.einsum("bs,bsd->bd", torch.softmax(w, -1).nan_to_num(0.0), h_all)
+
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp, doc_prior=None):
+        """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
+        h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable), seg_id (B, S)
+        segment of each position, is_question (B, S); gen_logp (M, V); doc_prior (B, k) log
+        retrieval probabilities of the documents or None.
+        Returns log p (M, V) and the copy attention (M, S)."""
+        D = h_all.shape[-1]
+        keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
+        query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
+        scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
+        if doc_prior is not None:
+            # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes a
+            # mixture over documents weighted by the retriever, as RAG-token marginalises (Lewis et
+            # al. 2020). Relative to a uniform prior (log k added), so a uniform prior changes
+            # nothing and question positions (segment k) keep their share.
+            k = doc_prior.shape[1]
+            prior = F.pad(doc_prior + math.log(k), (0, 1))  # (B, k + 1)
+            scores = scores + torch.gather(prior, 1, seg_id.clamp(max=prior.shape[1] - 1))[rows_ex]
+        S = h_all.shape[1]
+        tok = tok_all[rows_ex]  # (M, S)
+        allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
+        # fp32 softmax: CUDA autocast promotes softmax to fp32, CPU autocast does not, and the
+        # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
+        attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
+        copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
+        g = torch.sigmoid(self.gate(h_rows)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
+        logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
+        return logp, attn

@@ -1,0 +1,185 @@
+"""What every reader shares: the sequence layout, the answer scoring and greedy generation.
+
+Sequence of one example (packed left, padded right to the batch's longest)::
+
+    [doc_1 patches, doc_1 text] ... [doc_k patches, doc_k text] [query patches, question, answer]
+     └──────── segment 0 ───────┘     └──────── segment k-1 ──┘  └────────── segment k ─────────┘
+
+Documents attend within themselves; the query segment attends to all documents and causally to
+itself (``parallel.kernels.attention`` layout). Positions restart in every segment, so documents
+form an unordered set. The loss is next-token cross-entropy on the answer tokens only.
+
+A reader subclasses ``ReaderBase`` and provides ``embed_tokens``, ``encode_images``, ``rank_emb``
+(a learned offset per retrieval rank), ``max_docs``/``max_segment_len`` and its ``forward``, which
+runs its transformer over ``assemble``'s sequence and hands the hidden states to ``read_out``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rag_mm.model.copy_head import segment_ids
+
+IGNORE = -100  # label of positions without a loss (F.cross_entropy's ignore_index)
+# token types: which part of the sequence a slot belongs to
+DOC_IMAGE, DOC_TEXT, QUERY_IMAGE, QUESTION, ANSWER = range(5)
+
+
+@dataclass
+class ReaderOutput:
+    loss: torch.Tensor  # () mean NLL over every answer token in the batch
+    nll: torch.Tensor  # (B,) mean NLL of each example's answer tokens
+    correct: torch.Tensor  # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
+    logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
+    labels: torch.Tensor  # (M,) their targets
+    example: torch.Tensor  # (M,) example index of each prediction position
+    doc_attention: torch.Tensor | None = None  # (B, k) copy-attention mass of the answer positions on each document
+
+
+@dataclass
+class Assembled:
+    """One batch laid out for the transformer (S: the longest packed example)."""
+
+    x: torch.Tensor  # (B, S, D) token and patch embeddings (plus rank offsets), no positions
+    labels: torch.Tensor  # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
+    seg_offsets: torch.Tensor  # (B, k + 2) int32 segment starts, then the end of the query
+    toks: torch.Tensor  # (B, S) token id per position, -1 for pictures and padding (not copyable)
+    typ: torch.Tensor  # (B, S) DOC_IMAGE ... ANSWER, -1 for padding
+    pos: torch.Tensor  # (B, S) position within the segment, restarting at 0 in every segment
+
+
+class ReaderBase(nn.Module):
+    """Layout, scoring and generation over a subclass's embeddings and transformer."""
+
+    max_answer: int  # generated tokens at most, EOT included
+    copy: nn.Module | None  # the copy head, or None
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # (..., L) -> (..., L, D)
+        raise NotImplementedError
+
+    def encode_images(self, pics: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, P, D)
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------ assembly
+    def _slots(self, image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len):
+        """Every candidate token in a fixed layout: embeddings, validity, positions, labels, segment."""
+        B = image.shape[0]
+        k = 0 if doc_image is None else doc_image.shape[1]
+        dev = image.device
+        # the vision tower once over the query pictures and every document picture
+        pics = image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])  # (B*k + B, 3, H, W)
+        patches = self.encode_images(pics)  # (B*k + B, P, D)
+        P = patches.shape[1]
+        q_patches = patches[B * k:]  # (B, P, D)
+
+        parts, valid, pos, typ, seg, toks = [], [], [], [], [], []
+        no_tok = lambda n: torch.full((B, n), -1, dtype=torch.long, device=dev)  # noqa: E731  pictures are not copyable
+        ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
+        for j in range(k):
+            Lt = doc_ids.shape[2]
+            rank = self.rank_emb.weight[j]  # retrieval rank of the document (FiD reads documents in rank order)
+            parts += [patches[:B * k].view(B, k, P, -1)[:, j] + rank, self.embed_tokens(doc_ids[:, j]) + rank]
+            valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lt)[None] < doc_len[:, j, None]]
+            pos += [ar(P).expand(B, P), (P + ar(Lt)).expand(B, Lt)]
+            typ += [torch.full((B, P), DOC_IMAGE, device=dev), torch.full((B, Lt), DOC_TEXT, device=dev)]
+            seg += [torch.full((B, P + Lt), j, device=dev)]
+            toks += [no_tok(P), doc_ids[:, j]]
+        Lq = q_ids.shape[1]
+        La = a_ids.shape[1] - 1  # the final answer token (EOT) is only ever a target, never an input
+        parts += [q_patches, self.embed_tokens(q_ids), self.embed_tokens(a_ids[:, :La])]
+        valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lq)[None] < q_len[:, None], ar(La)[None] < (a_len - 1)[:, None]]
+        pos += [ar(P).expand(B, P), (P + ar(Lq)).expand(B, Lq), P + q_len[:, None] + ar(La)[None]]
+        typ += [torch.full((B, P), QUERY_IMAGE, device=dev), torch.full((B, Lq), QUESTION, device=dev),
+                torch.full((B, La), ANSWER, device=dev)]
+        seg += [torch.full((B, P + Lq + La), k, device=dev)]
+        toks += [no_tok(P), q_ids, a_ids[:, :La]]
+
+        # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
+        n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
+        labels = torch.full((B, n_before + Lq + La), IGNORE, dtype=torch.long, device=dev)
+        anchor = n_before + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))  # question end or last patch
+        labels[ar(B), anchor] = a_ids[:, 0]
+        if La > 0:
+            nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1:La + 1], IGNORE)  # (B, La)
+            labels[:, n_before + Lq:] = nxt
+        return (torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(pos, 1), torch.cat(typ, 1),
+                torch.cat(seg, 1), labels, torch.cat(toks, 1), k)
+
+    def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> Assembled:
+        """Pack each example's valid tokens to the left (see ``Assembled``)."""
+        emb, valid, pos, typ, seg, labels, toks, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        if k > self.max_docs:
+            raise ValueError(f"{k} documents per query > model.max_docs={self.max_docs}")
+        longest = int(pos.max()) + 1
+        if longest > self.max_segment_len:
+            raise ValueError(f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}")
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid slots first, in order
+        S = int(valid.sum(1).max())
+        order = order[:, :S]
+        take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
+        x = torch.gather(emb, 1, order[..., None].expand(-1, -1, emb.shape[-1]))  # (B, S, D)
+        keep = take(valid)
+        counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
+        seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
+        return Assembled(x, take(labels).masked_fill(~keep, IGNORE), seg_offsets, take(toks).masked_fill(~keep, -1),
+                         take(typ).masked_fill(~keep, -1), take(pos))
+
+    # ------------------------------------------------------------------------------ scoring
+    def read_out(self, h_all: torch.Tensor, a: Assembled, lm_head, doc_prior=None) -> ReaderOutput:
+        """h_all (B, S, D): the transformer's final, normed hidden states over ``a``'s sequence ->
+        the answer distribution (vocabulary, mixed with the copy head's when there is one), the
+        loss and the per-example scores."""
+        labels, seg_offsets = a.labels, a.seg_offsets
+        where = labels != IGNORE  # (B, S)
+        rows = where.nonzero()  # (M, 2): example, position
+        example = rows[:, 0]
+        target = labels[where]
+        B = h_all.shape[0]
+        h = h_all[where]  # (M, D): only answer positions need the vocabulary projection
+        gen_logp = F.log_softmax(lm_head(h).float(), -1)  # (M, V)
+        if self.copy is None:
+            logp, doc_attention = gen_logp, None
+        else:
+            seg_id = segment_ids(seg_offsets, h_all.shape[1])
+            logp, attn = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION, gen_logp, doc_prior)
+            doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2)
+        tok_nll = F.nll_loss(logp, target, reduction="none")  # (M,)
+        count = torch.zeros(B, device=h_all.device).index_add_(0, example, torch.ones_like(tok_nll))
+        nll = torch.zeros(B, device=h_all.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
+        wrong = torch.zeros(B, device=h_all.device).index_add_(0, example, (logp.argmax(-1) != target).float())
+        return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logp, target, example, doc_attention)
+
+    @staticmethod
+    def _doc_mass(attn, example, seg_id, B, k):
+        """Copy-attention mass on each of the k document segments, averaged over an example's answer positions: (B, k)."""
+        if k == 0:
+            return None
+        seg = seg_id[example]  # (M, S)
+        per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(1, seg.clamp(max=k), attn)[:, :k]
+        count = torch.zeros(B, device=attn.device).index_add_(0, example, torch.ones(len(example), device=attn.device))
+        return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc) / count.clamp_min(1)[:, None]
+
+    @torch.no_grad()
+    def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407,
+                 doc_prior=None):
+        """Greedy answers (list of token-id lists), one full forward per generated token (no KV
+        cache: the sequences are short, and every step re-reads the documents)."""
+        B, dev = image.shape[0], image.device
+        out = torch.zeros(B, 0, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for _ in range(self.max_answer):
+            a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)  # placeholder target at the end
+            a_len = torch.full((B,), a_ids.shape[1], device=dev)
+            res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
+            last = torch.zeros(B, dtype=torch.long, device=dev)
+            last[res.example] = torch.arange(len(res.example), device=dev)  # the last prediction of each example
+            nxt = res.logits[last].argmax(-1).masked_fill(done, eot_id)
+            out = torch.cat([out, nxt[:, None]], 1)
+            done |= nxt == eot_id
+            if bool(done.all()):
+                break
+        return [[t for t in row if t != eot_id] for row in out.tolist()]
