@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from rag_mm.config import reader_tokenizer
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
-from rag_mm.model import Reader
+from rag_mm.model.factory import build_reader
+from rag_mm.model.layout import ReaderBase
 from rag_mm.model.rag import RagModel
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
@@ -31,7 +33,7 @@ class RagParts:
 
     tok: object  # the tokenizer (vocab_size, eot_id, decode)
     store: DocumentStore  # the document memory, host tensors
-    reader: Reader
+    reader: ReaderBase  # rag_mm's own (model.family=native) or on a Hugging Face LM (hf)
     retriever: DualEncoder | None
     memory: RetrievalMemory | None  # its faiss index is empty until ``memory.refresh()``
     rag: RagModel
@@ -40,11 +42,12 @@ class RagParts:
 def build_rag(cfg, device: torch.device) -> RagParts:
     """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
     over them, freshly initialised on ``device`` (seed the global RNG first for a given init)."""
-    tok = get_tokenizer()
     m = cfg.model
-    store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text)
+    tok = get_tokenizer(reader_tokenizer(m))
+    store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text,
+                               tokenizer=reader_tokenizer(m))
     log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
-    reader = Reader(m, tok.vocab_size).to(device)
+    reader = build_reader(m, tok.vocab_size).to(device)
     retriever = memory = None
     if cfg.retriever.mode == "learned":
         retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
@@ -64,7 +67,7 @@ def make_stream(cfg, split: str, train: bool, rank: int = 0, world_size: int = 1
         image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
         seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
-        rank=rank, world_size=world_size, skip_batches=skip_batches,
+        rank=rank, world_size=world_size, skip_batches=skip_batches, tokenizer=reader_tokenizer(c.model),
     )
     return make_loader(spec, c.data.num_workers)
 

@@ -22,9 +22,27 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The reader: an open_clip vision tower feeding a joint text-image transformer."""
+    """The reader: an open_clip vision tower feeding a joint text-image transformer, either
+    rag_mm's own (``family: native``) or a Hugging Face causal LM (``family: hf``)."""
 
     name: str = "small"  # label for logs and run names
+    # native: rag_mm's transformer (dim, layers, heads, ... below) | hf: any decoder that
+    # transformers' AutoModelForCausalLM builds, from ``pretrained`` or from ``lm`` / ``lm_config``
+    family: str = "native"
+    # hf: a local directory saved by save_pretrained (config.json + safetensors, tokenizer
+    # optional), loaded offline; its weights are the reader's starting point
+    pretrained: str | None = None
+    # hf, random init: the LM's config, ``model_type`` plus the fields that family's config takes
+    # (a preset in conf/model/ fills it); ignored when ``pretrained`` or ``lm_config`` is set
+    lm: dict[str, Any] = field(default_factory=dict)
+    lm_config: str | None = None  # hf, random init: a local config.json (or its directory) instead of ``lm``
+    # a local Hugging Face tokenizer directory; None: ``pretrained``'s own tokenizer when it holds
+    # one, else the bundled CLIP BPE (randomly initialised readers)
+    tokenizer: str | None = None
+    projector: str = "mlp2x_gelu"  # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
+    # hf: the reader's own weights (projector, retrieval-rank embeddings, copy head) as
+    # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
+    adapter: str | None = None
     dim: int = 128  # transformer width; the demo needs little capacity, speed matters on 2 cores
     layers: int = 4  # transformer blocks: 2 to find the fact's slot, 2 to copy it is the minimum
     heads: int = 4  # attention heads; must divide dim
@@ -148,6 +166,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"model.patch_size ({m.patch_size}) must divide model.image_size ({m.image_size})")
     if m.vision_width > 0 and m.vision_head_width > 0 and m.vision_width % m.vision_head_width:
         e.append(f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})")
+    e += _model_family_problems(cfg)
     if m.attention_backend not in ATTENTION_BACKENDS:
         e.append(f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})")
     if m.max_answer < 2:
@@ -195,7 +214,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         elif p.dp > 0 and p.dp * p.pp * p.tp != world_size:
             e.append(f"parallel.dp * parallel.pp * parallel.tp = {p.dp}*{p.pp}*{p.tp} = {p.dp * p.pp * p.tp} "
                      f"does not match the world size {world_size}")
-        if p.tp > 1 and m.heads > 0 and m.heads % p.tp:
+        if p.tp > 1 and m.family == "native" and m.heads > 0 and m.heads % p.tp:
             e.append(f"parallel.tp ({p.tp}) must divide model.heads ({m.heads})")
         vh = m.vision_width // m.vision_head_width if m.vision_head_width > 0 else 0
         if p.tp > 1 and vh and vh % p.tp:
@@ -217,6 +236,56 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                          f"({d.eval_batch_size})")
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
+
+
+FAMILIES = ("native", "hf")
+PROJECTORS = ("mlp2x_gelu", "linear")
+
+
+def _model_family_problems(cfg: Any) -> list[str]:
+    """What is wrong with the reader family's own keys (paths are checked for existence here)."""
+    from pathlib import Path
+
+    m, e = cfg.model, []
+    if m.family not in FAMILIES:
+        return [f"model.family must be one of {FAMILIES} (got {m.family!r})"]
+    if m.projector not in PROJECTORS:
+        e.append(f"model.projector must be one of {PROJECTORS} (got {m.projector!r})")
+    if m.family == "native":
+        for key in ("pretrained", "lm_config", "adapter"):
+            if getattr(m, key):
+                e.append(f"model.{key} needs model.family=hf (got model.family=native)")
+        return e
+    if not (m.pretrained or m.lm_config or m.lm):
+        e.append("model.family=hf needs model.pretrained (a local directory), model.lm_config "
+                 "(a config.json) or model.lm (a preset, e.g. model=hf_tiny)")
+    if m.pretrained and not (Path(m.pretrained) / "config.json").is_file():
+        e.append(f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
+                 "(save one with save_pretrained; nothing is downloaded)")
+    if m.lm_config and not (Path(m.lm_config).is_file() or (Path(m.lm_config) / "config.json").is_file()):
+        e.append(f"model.lm_config={m.lm_config!r}: no such config.json")
+    if m.lm and not m.pretrained and not m.lm_config and "model_type" not in m.lm:
+        e.append("model.lm needs a model_type (e.g. llama, qwen2, gpt2)")
+    for key in ("adapter", "vision_checkpoint"):
+        if getattr(m, key) and not Path(getattr(m, key)).is_file():
+            e.append(f"model.{key}={getattr(m, key)!r}: no such file")
+    if m.tokenizer and not Path(m.tokenizer).is_dir():
+        e.append(f"model.tokenizer={m.tokenizer!r} is not a directory")
+    if reader_tokenizer(m) and cfg.retriever.mode == "learned" and cfg.retriever.fusion != "image":
+        e.append("the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
+                 f"{reader_tokenizer(m)!r}: set retriever.fusion=image")
+    return e
+
+
+def reader_tokenizer(m: Any) -> str | None:
+    """The local tokenizer directory the reader (and the data it reads) uses; None: CLIP BPE."""
+    from rag_mm.data.tokenizer import has_tokenizer
+
+    if m.tokenizer:
+        return m.tokenizer
+    if m.family == "hf" and has_tokenizer(m.pretrained):
+        return m.pretrained
+    return None
 
 
 def parallel_config(cfg: Any, world_size: int):

@@ -64,20 +64,29 @@ def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
 
 
 def tp_divisor(cfg: Any) -> int:
-    """tp must divide the reader's attention heads and its vision tower's (``validate``'s rule)."""
+    """tp must divide the reader's attention heads (query and key/value heads of a Hugging Face
+    LM) and its vision tower's (``validate``'s rule)."""
     m = cfg.model
-    return math.gcd(m.heads, m.vision_width // m.vision_head_width)
+    vision_heads = m.vision_width // m.vision_head_width
+    if m.family == "hf":
+        from rag_mm.model.hf_reader import lm_config
+
+        text = lm_config(m).get_text_config()
+        heads = text.num_attention_heads
+        return math.gcd(math.gcd(heads, getattr(text, "num_key_value_heads", None) or heads), vision_heads)
+    return math.gcd(m.heads, vision_heads)
 
 
 def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")):
     """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per step."""
     from parallel import plan_layout
+    from rag_mm.config import reader_tokenizer
     from rag_mm.data.tokenizer import get_tokenizer
-    from rag_mm.model import Reader
+    from rag_mm.model.factory import build_reader
 
     model_cfg = OmegaConf.to_object(cfg.model) if OmegaConf.is_config(cfg.model) else cfg.model
     with torch.random.fork_rng(devices=[]):  # the reader's init must not move the run's seeded RNG
-        reader = Reader(model_cfg, get_tokenizer().vocab_size)
+        reader = build_reader(model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size)
     return plan_layout(reader, example_inputs(cfg), cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
                        precisions=precisions, checkpointing=(False,), offload=(False,), passes=0)
 

@@ -129,7 +129,7 @@ class SpreadRag:
     def _example(self, b: int) -> dict:
         """A fixed synthetic batch shaped like the training batches (longest question / answer)."""
         m, g = self.cfg.model, torch.Generator().manual_seed(0)
-        vocab = self.rag.reader.tok_emb.num_embeddings
+        vocab = self.rag.reader.vocab_size
         x = {
             "image": torch.randn(b, 3, m.image_size, m.image_size, generator=g),
             "q_ids": torch.randint(0, vocab, (b, m.max_question), generator=g),

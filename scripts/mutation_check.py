@@ -119,6 +119,18 @@ MUTATIONS = (
         (("rag_mm/checkpoint.py", "def verify(", "def _verify_unused("),
          ("rag_mm/checkpoint.py", "\ndef load(", "\ndef verify(path):\n    return None\n\n\ndef load(")),
         ("tests/ops/test_fault_tolerance.py::test_truncated_newest_checkpoint_is_skipped_for_the_previous_one",)),
+    Mutation(
+        "hf-layout", "Hugging Face reader: rag_mm's attention ignores the retrieval layout (plain causal)",
+        (("rag_mm/model/hf_attention.py", "    if seg_offsets is None:\n", "    if True:\n"),),
+        ("tests/rag_mm/test_hf_reader.py::test_documents_follow_the_retrieval_layout",)),
+    Mutation(
+        "unit-split", "partitioning keeps a decoder whole when its wrapper calls its token embedding first",
+        (("parallel/units.py", "all(nested(c) or called_from_outside(c) for c in kids)", "all(nested(c) for c in kids)"),),
+        ("tests/parallel/test_partition.py::test_child_called_before_its_parent_is_placed_where_it_runs",)),
+    Mutation(
+        "flops-bwd", "traced FLOPs take the module tracker's backward attribution",
+        (("parallel/trace.py", "            loss_fn(out)\n    except Exception:", "            loss_fn(out).backward()\n    except Exception:"),),
+        ("tests/parallel/test_partition.py::test_trace_dataflow_pairs_llama_linears",)),
 )
 
 

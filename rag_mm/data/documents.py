@@ -49,8 +49,9 @@ class DocumentStore:
         return {"doc_image": self.images[r], "doc_ids": self.text_ids[r], "doc_len": self.text_len[r]}
 
     @classmethod
-    def load(cls, urls: list[str], image_size: int, max_text: int) -> DocumentStore:
-        tok = get_tokenizer()
+    def load(cls, urls: list[str], image_size: int, max_text: int, tokenizer: str | None = None) -> DocumentStore:
+        """The documents of ``urls``, their passages tokenized by ``get_tokenizer(tokenizer)``."""
+        tok = get_tokenizer(tokenizer)
         counter = SkipCounter()
         ids, images, texts, passages = [], [], [], []
         for sample in wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)):

@@ -113,6 +113,7 @@ class StreamSpec:
     rank: int = 0
     world_size: int = 1
     skip_batches: int = 0  # batches this rank already consumed (resume)
+    tokenizer: str | None = None  # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
 
 
 class QueryStream(torch.utils.data.IterableDataset):
@@ -140,7 +141,7 @@ class QueryStream(torch.utils.data.IterableDataset):
 
     def _decode(self, sample: dict, counter: SkipCounter) -> dict | None:
         s = self.spec
-        tok = get_tokenizer()
+        tok = get_tokenizer(s.tokenizer)
         key = sample.get("__key__")
         try:
             img = decode_image(sample)

@@ -77,7 +77,19 @@ def reader_case(b: int = 8):
     return model, inputs, None, loss_fn, weight_fn
 
 
+def hf_reader_case(b: int = 8):
+    """The reader on a Hugging Face Llama decoder (4 layers), 2 documents per query."""
+    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
+
+    model = tiny_hf_reader("llama", layers=4)
+    loss_fn = lambda out, _t: out.loss  # noqa: E731 - per-token mean of the microbatch
+    weight_fn = lambda inp, _t: float(inp["a_len"].sum())  # noqa: E731 - answer tokens predicted
+    return model, reader_inputs(b, k=2), None, loss_fn, weight_fn
+
+
 def make_case(name: str, b: int = 8):
+    if name == "hf_reader":
+        return hf_reader_case(b)
     if name == "skip_mlp":
         return skip_mlp_case(b)
     if name == "seq_mlp":  # nn.Sequential: export renames its ``input`` argument to ``input_1``

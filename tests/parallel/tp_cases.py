@@ -40,6 +40,10 @@ def reader_loss(out):
 def factory(name: str):
     if name == "reader":  # rag_mm's own attention: planned automatically, as the trainer does
         return reader_factory()
+    if name == "hf_reader":  # a Hugging Face Llama decoder with rag_mm's attention inside
+        from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
+
+        return tiny_hf_reader("llama"), reader_inputs(2, k=1)
     from tests.parallel.partition_models import MODELS
 
     return MODELS[name]()
@@ -91,7 +95,7 @@ def lm_loss(ids):
 
 
 def loss_for(name, inputs):
-    if name == "reader":
+    if name in ("reader", "hf_reader"):
         return reader_loss
     if name in ("gpt2", "llama", "bert"):
         return lm_loss(inputs[0] if isinstance(inputs, tuple) else inputs["input_ids"])

@@ -1,0 +1,85 @@
+"""Export a trained Hugging Face reader for the libraries it came from, and say how to import it.
+
+    python -m rag_mm.export RUN_DIR OUT_DIR [key=value ...]
+
+loads RUN_DIR's newest valid checkpoint (DCP, the training format) into the reader its saved
+config builds and writes OUT_DIR:
+
+- ``lm/``: the language model as a Hugging Face directory (``config.json``, safetensors weights,
+  and the tokenizer when the run read with a Hugging Face one): ``AutoModelForCausalLM.from_pretrained``
+  loads it;
+- ``open_clip_visual.pt``: the vision tower as an open_clip CLIP state dict (``visual.*`` keys);
+- ``adapter.safetensors``: the reader's own weights (projector, retrieval-rank embeddings, copy head);
+- ``import.json``: the overrides that build the same reader from these files, e.g.
+  ``python -m rag_mm.train +experiment=demo_hf $(jq -r '.overrides|join(" ")' OUT/import.json)``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+USAGE = __doc__.split("\n\n")[1]
+VISION_FIELDS = ("vision_width", "vision_layers", "vision_head_width", "patch_size", "image_size")
+
+
+def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
+    """Write ``reader`` (an ``HFReader``) to ``out`` as described above; returns the import overrides."""
+    from safetensors.torch import save_file
+
+    from rag_mm.data.tokenizer import HFTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    reader.lm.save_pretrained(out / "lm", safe_serialization=True)
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer._tok.save_pretrained(out / "lm")
+    torch.save({f"visual.{k}": v.detach().cpu() for k, v in reader.vision.state_dict().items()}, out / "open_clip_visual.pt")
+    save_file({k: v.detach().cpu().contiguous() for k, v in reader.adapter_state().items()}, out / "adapter.safetensors")
+    overrides = [f"model.pretrained={out / 'lm'}", f"model.vision_checkpoint={out / 'open_clip_visual.pt'}",
+                 f"model.adapter={out / 'adapter.safetensors'}", f"model.projector={model_cfg.projector}",
+                 f"model.copy_head={str(bool(model_cfg.copy_head)).lower()}", f"model.max_docs={model_cfg.max_docs}",
+                 *(f"model.{f}={getattr(model_cfg, f)}" for f in VISION_FIELDS)]
+    (out / "import.json").write_text(json.dumps({"overrides": overrides}, indent=1) + "\n")
+    return overrides
+
+
+def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
+    from rag_mm import checkpoint
+    from rag_mm.build import build_rag
+    from rag_mm.evaluate import EvalError, load_config, load_model_state
+
+    cfg = load_config(run_dir, overrides)
+    if cfg.model.family != "hf":
+        raise EvalError(f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader (model.family=hf) "
+                        "exports to Hugging Face and open_clip files")
+    ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
+    if ckpt is None:
+        raise EvalError(f"no valid checkpoint in {run_dir / 'checkpoints'}")
+    parts = build_rag(cfg, torch.device("cpu"))
+    load_model_state(parts.rag, ckpt)
+    if parts.memory is not None:
+        parts.memory.close()
+    return export_reader(parts.reader, out, cfg.model, parts.tok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rag_mm.evaluate import EvalError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]) or len(argv) < 2:
+        print(USAGE, file=sys.stderr if len(argv) < 2 else sys.stdout)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    try:
+        overrides = run(Path(argv[0]), Path(argv[1]), argv[2:])
+    except (EvalError, ValueError, OSError) as exc:
+        print(f"export: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": argv[1], "overrides": overrides}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""The reader a ``model`` config describes, native or Hugging Face, on the CPU or the meta device."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.nn as nn
+
+from rag_mm.model.layout import ReaderBase
+
+log = logging.getLogger(__name__)
+
+
+def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
+    """``model`` config -> a freshly initialised reader (seed the global RNG first for a given
+    init), or with ``meta`` one on the meta device with no memory and no init: its shapes can be
+    counted and planned, and ``materialize`` gives it weights."""
+    if m.family == "native":
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            from rag_mm.model.reader import Reader
+
+            return Reader(m, vocab_size)
+    from rag_mm.model.hf_reader import HFReader, build_lm
+
+    lm = build_lm(m, meta=meta)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return HFReader(m, lm, vocab_size)
+
+
+def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """Give a meta-device reader real, initialised weights on ``device`` (delayed init): each part
+    is initialised as its own library would (the LM by transformers, the vision tower by torch's
+    defaults as open_clip builds it, the rest by the reader); pretrained weights are loaded on top."""
+    reader.to_empty(device=device)
+    with torch.no_grad():
+        lm = getattr(reader, "lm", None)
+        if lm is not None:
+            for mod in lm.modules():  # to_empty cleared the flags' meaning: initialise everything
+                mod.__dict__.pop("_is_hf_initialized", None)
+            lm.initialize_weights()
+            lm.tie_weights()
+        vision = reader.vision
+        for mod in vision.modules():
+            if mod is not vision and hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+        for mod in vision.modules():  # after its out_proj's: attention zeroes that bias
+            if isinstance(mod, nn.MultiheadAttention):
+                mod._reset_parameters()
+        for name in ("class_embedding", "positional_embedding"):  # open_clip: randn * width ** -0.5
+            p = getattr(vision, name, None)
+            if isinstance(p, nn.Parameter):
+                nn.init.normal_(p, 0.0, p.shape[-1] ** -0.5)
+        if hasattr(reader, "init_own_weights"):
+            reader.init_own_weights()
+        elif hasattr(reader, "_init_weights"):
+            reader._init_weights()
+    return reader
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once); works on the meta device."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

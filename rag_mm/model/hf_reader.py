@@ -1,0 +1,189 @@
+"""The reader on a Hugging Face causal LM: an open_clip vision tower, a projector into the LM's
+embedding width (LLaVA), and the LM's own decoder with rag_mm's attention in it.
+
+The LM is any model ``AutoModelForCausalLM`` builds: from a local pretrained directory
+(offline, safetensors), from a config (``model.lm``, a preset, or ``model.lm_config``) with random
+init, or on the meta device (no memory) for planning and delayed init. Its attention modules call
+``parallel.kernels.attention`` through ``AttentionInterface`` (``hf_attention``), so documents
+attend within themselves and the query to every document and causally to itself. Positions
+restart in every segment (``position_ids``): learned, rotary or any other position scheme the
+model has sees each document from position 0.
+
+With no documents the sequence is [query patches, question, answer], one causal segment with
+positions 0.., so the reader's logits are the LM's own forward on those embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from rag_mm.model.copy_head import CopyHead
+from rag_mm.model.hf_attention import check_dispatch, implementation
+from rag_mm.model.layout import ReaderBase, ReaderOutput
+from rag_mm.model.reader import build_vision_tower
+
+log = logging.getLogger(__name__)
+
+
+class Projector(nn.Module):
+    """Vision width -> LM width: LLaVA-1.5's two-layer MLP with GELU (``mlp2x_gelu``), or one linear map."""
+
+    def __init__(self, vision_width: int, dim: int, kind: str = "mlp2x_gelu") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(vision_width, dim)
+        self.act = nn.GELU() if kind == "mlp2x_gelu" else nn.Identity()
+        self.fc2 = nn.Linear(dim, dim) if kind == "mlp2x_gelu" else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _container(value: Any) -> dict:
+    """An OmegaConf node or a mapping -> a plain dict (Hydra hands ``model.lm`` as a DictConfig)."""
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra, a core dependency
+        pass
+    return dict(value)
+
+
+def lm_config(cfg):
+    """The LM's ``PretrainedConfig`` from ``model.pretrained``, ``model.lm_config`` or ``model.lm``."""
+    from transformers import AutoConfig
+
+    if cfg.pretrained:
+        return AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
+    if cfg.lm_config:
+        path = Path(cfg.lm_config)
+        fields = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    else:
+        fields = _container(cfg.lm)
+    fields = dict(fields)
+    model_type = fields.pop("model_type", None)
+    fields.pop("architectures", None)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"model.lm: transformers cannot build a config of model_type={model_type!r}: {exc}") from None
+
+
+def build_lm(cfg, meta: bool = False) -> nn.Module:
+    """The causal LM with rag_mm's attention (``model.attention_backend``), fp32, on the CPU or on
+    the meta device (``meta``: no memory, no init; ``to_empty`` + ``init_weights`` later)."""
+    from transformers import AutoModelForCausalLM
+
+    impl = implementation(cfg.attention_backend)
+    try:
+        if cfg.pretrained and not meta:
+            lm = AutoModelForCausalLM.from_pretrained(cfg.pretrained, local_files_only=True, attn_implementation=impl,
+                                                      dtype=torch.float32)
+            source = f"from {cfg.pretrained}"
+        else:
+            config = lm_config(cfg)
+            with torch.device("meta") if meta else torch.device("cpu"):
+                lm = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+            source = "random init on the meta device" if meta else "random init"
+    except (OSError, ValueError, KeyError) as exc:
+        # KeyError: a family whose attention classes are looked up by implementation name in a table
+        # of its own (Falcon), not through AttentionInterface
+        where = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained and not meta else "model.lm"
+        raise ValueError(f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not meta:
+        check_dispatch(lm)
+    log.info("reader LM: %s, %s, attention %s", type(lm).__name__, source, impl)
+    return lm
+
+
+class HFReader(ReaderBase):
+    def __init__(self, cfg, lm: nn.Module, vocab_size: int) -> None:
+        """``lm``: a causal LM from ``build_lm``; ``vocab_size``: the tokenizer's, at most the
+        LM's embedding rows."""
+        super().__init__()
+        self.cfg = cfg
+        rows = lm.get_input_embeddings().num_embeddings
+        if vocab_size > rows:
+            raise ValueError(f"the tokenizer has {vocab_size} tokens but the LM embeds {rows}: "
+                             "use the LM's own tokenizer (model.tokenizer) or a larger vocab_size in model.lm")
+        self.vocab_size = vocab_size
+        self.max_docs, self.max_segment_len, self.max_answer = cfg.max_docs, cfg.max_segment_len, cfg.max_answer
+        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
+        text = lm.config.get_text_config()
+        dim = text.hidden_size
+        self.softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2 caps its logits after the head
+        if getattr(text, "max_position_embeddings", None) and cfg.max_segment_len > text.max_position_embeddings:
+            raise ValueError(f"model.max_segment_len={cfg.max_segment_len} > the LM's max_position_embeddings "
+                             f"({text.max_position_embeddings})")
+        self.lm = lm
+        self.vision = build_vision_tower(cfg)
+        self.projector = Projector(cfg.vision_width, dim, cfg.projector)
+        # zero: a document starts as the LM would read it alone, its rank learned from there
+        self.rank_emb = nn.Embedding(cfg.max_docs, dim)
+        # zero: which part of the sequence a token is in (document picture or text, query picture,
+        # question, answer), learned from there; a pretrained LM starts as it reads on its own
+        self.type_emb = nn.Embedding(5, dim)
+        self.copy = CopyHead(dim) if cfg.copy_head else None
+        self.init_own_weights()
+        if cfg.adapter and not self.rank_emb.weight.is_meta:
+            self.load_adapter(cfg.adapter)
+
+    ADAPTER_PARTS = ("projector.", "rank_emb.", "type_emb.", "copy.")  # what neither the LM nor the vision tower holds
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in self.state_dict().items() if n.startswith(self.ADAPTER_PARTS)}
+
+    def load_adapter(self, path: str) -> None:
+        """Load ``adapter_state`` from a safetensors file; every tensor must fit this reader."""
+        from safetensors.torch import load_file
+
+        state, own = load_file(path), self.adapter_state()
+        wrong = sorted(set(state) ^ set(own)) + [n for n in state.keys() & own.keys() if state[n].shape != own[n].shape]
+        if wrong:
+            raise ValueError(f"model.adapter={path!r} does not fit this reader (model.copy_head, model.projector, "
+                             f"model.max_docs and the LM width must match the exported run's): {wrong[:4]}")
+        self.load_state_dict(state, strict=False)
+
+    def init_own_weights(self) -> None:
+        """Initialise what the LM and the vision tower do not bring: projector, ranks, copy head."""
+        if self.rank_emb.weight.is_meta:
+            return
+        nn.init.zeros_(self.rank_emb.weight)
+        nn.init.zeros_(self.type_emb.weight)
+        std = getattr(self.lm.config.get_text_config(), "initializer_range", 0.02)
+        for m in [*self.projector.modules(), *(self.copy.modules() if self.copy is not None else [])]:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.get_input_embeddings()(ids)
+
+    def encode_images(self, pics: torch.Tensor) -> torch.Tensor:
+        _, patches = self.vision(pics)  # (N, P, Wv)
+        return self.projector(patches)  # (N, P, D)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """(M, D) final hidden states -> (M, V) logits, as the LM's own forward computes them."""
+        logits = self.lm.get_output_embeddings()(h)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None,
+                doc_prior=None) -> ReaderOutput:
+        """As ``Reader.forward``: image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT;
+        doc_* (B,k,...) or None; doc_prior (B,k) log retrieval probabilities (copy head) or None."""
+        a = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        x = a.x + self.type_emb(a.typ.clamp_min(0))  # padding (-1) takes type 0: it is attended by nothing
+        out = self.lm.base_model(inputs_embeds=x, position_ids=a.pos, seg_offsets=a.seg_offsets, use_cache=False)
+        return self.read_out(out.last_hidden_state, a, self.lm_head, doc_prior)
