@@ -283,3 +283,22 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
         t.close()
     assert out["step"] == 3 and 0.0 <= out["test"]["acc"] <= 1.0 and "recall@5" in out["test"]
     assert not torch.equal(start, t.rag.reader.lm.model.layers[0].mlp.up_proj.weight)
+
+    # the run's DCP checkpoint exported to Hugging Face / open_clip files, and a reader built back
+    # from them (its tokenizer travels in lm/) reads as the trained one
+    import json
+
+    from rag_mm.export import main as export_main
+    from rag_mm.model.factory import build_reader
+
+    from omegaconf import OmegaConf
+
+    (tmp_path / "run" / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")  # what `python -m rag_mm.train` saves
+    assert export_main([str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    overrides = json.loads((tmp_path / "out" / "import.json").read_text())["overrides"]
+    back = compose(["+experiment=demo_hf", *tiny_overrides(tiny_world, tmp_path / "run2"), *overrides])
+    imported = build_reader(back.model, n).eval()
+    x = reader_inputs(b=2, k=2, vocab=n)
+    with torch.no_grad():
+        assert torch.equal(t.rag.reader.eval()(**x).logits, imported(**x).logits)
