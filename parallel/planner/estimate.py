@@ -228,7 +228,7 @@ class Planner:
             gathers = 2 * m if pp == 1 else 1  # forward and backward of every step; a pipeline's once
             ag = gathers * c.all_gather(P * cdt, sh, tp)
             first = c.all_gather(blockP * cdt, sh, tp)
-        window = t_c * rounds  # compute the traffic can hide behind: the microbatches it overlaps
+        window = t_c * rounds * c.comm_overlap  # compute the traffic hides behind: the microbatches it overlaps
         dp_t = max(last + first, grad + ag - window) if dp > 1 else 0.0
         off = 0.0
         if cpu_offload:

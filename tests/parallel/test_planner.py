@@ -149,6 +149,21 @@ def test_bubble_and_schedules(toy):
         assert stages_per_rank(name, 1) == v
 
 
+def test_data_parallel_traffic_hides_only_where_the_cluster_overlaps(toy):
+    """FSDP's gathers and reduce-scatters hide behind compute on a GPU cluster; on CPU ranks
+    (comm_overlap 0: gloo's threads take the compute's cores) they add up in full."""
+    import dataclasses
+
+    model, ids, tr = toy
+    kw = dict(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, mixed_precision="fp32")
+    slow_links = cluster(intra=2e9)
+    gpu = plan_layout(tr, (ids,), slow_links, global_batch=16, precisions=("fp32",), checkpointing=(False,))
+    cpu = plan_layout(tr, (ids,), dataclasses.replace(slow_links, comm_overlap=0.0), global_batch=16,
+                      precisions=("fp32",), checkpointing=(False,))
+    hidden, exposed = gpu.estimate(**kw).breakdown, cpu.estimate(**kw).breakdown
+    assert exposed["compute"] == hidden["compute"] and exposed["dp_comm"] > hidden["dp_comm"]
+
+
 def test_collectives_alpha_beta():
     c = cluster(nodes=2, dpn=8)
     n, big = 8, 2**30
