@@ -12,7 +12,8 @@ parallel would train with), ``format=table|json``, ``top=<rows>``. Every other a
 training override, composed as ``python -m rag_mm.train`` composes it.
 
 What is planned: only the reader (``rag_mm.spread`` spreads the reader alone; the retriever stays
-whole on every rank), traced on the CPU on an example batch shaped like the run's: ``retriever.top_k``
+whole on every rank), traced on the meta device (no weights: any preset plans on any machine) on
+an example batch shaped like the run's: ``retriever.top_k``
 documents per query, ``model.image_size`` pictures, ``model.max_*`` text lengths (the longest, so
 the activation memory is an upper bound). Layouts with activation checkpointing or CPU offload are
 not considered: rag_mm has no keys that turn them on.
@@ -85,9 +86,11 @@ def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, .
     from rag_mm.model.factory import build_reader
 
     model_cfg = OmegaConf.to_object(cfg.model) if OmegaConf.is_config(cfg.model) else cfg.model
-    with torch.random.fork_rng(devices=[]):  # the reader's init must not move the run's seeded RNG
-        reader = build_reader(model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size)
-    return plan_layout(reader, example_inputs(cfg), cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
+    # on the meta device: no weight is allocated or initialised (an 8B preset plans on a laptop),
+    # and the planner reads only the trace's FLOPs and bytes, which the meta device gives
+    reader = build_reader(model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size, meta=True)
+    example = {k: v.to("meta") for k, v in example_inputs(cfg).items()}
+    return plan_layout(reader, example, cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
                        precisions=precisions, checkpointing=(False,), offload=(False,), passes=0)
 
 

@@ -50,6 +50,7 @@ class Assembled:
     toks: torch.Tensor  # (B, S) token id per position, -1 for pictures and padding (not copyable)
     typ: torch.Tensor  # (B, S) DOC_IMAGE ... ANSWER, -1 for padding
     pos: torch.Tensor  # (B, S) position within the segment, restarting at 0 in every segment
+    max_predictions: int = 0  # answer tokens an example predicts at most (EOT included)
 
 
 class ReaderBase(nn.Module):
@@ -114,11 +115,14 @@ class ReaderBase(nn.Module):
         emb, valid, pos, typ, seg, labels, toks, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
         if k > self.max_docs:
             raise ValueError(f"{k} documents per query > model.max_docs={self.max_docs}")
-        longest = int(pos.max()) + 1
-        if longest > self.max_segment_len:
-            raise ValueError(f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}")
+        if emb.is_meta:  # shapes only (planning on the meta device): every slot is kept
+            S = valid.shape[1]
+        else:
+            longest = int(pos.max()) + 1
+            if longest > self.max_segment_len:
+                raise ValueError(f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}")
+            S = int(valid.sum(1).max())
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid slots first, in order
-        S = int(valid.sum(1).max())
         order = order[:, :S]
         take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
         x = torch.gather(emb, 1, order[..., None].expand(-1, -1, emb.shape[-1]))  # (B, S, D)
@@ -126,7 +130,7 @@ class ReaderBase(nn.Module):
         counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
         seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
         return Assembled(x, take(labels).masked_fill(~keep, IGNORE), seg_offsets, take(toks).masked_fill(~keep, -1),
-                         take(typ).masked_fill(~keep, -1), take(pos))
+                         take(typ).masked_fill(~keep, -1), take(pos), a_ids.shape[1])
 
     # ------------------------------------------------------------------------------ scoring
     def read_out(self, h_all: torch.Tensor, a: Assembled, lm_head, doc_prior=None) -> ReaderOutput:
@@ -134,12 +138,14 @@ class ReaderBase(nn.Module):
         the answer distribution (vocabulary, mixed with the copy head's when there is one), the
         loss and the per-example scores."""
         labels, seg_offsets = a.labels, a.seg_offsets
-        where = labels != IGNORE  # (B, S)
-        rows = where.nonzero()  # (M, 2): example, position
-        example = rows[:, 0]
-        target = labels[where]
         B = h_all.shape[0]
-        h = h_all[where]  # (M, D): only answer positions need the vocabulary projection
+        if h_all.is_meta:  # shapes only: as many predictions as answer slots (full-length examples)
+            rows = torch.empty(B * a.max_predictions, 2, dtype=torch.long, device="meta")
+        else:
+            rows = (labels != IGNORE).nonzero()  # (M, 2): example, position
+        example = rows[:, 0]
+        target = labels[rows[:, 0], rows[:, 1]]  # (M,)
+        h = h_all[rows[:, 0], rows[:, 1]]  # (M, D): only answer positions need the vocabulary projection
         gen_logp = F.log_softmax(lm_head(h).float(), -1)  # (M, V)
         if self.copy is None:
             logp, doc_attention = gen_logp, None

@@ -108,3 +108,18 @@ def test_auto_takes_only_fitting_layouts_and_ranks_agree(monkeypatch):
     monkeypatch.setattr(rplan, "auto_cluster", _local(2**20))  # 1 MiB: nothing fits
     with pytest.raises(ConfigError, match="no layout of the reader fits 2 rank"):
         rplan.resolve_auto(compose([DEMO, REF, "parallel=auto"]), 2)
+
+
+def test_a_billion_parameter_preset_plans_on_the_meta_device(capsys):
+    """The Llama-3.2-1B reader preset (1.57 B parameters with its ViT-L/14) is planned without a
+    weight in memory: the trace runs on the meta device."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    assert rplan.main([DEMO, "model=llama3_2_1b", "retriever.top_k=2", "data.batch_size=4", "cluster=p4d",
+                       "cluster.nodes=2", "format=json"]) == 0
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    plan = json.loads(capsys.readouterr().out)
+    assert 1.55e9 < plan["parameters"] < 1.6e9, plan["parameters"]
+    assert plan["layouts"][0]["fits"]
+    assert grown < 2e9, grown  # fp32 weights alone would be 6.3 GB
