@@ -288,10 +288,10 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
     # from them (its tokenizer travels in lm/) reads as the trained one
     import json
 
+    from omegaconf import OmegaConf
+
     from rag_mm.export import main as export_main
     from rag_mm.model.factory import build_reader
-
-    from omegaconf import OmegaConf
 
     (tmp_path / "run" / ".hydra").mkdir()
     OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")  # what `python -m rag_mm.train` saves
