@@ -20,8 +20,11 @@ demo: install
 	$(PY) -m rag_mm.data.knowledge_world out=$(DATA)
 	$(PY) -m rag_mm.train +experiment=demo data.root=$(DATA)
 
-test: install
+# The tests, then the GPU check's CPU path: the wheels a lent GPU machine would get are all there
+# and fit the transfer limit (it exits 0 with no GPU; on a GPU machine it runs every GPU check).
+test: install gpu-wheels
 	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
+	$(PY) scripts/gpu_check.py --out runs/gpu_check
 
 test-all: install
 	$(TEST_ENV) $(PY) -m pytest -q

@@ -16,8 +16,10 @@ and ``gpu_check.json``: the machine (device, capability, torch, CUDA, nvcc, ninj
 modules) and per step its command, exit status, wall seconds and parsed figures (JUnit counts,
 failures and skip reasons; the bench's own JSON).
 
-Exit status: 0 when every step passed, 1 when one failed, timed out or had no time left, 2 when
-there is no CUDA device and no ``--dry-run``. ``--dry-run`` runs the same steps with
+Exit status: 0 when every step passed, 1 when one failed, timed out or had no time left. With no
+CUDA device and no ``--dry-run`` (``make test`` runs this path) it says so, checks that the wheels
+it would carry (``--wheels``) are all there and fit the device tool's 64 MiB together with the
+working tree, and exits 0, or 1 naming what is missing or too large. ``--dry-run`` runs the same steps with
 ``--device cpu`` and the bench's smallest settings: a smoke test of the plumbing.
 
 No step can hang: each runs in its own process group, killed after ``--timeout`` seconds or
@@ -228,6 +230,32 @@ def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO
     return res
 
 
+TRANSFER_LIMIT = 64 * 2**20  # bytes the device tool carries: working tree plus carried folders
+# distribution name stems (PEP 427, lower case) that must be among the carried wheels
+REQUIRED_WHEELS = ("numpy", "faiss_cpu", "pytest", "ninja", "hydra_core", "omegaconf", "antlr4_python3_runtime",
+                   "webdataset", "braceexpand", "open_clip_torch", "ftfy", "regex", "safetensors", "tokenizers",
+                   "huggingface_hub", "transformers", "timm", "pyyaml", "rich")
+
+
+def wheel_problems(folder: Path) -> tuple[list[str], dict[str, int]]:
+    """What keeps ``folder``'s wheels from reaching a GPU machine: missing ones, or too many bytes
+    together with the working tree (git's tracked and untracked-not-ignored files)."""
+    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    have = {w.name.split("-")[0].lower() for w in wheels}
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
+    tree = sum((ROOT / f).stat().st_size for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file())
+    sizes = dict(wheels=len(wheels), wheel_bytes=sum(w.stat().st_size for w in wheels), tree_bytes=tree)
+    problems = []
+    if not wheels:
+        problems.append(f"no wheels in {folder}: run `make gpu-wheels`")
+    elif missing := [r for r in REQUIRED_WHEELS if r not in have]:
+        problems.append(f"{folder} lacks wheels for {', '.join(missing)}: run `make gpu-wheels`")
+    if sizes["wheel_bytes"] + tree > TRANSFER_LIMIT:
+        problems.append(f"wheels {sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree {tree / 2**20:.1f} MiB exceed "
+                        f"the {TRANSFER_LIMIT / 2**20:.0f} MiB the device tool carries")
+    return problems, sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check"),
@@ -240,6 +268,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=540, help="seconds per step before it is killed")
     ap.add_argument("--budget", type=float, default=560,
                     help="seconds for all steps together; a step gets at most what is left")
+    ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels",
+                    help="the wheels carried to the GPU machine (make gpu-wheels); checked on a machine without CUDA")
     ap.add_argument("--ext-cache", type=Path, default=ROOT / "build" / "gpu_ext",
                     help="where C++/CUDA extensions are built (RAG_MM_EXT_CACHE, unless already set)")
     args = ap.parse_args()
@@ -266,10 +296,17 @@ def main() -> int:
                                    benches_not_run=unregistered, steps=[])
 
     if not info["cuda_available"] and not args.dry_run:
-        summary["error"] = "no CUDA device: nothing was run (use --dry-run for a CPU smoke test)"
+        # what can be checked here: the wheels a GPU machine would get are all present, and they
+        # travel with the working tree within the device tool's transfer limit
+        problems, sizes = wheel_problems(args.wheels)
+        summary |= dict(error="no CUDA device: the GPU checks were not run", wheels=sizes, wheel_problems=problems)
         (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-        print(f"gpu_check: {summary['error']}", file=sys.stderr)
-        return 2
+        print(f"gpu_check: no CUDA device: the GPU checks were not run (use --dry-run for a CPU smoke test). "
+              f"Carried wheels: {sizes['wheels']} in {args.wheels}, {sizes['wheel_bytes'] / 2**20:.1f} MiB + "
+              f"working tree {sizes['tree_bytes'] / 2**20:.1f} MiB of {TRANSFER_LIMIT / 2**20:.0f} MiB")
+        for line in problems:
+            print(f"gpu_check: {line}", file=sys.stderr)
+        return 1 if problems else 0
 
     env = child_env(args.ext_cache.resolve())
     with open(out / "gpu_check.log", "w") as log:

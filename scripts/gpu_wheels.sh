@@ -18,9 +18,11 @@ set -euo pipefail
 # The GPU checks themselves (pytest -m gpu, scripts/bench/attention.py) need these.
 CHECK_PKGS=(numpy faiss-cpu pytest pluggy iniconfig packaging pygments ninja)
 # The rest of the project's run-time imports and what importing them pulls in.
-RUNTIME_PKGS=(hydra-core omegaconf antlr4-python3-runtime pyyaml webdataset braceexpand
+RUNTIME_PKGS=(hydra-core omegaconf pyyaml webdataset braceexpand
     open_clip_torch ftfy wcwidth regex timm huggingface_hub safetensors transformers tokenizers
     tqdm httpx2 httpcore2 truststore anyio h11 idna rich markdown-it-py mdurl)
+# Published as source only: built here (pure Python) after the others are downloaded.
+SDIST_PKGS=(antlr4-python3-runtime)
 
 download() {
     local dir=${1:-.gpu_wheels} py=${PY:-.venv/bin/python} arch=${ARCH:-x86_64}
@@ -35,16 +37,27 @@ download() {
     local pip=("$py" -m pip -q --disable-pip-version-check)
     local plat=(--platform "manylinux_2_28_$arch" --platform "manylinux_2_27_$arch"
         --platform "manylinux_2_17_$arch" --platform "manylinux2014_$arch")
-    local failed=() pkg ver spec file stem tmp
-    for pkg in "${CHECK_PKGS[@]}" "${RUNTIME_PKGS[@]}"; do
+    local failed=() todo=() pkg ver spec file stem tmp
+    for pkg in "${CHECK_PKGS[@]}" "${RUNTIME_PKGS[@]}" "${SDIST_PKGS[@]}"; do
         ver=$("$py" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$pkg" 2>/dev/null || true)
-        spec=$pkg${ver:+==$ver}
         stem=$(echo "$pkg" | tr 'A-Z.-' 'a-z__')
-        if ls "$dir" | tr 'A-Z' 'a-z' | grep -q "^${stem}-${ver:-[0-9]}"; then
-            continue
+        if ! ls "$dir" | tr 'A-Z' 'a-z' | grep -q "^${stem}-${ver:-[0-9]}"; then
+            todo+=("$pkg${ver:+==$ver}")
         fi
-        if "${pip[@]}" download --no-deps --only-binary=:all: --python-version "$pyver" \
-            --implementation cp --abi "$abi" "${plat[@]}" -d "$dir" "$spec" 2>/dev/null; then
+    done
+    local binary=() sdist=() t
+    for t in "${todo[@]}"; do
+        if [[ " ${SDIST_PKGS[*]} " == *" ${t%%==*} "* ]]; then sdist+=("$t"); else binary+=("$t"); fi
+    done
+    local dl=("${pip[@]}" download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp
+        --abi "$abi" "${plat[@]}" -d "$dir")
+    # one resolver run for all (a pip start per package costs seconds); one by one only if it fails
+    if ((${#binary[@]})) && "${dl[@]}" "${binary[@]}" 2>/dev/null; then
+        printf 'gpu_wheels: %s\n' "${binary[@]}"
+        binary=()
+    fi
+    for spec in "${binary[@]}" "${sdist[@]}"; do
+        if "${dl[@]}" "$spec" 2>/dev/null; then
             echo "gpu_wheels: $spec"
             continue
         fi
