@@ -2,13 +2,25 @@
 handful of layouts on 4 gloo ranks (CPU processes), against the same layouts run for real through
 ``parallel.parallelize``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py [--steps 5] \
-        [--layouts dp4,fsdp4,pp2_dp2,pp2_fsdp2,tp2_dp2] [--json out.json]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py [--model llama|gpt2|reader|gpt2,reader]
+        [--steps 5] [--layouts dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2] [--json out.json]
 
-Model: a Hugging Face ``LlamaForCausalLM`` from a small random config (``--layers`` x ``--dim``,
-4 heads, 2 KV heads, vocab ``--vocab``; 3.4 M parameters at the defaults), fp32, AdamW,
-``--global-batch`` sequences of ``--seq`` tokens per step (split over the data-parallel ranks,
-and under a pipeline into ``--microbatches`` microbatches, 1F1B).
+Models (``--model``, a comma list runs each in turn, one JSON section each), all random init, fp32,
+AdamW, ``--global-batch`` samples per step (split over the data-parallel ranks, and under a
+pipeline into ``--microbatches`` microbatches, 1F1B):
+
+- ``llama`` (default): a Hugging Face ``LlamaForCausalLM`` (``--layers`` x ``--dim``, 4 heads,
+  2 KV heads, vocab ``--vocab``; 3.4 M parameters at the defaults), ``--seq`` tokens per sequence;
+- ``gpt2``: a Hugging Face ``GPT2LMHeadModel`` of the same size (``--layers`` x ``--dim``,
+  4 heads, vocab ``--vocab``, tied embeddings, dropout off), ``--seq`` tokens per sequence;
+- ``reader``: rag_mm's own ``Reader`` (as ``tests/parallel/pipeline_cases.py::reader_case``, but
+  wider: ``--reader-dim`` 128, ``--layers`` blocks, 4 heads, a 2-layer ViT of width 128, sdpa
+  attention, vocab ``--vocab``), ``--reader-docs`` documents per query (a 32 px picture, 16
+  patches, and 24 text tokens each), a 12-token question and an answer of 2-6 tokens; the loss is
+  ``out.loss`` (per answer token) and microbatches are weighted by their answer tokens.
+
+A layout that cannot run for a model (it fails on the ranks) is recorded under ``skipped`` with
+its error, and the others go on.
 
 Predicted: ``parallel.plan_layout`` on the ``local`` cluster preset with ``devices_per_node`` =
 the world size, calibrated by ``parallel.cluster.calibrate`` (single-thread matmul FLOP/s, a gloo
@@ -34,11 +46,14 @@ the layouts one after another:
   ``train_step`` (forward, backward, gradient reduction: what the planner models; ranks start
   each step at a barrier), and separately the optimizer step (not modelled by the planner).
 
-Output: one JSON object on stdout: per layout predicted vs measured and the ratios
-(measured / predicted), the ranking of the layouts by predicted and by measured step time
-(Spearman's rho and concordant pairs), the calibration, the model's achieved FLOP/s in one
-process against the calibrated matmul rate, and the machine and library versions. Progress goes
-to stderr.
+Output: one JSON object on stdout: the calibration, the machine and library versions, and under
+``models`` one section per model: per layout predicted vs measured and the ratios (measured /
+predicted), the ranking of the layouts by predicted and by measured step time (Spearman's rho and
+concordant pairs), ``median_relative_error`` of the step time (|measured - predicted| / measured),
+``spearman_rho``, ``first_choice`` (the planner's fastest predicted layout among those measured,
+its measured time against the fastest measured, ``within_10pct``), and the model's achieved FLOP/s
+in one process against the calibrated matmul rate. Summaries use the layouts that were measured
+and that the planner says fit. Progress goes to stderr.
 
 What to expect on a small shared CPU host: memory close (it is counted, not timed); time far off
 in absolute terms: 4 ranks share the cores they get (2 on the reference VM), a small model's
@@ -74,7 +89,8 @@ LAYOUTS = {
     "pp2_tp2": dict(pp=2, tp=2, dp_replicate=1, dp_shard=1),
     "pp4": dict(pp=4, tp=1, dp_replicate=1, dp_shard=1),
 }
-DEFAULT_LAYOUTS = "dp4,fsdp4,pp2_dp2,pp2_fsdp2,tp2_dp2"
+DEFAULT_LAYOUTS = "dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2"
+MODELS = ("llama", "gpt2", "reader")
 
 
 def log(msg: str) -> None:
@@ -85,17 +101,43 @@ def log(msg: str) -> None:
 
 
 def build_model(m: dict):
+    torch.manual_seed(0)
+    if m["kind"] == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(n_layer=m["layers"], n_embd=m["dim"], n_head=m["heads"], vocab_size=m["vocab"],
+                         n_positions=max(128, m["seq"]), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel(cfg)
+    if m["kind"] == "reader":
+        from rag_mm.config import ModelConfig
+        from rag_mm.model import Reader
+
+        cfg = ModelConfig(dim=m["dim"], layers=m["layers"], heads=m["heads"], vision_width=m["vision_width"],
+                          vision_layers=m["vision_layers"], vision_head_width=32, attention_backend="sdpa")
+        return Reader(cfg, m["vocab"])
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(num_hidden_layers=m["layers"], hidden_size=m["dim"], num_attention_heads=4,
+    cfg = LlamaConfig(num_hidden_layers=m["layers"], hidden_size=m["dim"], num_attention_heads=m["heads"],
                       num_key_value_heads=2, intermediate_size=2 * m["dim"], vocab_size=m["vocab"],
                       max_position_embeddings=max(128, m["seq"]), tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
 
 
-def make_batch(m: dict, batch: int, seed: int = 1) -> tuple[dict, torch.Tensor]:
+def make_batch(m: dict, batch: int, seed: int = 1) -> tuple[dict, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
+    if m["kind"] == "reader":  # full-length documents and questions; answers of 2..la tokens (EOT included)
+        k, lt, lq, la, v = m["docs"], m["doc_tokens"], m["q_tokens"], m["a_tokens"], m["vocab"]
+        inputs = {
+            "image": torch.randn(batch, 3, 32, 32, generator=g),
+            "q_ids": torch.randint(0, v, (batch, lq), generator=g),
+            "q_len": torch.full((batch,), lq),
+            "a_ids": torch.randint(0, v, (batch, la), generator=g),
+            "a_len": torch.randint(2, la + 1, (batch,), generator=g),
+            "doc_image": torch.randn(batch, k, 3, 32, 32, generator=g),
+            "doc_ids": torch.randint(0, v, (batch, k, lt), generator=g),
+            "doc_len": torch.full((batch, k), lt),
+        }
+        return inputs, None
     ids = torch.randint(0, m["vocab"], (batch, m["seq"]), generator=g)
     target = torch.randint(0, m["vocab"], (batch, m["seq"]), generator=g)
     return {"input_ids": ids}, target
@@ -104,6 +146,34 @@ def make_batch(m: dict, batch: int, seed: int = 1) -> tuple[dict, torch.Tensor]:
 def lm_loss(out, target):
     logits = out.logits if hasattr(out, "logits") else out[0]
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+
+
+def reader_loss(out, _target):
+    return out.loss  # per-token mean of the (micro)batch
+
+
+def reader_weight(inputs, _target) -> float:
+    return float(inputs["a_len"].sum())  # answer tokens: microbatches combine to the full-batch token mean
+
+
+def loss_fns(m: dict) -> tuple:
+    """(loss_fn, weight_fn) for ``train_step``."""
+    return (reader_loss, reader_weight) if m["kind"] == "reader" else (lm_loss, None)
+
+
+def model_info(m: dict, numel: int, a: argparse.Namespace, flops_per_sample: float) -> dict:
+    common = {"parameters": numel, "layers": m["layers"], "dim": m["dim"], "heads": m["heads"], "vocab": m["vocab"],
+              "global_batch": m["global_batch"], "microbatches_pp": a.microbatches, "dtype": "fp32",
+              "optimizer": "AdamW", "trace_flops_per_sample": flops_per_sample}
+    if m["kind"] == "reader":
+        return {"type": "rag_mm.model.Reader (random init, sdpa attention)", **common,
+                "vision_width": m["vision_width"], "vision_layers": m["vision_layers"], "docs": m["docs"],
+                "doc_text_tokens": m["doc_tokens"], "question_tokens": m["q_tokens"],
+                "answer_tokens_max": m["a_tokens"], "loss": "out.loss, microbatches weighted by a_len.sum()"}
+    if m["kind"] == "gpt2":
+        return {"type": "GPT2LMHeadModel (random init, tied embeddings)", **common, "seq": m["seq"]}
+    return {"type": "LlamaForCausalLM (random init)", **common, "kv_heads": 2, "intermediate": 2 * m["dim"],
+            "seq": m["seq"]}
 
 
 # ----------------------------------------------------------------------------- measured side
@@ -166,11 +236,12 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     dp = spec["dp_replicate"] * spec["dp_shard"]
     mb = spec.get("microbatches", 1) if spec["pp"] > 1 else 1
     inputs, target = make_batch(m, m["global_batch"] // dp, seed=1)
+    loss_fn, weight_fn = loss_fns(m)
     model = build_model(m)
     cfg = parallel.ParallelConfig(pp=spec["pp"], tp=spec["tp"], dp_replicate=spec["dp_replicate"],
                                   dp_shard=spec["dp_shard"], microbatches=mb, schedule="1f1b")
     t0 = time.perf_counter()
-    pm = parallel.parallelize(model, cfg, inputs, timeout_s=300,
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=180,
                               partition=Partition.from_dict(partition) if partition else None)
     setup_s = time.perf_counter() - t0
     params = list(pm.parameters())
@@ -179,7 +250,7 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     for i in range(warmup + steps):
         dist.barrier()
         t0 = time.perf_counter()
-        pm.train_step(inputs, target=target, loss_fn=lm_loss)
+        pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
@@ -197,7 +268,8 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
         gc.collect()
         resident = state_bytes(params, opt)  # gradients are None now
         dist.barrier()
-        extra = _step_peak(functools.partial(pm.train_step, inputs, target=target, loss_fn=lm_loss))
+        extra = _step_peak(functools.partial(pm.train_step, inputs, target=target, loss_fn=loss_fn,
+                                             weight_fn=weight_fn))
         out["peak"] = dict(resident=resident["params"] + resident["optimizer"], step_extra=extra,
                            total=resident["params"] + resident["optimizer"] + extra)
         opt.zero_grad(set_to_none=True)
@@ -208,14 +280,55 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
 
 
 def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool) -> dict:
-    """Every layout in turn, in this one process group (spawning and importing once)."""
+    """Every layout in turn, in this one process group (spawning and importing once). A layout that
+    raises on any rank is reported as ``{"error": ...}`` by every rank, and the next one runs."""
+    import gc
+    import traceback
+
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     res = {}
     for name, spec, part in jobs:
         t0 = time.perf_counter()
-        res[name] = measure_layout(rank, world, spec, m, steps, warmup, part, peak)
+        try:
+            out = measure_layout(rank, world, spec, m, steps, warmup, part, peak)
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the other layouts still run
+            out, err = None, f"{type(e).__name__}: {e}".strip()[:800]
+            tb = traceback.format_exc()
+            gc.collect()
+        errors = [None] * world
+        dist.all_gather_object(errors, err)  # the default group: a failed layout's sub-groups are not used
+        if any(errors):
+            first = next(e for e in errors if e)
+            res[name] = {"error": first, "failed_ranks": [r for r, e in enumerate(errors) if e]}
+            if err and rank == min(res[name]["failed_ranks"]):
+                log(f"{m['kind']} {name} failed on ranks {res[name]['failed_ranks']}:\n{tb}")
+        else:
+            res[name] = out
         if rank == 0:
-            log(f"measured {name} in {time.perf_counter() - t0:.1f} s")
+            log(f"{m['kind']}: measured {name} in {time.perf_counter() - t0:.1f} s" + (" (failed)" if any(errors) else ""))
+    return res
+
+
+def measure_all(world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool) -> list[dict]:
+    """The layouts in one group of ranks; if that group dies (a crash, a hang past the timeout),
+    each layout again in a group of its own, so that one bad layout costs only itself."""
+    from tests.distributed import run_ranks
+
+    try:
+        return run_ranks(rank_main, world, jobs, m, steps, warmup, peak, timeout_s=900)
+    except AssertionError as e:
+        log(f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per group")
+    res = [{} for _ in range(world)]
+    for job in jobs:
+        try:
+            per = run_ranks(rank_main, world, [job], m, steps, warmup, peak, timeout_s=600)
+        except AssertionError as e:
+            per = [{job[0]: {"error": str(e)[-800:], "failed_ranks": None}} for _ in range(world)]
+        for r in range(world):
+            res[r].update(per[r])
     return res
 
 
@@ -246,10 +359,11 @@ def achieved_flops(m: dict, flops_per_sample: float, batch: int, reps: int = 3) 
     the model's FLOPs (the planner's count) / the median time."""
     model = build_model(m)
     inputs, target = make_batch(m, batch)
+    loss_fn, _ = loss_fns(m)
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        lm_loss(model(**inputs), target).backward()
+        loss_fn(model(**inputs), target).backward()
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     t = statistics.median(times[1:])
@@ -315,68 +429,56 @@ def machine() -> dict:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--world", type=int, default=4, help="gloo ranks (every layout's degrees must multiply to it)")
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=2048)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, all ranks")
-    ap.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (pp > 1 layouts)")
-    ap.add_argument("--partition", choices=("planner", "auto"), default="planner",
-                    help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
-    ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
-    ap.add_argument("--json", default="", help="also write the JSON here")
-    a = ap.parse_args()
+def first_choice(ok: list[str], p_t: list[float], m_t: list[float]) -> dict | None:
+    """The planner's fastest predicted layout among the measured ones, against the fastest measured."""
+    if not ok:
+        return None
+    i = min(range(len(ok)), key=lambda j: p_t[j])
+    f = min(range(len(ok)), key=lambda j: m_t[j])
+    return {"layout": ok[i], "predicted_s": p_t[i], "measured_s": m_t[i], "fastest_measured_layout": ok[f],
+            "fastest_measured_s": m_t[f], "measured_over_fastest": _ratio(m_t[i], m_t[f]),
+            "within_10pct": m_t[i] <= 1.1 * m_t[f]}
 
-    from parallel.cluster import Cluster, calibrate
+
+def model_dims(kind: str, a: argparse.Namespace) -> dict:
+    m = dict(kind=kind, layers=a.layers, heads=4, vocab=a.vocab, seq=a.seq, global_batch=a.global_batch,
+             dim=a.dim)
+    if kind == "reader":
+        m.update(dim=a.reader_dim, vision_width=a.reader_dim, vision_layers=2, docs=a.reader_docs,
+                 doc_tokens=24, q_tokens=12, a_tokens=6)
+        m.pop("seq")
+    return m
+
+
+def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     from parallel.planner import plan_layout
-    from tests.distributed import run_ranks
 
-    torch.set_num_threads(1)
-    t_start = time.perf_counter()
-    names = [n for n in a.layouts.split(",") if n]
-    bad = [n for n in names if n not in LAYOUTS]
-    if bad:
-        ap.error(f"unknown layouts {bad}; known: {sorted(LAYOUTS)}")
-    specs = {}
-    for n in names:
-        s = dict(LAYOUTS[n])
-        if s["pp"] * s["tp"] * s["dp_replicate"] * s["dp_shard"] != a.world:
-            ap.error(f"layout {n} ({s}) does not use {a.world} ranks")
-        if s["pp"] > 1:
-            s["microbatches"] = a.microbatches
-        specs[n] = s
-    m = dict(dim=a.dim, layers=a.layers, vocab=a.vocab, seq=a.seq, global_batch=a.global_batch)
-    load0 = os.getloadavg()
-
-    # --- predicted
-    log(f"calibrating the local cluster on {a.world} ranks")
-    t0 = time.perf_counter()
-    cluster = calibrate(Cluster.preset("local", devices_per_node=a.world), ranks=a.world)
-    calib_s = time.perf_counter() - t0
+    names = list(specs)
+    m = model_dims(kind, a)
     model = build_model(m)
     numel = sum(p.numel() for p in model.parameters())
     trace_batch = 2
     example, _ = make_batch(m, trace_batch)
     t0 = time.perf_counter()
+    # tp must divide the attention heads (the reader's ViT has vision_width / 32 heads: 4 here)
+    tp_div = m["heads"] if kind == "reader" else None
     plan = plan_layout(model, example, cluster, global_batch=a.global_batch, schedules=("1f1b",),
-                       precisions=("fp32",), checkpointing=(False,), offload=(False,))
+                       precisions=("fp32",), checkpointing=(False,), offload=(False,), tp_divisor=tp_div)
     plan_s = time.perf_counter() - t0
     del model
     stats = plan.planner.stats
     flops_per_sample = stats.flops / stats.samples
-    preds, parts = {}, {}
+    log(f"{kind}: {numel / 1e6:.2f} M parameters, planned in {plan_s:.1f} s")
+    preds, parts, skipped = {}, {}, {}
     for n, s in specs.items():
         lay = plan.estimate(mixed_precision="fp32", schedule="1f1b", **s)
         preds[n] = lay
         if s["pp"] > 1 and a.partition == "planner":
-            parts[n] = planner_partition(plan, s["pp"])
-        log(f"predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
+            try:
+                parts[n] = planner_partition(plan, s["pp"])
+            except Exception as e:  # noqa: BLE001 - the layout is then skipped, with the reason
+                skipped[n] = f"planner partition: {type(e).__name__}: {e}"
+        log(f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
             f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})"))
     stage_flops = {}
     for s in specs.values():
@@ -385,16 +487,21 @@ def main() -> None:
     diag = achieved_flops(m, flops_per_sample, a.global_batch // a.world)
 
     # --- measured
-    log(f"measuring {len(names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)")
-    jobs = [(n, specs[n], parts.get(n)) for n in names]
+    run_names = [n for n in names if n not in skipped]
+    log(f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)")
+    jobs = [(n, specs[n], parts.get(n)) for n in run_names]
     t0 = time.perf_counter()
-    res = run_ranks(rank_main, a.world, jobs, m, a.steps, a.warmup, not a.no_peak, timeout_s=900)
+    res = measure_all(a.world, jobs, m, a.steps, a.warmup, not a.no_peak) if jobs else [{} for _ in range(a.world)]
     measure_s = time.perf_counter() - t0
 
     # --- compare
     out_layouts = {}
-    for n in names:
+    for n in run_names:
         lay, ranks = preds[n], [r[n] for r in res]
+        if any("error" in r for r in ranks):
+            skipped[n] = next(r["error"] for r in ranks if "error" in r)
+            log(f"{kind}: {n} skipped: {skipped[n][:300]}")
+            continue
         steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(a.steps)]  # the slowest rank
         steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(a.steps)]
         t_fb, t_op = statistics.median(steps_fb), statistics.median(steps_op)
@@ -421,6 +528,7 @@ def main() -> None:
                 "grads": _ratio(st["grads"], pm.get("grads", 0.0)),
                 "optimizer": _ratio(st["optimizer"], pm.get("optimizer", 0.0)),
                 "step_time": _ratio(t_fb, lay.step_time_s)},
+            "relative_error_step_time": round(abs(t_fb - lay.step_time_s) / t_fb, 4) if t_fb else None,
         }
         if not a.no_peak:
             pk = max(ranks, key=lambda r: r["peak"]["total"])["peak"]
@@ -440,24 +548,22 @@ def main() -> None:
             entry["measured"]["partition"] = part_table.splitlines()
         out_layouts[n] = entry
         r = entry["ratio_measured_over_predicted"]
-        log(f"{n}: state {_mb(state)} / {_mb(p_state)} MiB (x{r['state']}), "
+        log(f"{kind}: {n}: state {_mb(state)} / {_mb(p_state)} MiB (x{r['state']}), "
             f"step {t_fb * 1e3:.1f} / {lay.step_time_s * 1e3:.1f} ms (x{r['step_time']})"
             + (f", peak x{r['peak']}" if "peak" in r else ""))
 
-    ok = [n for n in names if preds[n].fits]
+    ok = [n for n in names if n in out_layouts and preds[n].fits]
     p_t = [preds[n].step_time_s for n in ok]
     m_t = [out_layouts[n]["measured"]["train_step_s"] for n in ok]
-    result = {
-        "benchmark": "plan_accuracy",
-        "model": {"type": "LlamaForCausalLM (random init)", "parameters": numel, "layers": a.layers, "dim": a.dim,
-                  "heads": 4, "kv_heads": 2, "intermediate": 2 * a.dim, "vocab": a.vocab, "seq": a.seq,
-                  "global_batch": a.global_batch, "microbatches_pp": a.microbatches, "dtype": "fp32",
-                  "optimizer": "AdamW", "trace_flops_per_sample": flops_per_sample},
-        "world": a.world, "steps": a.steps, "warmup": a.warmup, "partition": a.partition,
-        "cluster": {"name": cluster.name, "devices_per_node": cluster.devices_per_node,
-                    "fp32_flops_per_s": cluster.peak_flops["fp32"], "bf16_flops_per_s": cluster.peak_flops["bf16"],
-                    "link_bandwidth_Bps": cluster.intra_bandwidth, "link_latency_s": cluster.intra_latency_s,
-                    "calibrate_s": round(calib_s, 1)},
+    rel = [out_layouts[n]["relative_error_step_time"] for n in ok]
+    rho = spearman(p_t, m_t)
+    return {
+        "model": model_info(m, numel, a, flops_per_sample),
+        "median_relative_error": round(statistics.median(rel), 4) if rel else None,
+        "spearman_rho": round(rho, 4) if rho is not None else None,
+        "first_choice": first_choice(ok, p_t, m_t),
+        "measured_layouts": len(out_layouts),
+        "skipped": skipped,
         "diagnostics": {
             "model_fwd_bwd_one_process": diag,
             "model_flops_rate_over_calibrated_matmul": round(diag["flops_per_s"] / cluster.peak_flops["fp32"], 3),
@@ -469,8 +575,75 @@ def main() -> None:
             "layouts": ok,
             "predicted_order": [n for _, n in sorted(zip(p_t, ok))],
             "measured_order": [n for _, n in sorted(zip(m_t, ok))],
-            "spearman_rho": spearman(p_t, m_t),
+            "spearman_rho": rho,
             "pairwise": pairs(ok, p_t, m_t)},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--world", type=int, default=4, help="gloo ranks (every layout's degrees must multiply to it)")
+    ap.add_argument("--dim", type=int, default=256, help="llama / gpt2 width")
+    ap.add_argument("--reader-dim", type=int, default=128, help="reader width (text and vision)")
+    ap.add_argument("--reader-docs", type=int, default=2, help="reader documents per query")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64, help="llama / gpt2 tokens per sequence")
+    ap.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks")
+    ap.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (pp > 1 layouts)")
+    ap.add_argument("--partition", choices=("planner", "auto"), default="planner",
+                    help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
+    ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
+    ap.add_argument("--json", default="", help="also write the JSON here")
+    a = ap.parse_args()
+
+    from parallel.cluster import Cluster, calibrate
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    kinds = [k for k in a.model.split(",") if k]
+    if not kinds or any(k not in MODELS for k in kinds):
+        ap.error(f"--model: {a.model!r}; known: {', '.join(MODELS)}")
+    names = [n for n in a.layouts.split(",") if n]
+    bad = [n for n in names if n not in LAYOUTS]
+    if bad:
+        ap.error(f"unknown layouts {bad}; known: {sorted(LAYOUTS)}")
+    specs = {}
+    for n in names:
+        s = dict(LAYOUTS[n])
+        if s["pp"] * s["tp"] * s["dp_replicate"] * s["dp_shard"] != a.world:
+            ap.error(f"layout {n} ({s}) does not use {a.world} ranks")
+        if s["pp"] > 1:
+            s["microbatches"] = a.microbatches
+        specs[n] = s
+    load0 = os.getloadavg()
+
+    log(f"calibrating the local cluster on {a.world} ranks")
+    t0 = time.perf_counter()
+    cluster = calibrate(Cluster.preset("local", devices_per_node=a.world), ranks=a.world)
+    calib_s = time.perf_counter() - t0
+
+    models = {}
+    for kind in kinds:
+        t0 = time.perf_counter()
+        models[kind] = run_model(kind, a, cluster, specs)
+        models[kind]["total_s"] = round(time.perf_counter() - t0, 1)
+        sec = models[kind]
+        log(f"{kind}: median relative error {sec['median_relative_error']}, spearman {sec['spearman_rho']}, "
+            f"first choice {sec['first_choice']}")
+
+    result = {
+        "benchmark": "plan_accuracy",
+        "world": a.world, "steps": a.steps, "warmup": a.warmup, "partition": a.partition, "layouts": names,
+        "cluster": {"name": cluster.name, "devices_per_node": cluster.devices_per_node,
+                    "fp32_flops_per_s": cluster.peak_flops["fp32"], "bf16_flops_per_s": cluster.peak_flops["bf16"],
+                    "link_bandwidth_Bps": cluster.intra_bandwidth, "link_latency_s": cluster.intra_latency_s,
+                    "calibrate_s": round(calib_s, 1)},
+        "models": models,
         "machine": {**machine(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
         "total_s": round(time.perf_counter() - t_start, 1),
     }

@@ -204,28 +204,32 @@ def test_export_import_round_trip(tmp_path):
 
 
 def _spread_worker(rank, world):
-    """pp=2 (1F1B and zero-bubble) and tp=2 on the Hugging Face reader, in one process group."""
+    """pp=2 (1F1B and zero-bubble), tp=2 and FSDP2 on the Hugging Face reader, in one process group."""
     from tests.parallel import tp_cases
     from tests.parallel.test_pipeline import _equivalence_worker
 
     pp = _equivalence_worker(rank, world, "hf_reader", ("1f1b", "zero_bubble"), 4, "auto")
     tp = tp_cases.suite(rank, world, ["hf_reader"])["hf_reader"]
-    return pp, tp
+    fsdp = tp_cases.spmd_case(rank, world, dict(dp_shard=2), "hf_reader")
+    return pp, tp, fsdp
 
 
 @pytest.mark.multirank
-def test_pipeline_and_tensor_parallel_equal_one_process():
+def test_pipeline_tensor_parallel_and_fsdp_equal_one_process():
     """The parallel runtime on the Hugging Face reader as on any model: the automatic pipeline
-    partition (2 stages, 4 microbatches) and the discovered tensor-parallel plan (2 ranks) give
-    one process's loss and gradients (fp32, rtol 1e-4), with nothing left replicated by the
-    self-check."""
+    partition (2 stages, 4 microbatches), the discovered tensor-parallel plan (2 ranks, nothing
+    left replicated by the self-check) and FSDP2 (2 shards) give one process's loss and gradients
+    (fp32, rtol 1e-4)."""
     from tests.distributed import run_ranks
     from tests.parallel.test_pipeline import _check
     from tests.parallel.test_tp import _check as tp_check
 
+    from tests.parallel.test_fsdp import _check as fsdp_check
+
     results = run_ranks(_spread_worker, 2, timeout_s=300)
-    _check([pp for pp, _ in results], "hf_reader")
-    for _, tp in results:
+    _check([pp for pp, _, _ in results], "hf_reader")
+    for _, tp, fsdp in results:
+        fsdp_check(fsdp, "hf_reader fsdp2")  # loss, gradients, clipped AdamW step, as one process
         tp_check(tp, "hf_reader")
         assert not [line for line in tp["log"] if "left replicated" in line], tp["log"]
         assert any(".self_attn.q_proj" in n for n in tp["dtensors"]), tp["dtensors"]
