@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_mm.config import reader_tokenizer
+from rag_mm.config import ConfigError, reader_tokenizer
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
@@ -43,11 +43,14 @@ def build_rag(cfg, device: torch.device) -> RagParts:
     """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
     over them, freshly initialised on ``device`` (seed the global RNG first for a given init)."""
     m = cfg.model
-    tok = get_tokenizer(reader_tokenizer(m))
+    try:  # what the model keys name (a tokenizer, an LM family, a pretrained directory) may not build
+        tok = get_tokenizer(reader_tokenizer(m))
+        reader = build_reader(m, tok.vocab_size).to(device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text,
                                tokenizer=reader_tokenizer(m))
     log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
-    reader = build_reader(m, tok.vocab_size).to(device)
     retriever = memory = None
     if cfg.retriever.mode == "learned":
         retriever = DualEncoder(cfg.retriever, m.image_size).to(device)

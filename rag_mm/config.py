@@ -264,8 +264,11 @@ def _model_family_problems(cfg: Any) -> list[str]:
                  "(save one with save_pretrained; nothing is downloaded)")
     if m.lm_config and not (Path(m.lm_config).is_file() or (Path(m.lm_config) / "config.json").is_file()):
         e.append(f"model.lm_config={m.lm_config!r}: no such config.json")
-    if m.lm and not m.pretrained and not m.lm_config and "model_type" not in m.lm:
-        e.append("model.lm needs a model_type (e.g. llama, qwen2, gpt2)")
+    if m.lm and not m.pretrained and not m.lm_config:
+        if "model_type" not in m.lm:
+            e.append("model.lm needs a model_type (e.g. llama, qwen2, gpt2)")
+        elif not known_model_type(m.lm["model_type"]):
+            e.append(f"model.lm.model_type={m.lm['model_type']!r} is no model type of transformers {transformers_version()}")
     for key in ("adapter", "vision_checkpoint"):
         if getattr(m, key) and not Path(getattr(m, key)).is_file():
             e.append(f"model.{key}={getattr(m, key)!r}: no such file")
@@ -275,6 +278,19 @@ def _model_family_problems(cfg: Any) -> list[str]:
         e.append("the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
                  f"{reader_tokenizer(m)!r}: set retriever.fusion=image")
     return e
+
+
+def known_model_type(model_type: Any) -> bool:
+    """Whether the installed transformers builds configs of ``model_type`` (imports transformers)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def reader_tokenizer(m: Any) -> str | None:

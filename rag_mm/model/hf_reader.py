@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from rag_mm.config import known_model_type, transformers_version
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.hf_attention import check_dispatch, implementation
 from rag_mm.model.layout import ReaderBase, ReaderOutput
@@ -70,10 +71,14 @@ def lm_config(cfg):
     fields = dict(fields)
     model_type = fields.pop("model_type", None)
     fields.pop("architectures", None)
+    if not known_model_type(model_type):
+        raise ValueError(f"model.lm: transformers {transformers_version()} has no model_type {model_type!r}")
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as exc:
-        raise ValueError(f"model.lm: transformers cannot build a config of model_type={model_type!r}: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"model.lm: transformers cannot build a {model_type} config from these fields: "
+                         f"{str(exc)[:300]}") from None
+
 
 
 def build_lm(cfg, meta: bool = False) -> nn.Module:
@@ -82,13 +87,13 @@ def build_lm(cfg, meta: bool = False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     impl = implementation(cfg.attention_backend)
+    config = None if cfg.pretrained and not meta else lm_config(cfg)  # its errors name the key already
     try:
-        if cfg.pretrained and not meta:
+        if config is None:
             lm = AutoModelForCausalLM.from_pretrained(cfg.pretrained, local_files_only=True, attn_implementation=impl,
                                                       dtype=torch.float32)
             source = f"from {cfg.pretrained}"
         else:
-            config = lm_config(cfg)
             with torch.device("meta") if meta else torch.device("cpu"):
                 lm = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
             source = "random init on the meta device" if meta else "random init"
@@ -96,8 +101,9 @@ def build_lm(cfg, meta: bool = False) -> nn.Module:
         # KeyError: a family whose attention classes are looked up by implementation name in a table
         # of its own (Falcon), not through AttentionInterface
         where = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained and not meta else "model.lm"
-        raise ValueError(f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): "
-                         f"{type(exc).__name__}: {exc}") from None
+        why = (f"{type(exc).__name__}: {str(exc)[:300]}" if not (isinstance(exc, KeyError) and impl in str(exc))
+               else "the family looks its attention classes up itself, not through transformers' AttentionInterface")
+        raise ValueError(f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): {why}") from None
     if not meta:
         check_dispatch(lm)
     log.info("reader LM: %s, %s, attention %s", type(lm).__name__, source, impl)

@@ -4,6 +4,7 @@ export -> import round trip."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -306,3 +307,30 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
     x = reader_inputs(b=2, k=2, vocab=n)
     with torch.no_grad():
         assert torch.equal(t.rag.reader.eval()(**x).logits, imported(**x).logits)
+
+
+def test_bad_hf_inputs_name_the_key(tiny_world, tmp_path):
+    """Wrong Hugging Face reader settings stop the run before any work with a message naming the
+    key, never a traceback."""
+    from rag_mm.config import ConfigError, compose, validate
+    from tests.rag_mm.conftest import tiny_overrides
+    from tests.rag_mm.test_train import run_module
+
+    base = tiny_overrides(tiny_world, tmp_path / "run")
+    (tmp_path / "tok").mkdir()
+    cases = [
+        (["model=hf"], "model.family=hf needs model.pretrained"),
+        (["model=hf_tiny", "model.lm.model_type=nosuch"], "model.lm.model_type='nosuch' is no model type"),
+        (["model=hf", f"model.pretrained={tmp_path}"], "is not a directory holding config.json"),
+        (["model=hf_tiny", f"model.tokenizer={tmp_path / 'tok'}", "retriever=learned", "retriever.fusion=sum"],
+         "set retriever.fusion=image"),
+        (["model=hf_tiny", f"model.adapter={tmp_path / 'none.safetensors'}"], "model.adapter="),
+        (["model.pretrained=/x"], "model.pretrained needs model.family=hf"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(compose([*base, *extra]))
+    # a family that looks its attention up itself passes validation and is refused at build
+    res = run_module(["-m", "rag_mm.train", *base, "model=hf_tiny", "model.lm.model_type=falcon"], timeout=180)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "AttentionInterface" in res.stderr and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
