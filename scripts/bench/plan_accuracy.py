@@ -241,7 +241,7 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     cfg = parallel.ParallelConfig(pp=spec["pp"], tp=spec["tp"], dp_replicate=spec["dp_replicate"],
                                   dp_shard=spec["dp_shard"], microbatches=mb, schedule="1f1b")
     t0 = time.perf_counter()
-    pm = parallel.parallelize(model, cfg, inputs, timeout_s=180,
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=90,
                               partition=Partition.from_dict(partition) if partition else None)
     setup_s = time.perf_counter() - t0
     params = list(pm.parameters())
@@ -301,10 +301,11 @@ def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: in
         errors = [None] * world
         dist.all_gather_object(errors, err)  # the default group: a failed layout's sub-groups are not used
         if any(errors):
-            first = next(e for e in errors if e)
-            res[name] = {"error": first, "failed_ranks": [r for r, e in enumerate(errors) if e]}
-            if err and rank == min(res[name]["failed_ranks"]):
-                log(f"{m['kind']} {name} failed on ranks {res[name]['failed_ranks']}:\n{tb}")
+            # the cause, not a peer's timeout waiting on it, where one rank says more than "timed out"
+            first = next((e for e in errors if e and "timed out" not in e), None) or next(e for e in errors if e)
+            res[name] = {"error": first, "errors": errors, "failed_ranks": [r for r, e in enumerate(errors) if e]}
+            if err:
+                log(f"{m['kind']} {name} failed on rank {rank}:\n{tb[-3000:]}")
         else:
             res[name] = out
         if rank == 0:

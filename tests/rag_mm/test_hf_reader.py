@@ -222,10 +222,9 @@ def test_pipeline_tensor_parallel_and_fsdp_equal_one_process():
     left replicated by the self-check) and FSDP2 (2 shards) give one process's loss and gradients
     (fp32, rtol 1e-4)."""
     from tests.distributed import run_ranks
+    from tests.parallel.test_fsdp import _check as fsdp_check
     from tests.parallel.test_pipeline import _check
     from tests.parallel.test_tp import _check as tp_check
-
-    from tests.parallel.test_fsdp import _check as fsdp_check
 
     results = run_ranks(_spread_worker, 2, timeout_s=300)
     _check([pp for pp, _, _ in results], "hf_reader")
