@@ -106,7 +106,8 @@ def build_model(m: dict):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=m["layers"], n_embd=m["dim"], n_head=m["heads"], vocab_size=m["vocab"],
-                         n_positions=max(128, m["seq"]), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                         n_positions=max(128, m["seq"]), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         bos_token_id=m["vocab"] - 1, eos_token_id=m["vocab"] - 1)
         return GPT2LMHeadModel(cfg)
     if m["kind"] == "reader":
         from rag_mm.config import ModelConfig
@@ -478,7 +479,8 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             try:
                 parts[n] = planner_partition(plan, s["pp"])
             except Exception as e:  # noqa: BLE001 - the layout is then skipped, with the reason
-                skipped[n] = f"planner partition: {type(e).__name__}: {e}"
+                skipped[n] = {"reason": f"planner partition: {type(e).__name__}: {e}",
+                              "predicted_step_time_s": lay.step_time_s}
         log(f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
             f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})"))
     stage_flops = {}
@@ -500,8 +502,10 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     for n in run_names:
         lay, ranks = preds[n], [r[n] for r in res]
         if any("error" in r for r in ranks):
-            skipped[n] = next(r["error"] for r in ranks if "error" in r)
-            log(f"{kind}: {n} skipped: {skipped[n][:300]}")
+            err = next(r for r in ranks if "error" in r)
+            skipped[n] = {"reason": err["error"], "failed_ranks": err["failed_ranks"],
+                          "errors_by_rank": err.get("errors"), "predicted_step_time_s": lay.step_time_s}
+            log(f"{kind}: {n} skipped: {err['error'][:300]}")
             continue
         steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(a.steps)]  # the slowest rank
         steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(a.steps)]
