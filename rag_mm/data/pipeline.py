@@ -13,11 +13,13 @@ processes: batches carry their drop counts, and a worker's error travels as a re
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import logging
 import random
 import signal
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -317,12 +319,17 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict]:
         self.skipped = {}
-        for batch in self.loader:
-            wid, counts = batch["skipped"]
-            self.skipped[wid] = counts
-            if "error" in batch:
-                raise DataError(**batch["error"])
-            yield batch
+        it = iter(self.loader)
+        _live_iterators.add(it)
+        try:
+            for batch in it:
+                wid, counts = batch["skipped"]
+                self.skipped[wid] = counts
+                if "error" in batch:
+                    raise DataError(**batch["error"])
+                yield batch
+        finally:  # an abandoned pass (a training stream, an evaluation cut short) stops its workers now
+            _shutdown(it)
         dropped = self.skipped_total()
         if dropped:
             log.warning("dropped %d samples in a pass over %s%s: %s", sum(dropped.values()), self.spec.urls[0],
@@ -339,6 +346,26 @@ class Loader:
 def make_loader(spec: StreamSpec, num_workers: int) -> Loader:
     """The batches of ``spec``'s stream, read by ``num_workers`` loader processes (0: this one)."""
     return Loader(spec, num_workers)
+
+
+# DataLoader iterators whose workers may still run. At interpreter exit multiprocessing
+# terminates its daemon children and joins them; our workers ignore SIGTERM (below), so a pass
+# still open then (its generator never closed) would make the join wait forever. The handler
+# registered here runs first (atexit is last-in, first-out; multiprocessing registered its own
+# at import) and asks those workers to stop, as DataLoader does when an iterator is deleted.
+_live_iterators: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shutdown(it) -> None:
+    stop = getattr(it, "_shutdown_workers", None)  # DataLoader's own clean stop (multi-process iterators)
+    if stop is not None:
+        stop()
+
+
+@atexit.register
+def _shutdown_live_iterators() -> None:
+    for it in list(_live_iterators):
+        _shutdown(it)
 
 
 def _ignore_sigterm(_worker_id: int) -> None:

@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import tarfile
 
 import torch
@@ -73,3 +74,29 @@ def test_stream_splits_by_rank_without_overlap(tiny_world):
         spec = _spec(tiny_world, train=False, rank=rank, world_size=2, batch_size=5)
         keys.append([k for b in make_loader(spec, 0) for k in b["key"]])
     assert not set(keys[0]) & set(keys[1]) and len(keys[0]) + len(keys[1]) == 72  # 18 seen entities x 4
+
+
+def test_process_exits_with_a_training_pass_still_open(tiny_world):
+    """A process that leaves a loader pass open (its generator in a reference cycle, never closed)
+    still exits: the workers ignore SIGTERM, so multiprocessing's exit-time terminate-and-join
+    would wait for them forever unless the loader stops them first."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    code = textwrap.dedent(f"""
+        from rag_mm.build import make_stream
+        from rag_mm.config import compose
+        from tests.rag_mm.conftest import tiny_overrides
+        cfg = compose(tiny_overrides({str(tiny_world)!r}, "/tmp/unused", "data.num_workers=1"))
+        gen = iter(make_stream(cfg, "train", train=True))
+        next(gen)
+        cycle = {{"gen": gen}}
+        cycle["self"] = cycle
+        print("leaving", flush=True)
+    """)
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0 and "leaving" in res.stdout, res.stderr[-2000:]
