@@ -40,7 +40,7 @@ class ModelConfig:
     # one, else the bundled CLIP BPE (randomly initialised readers)
     tokenizer: str | None = None
     projector: str = "mlp2x_gelu"  # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
-    # hf: the reader's own weights (projector, retrieval-rank embeddings, copy head) as
+    # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
     dim: int = 128  # transformer width; the demo needs little capacity, speed matters on 2 cores

@@ -9,7 +9,8 @@ config builds and writes OUT_DIR:
   and the tokenizer when the run read with a Hugging Face one): ``AutoModelForCausalLM.from_pretrained``
   loads it;
 - ``open_clip_visual.pt``: the vision tower as an open_clip CLIP state dict (``visual.*`` keys);
-- ``adapter.safetensors``: the reader's own weights (projector, retrieval-rank embeddings, copy head);
+- ``adapter.safetensors``: the reader's own weights (projector, retrieval-rank and token-type
+  embeddings, copy head);
 - ``import.json``: the overrides that build the same reader from these files, e.g.
   ``python -m rag_mm.train +experiment=demo_hf $(jq -r '.overrides|join(" ")' OUT/import.json)``.
 """

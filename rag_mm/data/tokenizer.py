@@ -20,7 +20,6 @@ class Tokenizer:
         self.vocab_size = len(self._bpe.encoder)  # 49408 for CLIP's BPE
         self.eot_id = self._bpe.eot_token_id
         self.pad_id = 0  # any id works: padded positions are masked out of attention and loss
-        self.name = "clip-bpe"
 
     def encode(self, text: str) -> list[int]:
         return self._bpe.encode(text)
@@ -56,7 +55,6 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = len(self._tok)
         self.eot_id = int(self._tok.eos_token_id)
         self.pad_id = 0
-        self.name = str(path)
 
     def encode(self, text: str) -> list[int]:
         return self._tok(text, add_special_tokens=False)["input_ids"]

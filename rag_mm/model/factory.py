@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 import torch.nn as nn
 
 from rag_mm.model.layout import ReaderBase
-
-log = logging.getLogger(__name__)
 
 
 def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
@@ -18,9 +15,9 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
     init), or with ``meta`` one on the meta device with no memory and no init: its shapes can be
     counted and planned, and ``materialize`` gives it weights."""
     if m.family == "native":
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            from rag_mm.model.reader import Reader
+        from rag_mm.model.reader import Reader
 
+        with torch.device("meta") if meta else contextlib.nullcontext():
             return Reader(m, vocab_size)
     from rag_mm.model.hf_reader import HFReader, build_lm
 
@@ -32,7 +29,8 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
 def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Give a meta-device reader real, initialised weights on ``device`` (delayed init): each part
     is initialised as its own library would (the LM by transformers, the vision tower by torch's
-    defaults as open_clip builds it, the rest by the reader); pretrained weights are loaded on top."""
+    defaults as open_clip builds it, the rest by the reader). Pretrained weights (``model.pretrained``,
+    ``model.vision_checkpoint``, ``model.adapter``) are not read here: load them afterwards."""
     reader.to_empty(device=device)
     with torch.no_grad():
         lm = getattr(reader, "lm", None)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from omegaconf import OmegaConf
 
 from rag_mm.config import known_model_type, transformers_version
 from rag_mm.model.copy_head import CopyHead
@@ -47,14 +48,7 @@ class Projector(nn.Module):
 
 def _container(value: Any) -> dict:
     """An OmegaConf node or a mapping -> a plain dict (Hydra hands ``model.lm`` as a DictConfig)."""
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra, a core dependency
-        pass
-    return dict(value)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value)
 
 
 def lm_config(cfg):
@@ -80,10 +74,9 @@ def lm_config(cfg):
                          f"{str(exc)[:300]}") from None
 
 
-
 def build_lm(cfg, meta: bool = False) -> nn.Module:
     """The causal LM with rag_mm's attention (``model.attention_backend``), fp32, on the CPU or on
-    the meta device (``meta``: no memory, no init; ``to_empty`` + ``init_weights`` later)."""
+    the meta device (``meta``: no memory, no init; ``factory.materialize`` gives it weights)."""
     from transformers import AutoModelForCausalLM
 
     impl = implementation(cfg.attention_backend)
