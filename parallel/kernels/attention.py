@@ -169,27 +169,48 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
     return True, "supported"
 
 
-# Fastest CPU backend per layout, by the vector ISA ATen dispatches to. Measured with
-# scripts/bench/attention.py --quick --head-dims 64 (forward, 2 threads, S 512 and 1024, median
-# fused time / SDPA time, fp32 | bf16) on an AVX2-only EPYC: dense 1.46 | 1.64, causal 0.90 | 0.91
-# (points from 0.66 to 1.17: a tie within the shared machine's noise; SDPA's flash CPU kernel is
-# kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused kernel skips masked blocks where
-# SDPA takes a dense mask and computes every score). AVX-512 CPUs keep the fused kernel (built with
-# -march=native) on every layout, as before this table; not measured on this machine. ISAs without
-# a row (no AVX, NEON, VSX, ...) use the AVX2 row: SDPA where the layout is unmasked, the fused
-# kernel where it skips masked work.
+# Fastest CPU backend per layout, by the vector kernels the fused op runs (``kernel_isa``: picked
+# at run time from the CPU's features, csrc/attention/cpu/isa.h). Measured with
+# scripts/bench/attention.py --quick --head-dims 64 (2 threads, S 512 and 1024, median fused time /
+# SDPA time, fp32 | bf16; BENCHMARKS.md, "Attention kernels") on an AVX2-only EPYC:
+# * avx2 (AVX2/FMA micro-kernels): AVX2_TABLE_NOTE
+# * generic (BLAS per tile + loops; CPUs without AVX2, other architectures, head sizes not a
+#   multiple of 8): dense 1.46 | 1.64, causal 0.90 | 0.91 (a tie within the shared machine's noise;
+#   SDPA's flash CPU kernel is kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused
+#   kernel skips masked blocks where SDPA takes a dense mask and computes every score).
+# * avx512: the fused kernel on every layout (AVX-512 micro-kernels, 1.5-4x SDPA on an AVX-512
+#   host); not measured on this machine.
+# ISAs without a row use the generic row.
 CPU_AUTO_TABLE = {
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
-    "avx2": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
+    "avx2": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
+    "generic": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
 }
 
 
-def cpu_capability() -> str:
-    """The CPU vector ISA ATen dispatches to, lower case: "avx512", "avx2", "default", ...
+def kernel_isa(best: bool = False) -> str | None:
+    """The vector ISA the fused CPU kernels run: "avx512", "avx2" or "generic".
 
-    Read at run time (``torch.backends.cpu.get_cpu_capability``, which honours
-    ``ATEN_CPU_CAPABILITY``); torch builds without it fall back to /proc/cpuinfo's flags.
+    Chosen by the extension at run time from the CPU's features, capped by ``RAG_ATTN_ISA`` (read
+    when it loads) or ``torch.ops.rag_attn.cpu_set_isa``; ``best=True`` gives the highest this CPU
+    supports. None when the extension is unavailable.
     """
+    ok, _ = fused_available()
+    if not ok or not hasattr(torch.ops.rag_attn, "cpu_isa"):
+        return None
+    return torch.ops.rag_attn.cpu_isa(best)
+
+
+def cpu_capability() -> str:
+    """The ISA that picks the ``CPU_AUTO_TABLE`` row, lower case.
+
+    The fused kernels' own ISA (``kernel_isa``) when the extension is available; else the one ATen
+    dispatches to (``torch.backends.cpu.get_cpu_capability``, which honours
+    ``ATEN_CPU_CAPABILITY``), else /proc/cpuinfo's flags.
+    """
+    isa = kernel_isa()
+    if isa is not None:
+        return isa
     try:
         return torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
     except (AttributeError, RuntimeError):
@@ -240,7 +261,8 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
     """Resolve ``requested`` to a concrete backend and a human-readable reason.
 
     ``layout`` (one of ``LAYOUTS``) matters for ``auto``: on the CPU the choice follows
-    ``CPU_AUTO_TABLE`` for ``cpu_capability()``, on CUDA the rule of ``_auto_cuda``.
+    ``CPU_AUTO_TABLE`` for ``cpu_capability()`` (the fused kernels' ISA; the generic row where
+    q's dtype / head size take the generic kernels), on CUDA the rule of ``_auto_cuda``.
     """
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
@@ -268,8 +290,12 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
     if q.device.type != "cpu":
         return "fused", why
     cap = cpu_capability()
-    row = CPU_AUTO_TABLE.get(cap, CPU_AUTO_TABLE["avx2"])
-    table = cap if cap in CPU_AUTO_TABLE else f"avx2 (no row for {cap})"
+    if cap != "generic" and hasattr(torch.ops.rag_attn, "cpu_kernel"):
+        # head sizes / dtypes the vector kernels do not take run the generic ones
+        if torch.ops.rag_attn.cpu_kernel(q.dtype, q.shape[-1]) == "generic":
+            cap = "generic"
+    row = CPU_AUTO_TABLE.get(cap, CPU_AUTO_TABLE["generic"])
+    table = cap if cap in CPU_AUTO_TABLE else f"generic (no row for {cap})"
     choice = row[layout]
     faster = "SDPA is faster than the fused kernel" if choice == "sdpa" else "the fused kernel is faster than SDPA"
     return choice, f"{layout} {str(q.dtype).removeprefix('torch.')} on a {table} CPU: {faster}"

@@ -247,3 +247,97 @@ def test_fallback_to_sdpa_logged_once(monkeypatch, caplog):
     assert msgs == ["attention backend: sdpa (fused unavailable: no C++ compiler ('c++' not on PATH))"]
     with pytest.raises(RuntimeError, match="unavailable"):
         A.attention(q, k, v, backend="fused")
+
+
+# ----------------------------------------------------------------------------- per-ISA kernels
+# The op picks its vector kernels at run time (csrc/attention/cpu/isa.h): AVX-512, AVX2 or the
+# generic BLAS + loops path. Each ISA this CPU supports is forced in turn (rag_attn::cpu_set_isa,
+# the in-process twin of RAG_ATTN_ISA) and checked on every layout, with query-tile and key-block
+# tails (S = 299: 4 full 64-row tiles + 43 rows, 5 ragged 8-lane chunks, a 256-key block + 43) and
+# head sizes 40 (AVX2 fast path, not AVX-512's D % 16) and 64 (both), and 20 (generic only).
+ISA_ORDER = ["generic", "avx2", "avx512"]
+
+
+def _available_isas() -> list[str]:
+    ok, _ = A.fused_available()
+    if not ok:
+        return ["generic"]
+    best = A.kernel_isa(best=True)
+    return ISA_ORDER[: ISA_ORDER.index(best) + 1]
+
+
+@pytest.fixture
+def force_isa(fused):
+    """Set the kernel ISA for one test; restores the CPU's default afterwards."""
+    before = fused.cpu_isa()
+
+    def force(isa: str) -> None:
+        if isa not in _available_isas():
+            pytest.skip(f"this CPU has no {isa}")
+        fused.cpu_set_isa(isa)
+        assert fused.cpu_isa() == isa
+
+    yield force
+    fused.cpu_set_isa(before)
+
+
+def _isa_case(layout: str, dtype, D: int, seed: int = 11):
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "varlen":
+        cu = torch.tensor([0, 299, 300, 313, 390], dtype=torch.int32)  # 299, 1, 13 and 77 tokens
+        shape = (393, 2, D)  # 3 tokens after the last sequence
+        extra = dict(cu_seqlens=cu, max_seqlen=299, causal=True)
+    else:
+        shape = (1, 2, 299, D)
+        extra = {"causal": layout == "causal"}
+        if layout == "retrieval":
+            extra = {"seg_offsets": torch.tensor([[0, 37, 37, 170, 171, 290]], dtype=torch.int32)}
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype) for _ in range(3))
+    return q, k, v, extra, torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("isa", ISA_ORDER)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forced_isa_matches_reference(force_isa, fused, isa, dtype, layout):
+    force_isa(isa)
+    for D in (40, 64):
+        q, k, v, extra, grad = _isa_case(layout, dtype, D)
+        got = out_and_grads("fused", q, k, v, extra, grad)
+        truth = out_and_grads("reference", *(t.double() for t in (q, k, v)), extra, grad.double())
+        # fp32: the kernels' fp32 accumulation; bf16: inputs and outputs rounded to bf16 (8 bits)
+        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=0)
+        for name, g, t in zip(["out", "dq", "dk", "dv"], got, truth):
+            torch.testing.assert_close(g.double(), t, **tol, msg=lambda m: f"{isa} {layout} D={D} {name}: {m}")  # noqa: B023
+
+
+@pytest.mark.parametrize("isa", ISA_ORDER)
+def test_kernel_choice_per_isa(force_isa, fused, isa):
+    """Which kernel a (dtype, head size) runs under each ISA; the rest goes to the generic one."""
+    force_isa(isa)
+    vec = {"generic": "generic", "avx2": "avx2", "avx512": "avx512"}[isa]
+    assert fused.cpu_kernel(torch.float32, 64) == vec
+    assert fused.cpu_kernel(torch.float32, 40) == ("generic" if isa == "generic" else "avx2")
+    assert fused.cpu_kernel(torch.float32, 20) == "generic"  # D % 8 != 0
+    assert fused.cpu_kernel(torch.float64, 64) == "generic"
+    q, k, v = (torch.randn(1, 2, 70, 20) for _ in range(3))  # the generic path under every ISA
+    torch.testing.assert_close(A.attention(q, k, v, causal=True, backend="fused"),
+                               A.reference_attention(q, k, v, causal=True), atol=2e-5, rtol=1e-4)
+
+
+def test_isa_env_override_and_auto_reason(fused):
+    """RAG_ATTN_ISA caps the ISA when the extension loads; auto's reason names the kernel ISA."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from parallel.kernels import attention as A; A.fused_available(); "
+            "print(torch.ops.rag_attn.cpu_isa(), A.cpu_capability(), "
+            "A.select_backend('auto', torch.randn(1, 1, 8, 64), 'retrieval')[1])")
+    env = dict(os.environ, RAG_ATTN_ISA="generic")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0, res.stderr[-2000:]
+    isa, cap, reason = res.stdout.split(maxsplit=2)
+    assert (isa, cap) == ("generic", "generic") and "generic" in reason, res.stdout
+    with pytest.raises(RuntimeError, match="unknown CPU ISA"):
+        fused.cpu_set_isa("sse9")

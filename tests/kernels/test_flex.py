@@ -151,8 +151,9 @@ def test_cuda_rule():
 
 # ----------------------------------------------------------------------------- auto table
 EXPECTED = {
-    "avx2": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
+    "avx2": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
+    "generic": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
     "default": {"dense": "sdpa", "causal": "sdpa", "packed": "fused", "retrieval": "fused"},
 }
 
@@ -180,11 +181,20 @@ def test_auto_table_by_cpu_capability(monkeypatch, caplog, cap):
     assert used == [EXPECTED[cap][lay] for lay in ("dense", "causal", "packed", "retrieval")] * 2
     msgs = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
     assert len(msgs) == 4, msgs
-    row = cap if cap in A.CPU_AUTO_TABLE else f"avx2 (no row for {cap})"
+    row = cap if cap in A.CPU_AUTO_TABLE else f"generic (no row for {cap})"
     for lay, msg in zip(("dense", "causal", "packed", "retrieval"), msgs):
         assert msg.startswith(f"attention backend: {EXPECTED[cap][lay]} ({lay} float32 on a {row} CPU"), msg
 
 
-def test_cpu_capability_reads_torch(monkeypatch):
+def test_cpu_capability_reads_torch_without_the_extension(monkeypatch):
+    monkeypatch.setattr(A, "fused_available", lambda: (False, "no C++ compiler"))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert A.cpu_capability() == "avx512"
+
+
+def test_cpu_capability_is_the_kernel_isa():
+    ok, why = A.fused_available()
+    if not ok:
+        pytest.skip(why)
+    assert A.cpu_capability() == A.kernel_isa() == torch.ops.rag_attn.cpu_isa()
+    assert A.kernel_isa(best=True) in ("avx512", "avx2", "generic")

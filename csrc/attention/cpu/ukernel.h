@@ -11,14 +11,41 @@
 // packing inside the BLAS are a large share, and the BLAS in libtorch_cpu (MKL) runs its
 // AVX2 code path on AMD CPUs and has no AVX512-BF16 path there; these loops use 512-bit FMAs and
 // vdpbf16ps directly.
+//
+// Compiled for AVX-512 through RAG_ATTN_BEGIN_AVX512 (isa.h) whatever -march says; the callers
+// (fast_avx512.h) run only where the CPU has the features (isa.h's cpu_isa()).
 #pragma once
 
-#if defined(__AVX512F__)
+#include "isa.h"
+
+#if RAG_ATTN_X86_DISPATCH
 #include <immintrin.h>
 
 #include <cstdint>
 
-namespace rag_attn::cpu {
+RAG_ATTN_BEGIN_AVX512
+namespace rag_attn::cpu::avx512 {
+
+// exp for x <= ~88 (Cody-Waite reduction to [-ln2/2, ln2/2], degree-6 Taylor, 2^n by scalef);
+// relative error ~2e-7 (exp_fast in vec.h is the scalar twin). Inputs below -87 give 0.
+inline __m512 exp512(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));  // p * 2^n
+}
+// Lanes [0, min(left, 16)) of a 16-lane vector.
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 // Epilogue: C = alpha * c (ACC = false; also folds the column maxima into cmax[0, 16*NV) when
 // cmax is given: the online-softmax row max of an unmasked score tile without a second pass) or
@@ -90,7 +117,6 @@ inline void gemm_rows_f32(int64_t M, int64_t K, const float* A, int64_t sa, int6
   }
 }
 
-#if defined(__AVX512BF16__)
 // Same with bf16 pairs: A and B hold uint32 words = two bf16 along the reduction dimension; B is
 // in the VNNI layout (row p = reduction pair p). vdpbf16ps: c += a.lo*b.lo + a.hi*b.hi in fp32.
 template <int MR, int NV, bool ACC>
@@ -134,7 +160,6 @@ inline void gemm_rows_bf16(int64_t M, int64_t K2, const uint32_t* A, int64_t sa,
     default: break;
   }
 }
-#endif  // __AVX512BF16__
-
-}  // namespace rag_attn::cpu
-#endif  // __AVX512F__
+}  // namespace rag_attn::cpu::avx512
+RAG_ATTN_END_ISA
+#endif  // RAG_ATTN_X86_DISPATCH

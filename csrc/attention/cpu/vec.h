@@ -1,6 +1,7 @@
 // Vectorised row helpers of the CPU attention kernels: max, exp-and-sum (online softmax),
-// P/dS recomputation for the backward, and fp32 -> bf16 rounding. AVX-512 paths when the
-// compiler targets it (-march=native on AVX-512 machines), portable loops otherwise.
+// P/dS recomputation for the backward, and fp32 -> bf16 rounding, for the generic kernels:
+// portable loops the compiler vectorises for -march=native (the AVX2 / AVX-512 kernels keep
+// their own vector exp, ukernel.h and ukernel_avx2.h).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -11,7 +12,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #endif
 
@@ -38,25 +39,6 @@ inline float exp_fast(float x) {
 }
 inline double exp_fast(double x) { return std::exp(x); }
 
-#if defined(__AVX512F__)
-inline __m512 exp512(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));  // p * 2^n
-}
-inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
-#endif
 
 template <typename acc_t>
 inline acc_t row_max(const acc_t* x, int64_t n) {
@@ -87,38 +69,6 @@ inline void softmax_grad_row(acc_t* p, acc_t* dp, int64_t n, acc_t lse, acc_t di
   }
 }
 
-#if defined(__AVX512F__)
-template <>
-inline float row_max<float>(const float* x, int64_t n) {
-  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < n; j += 16) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail_mask(n - j), x + j));
-  return _mm512_reduce_max_ps(m);
-}
-
-template <>
-inline float exp_sub_sum<float>(float* x, int64_t n, float sub) {
-  const __m512 s = _mm512_set1_ps(sub);
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = tail_mask(n - j);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), s));
-    _mm512_mask_storeu_ps(x + j, k, e);
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-template <>
-inline void softmax_grad_row<float>(float* p, float* dp, int64_t n, float lse, float di) {
-  const __m512 l = _mm512_set1_ps(lse), d = _mm512_set1_ps(di);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = tail_mask(n - j);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + j), l));
-    _mm512_mask_storeu_ps(p + j, k, e);
-    _mm512_mask_storeu_ps(dp + j, k, _mm512_mul_ps(e, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), d)));
-  }
-}
-#endif
 
 template <typename dst_t, typename src_t>
 inline void convert(dst_t* dst, const src_t* src, int64_t n) {
