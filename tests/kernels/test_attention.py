@@ -253,8 +253,9 @@ def test_fallback_to_sdpa_logged_once(monkeypatch, caplog):
 # The op picks its vector kernels at run time (csrc/attention/cpu/isa.h): AVX-512, AVX2 or the
 # generic BLAS + loops path. Each ISA this CPU supports is forced in turn (rag_attn::cpu_set_isa,
 # the in-process twin of RAG_ATTN_ISA) and checked on every layout, with query-tile and key-block
-# tails (S = 299: 4 full 64-row tiles + 43 rows, 5 ragged 8-lane chunks, a 256-key block + 43) and
-# head sizes 40 (AVX2 fast path, not AVX-512's D % 16) and 64 (both), and 20 (generic only).
+# tails (S = 299: 4 full 64-row tiles + 43 rows, whose last 8-lane chunk holds 3; key blocks of
+# 128 (AVX2) or 256 (AVX-512) + 43) and head sizes 40 (AVX2 fast path, not AVX-512's D % 16) and
+# 64 (both); head size 20 takes the generic kernels under every ISA.
 ISA_ORDER = ["generic", "avx2", "avx512"]
 
 

@@ -72,10 +72,13 @@ template <typename T>
 using acc_of = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // Tiles of the vector (AVX2 / AVX-512) kernels: kFastBQ query rows per item (the width of the
-// transposed score tile S^T, keys x queries) and kFastBK keys per step. RAG_ATTN_FAST=0 sends every
-// call to the generic kernels.
+// transposed score tile S^T, keys x queries) and keys per step, kFastBK for AVX-512 and
+// kFastBKAvx2 for AVX2 (64 x 128 fp32 scores = 32 KiB, the L1 of the AVX2 EPYC this was tuned on;
+// 256 ran 10-25% slower there). RAG_ATTN_FAST_BK sets both; RAG_ATTN_FAST=0 sends every call to
+// the generic kernels.
 constexpr int64_t kFastBQ = 64;
 const int64_t kFastBK = env_or("RAG_ATTN_FAST_BK", 256);
+const int64_t kFastBKAvx2 = env_or("RAG_ATTN_FAST_BK", 128);
 const bool kFastEnabled = env_or("RAG_ATTN_FAST", 1) != 0;
 
 }  // namespace rag_attn::cpu

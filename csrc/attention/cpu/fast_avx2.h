@@ -2,15 +2,15 @@
 // every product and sum in fp32, outputs rounded to nearest even), on ukernel_avx2.h.
 //
 // Same algorithm and tiling as the AVX-512 kernels (fast_avx512.h): the score tile is kept
-// transposed, S^T (keys x kFastBQ = 64 query lanes), computed as K rows times a Q^T tile packed
-// once per item; the online softmax runs vertically over key rows, 8 query rows per ymm (no
+// transposed, S^T (kFastBKAvx2 = 128 keys x kFastBQ = 64 query lanes), computed as K rows times a
+// Q^T tile packed once per item; the online softmax runs vertically over key rows, 8 query rows per ymm (no
 // horizontal reductions; the causal mask is one integer compare per key row), and O += P V reads
 // P^T with a stride. Query-side tiles are zero-padded to whole 8-lane vectors, so the query tail
 // (m % 8 rows) costs no masks; the head size must be a multiple of 8.
 //
-// bf16: K and V (and Q, dO in the backward) are widened to fp32 scratch (forward: per key block;
-// backward: K, V once per group, Q, dO once per query tile), an O(rows x D) pass next to the
-// O(rows x keys x D) products; fp32 inputs are read in place.
+// bf16: K and V (and Q, dO in the backward) are widened to fp32 scratch (forward: all of K and V
+// once per call; backward: K, V once per group, Q, dO once per query tile), an O(rows x D) pass
+// next to the O(rows x keys x D) products; fp32 inputs are read in place.
 #pragma once
 
 #include "isa.h"
@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -67,7 +68,7 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
   using src_t = raw_t<scalar_t>;
   constexpr bool kBf16 = !std::is_same_v<scalar_t, float>;
   constexpr int64_t BQ = kFastBQ;
-  const int64_t BK = kFastBK;
+  const int64_t BK = kFastBKAvx2;
   const float scale = float(scale_d);
   const int64_t rs = plan.row_stride;
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -75,12 +76,32 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
   const src_t* k_ = reinterpret_cast<const src_t*>(k);
   const src_t* v_ = reinterpret_cast<const src_t*>(v);
 
+  // K and V as fp32 with the inputs' layout (kf[i] = k[i] for every element of a group's rows).
+  // bf16: widened once here, on the calling thread (O(tokens x D), < 1% of the attention; a
+  // second fork/join would cost more on a busy machine); fp32: the inputs themselves.
+  std::unique_ptr<float[]> kf, vf;
+  const float *Kall, *Vall;
+  if constexpr (kBf16) {
+    int64_t extent = 0;
+    for (const Group& g : plan.groups)
+      if (g.len > 0) extent = std::max(extent, g.off + (g.len - 1) * rs + D);
+    kf.reset(new float[extent]);
+    vf.reset(new float[extent]);
+    for (const Group& g : plan.groups)
+      for (int64_t j = 0; j < g.len; ++j) {
+        widen_row(kf.get() + g.off + j * rs, k_ + g.off + j * rs, D);
+        widen_row(vf.get() + g.off + j * rs, v_ + g.off + j * rs, D);
+      }
+    Kall = kf.get(), Vall = vf.get();
+  } else {
+    Kall = k_, Vall = v_;
+  }
+
   WorkQueue queue(item_costs(plan));
   at::parallel_for(0, queue.tasks(), 1, [&](int64_t tb, int64_t te) {
     // scratch: Q^T (D x BQ), S^T / P^T (BK x BQ), output accumulator (BQ x D), per-query-row
-    // running max / sum / rescale factor and the tile's column max; bf16: K, V blocks (BK x D)
+    // running max / sum / rescale factor and the tile's column max
     std::vector<float> qt(D * BQ), st(BK * BQ, 0.f), acc(BQ * D), m_i(BQ), l_i(BQ), al(BQ), cmax(BQ);
-    std::vector<float> kf(kBf16 ? BK * D : 0), vf(kBf16 ? BK * D : 0);
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t t = tb; t < te; ++t) {
       for (int64_t ix; queue.pop(ix);) {
@@ -96,23 +117,13 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
         const int64_t k_end = it.causal ? std::min<int64_t>(it.k_hi, it.r1) : it.k_hi;
         for (int64_t kb = it.k_lo; kb < k_end; kb += BK) {
           const int64_t n = std::min<int64_t>(BK, k_end - kb);
-          // K and V rows [kb, kb + n) as fp32, row stride ldk
-          const float *Kb, *Vb;
-          int64_t ldk;
-          if constexpr (kBf16) {
-            for (int64_t j = 0; j < n; ++j) {
-              widen_row(kf.data() + j * D, k_ + g.off + (kb + j) * rs, D);
-              widen_row(vf.data() + j * D, v_ + g.off + (kb + j) * rs, D);
-            }
-            Kb = kf.data(), Vb = vf.data(), ldk = D;
-          } else {
-            Kb = k_ + g.off + kb * rs, Vb = v_ + g.off + kb * rs, ldk = rs;
-          }
+          const float* Kb = Kall + g.off + kb * rs;  // K and V rows [kb, kb + n), row stride rs
+          const float* Vb = Vall + g.off + kb * rs;
           // keys after some row of the tile (causal diagonal) need the mask
           const bool masked = it.causal && kb + n - 1 > it.r0;
           // S^T (n x mp) = scale * K_b Q^T; unmasked tiles also get their column max here
           std::fill(cmax.begin(), cmax.end(), neg_inf);
-          gemm<false>(n, mp, D, Kb, ldk, 1, qt.data(), BQ, st.data(), BQ, scale, masked ? nullptr : cmax.data());
+          gemm<false>(n, mp, D, Kb, rs, 1, qt.data(), BQ, st.data(), BQ, scale, masked ? nullptr : cmax.data());
           for (int64_t c = 0; c < nvq; ++c) {  // query rows 8c .. 8c+7, down the key rows
             float* sc = st.data() + 8 * c;
             const __m256i rows = _mm256_add_epi32(_mm256_set1_epi32(int(it.r0 + 8 * c)), iota);
@@ -153,7 +164,7 @@ void forward_fast(const Plan& plan, const scalar_t* q, const scalar_t* k, const 
               for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, _mm256_mul_ps(_mm256_loadu_ps(row + d), a));
             }
           // O (m x D) += P (m x n) V_b; P^T element (i, j) at st[j * BQ + i]
-          gemm<true>(m, D, n, st.data(), 1, BQ, Vb, ldk, acc.data(), D, 1.f, nullptr);
+          gemm<true>(m, D, n, st.data(), 1, BQ, Vb, rs, acc.data(), D, 1.f, nullptr);
         }
         for (int64_t i = 0; i < m; ++i) {
           store_row(out + g.off + (it.r0 + i) * rs, acc.data() + i * D, D, l_i[i] > 0 ? 1.f / l_i[i] : 0.f);
@@ -176,7 +187,7 @@ void backward_fast(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
   using src_t = raw_t<scalar_t>;
   constexpr bool kBf16 = !std::is_same_v<scalar_t, float>;
   constexpr int64_t BQ = kFastBQ;
-  const int64_t BK = kFastBK;
+  const int64_t BK = kFastBKAvx2;
   const float scale = float(scale_d);
   const int64_t rs = plan.row_stride;
   const src_t* q_ = reinterpret_cast<const src_t*>(q);
