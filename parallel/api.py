@@ -49,7 +49,7 @@ from .pipeline.lanes import open_lanes
 from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import pipeline_order, stage_rank, stages_per_rank
 from .spmd import StagePart, discover_tp_plan, parallelize_spmd, stage_plan
-from .tp.verify import capture_inputs
+from .tp.verify import capture_inputs, verify_plan
 
 log = logging.getLogger(__name__)
 
@@ -176,11 +176,21 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         held = {id(p) for s in local for p in gplan.modules[s].parameters()}
         replicated = []
     numel = {n: p.numel() for n, p in model.named_parameters()}
-    # a TP plan is read off the whole model's dataflow: found before the split, applied to each
-    # rank's part below
-    tp_plan = discover_tp_plan(model, cfg, example_inputs) if cfg.tp > 1 else None
-    # each TP unit's inputs in the whole model's example forward: the plan checks itself on them
-    captured = capture_inputs(model, tp_plan, example_inputs) if tp_plan is not None else None
+    # a TP plan is read off the whole model's dataflow and checks itself on the whole model (each
+    # unit, sharded, against its replicated self on its inputs in the example's forward), before
+    # the split: every pipeline rank then knows the same checked plan, and applies its part below
+    tp_plan, tp_notes = None, []
+    if cfg.tp > 1:
+        tp_plan = discover_tp_plan(model, cfg, example_inputs)
+        if replayer is not None:  # the check runs copies of units: with their own forwards
+            replayer.unwrap()
+        tp_plan = verify_plan(model, tp_plan, layout.mesh["tp"], capture_inputs(model, tp_plan, example_inputs))
+        if replayer is not None:
+            replayer.rewrap()
+        for line in tp_plan.log:
+            if "left replicated" in line:
+                log.warning("tp under pp: %s", line)
+        tp_plan, tp_notes = stage_plan(model, tp_plan, ranks_of, layout.pp_rank)
     for p in model.parameters():
         if id(p) not in held:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # another rank's: free it
@@ -212,17 +222,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     pm._numel = numel
     pm.loss_group = loss_group
     # 4. TP -> AC -> compile -> FSDP on this rank's part
-    if tp_plan is not None:
-        tp_plan, notes = stage_plan(tp_plan, ranks_of, layout.pp_rank)
-        for msg in notes:
-            log.info("tp under pp: %s", msg)
+    for msg in tp_notes:
+        log.info("tp under pp: %s", msg)
     # modules whose forward is container code (the root, ancestors of stage units): it runs on
     # every stage and stops where the stage's work ends
     container = {""} | {n for n, _ in model.named_modules() if n and any(h.startswith(n + ".") for h in heads)}
     if replayer is not None:  # the replay intercepts whatever forwards sharding leaves
         replayer.unwrap()
     params = dict(model.named_parameters(remove_duplicate=False))
-    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan, captured)
+    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan)
     if replayer is not None:
         replayer.rewrap()
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
@@ -233,8 +241,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     return pm
 
 
-def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None,
-           captured: Any = None) -> None:
+def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None) -> None:
     """Step 4 of ``parallelize`` on this rank's part, then the bookkeeping that follows it: TP and
     FSDP replace parameters by DTensors, so the rank's parameter set and its stages' lists are
     rebuilt, and FSDP units that run several microbatches per step are driven by ``StepSync``."""
@@ -242,7 +249,7 @@ def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_pl
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if part is None or id(p) in part.held]
     mesh = pm.layout.mesh
     if mesh is not None:
-        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part, captured=captured)
+        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part)
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload:  # one process: savers only
         from .memory import apply_activation_checkpointing, apply_activation_offload
         from .spmd import find_blocks

@@ -8,6 +8,7 @@ pipeline rank's part (the model with other ranks' parameters freed) when pp > 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,7 @@ from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
 from parallel.memory import apply_activation_checkpointing, apply_activation_offload
 from parallel.mesh import dp_mesh
-from parallel.tp.plan import TPPlan, apply_tp, find_block_lists
-from parallel.tp.verify import CapturedInputs, verify_and_apply
+from parallel.tp.plan import TPPlan, apply_plan, apply_tp, find_block_lists, head_divisions
 
 log = logging.getLogger("parallel.spmd")
 
@@ -54,16 +54,14 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, example_inputs: Any = None, *,
                      plan: TPPlan | None = None, blocks: list[nn.Module] | None = None,
-                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None,
-                     captured: CapturedInputs | None = None) -> Sharded:
+                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None) -> Sharded:
     """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in place.
 
     ``mesh``: the 4-D mesh of ``parallel.mesh.build_mesh`` (or any mesh with dims named tp,
     dp_replicate, dp_shard). ``example_inputs`` (on the model's device, or meta for a meta model)
     let the TP planner see the dataflow; not needed when ``plan`` is given or tp == 1. ``part``:
-    this pipeline rank's part (pp > 1); ``plan`` is then the whole model's TP plan restricted to
-    the part (``stage_plan``), checked unit by unit on ``captured`` (its inputs in the whole
-    model's example forward, ``tp.capture_inputs``), and FSDP shards the part's units only."""
+    this pipeline rank's part (pp > 1); ``plan`` is then the whole model's checked TP plan
+    restricted to the part (``stage_plan``), and FSDP shards the part's units only."""
     blocks = find_blocks(model) if blocks is None else blocks
     if part is not None:  # a pipeline rank: only the blocks it holds
         blocks = [b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())]
@@ -75,12 +73,9 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
             out.tp_plan = apply_tp(model, mesh["tp"], example_inputs, plan=plan,
                                    sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel,
                                    seq_dim=seq_dim)
-        else:  # the plan was read off the whole model's dataflow before the split
-            out.tp_plan = verify_and_apply(model, plan, mesh["tp"], captured or CapturedInputs(skipped="not captured"),
-                                           sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim)
-            for line in out.tp_plan.log:
-                if "left replicated" in line:
-                    log.warning("tp under pp: %s", line)
+        else:  # read off and checked on the whole model before the split (``stage_plan``)
+            ctx = apply_plan(model, plan, mesh["tp"], sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim)
+            out.tp_plan = dataclasses.replace(plan, log=ctx.log)
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
     apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
@@ -133,25 +128,36 @@ def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any)
     return discover_plan(model, cfg.tp, example_inputs=example_inputs, sequence_parallel=cfg.sequence_parallel)
 
 
-def stage_plan(plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
+def stage_plan(model: nn.Module, plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
     """The part of the whole-model ``plan`` that this pipeline rank applies: entries whose modules
     are held by this rank alone. A pair whose column and row halves sit on different pipeline
     ranks (or on several) is left replicated, so every tensor crossing a cut is a plain,
-    replicated tensor. Returns the stage plan and notes on what was dropped."""
+    replicated tensor. Returns the stage plan and notes on what was dropped.
+
+    The head counts of every pair that some rank shards are divided on every rank: a block cut by
+    the pipeline runs its attention's own code on each stage up to the cut, and on the stages
+    that do not hold the projections it reads stand-ins shaped like their sharded outputs. Needs
+    ``model``'s unsharded weights (call it before other ranks' parameters are freed)."""
+    def holders(mod: str) -> set[int]:
+        return {r for n, rs in rank_of.items() if n == mod or n.startswith(mod + ".") for r in rs}
+
     def only_mine(mod: str) -> bool:
-        holders = {r for n, rs in rank_of.items() if n == mod or n.startswith(mod + ".") for r in rs}
-        return holders == {me}
+        return holders(mod) == {me}
 
     out, notes = TPPlan(log=list(plan.log)), []
+    sharded: set[int] = set()  # pairs that one rank holds whole (and shards)
     for gid, (srcs, sink) in plan.pairs().items():
         mods = srcs + [sink]
-        holders = [only_mine(m) for m in mods]
-        if all(holders):
+        who = [holders(m) for m in mods]
+        if len(who[0]) == 1 and all(h == who[0] for h in who):
+            sharded.add(gid)
+        if all(h == {me} for h in who):
             for m in mods:
                 out.entries[m] = plan.entries[m]
             out.owners[gid] = plan.owners[gid]
-        elif any(holders):
+        elif any(h == {me} for h in who):
             notes.append(f"pair {srcs} -> {sink} is cut by the pipeline: left replicated")
+    out.divide = head_divisions(model, plan, sharded)
     for n, e in plan.entries.items():
         if e.group < 0 and e.role != "replicate" and only_mine(n):
             out.entries[n] = e

@@ -46,6 +46,10 @@ class TPPlan:
     owners: dict[int, str] = field(default_factory=dict)  # pair id -> module owning its head counts
     regions: list[tuple[str, str]] = field(default_factory=list)  # SP: (first block, last block)
     log: list[str] = field(default_factory=list)
+    # (module, attribute) head counts / sizes to divide by tp; None: those of ``entries``' pairs
+    # (``head_divisions``). A pipeline rank's stage plan lists other ranks' pairs too: their
+    # owners' code is replayed there on stand-ins shaped like the sharded outputs
+    divide: list[tuple[str, str]] | None = None
 
     def pairs(self) -> dict[int, tuple[list[str], str]]:
         out: dict[int, tuple[list[str], str]] = {}
@@ -350,6 +354,35 @@ def _gather_point(plan: TPPlan, gid: int, srcs: list[str]) -> str | None:
     return top if len(srcs) > 1 and top not in srcs else None
 
 
+def head_divisions(model: nn.Module, plan: TPPlan, groups: set[int] | None = None) -> list[tuple[str, str]]:
+    """(module, attribute) pairs that sharding ``plan``'s pairs (those in ``groups``; None: all)
+    divides by tp: every head count (``HEAD_ATTRS``) in each pair owner's subtree, and every size
+    attribute (``SIZE_ATTRS``) equal to the width of one block of the pair's first source. Reads
+    the sources' widths, so it needs the unsharded weights."""
+    mods = dict(model.named_modules())
+    pairs = plan.pairs()
+    out: list[tuple[str, str]] = []
+    done: set[tuple[int, str]] = set()  # a module under several names is divided once
+    for gid, owner in plan.owners.items():
+        if groups is not None and gid not in groups:
+            continue
+        srcs, _ = pairs[gid]
+        width = linear_kind(mods[srcs[0]]).out_features(mods[srcs[0]]) // plan.entries[srcs[0]].blocks
+        for mn, m in mods.items():
+            if not (mn == owner or (owner and mn.startswith(owner + "."))):
+                continue
+            if plan.entries.get(mn, TPEntry("")).role.startswith("rule:"):
+                continue
+            for attr in (*HEAD_ATTRS, *SIZE_ATTRS):
+                v = getattr(m, attr, None)
+                if not isinstance(v, int) or isinstance(v, bool) or (id(m), attr) in done:
+                    continue
+                if attr in HEAD_ATTRS or v == width:
+                    out.append((mn, attr))
+                    done.add((id(m), attr))
+    return out
+
+
 def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False,
                loss_parallel: bool = False, seq_dim: int = 1, quiet: bool = False) -> TPContext:
     """Shard ``model`` in place following ``plan``; returns the context (with its log). ``quiet``:
@@ -359,25 +392,9 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
     for msg in plan.log:
         ctx.note(msg)
     mods = dict(model.named_modules())
-    # head counts first (validated by discover_plan): the owner of each pair and its subtree
-    done: set[tuple[int, str]] = set()
-    for gid, owner in plan.owners.items():
-        for mn, m in mods.items():
-            if mn == owner or (owner and mn.startswith(owner + ".")):
-                if plan.entries.get(mn, TPEntry("")).role.startswith("rule:"):
-                    continue
-                srcs, _ = plan.pairs()[gid]
-                width = linear_kind(mods[srcs[0]]).out_features(mods[srcs[0]]) // plan.entries[srcs[0]].blocks
-                for attr in HEAD_ATTRS:
-                    v = getattr(m, attr, None)
-                    if isinstance(v, int) and not isinstance(v, bool) and (id(m), attr) not in done:
-                        ctx.divide_attr(m, attr)
-                        done.add((id(m), attr))
-                for attr in SIZE_ATTRS:
-                    v = getattr(m, attr, None)
-                    if isinstance(v, int) and not isinstance(v, bool) and v == width and (id(m), attr) not in done:
-                        ctx.divide_attr(m, attr)
-                        done.add((id(m), attr))
+    # head counts first (validated by discover_plan)
+    for mn, attr in plan.divide if plan.divide is not None else head_divisions(model, plan):
+        ctx.divide_attr(mods[mn], attr)
     groups: dict[int, object] = {}
     ready: set[str] = set()  # SP: colwise sources whose input a parent gathers
     lists = [first.rpartition(".")[0] + "." for first, _ in plan.regions]

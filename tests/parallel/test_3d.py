@@ -9,8 +9,8 @@ steps, on the rag_mm reader and Hugging Face GPT-2 (tied embeddings across the c
   a region of its own, so tensors crossing the cut are whole); HSDP (dp_replicate=2 x dp_shard=2)
   under pp=2 in the slow grid.
 
-Layouts that cannot work fail before training. (uniform partitions where TP is on: the auto one
-follows measured times, and may leave a stage with nothing to shard.)"""
+Layouts that cannot work fail before training. (uniform or manual partitions where TP is on: the
+auto one follows measured times, and may leave a stage with nothing to shard.)"""
 
 from __future__ import annotations
 
@@ -65,7 +65,10 @@ def test_fsdp_under_pipeline_matches_one_process():
 
 PP_TP_DP = [("reader", dict(pp=2, tp=2, dp_shard=2, partition="uniform")),
             ("llama", dict(pp=2, tp=2, dp_shard=2, partition="uniform", sequence_parallel=True)),
-            ("gpt2", dict(pp=2, tp=2, dp_shard=2, partition="uniform", schedule="zero_bubble"))]
+            # a block cut into units, all on stage 0: stage 1 replays its attention's own code on
+            # stand-ins shaped like stage 0's sharded projections (its head sizes divided too)
+            ("gpt2", dict(pp=2, tp=2, dp_shard=2, schedule="zero_bubble",
+                          split=[["transformer.h.1.attn.c_attn"], ["transformer.h.2"]]))]
 
 
 @pytest.mark.multirank
@@ -111,12 +114,38 @@ def test_3d_layout_errors_before_training():
 def test_stage_plan_cuts_sequence_parallel_regions_per_run_of_held_blocks():
     """Each run of consecutive blocks a pipeline rank holds is a region of its own: one per stage
     under 1F1B, one per virtual stage under an interleaved schedule."""
+    from torch import nn
+
     from parallel.spmd import stage_plan
     from parallel.tp.plan import TPPlan
 
     plan = TPPlan(regions=[("h.0", "h.5")])
     one_f_one_b = {f"h.{i}": {0 if i < 3 else 1} for i in range(6)}
-    assert stage_plan(plan, one_f_one_b, 1)[0].regions == [("h.3", "h.5")]
+    assert stage_plan(nn.Module(), plan, one_f_one_b, 1)[0].regions == [("h.3", "h.5")]
     interleaved = {f"h.{i}": {(i // 2) % 2} for i in range(6)}  # stages 0..2 of 2 blocks, ranks 0 1 0
-    assert stage_plan(plan, interleaved, 0)[0].regions == [("h.0", "h.1"), ("h.4", "h.5")]
-    assert stage_plan(plan, interleaved, 1)[0].regions == [("h.2", "h.3")]
+    assert stage_plan(nn.Module(), plan, interleaved, 0)[0].regions == [("h.0", "h.1"), ("h.4", "h.5")]
+    assert stage_plan(nn.Module(), plan, interleaved, 1)[0].regions == [("h.2", "h.3")]
+
+
+def test_stage_plan_divides_head_sizes_of_pairs_other_ranks_shard():
+    """Every pipeline rank divides the head sizes of each pair that one rank shards (its owner's
+    code may be replayed on stand-ins of the sharded outputs there); a pair cut by the pipeline
+    stays whole everywhere."""
+    from parallel import ParallelConfig
+    from parallel.spmd import discover_tp_plan, stage_plan
+
+    torch.manual_seed(0)
+    model, inputs = tp_cases.factory("gpt2")
+    plan = discover_tp_plan(model, ParallelConfig(pp=2, tp=2), inputs)
+    # blocks 0 and 1 on rank 0, 2 and 3 on rank 1, except block 1's c_proj (its attention pair is cut)
+    rank_of = {n: {0 if int(n.split(".")[2]) < 2 else 1} for n, _ in model.named_parameters() if ".h." in n}
+    rank_of.update({n: {1} for n in rank_of if n.startswith("transformer.h.1.attn.c_proj.")})
+    for me in (0, 1):
+        part, notes = stage_plan(model, plan, rank_of, me)
+        divided = {m for m, a in part.divide if a == "split_size"}
+        assert divided == {"transformer.h.0.attn", "transformer.h.2.attn", "transformer.h.3.attn"}, (me, divided)
+        assert {(m, "num_heads") for m in divided} <= set(part.divide)
+        owned = {o for o in part.owners.values()}
+        assert owned == ({"transformer.h.0.attn", "transformer.h.0.mlp", "transformer.h.1.mlp"} if me == 0 else
+                         {"transformer.h.2.attn", "transformer.h.2.mlp", "transformer.h.3.attn", "transformer.h.3.mlp"})
+        assert any("transformer.h.1.attn.c_attn" in n and "cut by the pipeline" in n for n in notes), notes

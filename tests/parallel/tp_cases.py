@@ -279,8 +279,17 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
         if isinstance(mod, torch.nn.Dropout):
             mod.p = 0.0
     ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
+    cfg_kw = dict(cfg_kw)
+    split = cfg_kw.pop("split", None)  # module names where a stage begins: a manual partition
     cfg = parallel.ParallelConfig(**({"microbatches": m, "schedule": "1f1b"} | cfg_kw))
-    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    partition = None
+    if split is not None:
+        from parallel.inputs import split_microbatches
+        from parallel.partition import auto_partition
+
+        partition = auto_partition(model, split_microbatches(inputs, m)[0], cfg.pp, manual=split, passes=1)
+        model.zero_grad(set_to_none=True)  # tracing ran backward passes
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60, partition=partition)
     res = dict(pp_rank=pm.pp_rank, losses=[], err=0.0, n=0, dtensors=[], names=[],
                fsdp_units=len(pm.sharded.fsdp_units))
     for step in range(2):
