@@ -269,9 +269,21 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
         units[i:i + 1] = b.expand(units[i])
 
+    def settle(units: list[Unit], bounds: list[int], best: float, tol: float) -> tuple[list[Unit], list[int], float]:
+        """Merge back what lies on one stage (``_coarsen``: the other stages no longer replay its
+        own code) and solve again on the merged units, until nothing merges."""
+        while True:
+            merged, _ = _coarsen(b, units, _stage_of_units(bounds))
+            if len(merged) == len(units):
+                return units, bounds, best
+            units = merged
+            bounds, best = minmax_partition(_costs(units, trace, cfg, k, policy), k, cap,
+                                            _forbidden_cuts(units, trace, policy), tolerance=tol)
+
     # phase B: solve; descend into the bottleneck (or an over-cap unit) while that helps. A finer
     # cut is not always better: the expanded container's own code is replayed on every later
-    # stage (cost.py), so keep the best unit sequence seen.
+    # stage that does not hold it whole (cost.py), so each candidate is scored after merging back
+    # what its solution leaves on one stage, and the best settled sequence seen is kept.
     best_units: list[Unit] | None = None
     best_cost = float("inf")
     for _ in range(REFINE_ROUNDS):
@@ -291,8 +303,9 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             i = max(cand, key=lambda j: costs.unit_memory(j))
             units[i:i + 1] = b.expand(units[i])
             continue
-        if best < best_cost * (1 - 1e-9):
-            best_units, best_cost = list(units), best
+        settled, _, settled_best = settle(list(units), bounds, best, 0.0)
+        if settled_best < best_cost * (1 - 1e-9):
+            best_units, best_cost = settled, settled_best
         # ideal: the units spread evenly, each stage also replaying all container code
         replay = costs.PS[-1] * (k - 1) / costs.total_time
         ideal = ((1 - cfg.memory_weight) * (1 + replay) + cfg.memory_weight
@@ -320,8 +333,9 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
     if best_units is not None:
         units = best_units
     costs = _costs(units, trace, cfg, k, policy)
-    bounds, _ = minmax_partition(costs, k, cap, _forbidden_cuts(units, trace, policy), tolerance=COMM_TOLERANCE)
-    return units, costs, bounds
+    bounds, best = minmax_partition(costs, k, cap, _forbidden_cuts(units, trace, policy), tolerance=COMM_TOLERANCE)
+    units, bounds, _ = settle(units, bounds, best, COMM_TOLERANCE)
+    return units, _costs(units, trace, cfg, k, policy), bounds
 
 
 def _stage_of_units(bounds: Sequence[int]) -> list[int]:
@@ -329,6 +343,36 @@ def _stage_of_units(bounds: Sequence[int]) -> list[int]:
     for s in range(len(bounds) - 1):
         out.extend([s] * (bounds[s + 1] - bounds[s]))
     return out
+
+
+def _coarsen(b: UnitBuilder, units: list[Unit], unit_stage: list[int]) -> tuple[list[Unit], list[int]]:
+    """Merge back each expanded module whose units all sit, in one run, on one stage (the search
+    expands modules to balance the stages, and most expansions end up wholly on one side of every
+    cut). Placement is unchanged; what changes is the replay: the other stages intercept the whole
+    module as one call instead of running its own code (a block's attention, say) on stand-ins.
+    Only modules whose whole subtree runs inside their one call merge (a child the wrapper calls
+    first stays a unit of its own). Deepest modules first, so merges cascade up in one pass."""
+    mods = b.mods
+
+    def depth(name: str) -> int:
+        return name.count(".") + 1 if name else 0
+
+    expanded = sorted({u.module for u in units if u.kind == "self" and u.module}, key=depth, reverse=True)
+    for name in expanded:
+        top = mods[name]
+        if top.calls != 1:
+            continue
+        sub = set(b.subtree(name))
+        if any(mods[m].calls and (mods[m].first_seq < top.first_seq or mods[m].last_seq > top.last_seq)
+               for m in sub):
+            continue
+        idx = [j for j, v in enumerate(units) if v.module in sub]
+        lo, hi = idx[0], idx[-1]
+        if hi - lo + 1 != len(idx) or len(set(unit_stage[lo:hi + 1])) != 1:
+            continue
+        units = units[:lo] + [b.module_unit(name)] + units[hi + 1:]
+        unit_stage = unit_stage[:lo] + [unit_stage[lo]] + unit_stage[hi + 1:]
+    return units, unit_stage
 
 
 def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: list[int], costs: StageCosts,
@@ -437,20 +481,23 @@ def partition_trace(
 
     ``manual`` overrides the search: a list of ``num_stages - 1`` module names where a new stage
     begins (like torch pipelining's ``SplitPoint.BEGINNING``), or ``num_stages`` lists of module
-    names per stage (units outside every list follow the unit before them)."""
+    names per stage (units outside every list follow the unit before them). A manual partition
+    keeps every unit its names ask for; the search's merges back what it expanded on one stage
+    (``_coarsen``)."""
     if shared not in ("replicate", "colocate"):
         raise ValueError("shared must be 'replicate' or 'colocate'")
     cfg = _make_config(num_stages, objective, memory_cap_bytes, cost_config, memory_weight, schedule,
                        microbatches, stages_per_rank)
     if manual is not None:
         return _manual(trace, num_stages, cfg, objective, shared, manual)
-    units, costs, bounds = _refine(trace, num_stages, cfg, shared)
-    part = _assemble("auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared)
+    def solve(c: CostConfig) -> Partition:
+        units, costs, bounds = _refine(trace, num_stages, c, shared)
+        return _assemble("auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared)
+
+    part = solve(cfg)
     if cfg.memory_cap is not None and cfg.stages_per_rank > 1 and part.max_memory > cfg.memory_cap:
         # several stages share a rank: solve again with the cap split between them
-        per_stage = dataclasses.replace(cfg, memory_cap=cfg.memory_cap / cfg.stages_per_rank)
-        units, costs, bounds = _refine(trace, num_stages, per_stage, shared)
-        part = _assemble("auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared)
+        part = solve(dataclasses.replace(cfg, memory_cap=cfg.memory_cap / cfg.stages_per_rank))
         if part.max_memory > cfg.memory_cap:
             raise InfeasiblePartition(f"no placement keeps every rank under {cfg.memory_cap / 2**20:.1f} MiB")
     return part

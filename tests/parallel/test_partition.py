@@ -48,6 +48,21 @@ def exact_optimum(part: parallel.Partition) -> tuple[float, float]:
     return got, D[k][n]
 
 
+def check_settled(tr: TraceResult, part: parallel.Partition) -> None:
+    """No module the search expanded lies whole on one stage, where the other stages would replay
+    its own code on stand-ins instead of skipping its call (unless a child runs outside its call)."""
+    for u in part.units:
+        if u.kind != "self" or not u.module or tr.modules[u.module].calls != 1:
+            continue
+        top = tr.modules[u.module]
+        sub = [m for m in tr.modules if m == u.module or m.startswith(u.module + ".")]
+        if any(tr.modules[m].calls and not top.first_seq <= tr.modules[m].first_seq <= tr.modules[m].last_seq
+               <= top.last_seq for m in sub):
+            continue
+        stages = {s for v, s in zip(part.units, part.unit_stage) if v.module in sub}
+        assert len(stages) > 1, f"{u.module} expanded although all its units are on stage {stages}"
+
+
 def check_complete(model: nn.Module, part: parallel.Partition) -> None:
     """Every module and every parameter name (aliases included) has a stage."""
     for name, _ in model.named_modules(remove_duplicate=False):
@@ -155,6 +170,7 @@ def test_auto_partition_every_model(name, tmp_path):
     assert got <= 1.05 * best, f"{name}: largest stage {got:.4f} vs optimum {best:.4f}"
     # every unit belongs to one stage, in execution order
     assert part.unit_stage == sorted(part.unit_stage)
+    check_settled(tr, part)
     text = part.table()
     assert "stage" in text and len(text.splitlines()) >= 4 + 3
     path = tmp_path / "partition.json"
