@@ -24,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -44,6 +47,9 @@ class Cluster:
     # peak dense FLOP/s of one device per compute dtype ("fp32", "bf16")
     peak_flops: dict[str, float] = field(default_factory=lambda: {"fp32": 19.5e12, "bf16": 312e12})
     compute_efficiency: float = 0.5  # fraction of peak a training step achieves on its matmuls (MFU)
+    # share of one device's compute each rank gets: 1 on accelerators; cores / ranks where CPU
+    # ranks outnumber the cores they run on and time-share them
+    rank_share: float = 1.0
     intra_bandwidth: float = 300e9  # per device, to another device of its node (NVLink / NVSwitch)
     intra_latency_s: float = 5e-6  # per step of a collective inside a node
     inter_bandwidth: float = 50e9  # per node: all its network adapters together
@@ -63,8 +69,17 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def flops_per_s(self, dtype: str) -> float:
-        """Achieved FLOP/s of one device in ``dtype``: peak x efficiency."""
-        return self.peak_flops[dtype] * self.compute_efficiency
+        """Achieved FLOP/s of one rank in ``dtype``: peak x efficiency x its share of the device."""
+        return self.peak_flops[dtype] * self.compute_efficiency * self.rank_share
+
+    def with_model_rate(self, flops_per_s: float, dtype: str = "fp32") -> Cluster:
+        """This cluster with the efficiency of one model's measured FLOP rate on one device of it
+        (``measure_model``): small models run their matmuls well below the rate a large matmul
+        reaches, and do elementwise work a FLOP count barely sees."""
+        if flops_per_s <= 0:
+            raise ValueError(f"a model's FLOP rate must be positive (got {flops_per_s})")
+        eff = flops_per_s / self.peak_flops[dtype]
+        return dataclasses.replace(self, name=f"{self.name}, model efficiency {eff:.2f}", compute_efficiency=eff)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> Cluster:
@@ -164,14 +179,39 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps:
     dist.destroy_process_group()
 
 
+def measure_model(step: Callable[[int], Any], flops_per_sample: float, batches: Sequence[int] = (1, 8),
+                  reps: int = 3) -> tuple[float, float]:
+    """(FLOP/s, seconds of fixed overhead per call) of one model on this device: ``step(b)`` runs
+    its forward and backward on ``b`` samples; the median time of ``reps`` runs (after one warm-up)
+    at each batch size is fitted by least squares to ``overhead + flops_per_sample * b / rate``.
+    The overhead is what does not grow with the batch (per-operator dispatch, Python, kernel
+    launches); the planner charges it once per microbatch on every tensor-parallel rank."""
+    if len(set(batches)) < 2:
+        raise ValueError(f"measure_model needs two or more batch sizes (got {list(batches)})")
+    xs, ys = [], []
+    for b in batches:
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            step(b)
+            times.append(time.perf_counter() - t0)
+        xs.append(float(b))
+        ys.append(statistics.median(times[1:]))
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:  # noise larger than the batch's effect: all of it is rate, none overhead
+        return flops_per_sample * mx / my, 0.0
+    return flops_per_sample / slope, max(my - slope * mx, 0.0)
+
+
 def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0.3) -> Cluster:
     """Measure this machine: matmul FLOP/s (fp32, bf16; 512-square, ``seconds`` each, one thread,
     as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes (8 B for
     the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring formula). About 8 s on a
     loaded 2-core host, most of it starting the two processes.
-    Efficiency is 1: the matmul rate is already what a step achieves on its matmuls. With more
-    ranks than the cores this process may run on, ranks time-share the cores: each rank's rate is
-    the measured one times cores / ranks."""
+    Efficiency is 1: the matmul rate is what a step achieves on its matmuls (a model's own rate:
+    ``Cluster.with_model_efficiency``). With more ranks than the cores this process may run on,
+    ranks time-share the cores: ``rank_share`` = cores / ranks."""
     import multiprocessing as mp
     import socket
 
@@ -203,6 +243,6 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1))  # cores per rank, at most 1
     return dataclasses.replace(
-        base, name="local (calibrated)", peak_flops={"fp32": fp32 * share, "bf16": bf16 * share}, compute_efficiency=1.0,
+        base, name="local (calibrated)", peak_flops={"fp32": fp32, "bf16": bf16}, compute_efficiency=1.0, rank_share=share,
         intra_bandwidth=beta, intra_latency_s=alpha, inter_bandwidth=beta, inter_latency_s=alpha,
         device_memory_bytes=float(mem) / base.devices_per_node, host_memory_bytes=float(mem))

@@ -25,7 +25,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
 - time = (m + bubble) x slot + exposed data-parallel communication + offload traffic (m: pipeline
   microbatches, or gradient-accumulation steps without a pipeline), with
   slot = the slowest pipeline rank's compute + TP all-reduces + pipeline sends per microbatch:
-  compute = FLOPs / tp / (peak x efficiency), x 4/3 with checkpointing (the forward again);
+  compute = FLOPs / tp / (peak x efficiency x the rank's share of the device) + a fixed per-call
+  overhead by the stage's share of module calls (not divided by tp), x 4/3 with checkpointing;
   TP: 4 all-reduces per block and microbatch (2 forward, 2 backward; 6 with recompute) of the
   block's output; pipeline: one activation forward and one gradient backward per stage boundary;
   bubble slots: (p - 1) for 1F1B, (p - 1)/v interleaved, (p - 1)/3 zero-bubble with one stage
@@ -39,13 +40,13 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   once, and Adam on the host streaming 28 bytes per fp32 parameter; nothing of it overlapped.
 
 Not modelled: sequence / context parallelism, ZeRO-1/2 (only FSDP's full sharding), the pipeline's
-tied-embedding gradient all-reduce, the optimizer step on the device (memory-bound, small), and
-kernel launch gaps.
+tied-embedding gradient all-reduce, and the optimizer step on the device (memory-bound, small).
 """
 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -58,7 +59,9 @@ from ..cluster import Cluster
 from ..trace import EXTERNAL, TraceResult, trace_model
 from .estimate import SCHEDULE_COST, SCHEDULES, Planner, bubble_slots
 from .report import Layout, Plan
-from .stats import TP_TYPES, ModelStats
+from .stats import TP_TYPES, ModelStats, tp_sharded_params
+
+log = logging.getLogger(__name__)
 
 
 def _samples(example_inputs: Any, trace: TraceResult) -> int:
@@ -96,6 +99,8 @@ def plan_layout(
     tp_across_nodes: bool = False,
     passes: int = 1,
     partition: str = "auto",
+    overhead_s: float = 0.0,
+    trace: TraceResult | None = None,
 ) -> Plan:
     """Rank every layout of ``model_or_trace`` on ``cluster`` (a ``Cluster`` or a preset name)
     for ``global_batch`` samples per step.
@@ -106,18 +111,28 @@ def plan_layout(
     ``tp_divisor``: tp must divide it (attention heads; read from ``model.config`` when it has
     ``num_attention_heads``). ``partition``: how pipeline stages are balanced: "search" (the
     partitioner's full search), "layers" (min-max over the layer list), "auto" (search up to
-    FULL_SEARCH_MODULES modules). The result's ``estimate(...)`` models any other layout."""
+    FULL_SEARCH_MODULES modules). ``overhead_s``: fixed seconds of one forward + backward of the
+    whole model that do not grow with the batch (``cluster.measure_model``; 0 on GPU presets),
+    charged per microbatch by each stage's share of the module calls. ``trace``: the model's trace
+    when it was already taken. The result's
+    ``estimate(...)`` models any other layout."""
     t0 = time.perf_counter()
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
+    tp_sharded = None
     if isinstance(model_or_trace, TraceResult):
         trace = model_or_trace
     else:
-        trace = trace_model(model_or_trace, example_inputs, passes=passes)
+        trace = trace or trace_model(model_or_trace, example_inputs, passes=passes)
         if tp_divisor is None:
             tp_divisor = getattr(getattr(model_or_trace, "config", None), "num_attention_heads", None)
+        try:  # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
+            smallest = next((d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2)
+            tp_sharded = tp_sharded_params(model_or_trace, trace, smallest)
+        except ValueError as e:
+            log.info("planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded", e)
     samples = trace_samples or _samples(example_inputs, trace)
-    planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition)
+    planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded)
     layouts = planner.enumerate(schedules, precisions, checkpointing, offload, tp_across_nodes)
     layouts.sort(key=lambda lay: (not lay.fits, lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf))
     numel = sum(n for _, n in trace.param_sizes.values())

@@ -50,8 +50,10 @@ def bubble_slots(schedule: str, p: int, v: int) -> float:
 
 class Planner:
     def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
-                 tp_divisor: int | None, partition: str):
-        self.stats = ModelStats(trace, samples)
+                 tp_divisor: int | None, partition: str, overhead_s: float = 0.0,
+                 tp_sharded: set[str] | None = None):
+        self.stats = ModelStats(trace, samples, tp_sharded)
+        self.overhead_s = overhead_s  # fixed seconds per microbatch forward+backward of the whole model
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
         # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings
         self.flops_trace = dataclasses.replace(trace, timed=False)
@@ -93,9 +95,11 @@ class Planner:
             if self.trace.param_alias.get(p, p) == p:
                 for s in stages:
                     held[s].append(p)
+        # a parameter on several stages (tied embeddings) is replicated there: TP leaves it whole
+        several = {p for p in set().union(*map(set, held)) if sum(p in h for h in held) > 1}
         out = []
         for s, rep in enumerate(part.stages):
-            ps = st.part(mods[s], held[s], rep.compute_time * cfg.flops_per_s)  # replayed container code included
+            ps = st.part(mods[s], held[s], rep.compute_time * cfg.flops_per_s, several)  # replayed container code included
             ps.param_bytes = float(rep.param_bytes)
             ps.cut_in, ps.cut_out = float(rep.comm_in), float(rep.comm_out)
             out.append(ps)
@@ -186,8 +190,12 @@ class Planner:
             if total > best_mem:
                 best_mem, mem_parts, host_peak = total, m, host
             # per microbatch on this rank
-            fl = sum(parts[s].flops for s in mine) * scale / tp * (RECOMPUTE if activation_checkpointing else 1.0)
-            t_c = fl / rate
+            redo = RECOMPUTE if activation_checkpointing else 1.0
+            fl = sum(parts[s].flops for s in mine) * scale / tp * redo
+            # the fixed per-call overhead: the stage's share of the model's module calls, on every
+            # tp rank whole (each runs every operator of its shard)
+            oh = self.overhead_s * sum(parts[s].calls for s in mine) / max(st.whole.calls, 1) * redo
+            t_c = fl / rate + oh
             nb = sum(parts[s].blocks for s in mine)
             t_tp = 0.0
             if tp > 1 and nb:

@@ -33,12 +33,15 @@ class PartStats:
     block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
     cut_out: float = 0.0  # bytes sent per trace batch at its last cut
+    calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
 
 
 class ModelStats:
     """Per-module quantities of a trace, summed over any set of modules in O(set size)."""
 
-    def __init__(self, trace: TraceResult, samples: int):
+    def __init__(self, trace: TraceResult, samples: int, tp_sharded: set[str] | None = None):
+        """``tp_sharded``: the canonical parameters tensor parallel shards (``tp_sharded_params``);
+        None: the weights of ``TP_TYPES`` modules."""
         self.trace, self.samples = trace, samples
         mods = trace.modules
         self.blocks: dict[str, set[str]] = {}  # block name -> its subtree
@@ -48,7 +51,8 @@ class ModelStats:
                     sum(1 for c in parent.children if mods[c].calls) >= 2:
                 self.blocks[name] = self._subtree(name)
         self.block_of = {m: b for b, sub in self.blocks.items() for m in sub}
-        self.tp_param = {p: mods[o].type in TP_TYPES for p, o in trace.param_owner.items()}
+        self.tp_param = {p: (p in tp_sharded) if tp_sharded is not None else mods[o].type in TP_TYPES
+                         for p, o in trace.param_owner.items()}
         self.param_bytes = float(sum(b for b, _ in trace.param_sizes.values()))
         numel = sum(n for _, n in trace.param_sizes.values())
         self.elt = self.param_bytes / numel if numel else 4.0  # bytes per element of the trace's dtype
@@ -66,18 +70,23 @@ class ModelStats:
             stack.extend(self.trace.modules[m].children)
         return out
 
-    def part(self, modules: Iterable[str], params: Iterable[str], flops: float) -> PartStats:
+    def part(self, modules: Iterable[str], params: Iterable[str], flops: float,
+             replicated: set[str] = frozenset()) -> PartStats:
+        """Statistics of ``modules`` holding ``params``; ``replicated``: parameters tensor parallel
+        leaves whole here (held by several pipeline stages)."""
         mods = self.trace.modules
         modules = set(modules)
         s = PartStats(flops=flops)
         sizes = self.trace.param_sizes
         params = list(params)
+        tp_param = {p: self.tp_param.get(p, False) and p not in replicated for p in params}
         for p in params:
             s.param_bytes += sizes[p][0]
-            s.tp_param_bytes += sizes[p][0] if self.tp_param.get(p) else 0
+            s.tp_param_bytes += sizes[p][0] if tp_param[p] else 0
         whole = {b for b, sub in self.blocks.items() if b in modules and sub <= modules}
         for m in modules:
             node = mods[m]
+            s.calls += node.calls
             rep = any(k in node.type for k in REPLICATED_ACT)
             s.act += node.saved_bytes
             s.act_rep += node.saved_bytes if rep else 0
@@ -97,11 +106,40 @@ class ModelStats:
             pb = sum(sizes[p][0] for p in own)
             if pb > s.block_param:
                 s.block_param = float(pb)
-                s.block_tp_param = float(sum(sizes[p][0] for p in own if self.tp_param.get(p)))
+                s.block_tp_param = float(sum(sizes[p][0] for p in own if tp_param.get(p, self.tp_param.get(p))))
             s.blocks += 1
             s.block_out += node.out_bytes
         for p in params:
             if p not in in_blocks:
                 s.outside_param += sizes[p][0]
-                s.outside_tp_param += sizes[p][0] if self.tp_param.get(p) else 0
+                s.outside_tp_param += sizes[p][0] if tp_param[p] else 0
         return s
+
+
+def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
+    """Canonical names of the parameters ``parallel.tp`` shards in ``model`` (its plan read off
+    ``trace``'s dataflow): column-parallel weights and biases, row-parallel weights (their biases
+    are added once, whole), vocabulary-parallel embeddings and LM heads, and the linear layers
+    under a module rule. Tied parameters, norms, position embeddings stay whole."""
+    from ..tp.plan import discover_plan
+    from ..tp.registry import linear_kind
+
+    plan = discover_plan(model, tp, trace=trace, read_layouts=False)
+    mods = dict(model.named_modules())
+    def join(*parts: str) -> str:
+        return ".".join(x for x in parts if x)
+
+    out: set[str] = set()
+    for n, e in plan.entries.items():
+        m = mods[n]
+        if e.role in ("colwise", "vocab_embedding", "lm_head"):
+            names = [join(n, k) for k, _ in m.named_parameters(recurse=False)]
+        elif e.role == "rowwise":
+            names = [join(n, "weight")]
+        elif e.role.startswith("rule:"):
+            names = [join(n, c, k) for c, sub in m.named_modules() if linear_kind(sub) is not None
+                     for k, _ in sub.named_parameters(recurse=False)]
+        else:
+            continue
+        out.update(trace.param_alias.get(p, p) for p in names)
+    return out

@@ -356,6 +356,14 @@ def planner_partition(plan, k: int) -> dict | None:
     return part.to_dict()
 
 
+def model_step(m: dict, model, batch: int) -> None:
+    """One forward + backward of ``model`` on ``batch`` samples (gradients cleared after)."""
+    inputs, target = make_batch(m, batch)
+    loss_fn, _ = loss_fns(m)
+    loss_fn(model(**inputs), target).backward()
+    model.zero_grad(set_to_none=True)
+
+
 def achieved_flops(m: dict, flops_per_sample: float, batch: int, reps: int = 3) -> dict:
     """Forward + backward of the whole model on ``batch`` sequences in this process (one thread):
     the model's FLOPs (the planner's count) / the median time."""
@@ -453,7 +461,9 @@ def model_dims(kind: str, a: argparse.Namespace) -> dict:
 
 
 def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
+    from parallel.cluster import measure_model
     from parallel.planner import plan_layout
+    from parallel.trace import trace_model
 
     names = list(specs)
     m = model_dims(kind, a)
@@ -462,14 +472,23 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     trace_batch = 2
     example, _ = make_batch(m, trace_batch)
     t0 = time.perf_counter()
+    trace = trace_model(model, example, passes=1)
+    flops_per_sample = trace.modules[""].flops / trace_batch
+    overhead_s = 0.0
+    if a.efficiency == "model":  # the model's own rate and per-call overhead, one process, one thread
+        rate, overhead_s = measure_model(functools.partial(model_step, m, model), flops_per_sample,
+                                         batches=(1, a.global_batch // a.world))
+        cluster = cluster.with_model_rate(rate)
+        log(f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the matmul rate), "
+            f"{overhead_s * 1e3:.1f} ms fixed per forward + backward")
     # tp must divide the attention heads (the reader's ViT has vision_width / 32 heads: 4 here)
     tp_div = m["heads"] if kind == "reader" else None
     plan = plan_layout(model, example, cluster, global_batch=a.global_batch, schedules=("1f1b",),
-                       precisions=("fp32",), checkpointing=(False,), offload=(False,), tp_divisor=tp_div)
+                       precisions=("fp32",), checkpointing=(False,), offload=(False,), tp_divisor=tp_div,
+                       overhead_s=overhead_s, trace=trace)
     plan_s = time.perf_counter() - t0
     del model
     stats = plan.planner.stats
-    flops_per_sample = stats.flops / stats.samples
     log(f"{kind}: {numel / 1e6:.2f} M parameters, planned in {plan_s:.1f} s")
     preds, parts, skipped = {}, {}, {}
     for n, s in specs.items():
@@ -564,6 +583,8 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     rho = spearman(p_t, m_t)
     return {
         "model": model_info(m, numel, a, flops_per_sample),
+        "compute_model": {"efficiency": a.efficiency, "compute_efficiency": round(cluster.compute_efficiency, 4),
+                          "overhead_s_per_fwd_bwd": round(overhead_s, 5)},
         "median_relative_error": round(statistics.median(rel), 4) if rel else None,
         "spearman_rho": round(rho, 4) if rho is not None else None,
         "first_choice": first_choice(ok, p_t, m_t),
@@ -603,6 +624,9 @@ def main() -> None:
     ap.add_argument("--partition", choices=("planner", "auto"), default="planner",
                     help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
     ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
+    ap.add_argument("--efficiency", choices=("model", "matmul"), default="model",
+                    help="compute rate: the model's own, with its fixed per-call overhead (measured at batch 1 "
+                         "and the per-rank batch), or the calibrated 512-square matmul rate")
     ap.add_argument("--json", default="", help="also write the JSON here")
     a = ap.parse_args()
 

@@ -226,3 +226,47 @@ def test_plan_1000_modules_on_128_devices():
           f"in {dt:.1f} s (trace included)")
     assert plan.best is not None and len(plan.layouts) > 1000
     assert any(lay.pp > 1 and lay.fits for lay in plan.layouts)
+
+
+def test_tp_memory_follows_the_tp_plan_not_module_types():
+    """Given the model, the planner counts what ``parallel.tp`` shards: GPT-2's column-parallel
+    weights and biases and row-parallel weights, not its tied token embedding, position
+    embedding, norms or row-parallel biases."""
+    from tests.parallel.partition_models import MODELS
+
+    from parallel.planner.stats import tp_sharded_params
+
+    torch.manual_seed(0)
+    model, inputs = MODELS["gpt2"]()
+    tr = trace_model(model, inputs, passes=1)
+    got = tp_sharded_params(model, tr)
+    want = {f"transformer.h.{i}.{m}" for i in range(4) for m in
+            ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+             "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")}
+    assert got == want, sorted(got ^ want)
+    plan = plan_layout(model, inputs, cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,),
+                       offload=(False,), trace=tr)
+    lay = plan.estimate(pp=1, tp=2, dp_replicate=2, dp_shard=1, mixed_precision="fp32")
+    params = dict(model.named_parameters())
+    total = sum(p.numel() * 4 for p in params.values())
+    assert lay.memory["params"] == pytest.approx(total - sum(params[n].numel() * 4 for n in want) / 2)
+
+
+def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(toy):
+    from parallel.cluster import measure_model
+
+    # a step of 5 ms fixed + 2 ms per sample: the fit finds both
+    rate, overhead = measure_model(lambda b: time.sleep(0.005 + 0.002 * b), 1e6, batches=(1, 4, 8), reps=2)
+    assert overhead == pytest.approx(0.005, rel=0.3) and rate == pytest.approx(1e6 / 0.002, rel=0.2)
+    model, ids, tr = toy
+    plain = plan_layout(tr, (ids,), cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,))
+    slow = plan_layout(tr, (ids,), cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,),
+                       overhead_s=0.01)
+    for tp, m in ((1, 1), (2, 2), (4, 4)):
+        a = plain.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
+        b = slow.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
+        assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.01 * m)  # not divided by tp
+    # a pipeline stage pays its share of the model's module calls
+    a = plain.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
+    b = slow.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
+    assert 0.01 * 2 * 0.3 < b.breakdown["compute"] - a.breakdown["compute"] < 0.01 * 2 * 0.8
