@@ -6,6 +6,7 @@ here, so a typo in a key is rejected by Hydra and a bad value by ``validate`` be
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,8 @@ from omegaconf import MISSING
 
 from retriever.config import RetrieverConfig
 from retriever.config import validate as validate_retriever
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -73,7 +76,12 @@ class DataConfig:
     train: str = "train/train-{000000..000005}.tar"  # training query shards
     val: str = "val/val-{000000..000000}.tar"  # periodic evaluation
     test: str = "test/test-{000000..000000}.tar"  # final evaluation
-    batch_size: int = 32  # queries per rank per micro-step
+    batch_size: int = 32  # queries per data-parallel replica per micro-step
+    # queries per micro-step over all data-parallel replicas; > 0: each replica takes
+    # global_batch_size / dp and batch_size is derived from it (resolve_batch), so a run trains
+    # with the same batch whatever its layout; 0: batch_size per replica, the global batch grows
+    # with dp
+    global_batch_size: int = 0
     eval_batch_size: int = 128  # larger: no backward pass in evaluation
     num_workers: int = 1  # loader processes per rank; 2 cores leave room for one
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
@@ -173,6 +181,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})")
     for key in ("batch_size", "eval_batch_size", "shuffle_buffer"):
         _positive(e, f"data.{key}", getattr(d, key))
+    if d.global_batch_size < 0:
+        e.append(f"data.global_batch_size must be >= 0 (got {d.global_batch_size})")
     if d.num_workers < 0:
         e.append(f"data.num_workers must be >= 0 (got {d.num_workers})")
     _positive(e, "optim.lr", o.lr)
@@ -302,6 +312,26 @@ def reader_tokenizer(m: Any) -> str | None:
     if m.family == "hf" and has_tokenizer(m.pretrained):
         return m.pretrained
     return None
+
+
+def data_parallel_degree(cfg: Any, world_size: int) -> int:
+    """Data-parallel replicas of the run: ``parallel.dp``, or what pp x tp leave of the world."""
+    p = cfg.parallel
+    return p.dp if p.dp > 0 else max(world_size // max(p.pp * p.tp, 1), 1)
+
+
+def resolve_batch(cfg: Any, world_size: int) -> None:
+    """``data.global_batch_size`` > 0: set ``data.batch_size`` to its share per data-parallel
+    replica (``ConfigError`` when the replicas do not divide it)."""
+    g = cfg.data.global_batch_size
+    if g <= 0:
+        return
+    dp = data_parallel_degree(cfg, world_size)
+    if g % dp:
+        raise ConfigError(f"data.global_batch_size ({g}) must be divisible by the {dp} data-parallel replicas")
+    if cfg.data.batch_size != g // dp:
+        log.info("data.batch_size = data.global_batch_size / %d replicas = %d", dp, g // dp)
+    cfg.data.batch_size = g // dp
 
 
 def parallel_config(cfg: Any, world_size: int):

@@ -7,8 +7,8 @@
 Arguments of the command line: ``cluster=<preset>`` (``conf/cluster/<preset>.yaml``, default
 ``local``), ``cluster.<field>=<value>`` (any ``parallel.Cluster`` field: ``nodes``,
 ``devices_per_node``, ``device_memory_bytes``, ...), ``global_batch=<samples per optimizer step>``
-(default: ``data.batch_size x optim.grad_accum x`` the cluster's devices, the batch plain data
-parallel would train with), ``format=table|json``, ``top=<rows>``. Every other argument is a
+(default: ``data.global_batch_size``, or ``data.batch_size x`` the cluster's devices, the batch
+plain data parallel would train with, ``x optim.grad_accum``), ``format=table|json``, ``top=<rows>``. Every other argument is a
 training override, composed as ``python -m rag_mm.train`` composes it.
 
 What is planned: only the reader (``rag_mm.spread`` spreads the reader alone; the retriever stays
@@ -95,7 +95,10 @@ def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, .
 
 
 def default_global_batch(cfg: Any, world: int) -> int:
-    return cfg.data.batch_size * cfg.optim.grad_accum * world
+    """Samples per optimizer step: ``data.global_batch_size`` (or ``data.batch_size`` on every
+    rank, the batch plain data parallel would take) x ``optim.grad_accum``."""
+    per_step = cfg.data.global_batch_size or cfg.data.batch_size * world
+    return per_step * cfg.optim.grad_accum
 
 
 def _split(override: str) -> tuple[str, str]:

@@ -16,7 +16,7 @@ from typing import NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from rag_mm.config import ConfigError, register_configs, validate
+from rag_mm.config import ConfigError, register_configs, resolve_batch, validate
 from rag_mm.paths import check_paths, data_key, run_dir_problems
 
 register_configs()
@@ -78,6 +78,8 @@ def main(cfg: DictConfig) -> None:
             from rag_mm.plan import resolve_auto
 
             resolve_auto(cfg, world_size_from_env(), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+        else:  # (parallel=auto sets the per-replica batch that keeps the global one itself)
+            resolve_batch(cfg, world_size_from_env())
         validate(cfg, world_size_from_env())
         check_paths(cfg)
     except ConfigError as exc:

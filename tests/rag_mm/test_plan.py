@@ -25,7 +25,7 @@ DEMO, REF = "+experiment=demo", "model.attention_backend=reference"
 def test_cli_table_and_json_layouts_run_in_rag_mm(capsys):
     assert rplan.main([DEMO, REF, "cluster=p4d", "top=5"]) == 0
     out = capsys.readouterr().out
-    assert "on p4d: 1 x 8 devices of 40 GiB, global batch 256" in out  # 32 per rank x 8 devices
+    assert "on p4d: 1 x 8 devices of 40 GiB, global batch 32" in out  # the demo's data.global_batch_size
     assert "best layouts, as rag_mm runs them:" in out
     launch = [line.strip() for line in out.splitlines() if line.strip().startswith("torchrun --nnodes=1 --nproc_per_node=8")]
     assert launch, out
@@ -95,14 +95,15 @@ def test_auto_takes_only_fitting_layouts_and_ranks_agree(monkeypatch):
     # 0.5 GiB a rank (0.4 usable): the demo reader's 32-sample step needs ~0.7 GiB, so only
     # gradient accumulation (smaller microbatches) fits
     monkeypatch.setattr(rplan, "auto_cluster", _local(0.5 * 2**30))
-    cfg = compose([DEMO, REF, "parallel=auto"])
+    per_rank = "data.global_batch_size=0"  # 32 samples on each rank: a global batch of 64
+    cfg = compose([DEMO, REF, "parallel=auto", per_rank])
     lay = rplan.resolve_auto(cfg, 2)
     assert lay.fits and lay.microbatches > 1 and lay.memory_bytes_per_device <= 0.4 * 2**30
     assert cfg.optim.grad_accum == lay.microbatches  # accumulation, not a pipeline, at pp = 1
     assert cfg.data.batch_size * cfg.optim.grad_accum * cfg.parallel.dp == 64
     validate(cfg, 2)
     # every rank plans on its own: a second plan (another "rank") picks the same layout
-    again = compose([DEMO, REF, "parallel=auto"])
+    again = compose([DEMO, REF, "parallel=auto", per_rank])
     assert rplan.resolve_auto(again, 2).key == lay.key and again == cfg
 
     monkeypatch.setattr(rplan, "auto_cluster", _local(2**20))  # 1 MiB: nothing fits
@@ -123,3 +124,22 @@ def test_a_billion_parameter_preset_plans_on_the_meta_device(capsys):
     assert 1.55e9 < plan["parameters"] < 1.6e9, plan["parameters"]
     assert plan["layouts"][0]["fits"]
     assert grown < 2e9, grown  # fp32 weights alone would be 6.3 GB
+
+
+def test_global_batch_size_sets_the_per_replica_batch():
+    """``data.global_batch_size``: each data-parallel replica takes its share, whatever the layout
+    (the demo on 4 ranks as pp=2 x dp_shard=2 trains one process's batch of 32); replicas that do
+    not divide it stop the run with a message naming the key."""
+    from rag_mm.config import ConfigError, resolve_batch
+
+    for world, extra, per_replica in ((1, [], 32), (4, ["parallel.pp=2", "parallel.dp_shard=2"], 16),
+                                      (4, [], 8), (8, ["parallel.tp=2"], 8)):
+        cfg = compose([DEMO, *extra])
+        resolve_batch(cfg, world)
+        assert cfg.data.batch_size == per_replica, (world, extra)
+    cfg = compose([DEMO, "data.global_batch_size=0", "data.batch_size=24"])
+    resolve_batch(cfg, 4)
+    assert cfg.data.batch_size == 24  # 0: the per-replica batch as given
+    cfg = compose([DEMO, "data.global_batch_size=30"])
+    with pytest.raises(ConfigError, match=r"data.global_batch_size \(30\) must be divisible by the 4 data-parallel"):
+        resolve_batch(cfg, 4)
