@@ -11,6 +11,8 @@
 //
 // fwd returns (out, lse): out like q, lse float32 (float64 for float64 inputs) of shape (B, H, S) or, for varlen, (H, T).
 // bwd recomputes the probabilities from lse (FlashAttention-2) and returns (dq, dk, dv).
+// The CPU build adds cpu_isa / cpu_set_isa / cpu_kernel (cpu/attention_cpu.cpp): which vector ISA
+// the CPU kernels run, chosen at run time (cpu/isa.h).
 #include <torch/library.h>
 
 TORCH_LIBRARY(rag_attn, m) {

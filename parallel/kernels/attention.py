@@ -173,7 +173,10 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
 # at run time from the CPU's features, csrc/attention/cpu/isa.h). Measured with
 # scripts/bench/attention.py --quick --head-dims 64 (2 threads, S 512 and 1024, median fused time /
 # SDPA time, fp32 | bf16; BENCHMARKS.md, "Attention kernels") on an AVX2-only EPYC:
-# * avx2 (AVX2/FMA micro-kernels): AVX2_TABLE_NOTE
+# * avx2 (AVX2/FMA micro-kernels; 2026-11-23, with --backward): dense 0.93 | 0.81, causal
+#   0.56 | 0.54, packed 0.23 | 0.23, retrieval 0.18 | 0.16, forward + backward dense 0.84 | 0.18 and
+#   causal 0.62 | 0.12. Dense is the narrow win (0.79-1.05 over the day's runs, outside points
+#   bound by scheduler ticks), the rest clear: the fused kernel on every layout.
 # * generic (BLAS per tile + loops; CPUs without AVX2, other architectures, head sizes not a
 #   multiple of 8): dense 1.46 | 1.64, causal 0.90 | 0.91 (a tie within the shared machine's noise;
 #   SDPA's flash CPU kernel is kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused
@@ -192,7 +195,7 @@ def kernel_isa(best: bool = False) -> str | None:
     """The vector ISA the fused CPU kernels run: "avx512", "avx2" or "generic".
 
     Chosen by the extension at run time from the CPU's features, capped by ``RAG_ATTN_ISA`` (read
-    when it loads) or ``torch.ops.rag_attn.cpu_set_isa``; ``best=True`` gives the highest this CPU
+    at its first call) or ``torch.ops.rag_attn.cpu_set_isa``; ``best=True`` gives the highest this CPU
     supports. None when the extension is unavailable.
     """
     ok, _ = fused_available()

@@ -297,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q_, const at::Tenso
   auto out = plan.has_padding ? at::zeros_like(q) : at::empty_like(q);
   auto lse = at::full(lse_shape, -std::numeric_limits<float>::infinity(), 
                        q.options().dtype(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
-  const Isa isa = kernel_for(q.scalar_type(), D);
+  [[maybe_unused]] const Isa isa = kernel_for(q.scalar_type(), D);  // unused without x86 dispatch
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rag_attn_fwd_cpu", [&] {
 #if RAG_ATTN_X86_DISPATCH
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -332,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& dout_, 
   const Plan plan = make_plan(q, seg_offsets, cu_seqlens, causal, kBlockQ);
   const int64_t D = q.size(-1);
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-  const Isa isa = kernel_for(q.scalar_type(), D);
+  [[maybe_unused]] const Isa isa = kernel_for(q.scalar_type(), D);  // unused without x86 dispatch
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "rag_attn_bwd_cpu", [&] {
 #if RAG_ATTN_X86_DISPATCH
     if constexpr (!std::is_same_v<scalar_t, double>) {

@@ -233,7 +233,6 @@ void backward_fast(const Plan& plan, const scalar_t* dout, const scalar_t* q, co
   const int64_t BK = (kFastBK + 1) / 2 * 2;
   const float scale = float(scale_d);
   const int64_t rs = plan.row_stride;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t Dk = kBf16 ? D / 2 : D;   // reduction length over the head dimension (pairs for bf16)
   const int64_t rsk = kBf16 ? rs / 2 : rs;  // row stride in reduction units
 

@@ -8,7 +8,7 @@
 //   avx2     AVX2 + FMA (fp32, and bf16 widened to fp32)
 //   generic  the portable kernels (BLAS per tile + loops), on every CPU
 //
-// RAG_ATTN_ISA=avx512|avx2|generic (read once, when the extension loads) or set_isa() caps the
+// RAG_ATTN_ISA=avx512|avx2|generic (read once, at the first call) or set_isa() caps the
 // choice, so a lower ISA can be forced and measured on a CPU that has a higher one; asking for an
 // ISA the CPU lacks is an error. Other compilers / architectures (clang, aarch64) build the
 // generic kernels only.
