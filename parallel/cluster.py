@@ -160,20 +160,33 @@ def _matmul_flops(dtype, n: int, seconds: float) -> float:
 
 
 def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps: int, out) -> None:
+    """Seconds of one all-reduce per size, timed between bursts of compute on every rank (a
+    training step's situation): the time a loop of (compute, all-reduce) takes over the compute
+    alone. Where ranks outnumber the cores, a collective also waits for its peers to be scheduled,
+    which an all-reduce timed alone never shows (on 4 ranks of 2 cores: ~20 ms against ~4 ms)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    a = torch.randn(256, 256)  # 34 MFLOP a product: a few ms of compute between collectives
+
+    def loop(t: torch.Tensor | None) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for _ in range(4):
+                a @ a
+            if t is not None:
+                dist.all_reduce(t)
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
     times = []
     for n in sizes:
         t = torch.ones(n // 4)  # fp32 elements
         dist.all_reduce(t)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            dist.all_reduce(t)
-        times.append((time.perf_counter() - t0) / reps)
+        times.append(max(loop(t) - loop(None), 1e-7))
     if rank == 0:
         out.put(times)
     dist.destroy_process_group()
@@ -206,9 +219,9 @@ def measure_model(step: Callable[[int], Any], flops_per_sample: float, batches: 
 
 def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0.3) -> Cluster:
     """Measure this machine: matmul FLOP/s (fp32, bf16; 512-square, ``seconds`` each, one thread,
-    as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes (8 B for
-    the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring formula). About 8 s on a
-    loaded 2-core host, most of it starting the two processes.
+    as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes while
+    they compute (8 B for the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring
+    formula; ``_all_reduce_worker``). About 10 s on a 2-core host, most of it starting the processes.
     Efficiency is 1: the matmul rate is what a step achieves on its matmuls (a model's own rate:
     ``Cluster.with_model_efficiency``). With more ranks than the cores this process may run on,
     ranks time-share the cores: ``rank_share`` = cores / ranks."""

@@ -32,7 +32,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   bubble slots: (p - 1) for 1F1B, (p - 1)/v interleaved, (p - 1)/3 zero-bubble with one stage
   per rank (ZB-H1: the deferred weight gradients fill two thirds of it), 0 for ZB-V.
 - data-parallel traffic (gradient all-reduce, or reduce-scatter then all-reduce over replicas;
-  FSDP's parameter all-gathers) overlaps compute: the whole step's forward and backward at pp = 1,
+  FSDP's parameter all-gathers, one collective per FSDP unit: each block and the root) overlaps
+  compute (``Cluster.comm_overlap`` of it): the whole step's forward and backward at pp = 1,
   one microbatch's under a pipeline (the first's forward for the gathers, the last's backward for
   the reduction: earlier microbatches only accumulate); the last bucket (one block's gradients, at
   least DDP's 25 MiB) and the first block's gather are always exposed.

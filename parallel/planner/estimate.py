@@ -205,7 +205,8 @@ class Planner:
             if pp > 1:
                 t_pp = sum(c.send(parts[s].cut_out * scale * cdt, pp_stride) + c.send(parts[s].cut_in * scale * cdt,
                                                                                      pp_stride) for s in mine)
-            slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP))
+            units = nb + 1  # FSDP units: each whole block, and the root (everything else)
+            slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP, units))
         lay.memory_bytes_per_device = best_mem
         lay.memory = mem_parts
         usable = c.device_memory_bytes * c.usable_fraction
@@ -216,7 +217,7 @@ class Planner:
             why.append(f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
                        f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable")
         # --- time
-        slot, t_c, t_tp, t_pp, P, blockP = max(slots)
+        slot, t_c, t_tp, t_pp, P, blockP, units = max(slots)
         m = microbatches
         bub = bubble_slots(schedule, pp, v) * slot
         # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype
@@ -226,7 +227,8 @@ class Planner:
         sh, rp = dp_shard, dp_replicate
         rounds = m if pp == 1 and sh > 1 else 1
         if sh > 1:
-            grad = rounds * c.reduce_scatter(P, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
+            # one collective per FSDP unit: each pays the latency, together they move P
+            grad = rounds * units * c.reduce_scatter(P / units, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
             last = c.reduce_scatter(blockP, sh, tp) + c.all_reduce(blockP / sh, rp, tp * sh)
         else:
             grad = c.all_reduce(P, rp, tp)
@@ -234,7 +236,7 @@ class Planner:
         ag = first = 0.0
         if sh > 1:
             gathers = 2 * m if pp == 1 else 1  # forward and backward of every step; a pipeline's once
-            ag = gathers * c.all_gather(P * cdt, sh, tp)
+            ag = gathers * units * c.all_gather(P * cdt / units, sh, tp)
             first = c.all_gather(blockP * cdt, sh, tp)
         window = t_c * rounds * c.comm_overlap  # compute the traffic hides behind: the microbatches it overlaps
         dp_t = max(last + first, grad + ag - window) if dp > 1 else 0.0

@@ -477,7 +477,7 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     overhead_s = 0.0
     if a.efficiency == "model":  # the model's own rate and per-call overhead, one process, one thread
         rate, overhead_s = measure_model(functools.partial(model_step, m, model), flops_per_sample,
-                                         batches=(1, a.global_batch // a.world))
+                                         batches=sorted({1, 2, a.global_batch // a.world, 2 * a.global_batch // a.world}))
         cluster = cluster.with_model_rate(rate)
         log(f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the matmul rate), "
             f"{overhead_s * 1e3:.1f} ms fixed per forward + backward")
@@ -625,8 +625,8 @@ def main() -> None:
                     help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
     ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
     ap.add_argument("--efficiency", choices=("model", "matmul"), default="model",
-                    help="compute rate: the model's own, with its fixed per-call overhead (measured at batch 1 "
-                         "and the per-rank batch), or the calibrated 512-square matmul rate")
+                    help="compute rate: the model's own, with its fixed per-call overhead (fitted on its step "
+                         "time at batch 1, 2, the per-rank batch and twice it), or the calibrated matmul rate")
     ap.add_argument("--json", default="", help="also write the JSON here")
     a = ap.parse_args()
 

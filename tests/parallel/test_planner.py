@@ -3,6 +3,7 @@ overrides against rag_mm's config, and its speed on a 1000-module model over 128
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -232,9 +233,8 @@ def test_tp_memory_follows_the_tp_plan_not_module_types():
     """Given the model, the planner counts what ``parallel.tp`` shards: GPT-2's column-parallel
     weights and biases and row-parallel weights, not its tied token embedding, position
     embedding, norms or row-parallel biases."""
-    from tests.parallel.partition_models import MODELS
-
     from parallel.planner.stats import tp_sharded_params
+    from tests.parallel.partition_models import MODELS
 
     torch.manual_seed(0)
     model, inputs = MODELS["gpt2"]()
@@ -270,3 +270,18 @@ def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(
     a = plain.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
     b = slow.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
     assert 0.01 * 2 * 0.3 < b.breakdown["compute"] - a.breakdown["compute"] < 0.01 * 2 * 0.8
+
+
+def test_fsdp_pays_one_collective_latency_per_unit(toy):
+    """Each FSDP unit (the 4 blocks and the root) gathers in forward and backward and
+    reduce-scatters its gradients: 15 collectives of 3 ring steps on 4 ranks, where links are all
+    latency and nothing overlaps."""
+    import dataclasses
+
+    model, ids, tr = toy
+    slow = dataclasses.replace(cluster(intra=1e18), intra_latency_s=1e-3, comm_overlap=0.0)
+    plan = plan_layout(tr, (ids,), slow, global_batch=8, precisions=("fp32",), checkpointing=(False,))
+    lay = plan.estimate(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, mixed_precision="fp32")
+    assert lay.breakdown["dp_comm"] == pytest.approx(15 * 3 * 1e-3, rel=1e-6)
+    ddp = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1, mixed_precision="fp32")
+    assert ddp.breakdown["dp_comm"] == pytest.approx(2 * math.ceil(math.log2(4)) * 1e-3, rel=1e-6)  # one tree all-reduce
