@@ -40,7 +40,10 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: int
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
+    # alone, a process group is joined only when asked for by name under torchrun (one process
+    # on NCCL: the GPU checks train the demo through NCCL's set-up and collectives)
+    asked = backend != "auto" and "MASTER_ADDR" in os.environ
+    if (world > 1 or asked) and not dist.is_initialized():
         be = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
         dist.init_process_group(be, timeout=timedelta(seconds=timeout_s), device_id=dev if be == "nccl" else None,
                                 **_restart_safe_store(rank, world, timeout_s))

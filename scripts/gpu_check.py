@@ -8,10 +8,20 @@ Steps (``--only`` picks some):
 * ``pytest``: ``pytest -m gpu`` over the test files that use the ``gpu`` marker (found by scanning
   tests/, so collection needs only their imports) -> ``pytest_gpu.xml`` (JUnit).
 * ``attention``: ``scripts/bench/attention.py --device cuda`` (``--backward`` unless ``--quick``)
-  -> ``bench_attention.json``. It is the only bench under scripts/bench with a ``--device`` option;
-  a bench that gains one is reported as not run until it is added to ``BENCHES``.
+  -> ``bench_attention.json``.
+* ``mfu_demo``: ``scripts/bench/train_throughput.py --device cuda`` on the demo reader, bf16,
+  batch 32 -> ``mfu_demo.json`` (MFU against the datasheet's dense bf16 peak).
+* ``mfu_1b``: the same on the ~1B Hugging Face reader preset (``model=llama3_2_1b``, 2 documents
+  per query, batch 8, block checkpointing; ``--compile`` compiles each block) -> ``mfu_1b.json``.
+* ``demo``: ``torchrun --nproc_per_node=1 -m rag_mm.train +experiment=demo device=cuda
+  parallel.backend=nccl``: the demo trained in one process through a NCCL process group (its data
+  generated first unless ``make demo``'s is there; the run under runs/gpu_check_work) ->
+  ``demo_metrics.json``.
 
-Outputs under ``--out`` (at most 4 files): the two above, ``gpu_check.log`` (every step's output)
+A bench under scripts/bench that gains a ``--device`` option is reported as not run until it is
+added to ``BENCHES`` and given a step.
+
+Outputs under ``--out`` (at most 7 files): the five above, ``gpu_check.log`` (every step's output)
 and ``gpu_check.json``: the machine (device, capability, torch, CUDA, nvcc, ninja, missing
 modules) and per step its command, exit status, wall seconds and parsed figures (JUnit counts,
 failures and skip reasons; the bench's own JSON).
@@ -26,7 +36,8 @@ No step can hang: each runs in its own process group, killed after ``--timeout``
 whatever is left of ``--budget``. The lent machine runs a command for at most 10 minutes, pip
 install included; if the checks need longer, run them in two calls (``--only pytest``, then
 ``--only attention``): CUDA extensions are cached under ``--ext-cache``, inside the repository,
-which a warm machine keeps between calls.
+which a warm machine keeps between calls. All steps take longer than one call: e.g. ``--only
+pytest,attention``, then ``--only mfu_demo,mfu_1b``, then ``--only demo``.
 """
 
 from __future__ import annotations
@@ -57,8 +68,8 @@ BENCH_DIR = ROOT / "scripts" / "bench"
 MODULES = ("numpy", "faiss", "pytest", "yaml", "omegaconf", "hydra", "webdataset", "ftfy", "regex",
            "safetensors", "tokenizers", "huggingface_hub", "transformers", "timm", "open_clip",
            "torchvision", "PIL", "matplotlib")
-BENCHES = ("attention",)  # scripts/bench/*.py run with --device; each has a Step in plan()
-STEPS = ("pytest", *BENCHES)
+BENCHES = ("attention", "train_throughput")  # scripts/bench/*.py run with --device; each has a Step in plan()
+STEPS = ("pytest", "attention", "mfu_demo", "mfu_1b", "demo")
 KILL_GRACE_S = 10
 
 
@@ -107,6 +118,38 @@ def attention_headline(f: dict[str, Any]) -> str:
     return f"CPU: {len(f['results'])} points; median fused / SDPA time: {ratios}"
 
 
+def mfu_headline(f: dict[str, Any]) -> str:
+    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {f['mfu']:.1%} of {f['peak_TFLOPs']} TFLOP/s "
+            f"({f['peak_source']}), {f['samples_per_s']} samples/s, {f['step_s_median']} s/step")
+
+
+def demo_headline(f: dict[str, Any]) -> str:
+    t = f["test"]
+    return (f"{f['step']} steps, test exact match {t['acc']:.3f} (held-out {t['acc_heldout']:.3f}), "
+            f"recall@5 {t['recall@5']:.3f}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}")
+
+
+def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
+    """The demo in one process through a NCCL process group (torchrun, one rank): the demo's data
+    (``make demo``'s when present, else generated under the work folder), the run there, and its
+    metrics.json copied to ``out``. The dry run: gloo, CPU, a few steps."""
+    work = ROOT / "runs" / "gpu_check_work"
+    data = ROOT / "data" / "knowledge_world"
+    if not (data / "corpus").is_dir():
+        data = work / "data"
+    train = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train", "+experiment=demo",
+             f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
+    if args.dry_run:
+        train += ["device=cpu", "parallel.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
+                  "eval_every=0", "ckpt_every=0"]
+    else:
+        train += ["device=cuda", "parallel.backend=nccl"]
+    gen = f"[ -d {shlex.quote(str(data / 'corpus'))} ] || {shlex.quote(sys.executable)} -m " \
+          f"rag_mm.data.knowledge_world out={shlex.quote(str(data))}"
+    copy = f"cp {shlex.quote(str(work / 'demo' / 'metrics.json'))} {shlex.quote(str(out / 'demo_metrics.json'))}"
+    return ["bash", "-c", f"set -e; {gen}; {shlex.join(train)}; {copy}"]
+
+
 def gpu_test_files() -> list[str]:
     """Test files that use the gpu marker (``@pytest.mark.gpu`` or a module-level pytestmark)."""
     marker = re.compile(r"\bmark\.gpu\b")
@@ -127,12 +170,25 @@ def plan(args: argparse.Namespace, out: Path) -> list[Step]:
                      "--reps", "1"]
     else:
         attention = ["--device", "cuda", "--quick" if args.quick else "--backward"]
+    throughput = [py, str(BENCH_DIR / "train_throughput.py")]
+    if args.dry_run:  # the plumbing on the CPU: one step of the demo reader and of a tiny HF reader
+        mfu_demo = ["--device", "cpu", "--steps", "1", "--batch", "2"]
+        mfu_1b = ["--device", "cpu", "--steps", "1", "--batch", "2", "--checkpointing", "model=hf_tiny"]
+    else:  # the demo reader, and the ~1B HF reader preset in bf16 with block checkpointing
+        mfu_demo = ["--device", "cuda", "--precision", "bf16", "--steps", "20", "--batch", "32"]
+        mfu_1b = ["--device", "cuda", "--precision", "bf16", "--steps", "10", "--batch", "8", "--checkpointing",
+                  *(["--compile"] if args.compile else []), "model=llama3_2_1b", "retriever.top_k=2"]
     steps = [
         Step("pytest", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                         f"--junitxml={out / 'pytest_gpu.xml'}", *gpu_test_files()],
              "pytest_gpu.xml", junit_figures, junit_headline),
         Step("attention", [py, str(BENCH_DIR / "attention.py"), *attention, "--out", str(out / "bench_attention.json")],
              "bench_attention.json", json_figures, attention_headline),
+        Step("mfu_demo", [*throughput, "--out", str(out / "mfu_demo.json"), *mfu_demo],
+             "mfu_demo.json", json_figures, mfu_headline),
+        Step("mfu_1b", [*throughput, "--out", str(out / "mfu_1b.json"), *mfu_1b],
+             "mfu_1b.json", json_figures, mfu_headline),
+        Step("demo", demo_command(args, out), "demo_metrics.json", json_figures, demo_headline),
     ]
     return [s for s in steps if not args.only or s.name in args.only]
 
@@ -263,6 +319,7 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="run the steps on the CPU (--device cpu, smallest settings) to test the plumbing")
     ap.add_argument("--quick", action="store_true", help="attention bench: seq 512 and 1024, forward only")
+    ap.add_argument("--compile", action="store_true", help="mfu_1b: torch.compile each block")
     ap.add_argument("--only", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated steps to run, of {', '.join(STEPS)} (default: all)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per step before it is killed")
