@@ -120,9 +120,8 @@ def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
     """Canonical names of the parameters ``parallel.tp`` shards in ``model`` (its plan read off
     ``trace``'s dataflow): column-parallel weights and biases, row-parallel weights (their biases
     are added once, whole), vocabulary-parallel embeddings and LM heads, and the linear layers
-    under a module rule. Tied parameters, norms, position embeddings stay whole."""
+    matrices under a module rule. Tied parameters, norms, position embeddings stay whole."""
     from ..tp.plan import discover_plan
-    from ..tp.registry import linear_kind
 
     plan = discover_plan(model, tp, trace=trace, read_layouts=False)
     mods = dict(model.named_modules())
@@ -136,9 +135,9 @@ def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
             names = [join(n, k) for k, _ in m.named_parameters(recurse=False)]
         elif e.role == "rowwise":
             names = [join(n, "weight")]
-        elif e.role.startswith("rule:"):
-            names = [join(n, c, k) for c, sub in m.named_modules() if linear_kind(sub) is not None
-                     for k, _ in sub.named_parameters(recurse=False)]
+        elif e.role.startswith("rule:"):  # a module rule shards its weight matrices (nn.MultiheadAttention:
+            # the fused in_proj and out_proj), biases and norms stay whole
+            names = [join(n, k) for k, p in m.named_parameters() if p.dim() >= 2]
         else:
             continue
         out.update(trace.param_alias.get(p, p) for p in names)
