@@ -231,6 +231,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             e.append(f"parallel.tp ({p.tp}) must divide the vision heads (model.vision_width / "
                      f"model.vision_head_width = {vh})")
         dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
+        if d.global_batch_size > 0 and dp > 0 and d.global_batch_size % dp:
+            e.append(f"data.global_batch_size ({d.global_batch_size}) must be divisible by the {dp} "
+                     "data-parallel replicas")
         if p.dp_shard < 1 or (dp > 0 and dp % p.dp_shard):
             e.append(f"parallel.dp_shard ({p.dp_shard}) must be >= 1 and divide the data-parallel degree ({dp})")
         elif not e:  # the layout's own checks (schedule, degrees, option x layout) live in parallel/
@@ -322,13 +325,12 @@ def data_parallel_degree(cfg: Any, world_size: int) -> int:
 
 def resolve_batch(cfg: Any, world_size: int) -> None:
     """``data.global_batch_size`` > 0: set ``data.batch_size`` to its share per data-parallel
-    replica (``ConfigError`` when the replicas do not divide it)."""
+    replica (left as it is when the replicas do not divide it: ``validate`` says so, with every
+    other bad key)."""
     g = cfg.data.global_batch_size
-    if g <= 0:
-        return
     dp = data_parallel_degree(cfg, world_size)
-    if g % dp:
-        raise ConfigError(f"data.global_batch_size ({g}) must be divisible by the {dp} data-parallel replicas")
+    if g <= 0 or g % dp:  # (validate names a global batch the replicas do not divide)
+        return
     if cfg.data.batch_size != g // dp:
         log.info("data.batch_size = data.global_batch_size / %d replicas = %d", dp, g // dp)
     cfg.data.batch_size = g // dp

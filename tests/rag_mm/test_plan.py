@@ -130,7 +130,7 @@ def test_global_batch_size_sets_the_per_replica_batch():
     """``data.global_batch_size``: each data-parallel replica takes its share, whatever the layout
     (the demo on 4 ranks as pp=2 x dp_shard=2 trains one process's batch of 32); replicas that do
     not divide it stop the run with a message naming the key."""
-    from rag_mm.config import ConfigError, resolve_batch
+    from rag_mm.config import resolve_batch
 
     for world, extra, per_replica in ((1, [], 32), (4, ["parallel.pp=2", "parallel.dp_shard=2"], 16),
                                       (4, [], 8), (8, ["parallel.tp=2"], 8)):
@@ -141,5 +141,6 @@ def test_global_batch_size_sets_the_per_replica_batch():
     resolve_batch(cfg, 4)
     assert cfg.data.batch_size == 24  # 0: the per-replica batch as given
     cfg = compose([DEMO, "data.global_batch_size=30"])
+    resolve_batch(cfg, 4)
     with pytest.raises(ConfigError, match=r"data.global_batch_size \(30\) must be divisible by the 4 data-parallel"):
-        resolve_batch(cfg, 4)
+        validate(cfg, 4)
