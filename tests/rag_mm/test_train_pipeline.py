@@ -123,7 +123,11 @@ def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path_factory, tmp
 
 
 @pytest.mark.multirank
-def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path):
+@pytest.mark.parametrize("name,extra", [("pp2", ["parallel.pp=2", "parallel.microbatches=2"]),
+                                        # bf16 tensor parallel: parallel's own bf16 tests cover its step
+                                        pytest.param("tp2", ["parallel.tp=2"], marks=pytest.mark.slow)],
+                         ids=["pp2", "tp2"])
+def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path, name, extra):
     """optim.precision=bf16 with the reader pipelined (pp=2) and, separately, tensor-parallel
     (tp=2): the trainer's autocast covers the spread step's forwards; the losses follow one bf16
     process, whose copy head on CPU this run also covers (CPU autocast leaves softmax in bf16; it
@@ -133,15 +137,14 @@ def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path):
     single = tmp_path / "single"
     res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *common)], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for name, extra in (("pp2", ["parallel.pp=2", "parallel.microbatches=2"]), ("tp2", ["parallel.tp=2"])):
-        args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                "-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / name, *common, *extra)]
-        res = run_module(args, timeout=600)
-        assert res.returncode == 0, (name, res.stderr[-3000:])
-        a, b = _losses(single), _losses(tmp_path / name)
-        assert len(a) == len(b) == STEPS
-        # bf16 rounds the whole batch's and the microbatches' products alike up to accumulation order
-        assert b == pytest.approx(a, rel=1e-3), (name, a, b)
+    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            "-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / name, *common, *extra)]
+    res = run_module(args, timeout=600)
+    assert res.returncode == 0, (name, res.stderr[-3000:])
+    a, b = _losses(single), _losses(tmp_path / name)
+    assert len(a) == len(b) == STEPS
+    # bf16 rounds the whole batch's and the microbatches' products alike up to accumulation order
+    assert b == pytest.approx(a, rel=1e-3), (name, a, b)
 
 
 # the learned retriever as +experiment=demo trains it: the top 2 read with the retrieval prior; no
