@@ -490,6 +490,7 @@ def partition_trace(
                        microbatches, stages_per_rank)
     if manual is not None:
         return _manual(trace, num_stages, cfg, objective, shared, manual)
+
     def solve(c: CostConfig) -> Partition:
         units, costs, bounds = _refine(trace, num_stages, c, shared)
         return _assemble("auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared)

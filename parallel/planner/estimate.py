@@ -4,6 +4,7 @@ cost model is described in ``parallel/planner/__init__.py``)."""
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,7 +97,7 @@ class Planner:
                 for s in stages:
                     held[s].append(p)
         # a parameter on several stages (tied embeddings) is replicated there: TP leaves it whole
-        several = {p for p in set().union(*map(set, held)) if sum(p in h for h in held) > 1}
+        several = {p for p, n in Counter(p for h in held for p in set(h)).items() if n > 1}
         out = []
         for s, rep in enumerate(part.stages):
             ps = st.part(mods[s], held[s], rep.compute_time * cfg.flops_per_s, several)  # replayed container code included
