@@ -7,7 +7,8 @@ The retrieval, the retriever losses and the answer scoring are the RagModel's ow
 every rank. Every rank of one model replica (its pipeline stages and tensor-parallel ranks) draws
 the same batch, so in ``learned`` mode each of them runs the query encoder, the faiss search and
 the contrastive loss identically (same batch, same seed) and feeds the same documents to the
-reader's stages.
+reader's stages. The contrastive loss gathers the embeddings of every replica (``RagModel.replicas``),
+so its negatives are the global batch's, as in one process.
 
 The reader-driven retriever losses read the spread reader as one process reads it:
 
@@ -41,6 +42,7 @@ import parallel
 from parallel.timeline import write_run_timeline
 from rag_mm.config import parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
+from retriever.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ class SpreadRag:
                 {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")})
         self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s),
                                            structures=structures)
+        lay = self.pmodel.layout
+        # the contrastive loss over the whole global batch: gathered over this rank's data-parallel
+        # peers (the same pipeline stage and tensor-parallel index in every replica)
+        rag.replicas = Replicas(lay.dp_group, lay.dp_rank, lay.dp_size)
         if self.pmodel.layout.rank == 0 and self.pmodel.partition is not None:
             log.info("reader pipeline partition:\n%s", self.pmodel.partition.table())
         self.training = True
@@ -196,8 +202,10 @@ class SpreadRag:
         (pseudo-queries, bank negatives): each stage draws from the global generator for its own
         blocks (dropout), so the streams part once the model uses randomness. Averaged, every copy
         takes the same step and every rank of a pipeline retrieves the same documents, which its
-        stages need (``check_retriever_copies``). Linear, so calling it after every accumulated
-        micro-step is exact."""
+        stages need (``check_retriever_copies``). The contrastive term is the global batch's on
+        every replica, and its gather's backward sums each replica's share into the rows it
+        embedded, so this mean is one process's gradient of it (``retriever/replicas.py``).
+        Linear, so calling it after every accumulated micro-step is exact."""
         if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
         ps = [q for q in self.rag.retriever.parameters() if q.grad is not None]

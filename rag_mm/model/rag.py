@@ -22,6 +22,7 @@ from retriever import losses
 from retriever.augment import random_views
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
+from retriever.replicas import Replicas
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RagModel(nn.Module):
         self.store = store  # host tensors, not parameters
         self.memory = memory
         self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
+        self.replicas = Replicas()  # the data-parallel replicas the contrastive loss spans (set by the trainer)
 
     def _docs(self, ids: torch.Tensor, device) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in self.store.fetch(ids).items()}
@@ -136,23 +138,33 @@ class RagModel(nn.Module):
     def _contrastive(self, q_emb, gold, hard=None, hard_ids=None) -> torch.Tensor:
         """In-batch InfoNCE against the batch's gold documents, plus ``hard`` negatives (N, E) with
         ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh; with
-        ``retriever.pseudo_queries``, random views of memory pictures join the queries."""
-        enc, dev = self.retriever, q_emb.device
+        ``retriever.pseudo_queries``, random views of memory pictures join the queries. Over every
+        data-parallel replica (``self.replicas``): the rows of all of them are gathered, so each
+        query meets the whole global batch's documents, as in one process."""
+        enc, dev, rep = self.retriever, q_emb.device, self.replicas
+        gold = gold.to(dev)
         if self.rcfg.pseudo_queries > 0:  # random views of memory pictures, each querying its own document
+            # one draw of the configured count, alike on replicas whose generators agree; each embeds its share
             rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
             views = random_views(self.store.images[rows].to(dev)).to(q_emb.dtype)
+            part = rep.share(len(rows))
+            rows, views = rows[part], views[part]
             n = len(rows)  # an empty question: the picture is the whole query
             no_text = torch.zeros(n, 1, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
             q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
-            gold = torch.cat([gold.cpu(), self.store.ids[rows]])
+            gold = torch.cat([gold, self.store.ids[rows].to(dev)])
         g_docs = self._docs(gold[:, None].cpu(), dev)
         g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
-        extra, extra_ids = [] if hard is None else [hard], [] if hard_ids is None else [hard_ids]
+        q_emb, g_emb, gold = rep.gather(q_emb), rep.gather(g_emb), rep.gather(gold)  # (sum of replicas' B, ...)
+        extra, extra_ids = [], []
+        if hard is not None:
+            extra.append(rep.gather(hard))
+            extra_ids.append(rep.gather(hard_ids.to(dev)))
         if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
             bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
             extra.append(bank.to(dev, q_emb.dtype))
             extra_ids.append(bank_ids.to(dev))
-        return losses.contrastive(q_emb, g_emb, gold.to(dev), enc.scale(),
+        return losses.contrastive(q_emb, g_emb, gold, enc.scale(),
                                   torch.cat(extra) if extra else None, torch.cat(extra_ids) if extra else None)
 
     @torch.no_grad()

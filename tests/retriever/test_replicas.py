@@ -1,0 +1,79 @@
+"""The contrastive loss over data-parallel replicas: gathered, it gives one process's gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rag_mm.data.documents import DocumentStore
+from rag_mm.model.rag import RagModel
+from retriever.config import RetrieverConfig
+from retriever.encoders import DualEncoder
+from retriever.memory import RetrievalMemory
+from retriever.replicas import Replicas
+from tests.distributed import run_ranks
+
+SMALL = dict(embed_dim=16, vision_width=32, vision_layers=1, vision_head_width=16, text_width=32, text_layers=1,
+             text_heads=2, context_length=16)
+N_DOCS, B, K = 24, 6, 2  # memory documents; global batch of queries; hard negatives per query
+
+
+def test_shares_cover_a_draw_in_rank_order():
+    for n, size in [(5, 2), (7, 3), (2, 4), (8, 4)]:
+        parts = [Replicas(None, r, size).share(n) for r in range(size)]
+        assert [i for p in parts for i in range(n)[p]] == list(range(n))
+        assert max(p.stop - p.start for p in parts) - min(p.stop - p.start for p in parts) <= 1
+
+
+def _rag(rcfg: RetrieverConfig) -> RagModel:
+    torch.manual_seed(0)  # the same documents and retriever on every rank
+    g = torch.Generator().manual_seed(0)
+    ids = torch.arange(100, 100 + N_DOCS)
+    images, text = torch.randn(N_DOCS, 3, 32, 32, generator=g), torch.randint(1, 100, (N_DOCS, 6), generator=g)
+    text_len = torch.full((N_DOCS,), 6)
+    store = DocumentStore(ids, images, text, text_len, [""] * N_DOCS, {})
+    enc = DualEncoder(rcfg, 32)
+    memory = RetrievalMemory(enc, images, text, text_len, ids, factory="Flat", batch_size=8)
+    memory.refresh()  # bank negatives come from the last refresh
+    return RagModel(None, store, rcfg, enc, memory)
+
+
+def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
+    """The contrastive term of queries ``rows`` of one fixed global batch, with their retrieved
+    documents as hard negatives: (loss, the retriever's flattened gradient)."""
+    g = torch.Generator().manual_seed(1)
+    image, q_ids = torch.randn(B, 3, 32, 32, generator=g), torch.randint(1, 100, (B, 5), generator=g)
+    gold = 100 + torch.randint(0, N_DOCS, (B,), generator=g)
+    hard_ids = 100 + torch.randint(0, N_DOCS, (B, K), generator=g)
+    enc = rag.retriever
+    enc.zero_grad(set_to_none=True)
+    torch.manual_seed(2)  # the pseudo-query and bank draws, alike on every rank and in the reference
+    q_emb = enc.embed_queries(image[rows], q_ids[rows], torch.full((B,), 5)[rows])
+    h = rag._docs(hard_ids[rows].flatten()[:, None], "cpu")
+    hard = enc.embed_docs(h["doc_image"][:, 0], h["doc_ids"][:, 0], h["doc_len"][:, 0])
+    loss = rag._contrastive(q_emb, gold[rows], hard, hard_ids[rows].flatten())
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in enc.parameters() if p.grad is not None])
+    return loss.item(), grad
+
+
+def _replicated_vs_one_process(rank: int, world: int, pseudo: int) -> dict:
+    rcfg = RetrieverConfig(**SMALL, mode="learned", pseudo_queries=pseudo, bank_negatives=10)
+    rag = _rag(rcfg)
+    ref_loss, ref_grad = _loss_and_grads(rag, slice(None))  # one process, the whole batch
+    rag.replicas = Replicas(dist.group.WORLD, rank, world)
+    loss, grad = _loss_and_grads(rag, rag.replicas.share(B))
+    dist.all_reduce(grad)  # data parallel's mean over the replicas
+    return dict(ref_loss=ref_loss, ref_grad=ref_grad.tolist(), loss=loss, grad=(grad / world).tolist())  # plain lists cross processes
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("pseudo", [0, 5])  # 5 pseudo-queries: shares of 3 and 2, an uneven gather
+def test_gathered_contrastive_gives_one_process_gradient(pseudo):
+    """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
+    one-process loss on every rank and, averaged, its gradient (each replica scoring only its own
+    rows, with a quarter of the negatives missing, has a loss some 25% lower)."""
+    for out in run_ranks(_replicated_vs_one_process, 2, pseudo):
+        assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
+        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(out["ref_grad"]), rtol=1e-4, atol=1e-5)
