@@ -63,6 +63,13 @@ class Cluster:
     # gloo threads take the cores the compute needs
     comm_overlap: float = 1.0
     backend: str = "nccl"  # collective library the figures describe (informational)
+    # host seconds the runtime's own bookkeeping adds per forward + backward beyond the collectives'
+    # cost: per FSDP unit (its hooks, the all-gather's copy-in and copy-out) and per call of a
+    # tensor-parallel-sharded module (DTensor dispatch, sharding propagation). Serial with the
+    # compute on CPU ranks (``calibrate`` measures them); 0 in accelerator presets, where the host
+    # runs ahead of the device and this work hides behind its kernels
+    fsdp_unit_s: float = 0.0
+    tp_call_s: float = 0.0
 
     @property
     def world(self) -> int:
@@ -187,9 +194,55 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps:
         t = torch.ones(n // 4)  # fp32 elements
         dist.all_reduce(t)
         times.append(max(loop(t) - loop(None), 1e-7))
+    fsdp_unit, tp_call = _runtime_overheads(world, reps)
     if rank == 0:
-        out.put(times)
+        out.put((times, fsdp_unit, tp_call))
     dist.destroy_process_group()
+
+
+def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
+    """Seconds (per FSDP unit, per tensor-parallel module call) of one forward + backward of a
+    stack of small linear layers, over the same stack unsharded, on every rank of the current
+    process group: FSDP2 (``fully_shard`` on each layer) and tensor parallel (column- / row-wise
+    pairs, ``parallelize_module``). The layers are so small that what is left is the runtime's
+    fixed work per unit and per call, plus its collectives, which the caller subtracts."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    layers, width = 8, 32  # 8 units / 4 column-row pairs; 32-wide layers: microseconds of compute
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(4, width)
+
+    def stack() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def timed(m: nn.Module) -> float:
+        m(x).sum().backward()  # warm-up: lazy initialisation, sharding-propagation caches
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            m(x).sum().backward()
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    plain = timed(stack())
+    sharded = stack()
+    for layer in sharded:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    fsdp = timed(sharded)
+    tp_model = parallelize_module(stack(), mesh, {str(i): RowwiseParallel() if i % 2 else ColwiseParallel()
+                                            for i in range(layers)})
+    return (fsdp - plain) / layers, (timed(tp_model) - plain) / layers
 
 
 def measure_model(step: Callable[[int], Any], flops_per_sample: float, batches: Sequence[int] = (1, 8),
@@ -221,7 +274,8 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     """Measure this machine: matmul FLOP/s (fp32, bf16; 512-square, ``seconds`` each, one thread,
     as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes while
     they compute (8 B for the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring
-    formula; ``_all_reduce_worker``). About 10 s on a 2-core host, most of it starting the processes.
+    formula; ``_all_reduce_worker``), and the runtime's fixed work per FSDP unit and per
+    tensor-parallel module call (``_runtime_overheads``). About 15 s on a 2-core host.
     Efficiency is 1: the matmul rate is what a step achieves on its matmuls (a model's own rate:
     ``Cluster.with_model_efficiency``). With more ranks than the cores this process may run on,
     ranks time-share the cores: ``rank_share`` = cores / ranks."""
@@ -247,15 +301,20 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     procs = [ctx.Process(target=_all_reduce_worker, args=(r, ranks, port, [small, big], 20, q)) for r in range(ranks)]
     for p in procs:
         p.start()
-    t_small, t_big = q.get(timeout=120)
+    (t_small, t_big), fsdp_unit, tp_call = q.get(timeout=180)
     for p in procs:
         p.join(timeout=60)
     n = ranks
     alpha = t_small / (2 * (n - 1))
     beta = 2 * (n - 1) / n * big / max(t_big - 2 * (n - 1) * alpha, 1e-9)
+    # less what the planner charges as collectives: an FSDP unit's two all-gathers (forward,
+    # backward) and reduce-scatter; a column-row pair's two all-reduces (forward, backward), one a call
+    fsdp_unit = max(fsdp_unit - 3 * (n - 1) * alpha, 0.0)
+    tp_call = max(tp_call - t_small, 0.0)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1))  # cores per rank, at most 1
     return dataclasses.replace(
         base, name="local (calibrated)", peak_flops={"fp32": fp32, "bf16": bf16}, compute_efficiency=1.0, rank_share=share,
         intra_bandwidth=beta, intra_latency_s=alpha, inter_bandwidth=beta, inter_latency_s=alpha,
-        device_memory_bytes=float(mem) / base.devices_per_node, host_memory_bytes=float(mem))
+        device_memory_bytes=float(mem) / base.devices_per_node, host_memory_bytes=float(mem),
+        fsdp_unit_s=fsdp_unit, tp_call_s=tp_call)

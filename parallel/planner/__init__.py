@@ -26,7 +26,11 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   microbatches, or gradient-accumulation steps without a pipeline), with
   slot = the slowest pipeline rank's compute + TP all-reduces + pipeline sends per microbatch:
   compute = FLOPs / tp / (peak x efficiency x the rank's share of the device) + a fixed per-call
-  overhead by the stage's share of module calls (not divided by tp), x 4/3 with checkpointing;
+  overhead by the stage's share of module calls (not divided by tp; slowed by the rank's share
+  of the device as the FLOPs are), x 4/3 with checkpointing,
+  + the runtime's own host work (``Cluster.tp_call_s`` per call of a TP-sharded module,
+  ``Cluster.fsdp_unit_s`` per FSDP unit, once a step under a pipeline, whose stages stay
+  gathered; measured on CPU ranks, 0 on accelerators);
   TP: 4 all-reduces per block and microbatch (2 forward, 2 backward; 6 with recompute) of the
   block's output; pipeline: one activation forward and one gradient backward per stage boundary;
   bubble slots: (p - 1) for 1F1B, (p - 1)/v interleaved, (p - 1)/3 zero-bubble with one stage

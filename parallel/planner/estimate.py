@@ -194,10 +194,19 @@ class Planner:
             redo = RECOMPUTE if activation_checkpointing else 1.0
             fl = sum(parts[s].flops for s in mine) * scale / tp * redo
             # the fixed per-call overhead: the stage's share of the model's module calls, on every
-            # tp rank whole (each runs every operator of its shard)
-            oh = self.overhead_s * sum(parts[s].calls for s in mine) / max(st.whole.calls, 1) * redo
-            t_c = fl / rate + oh
+            # tp rank whole (each runs every operator of its shard), on the rank's share of the
+            # device as its FLOPs are (host work slows as ranks time-share the cores)
+            oh = self.overhead_s / c.rank_share * sum(parts[s].calls for s in mine) / max(st.whole.calls, 1) * redo
             nb = sum(parts[s].blocks for s in mine)
+            units = nb + 1  # FSDP units: each whole block, and the root (everything else)
+            # the runtime's own host work: DTensor dispatch on every sharded call, FSDP's hooks per unit
+            if tp > 1:
+                oh += c.tp_call_s * sum(parts[s].tp_calls for s in mine) * redo
+            fsdp_host = c.fsdp_unit_s * units if dp_shard > 1 or cpu_offload else 0.0
+            if pp == 1:  # resharded after every forward: each microbatch gathers and reduces anew
+                oh, fsdp_host = oh + fsdp_host, 0.0
+            # (under a pipeline the stage stays gathered for the step: its units' work happens once)
+            t_c = fl / rate + oh
             t_tp = 0.0
             if tp > 1 and nb:
                 msg = sum(parts[s].block_out for s in mine) / nb * scale * cdt
@@ -206,8 +215,7 @@ class Planner:
             if pp > 1:
                 t_pp = sum(c.send(parts[s].cut_out * scale * cdt, pp_stride) + c.send(parts[s].cut_in * scale * cdt,
                                                                                      pp_stride) for s in mine)
-            units = nb + 1  # FSDP units: each whole block, and the root (everything else)
-            slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP, units))
+            slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP, units, fsdp_host))
         lay.memory_bytes_per_device = best_mem
         lay.memory = mem_parts
         usable = c.device_memory_bytes * c.usable_fraction
@@ -218,7 +226,7 @@ class Planner:
             why.append(f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
                        f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable")
         # --- time
-        slot, t_c, t_tp, t_pp, P, blockP, units = max(slots)
+        slot, t_c, t_tp, t_pp, P, blockP, units, fsdp_host = max(slots)
         m = microbatches
         bub = bubble_slots(schedule, pp, v) * slot
         # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype
@@ -245,9 +253,9 @@ class Planner:
         if cpu_offload:
             shard = P / sh
             off = 3.0 * shard / c.host_bandwidth + HOST_ADAM_BYTES * shard / (c.host_memory_bandwidth / c.devices_per_node)
-        lay.breakdown = {"compute": m * t_c, "bubble": bub, "tp_comm": m * t_tp, "pp_comm": m * t_pp,
+        lay.breakdown = {"compute": m * t_c + fsdp_host, "bubble": bub, "tp_comm": m * t_tp, "pp_comm": m * t_pp,
                          "dp_comm": dp_t, "offload": off}
-        lay.step_time_s = m * slot + bub + dp_t + off
+        lay.step_time_s = m * slot + fsdp_host + bub + dp_t + off
         peak = c.peak_flops["bf16" if bf16 else "fp32"]
         lay.mfu = st.flops / st.samples * self.global_batch / (lay.step_time_s * c.world * peak)
         lay.fits = not why

@@ -34,6 +34,7 @@ class PartStats:
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
     cut_out: float = 0.0  # bytes sent per trace batch at its last cut
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
+    tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
 
 
 class ModelStats:
@@ -87,6 +88,8 @@ class ModelStats:
         for m in modules:
             node = mods[m]
             s.calls += node.calls
+            if any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params):
+                s.tp_calls += node.calls
             rep = any(k in node.type for k in REPLICATED_ACT)
             s.act += node.saved_bytes
             s.act_rep += node.saved_bytes if rep else 0

@@ -3,7 +3,7 @@ handful of layouts on 4 gloo ranks (CPU processes), against the same layouts run
 ``parallel.parallelize``.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py [--model llama|gpt2|reader|gpt2,reader]
-        [--steps 5] [--layouts dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2] [--json out.json]
+        [--steps 5] [--rounds 1] [--layouts dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2] [--json out.json]
 
 Models (``--model``, a comma list runs each in turn, one JSON section each), all random init, fp32,
 AdamW, ``--global-batch`` samples per step (split over the data-parallel ranks, and under a
@@ -24,7 +24,8 @@ its error, and the others go on.
 
 Predicted: ``parallel.plan_layout`` on the ``local`` cluster preset with ``devices_per_node`` =
 the world size, calibrated by ``parallel.cluster.calibrate`` (single-thread matmul FLOP/s, a gloo
-all-reduce between as many processes as the run uses), fp32, no checkpointing, no offload. Per
+all-reduce between as many processes as the run uses, FSDP2's and DTensor's fixed host work per
+unit and per sharded call on those processes), fp32, no checkpointing, no offload. Per
 layout: the fullest rank's memory by kind (params, grads, optimizer, gathered, activations), its
 training state (params + grads + optimizer) and peak (everything), and the step time with its
 breakdown. Pipeline layouts run on the planner's own stage split (``--partition planner``,
@@ -42,7 +43,8 @@ the layouts one after another:
   plus the largest total the c10 CPU allocator reached above that during ``train_step`` (the
   profiler's "Total Allocated", gradients cleared to None first): activations, gradients, FSDP's
   gathered parameters and communication buffers. Allocations on gloo's own threads are not seen;
-- ``step time``: the median over ``--steps`` steps after ``--warmup`` of the slowest rank's
+- ``step time``: the median over ``--steps`` steps after ``--warmup`` (in each of ``--rounds``
+  passes over the layouts, the passes alternating their order) of the slowest rank's
   ``train_step`` (forward, backward, gradient reduction: what the planner models; ranks start
   each step at a barrier), and separately the optimizer step (not modelled by the planner).
 
@@ -280,9 +282,13 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     return out
 
 
-def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool) -> dict:
-    """Every layout in turn, in this one process group (spawning and importing once). A layout that
-    raises on any rank is reported as ``{"error": ...}`` by every rank, and the next one runs."""
+def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool,
+              rounds: int = 1) -> dict:
+    """Every layout in turn, ``rounds`` times (in reverse order every other round, so that a shared
+    host's slow drift falls on every layout alike; the step times of all rounds are pooled, peak
+    memory is profiled in the first), in this one process group (spawning and importing once). A
+    layout that raises on any rank is reported as ``{"error": ...}`` by every rank, and the next
+    one runs."""
     import gc
     import traceback
 
@@ -290,43 +296,50 @@ def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: in
 
     torch.set_num_threads(1)
     res = {}
-    for name, spec, part in jobs:
-        t0 = time.perf_counter()
-        try:
-            out = measure_layout(rank, world, spec, m, steps, warmup, part, peak)
-            err = None
-        except Exception as e:  # noqa: BLE001 - reported, not raised: the other layouts still run
-            out, err = None, f"{type(e).__name__}: {e}".strip()[:800]
-            tb = traceback.format_exc()
-            gc.collect()
-        errors = [None] * world
-        dist.all_gather_object(errors, err)  # the default group: a failed layout's sub-groups are not used
-        if any(errors):
-            # the cause, not a peer's timeout waiting on it, where one rank says more than "timed out"
-            first = next((e for e in errors if e and "timed out" not in e), None) or next(e for e in errors if e)
-            res[name] = {"error": first, "errors": errors, "failed_ranks": [r for r, e in enumerate(errors) if e]}
-            if err:
-                log(f"{m['kind']} {name} failed on rank {rank}:\n{tb[-3000:]}")
-        else:
-            res[name] = out
-        if rank == 0:
-            log(f"{m['kind']}: measured {name} in {time.perf_counter() - t0:.1f} s" + (" (failed)" if any(errors) else ""))
+    for rnd in range(rounds):
+        for name, spec, part in jobs if rnd % 2 == 0 else jobs[::-1]:
+            if "error" in res.get(name, {}):
+                continue
+            t0 = time.perf_counter()
+            try:
+                out = measure_layout(rank, world, spec, m, steps, warmup, part, peak and rnd == 0)
+                err = None
+            except Exception as e:  # noqa: BLE001 - reported, not raised: the other layouts still run
+                out, err = None, f"{type(e).__name__}: {e}".strip()[:800]
+                tb = traceback.format_exc()
+                gc.collect()
+            errors = [None] * world
+            dist.all_gather_object(errors, err)  # the default group: a failed layout's sub-groups are not used
+            if any(errors):
+                # the cause, not a peer's timeout waiting on it, where one rank says more than "timed out"
+                first = next((e for e in errors if e and "timed out" not in e), None) or next(e for e in errors if e)
+                res[name] = {"error": first, "errors": errors, "failed_ranks": [r for r, e in enumerate(errors) if e]}
+                if err:
+                    log(f"{m['kind']} {name} failed on rank {rank}:\n{tb[-3000:]}")
+            elif name in res:  # a later round: its step times join the first's
+                res[name]["train_step_s"] += out["train_step_s"]
+                res[name]["optimizer_s"] += out["optimizer_s"]
+            else:
+                res[name] = out
+            if rank == 0:
+                log(f"{m['kind']}: measured {name} (round {rnd + 1}/{rounds}) in {time.perf_counter() - t0:.1f} s"
+                    + (" (failed)" if any(errors) else ""))
     return res
 
 
-def measure_all(world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool) -> list[dict]:
+def measure_all(world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool, rounds: int = 1) -> list[dict]:
     """The layouts in one group of ranks; if that group dies (a crash, a hang past the timeout),
     each layout again in a group of its own, so that one bad layout costs only itself."""
     from tests.distributed import run_ranks
 
     try:
-        return run_ranks(rank_main, world, jobs, m, steps, warmup, peak, timeout_s=900)
+        return run_ranks(rank_main, world, jobs, m, steps, warmup, peak, rounds, timeout_s=900 * rounds)
     except AssertionError as e:
         log(f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per group")
     res = [{} for _ in range(world)]
     for job in jobs:
         try:
-            per = run_ranks(rank_main, world, [job], m, steps, warmup, peak, timeout_s=600)
+            per = run_ranks(rank_main, world, [job], m, steps, warmup, peak, rounds, timeout_s=600 * rounds)
         except AssertionError as e:
             per = [{job[0]: {"error": str(e)[-800:], "failed_ranks": None}} for _ in range(world)]
         for r in range(world):
@@ -513,7 +526,7 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     log(f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)")
     jobs = [(n, specs[n], parts.get(n)) for n in run_names]
     t0 = time.perf_counter()
-    res = measure_all(a.world, jobs, m, a.steps, a.warmup, not a.no_peak) if jobs else [{} for _ in range(a.world)]
+    res = measure_all(a.world, jobs, m, a.steps, a.warmup, not a.no_peak, a.rounds) if jobs else [{} for _ in range(a.world)]
     measure_s = time.perf_counter() - t0
 
     # --- compare
@@ -526,8 +539,9 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
                           "errors_by_rank": err.get("errors"), "predicted_step_time_s": lay.step_time_s}
             log(f"{kind}: {n} skipped: {err['error'][:300]}")
             continue
-        steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(a.steps)]  # the slowest rank
-        steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(a.steps)]
+        timed = len(ranks[0]["train_step_s"])  # steps x rounds
+        steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(timed)]  # the slowest rank
+        steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(timed)]
         t_fb, t_op = statistics.median(steps_fb), statistics.median(steps_op)
         full = max(ranks, key=lambda r: sum(r["state"].values()))
         st = full["state"]
@@ -612,6 +626,8 @@ def main() -> None:
     ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every layout this many times, alternating the order; step times pooled")
     ap.add_argument("--world", type=int, default=4, help="gloo ranks (every layout's degrees must multiply to it)")
     ap.add_argument("--dim", type=int, default=256, help="llama / gpt2 width")
     ap.add_argument("--reader-dim", type=int, default=128, help="reader width (text and vision)")
@@ -667,10 +683,12 @@ def main() -> None:
 
     result = {
         "benchmark": "plan_accuracy",
-        "world": a.world, "steps": a.steps, "warmup": a.warmup, "partition": a.partition, "layouts": names,
+        "world": a.world, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "partition": a.partition,
+        "layouts": names,
         "cluster": {"name": cluster.name, "devices_per_node": cluster.devices_per_node,
                     "fp32_flops_per_s": cluster.peak_flops["fp32"], "bf16_flops_per_s": cluster.peak_flops["bf16"],
                     "link_bandwidth_Bps": cluster.intra_bandwidth, "link_latency_s": cluster.intra_latency_s,
+                    "fsdp_unit_s": cluster.fsdp_unit_s, "tp_call_s": cluster.tp_call_s,
                     "calibrate_s": round(calib_s, 1)},
         "models": models,
         "machine": {**machine(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},

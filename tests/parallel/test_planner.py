@@ -273,6 +273,14 @@ def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(
         a = plain.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
         b = slow.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
         assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.01 * m)  # not divided by tp
+    # ranks time-sharing the cores run their host work at their share of a core, as their FLOPs
+    import dataclasses
+
+    shared = dataclasses.replace(cluster(), rank_share=0.5)
+    a, b = (plan_layout(tr, (ids,), shared, global_batch=8, precisions=("fp32",), checkpointing=(False,),
+                        overhead_s=o).estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1,
+                                               mixed_precision="fp32") for o in (0.0, 0.01))
+    assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.02)
     # a pipeline stage pays its share of the model's module calls
     a = plain.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
     b = slow.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
@@ -306,3 +314,38 @@ def test_tp_memory_of_a_module_rule_counts_its_weight_matrices():
     got = tp_sharded_params(model, tr)
     attn = {n for n in got if ".attn." in n}
     assert attn and {n.rsplit(".attn.", 1)[1] for n in attn} == {"in_proj_weight", "out_proj.weight"}, sorted(attn)
+
+
+def test_runtime_host_work_is_charged_per_sharded_call_and_fsdp_unit(toy):
+    """``Cluster.tp_call_s`` on every call of a module whose weights tensor parallel shards (the
+    toy's embedding, 4 linear layers a block, the head: 18 a forward), ``Cluster.fsdp_unit_s`` on
+    every FSDP unit (4 blocks and the root), per microbatch (once a step under a pipeline); neither
+    on other layouts."""
+    import dataclasses
+
+    model, ids, tr = toy
+    base = cluster()
+    busy = dataclasses.replace(base, tp_call_s=1e-3, fsdp_unit_s=2e-3)
+    plans = [plan_layout(tr, (ids,), c, global_batch=8, precisions=("fp32",), checkpointing=(False,))
+             for c in (base, busy)]
+
+    def extra(**layout) -> float:
+        a, b = (p.estimate(mixed_precision="fp32", **layout) for p in plans)
+        return b.breakdown["compute"] - a.breakdown["compute"]
+
+    assert extra(pp=1, tp=2, dp_replicate=2, dp_shard=1, microbatches=2) == pytest.approx(2 * 18e-3)
+    assert extra(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=2) == pytest.approx(2 * 5 * 2e-3)
+    assert extra(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=2) == 0.0
+    # under a pipeline a stage (2 blocks and the root) stays gathered for the step: its units' work once
+    assert extra(pp=2, tp=1, dp_replicate=1, dp_shard=2, microbatches=4) == pytest.approx(3 * 2e-3)
+
+
+@pytest.mark.multirank
+def test_calibrate_measures_link_and_runtime_host_work():
+    """On 2 gloo processes: a positive link latency and bandwidth, and the FSDP2 / DTensor host
+    work left over once their collectives are subtracted (milliseconds on a small CPU host)."""
+    from parallel.cluster import calibrate
+
+    c = calibrate(Cluster.preset("local"), ranks=2, seconds=0.05)
+    assert c.intra_latency_s > 0 and c.intra_bandwidth > 0 and c.peak_flops["fp32"] > 0
+    assert 1e-5 < c.fsdp_unit_s < 1.0 and 1e-5 < c.tp_call_s < 1.0
