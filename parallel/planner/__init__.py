@@ -19,7 +19,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   runtime keeps it for the step); a bf16 working
   copy of the parameters without FSDP (autocast saves its casts for backward); activations per
   microbatch x the schedule's in-flight count (``cost.inflight``), divided by ``tp`` except those of
-  norms and dropout (replicated without sequence parallel); with checkpointing only each block's
+  norms and dropout (replicated without sequence parallel) and the whole inputs that
+  column-parallel layers and the LM head save; with checkpointing only each block's
   input stays per microbatch, plus one block's activations while it is recomputed; with CPU
   offload params, grads and Adam state live on the host (they must fit there).
 - time = (m + bubble) x slot + exposed data-parallel communication + offload traffic (m: pipeline
@@ -64,7 +65,7 @@ from ..cluster import Cluster
 from ..trace import EXTERNAL, TraceResult, trace_model
 from .estimate import SCHEDULE_COST, SCHEDULES, Planner, bubble_slots
 from .report import Layout, Plan
-from .stats import TP_TYPES, ModelStats, tp_sharded_params
+from .stats import TP_TYPES, ModelStats, tp_plan_facts
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def plan_layout(
     t0 = time.perf_counter()
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
-    tp_sharded = None
+    tp_sharded, tp_whole_input = None, frozenset()
     if isinstance(model_or_trace, TraceResult):
         trace = model_or_trace
     else:
@@ -133,11 +134,12 @@ def plan_layout(
             tp_divisor = getattr(getattr(model_or_trace, "config", None), "num_attention_heads", None)
         try:  # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
             smallest = next((d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2)
-            tp_sharded = tp_sharded_params(model_or_trace, trace, smallest)
+            tp_sharded, tp_whole_input = tp_plan_facts(model_or_trace, trace, smallest)
         except ValueError as e:
             log.info("planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded", e)
     samples = trace_samples or _samples(example_inputs, trace)
-    planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded)
+    planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded,
+                      tp_whole_input)
     layouts = planner.enumerate(schedules, precisions, checkpointing, offload, tp_across_nodes)
     layouts.sort(key=lambda lay: (not lay.fits, lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf))
     numel = sum(n for _, n in trace.param_sizes.values())

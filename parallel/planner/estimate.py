@@ -52,8 +52,8 @@ def bubble_slots(schedule: str, p: int, v: int) -> float:
 class Planner:
     def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
                  tp_divisor: int | None, partition: str, overhead_s: float = 0.0,
-                 tp_sharded: set[str] | None = None):
-        self.stats = ModelStats(trace, samples, tp_sharded)
+                 tp_sharded: set[str] | None = None, tp_whole_input: set[str] = frozenset()):
+        self.stats = ModelStats(trace, samples, tp_sharded, tp_whole_input)
         self.overhead_s = overhead_s  # fixed seconds per microbatch forward+backward of the whole model
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
         # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings

@@ -12,6 +12,7 @@ from ..trace import TraceResult
 BLOCK_CONTAINERS = ("ModuleList", "Sequential")  # a repeated block is a child of one of these
 TP_TYPES = ("Linear", "Embedding", "Conv1D", "NonDynamicallyQuantizableLinear")  # weights TP shards
 REPLICATED_ACT = ("Norm", "Dropout")  # type substrings whose saved activations every tp rank holds
+WHOLE_INPUT_ROLES = ("colwise", "lm_head")  # TP roles whose input, saved for backward, is whole on every tp rank
 
 @dataclass
 class PartStats:
@@ -40,10 +41,13 @@ class PartStats:
 class ModelStats:
     """Per-module quantities of a trace, summed over any set of modules in O(set size)."""
 
-    def __init__(self, trace: TraceResult, samples: int, tp_sharded: set[str] | None = None):
-        """``tp_sharded``: the canonical parameters tensor parallel shards (``tp_sharded_params``);
-        None: the weights of ``TP_TYPES`` modules."""
+    def __init__(self, trace: TraceResult, samples: int, tp_sharded: set[str] | None = None,
+                 tp_whole_input: set[str] = frozenset()):
+        """``tp_sharded``: the canonical parameters tensor parallel shards (``tp_plan_facts``);
+        None: the weights of ``TP_TYPES`` modules. ``tp_whole_input``: modules whose saved
+        activations every tp rank holds whole (column-parallel layers keep their whole input)."""
         self.trace, self.samples = trace, samples
+        self.tp_whole_input = tp_whole_input
         mods = trace.modules
         self.blocks: dict[str, set[str]] = {}  # block name -> its subtree
         for name, node in mods.items():
@@ -90,7 +94,7 @@ class ModelStats:
             s.calls += node.calls
             if any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params):
                 s.tp_calls += node.calls
-            rep = any(k in node.type for k in REPLICATED_ACT)
+            rep = any(k in node.type for k in REPLICATED_ACT) or m in self.tp_whole_input
             s.act += node.saved_bytes
             s.act_rep += node.saved_bytes if rep else 0
             if self.block_of.get(m) not in whole:  # outside every whole block: kept under checkpointing
@@ -119,11 +123,14 @@ class ModelStats:
         return s
 
 
-def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
-    """Canonical names of the parameters ``parallel.tp`` shards in ``model`` (its plan read off
-    ``trace``'s dataflow): column-parallel weights and biases, row-parallel weights (their biases
-    are added once, whole), vocabulary-parallel embeddings and LM heads, and the linear layers
-    matrices under a module rule. Tied parameters, norms, position embeddings stay whole."""
+def tp_plan_facts(model, trace: TraceResult, tp: int = 2) -> tuple[set[str], set[str]]:
+    """What ``parallel.tp`` does to ``model`` (its plan read off ``trace``'s dataflow): (the
+    canonical names of the parameters it shards, the modules whose saved input stays whole on
+    every tp rank). Sharded: column-parallel weights and biases, row-parallel weights (their biases
+    are added once, whole), vocabulary-parallel embeddings and LM heads, and the linear layers'
+    matrices under a module rule. Tied parameters, norms, position embeddings stay whole. Whole
+    input: column-parallel layers and the LM head (each rank multiplies the whole input by its
+    shard of the columns)."""
     from ..tp.plan import discover_plan
 
     plan = discover_plan(model, tp, trace=trace, read_layouts=False)
@@ -132,6 +139,7 @@ def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
         return ".".join(x for x in parts if x)
 
     out: set[str] = set()
+    whole_input = {n for n, e in plan.entries.items() if e.role in WHOLE_INPUT_ROLES}
     for n, e in plan.entries.items():
         m = mods[n]
         if e.role in ("colwise", "vocab_embedding", "lm_head"):
@@ -144,4 +152,5 @@ def tp_sharded_params(model, trace: TraceResult, tp: int = 2) -> set[str]:
         else:
             continue
         out.update(trace.param_alias.get(p, p) for p in names)
-    return out
+    return out, whole_input
+

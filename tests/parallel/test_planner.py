@@ -232,14 +232,14 @@ def test_plan_1000_modules_on_128_devices():
 def test_tp_memory_follows_the_tp_plan_not_module_types():
     """Given the model, the planner counts what ``parallel.tp`` shards: GPT-2's column-parallel
     weights and biases and row-parallel weights, not its tied token embedding, position
-    embedding, norms or row-parallel biases."""
-    from parallel.planner.stats import tp_sharded_params
+    embedding, norms or row-parallel biases; and the inputs its column-parallel layers save whole."""
+    from parallel.planner.stats import tp_plan_facts
     from tests.parallel.partition_models import MODELS
 
     torch.manual_seed(0)
     model, inputs = MODELS["gpt2"]()
     tr = trace_model(model, inputs, passes=1)
-    got = tp_sharded_params(model, tr)
+    got, whole_input = tp_plan_facts(model, tr)
     want = {f"transformer.h.{i}.{m}" for i in range(4) for m in
             ("attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
              "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")}
@@ -250,6 +250,12 @@ def test_tp_memory_follows_the_tp_plan_not_module_types():
     params = dict(model.named_parameters())
     total = sum(p.numel() * 4 for p in params.values())
     assert lay.memory["params"] == pytest.approx(total - sum(params[n].numel() * 4 for n in want) / 2)
+    # the column-parallel layers keep their whole input for backward on every tp rank
+    assert whole_input == {f"transformer.h.{i}.{m}" for i in range(4) for m in ("attn.c_attn", "mlp.c_fc")}
+    mods, st = tr.modules, plan.planner.stats
+    norms = sum(n.saved_bytes for n in mods.values() if "Norm" in n.type or "Dropout" in n.type)
+    assert st.whole.act_rep == pytest.approx(norms + sum(mods[m].saved_bytes for m in whole_input))
+    assert sum(mods[m].saved_bytes for m in whole_input) > 0
 
 
 def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(toy, monkeypatch):
@@ -305,13 +311,13 @@ def test_fsdp_pays_one_collective_latency_per_unit(toy):
 def test_tp_memory_of_a_module_rule_counts_its_weight_matrices():
     """open_clip's towers shard nn.MultiheadAttention by a module rule: its fused in_proj and its
     out_proj weights are split, their biases stay whole."""
-    from parallel.planner.stats import tp_sharded_params
+    from parallel.planner.stats import tp_plan_facts
     from tests.parallel.partition_models import MODELS
 
     torch.manual_seed(0)
     model, inputs = MODELS["open_clip"]()
     tr = trace_model(model, inputs, passes=1)
-    got = tp_sharded_params(model, tr)
+    got, _ = tp_plan_facts(model, tr)
     attn = {n for n in got if ".attn." in n}
     assert attn and {n.rsplit(".attn.", 1)[1] for n in attn} == {"in_proj_weight", "out_proj.weight"}, sorted(attn)
 
