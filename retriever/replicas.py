@@ -39,19 +39,23 @@ class Replicas:
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (self.rank < extra))
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every replica's rows of ``x`` (n_r, ...) concatenated in rank order: (sum n_r, ...), the
-        same on every replica, differentiable back into this replica's rows. Replicas may hold
-        different row counts (a share of an uneven draw): rows are padded to the longest for the
-        collective and the padding dropped."""
+    def gather(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every replica's rows of each of ``xs`` (all n_r rows long here) concatenated in rank
+        order: (sum n_r, ...), the same on every replica, differentiable back into this replica's
+        rows. Replicas may hold different row counts (a share of an uneven draw): the counts are
+        exchanged once for all of ``xs``, rows padded to the longest for the collective and the
+        padding dropped."""
         if self.group is None or self.size == 1:
-            return x
-        n = torch.tensor([x.shape[0]], device=x.device)
+            return xs
+        n = torch.tensor([xs[0].shape[0]], device=xs[0].device)
         counts = [torch.zeros_like(n) for _ in range(self.size)]
         dist.all_gather(counts, n, group=self.group)
         counts = [int(c) for c in counts]
         longest = max(counts)
-        if x.shape[0] < longest:
-            x = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
-        rows = _gather_autograd(x.contiguous(), 0, self.group)  # (size * longest, ...); backward sums into each owner
-        return torch.cat([rows[r * longest:r * longest + c] for r, c in enumerate(counts)])
+        out = []
+        for x in xs:
+            if x.shape[0] < longest:
+                x = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
+            rows = _gather_autograd(x.contiguous(), 0, self.group)  # (size * longest, ...); backward sums into each owner
+            out.append(torch.cat([rows[r * longest:r * longest + c] for r, c in enumerate(counts)]))
+        return tuple(out)

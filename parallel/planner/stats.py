@@ -153,4 +153,3 @@ def tp_plan_facts(model, trace: TraceResult, tp: int = 2) -> tuple[set[str], set
             continue
         out.update(trace.param_alias.get(p, p) for p in names)
     return out, whole_input
-

@@ -155,11 +155,12 @@ class RagModel(nn.Module):
             gold = torch.cat([gold, self.store.ids[rows].to(dev)])
         g_docs = self._docs(gold[:, None].cpu(), dev)
         g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
-        q_emb, g_emb, gold = rep.gather(q_emb), rep.gather(g_emb), rep.gather(gold)  # (sum of replicas' B, ...)
+        q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (sum of replicas' B, ...)
         extra, extra_ids = [], []
         if hard is not None:
-            extra.append(rep.gather(hard))
-            extra_ids.append(rep.gather(hard_ids.to(dev)))
+            hard, hard_ids = rep.gather(hard, hard_ids.to(dev))
+            extra.append(hard)
+            extra_ids.append(hard_ids)
         if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
             bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
             extra.append(bank.to(dev, q_emb.dtype))
