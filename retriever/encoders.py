@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from retriever.config import RetrieverConfig
+from retriever.replicas import replica_batch_norms
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class DualEncoder(nn.Module):
         self.cfg = cfg
         self.query = Encoder(cfg, image_size)
         self.doc = self.query if cfg.shared_towers else Encoder(cfg, image_size)
+        # BatchNorm (the ResNet tower's) that can take its batch statistics over data-parallel replicas
+        replica_batch_norms(self)
         # log(1/0.07): CLIP's initial temperature (Radford et al. 2021)
         self.logit_scale = nn.Parameter(torch.tensor(2.6592))
         if cfg.query_side_only:

@@ -2,7 +2,7 @@
 
 ``refresh`` re-embeds every document with the current document encoder and swaps a new index in
 through ``retriever.serve.DocumentIndex.rebuild``. Synchronous refresh splits the embedding across
-ranks (each rank embeds 1/W of the documents, then all-gather: ``retriever.sharded.embed_sharded``),
+ranks (each rank embeds 1/W of every forward pass, then all-gather: ``retriever.sharded.embed_sharded``),
 as Atlas does; background refresh embeds a frozen copy of the encoder on the rebuild thread while
 training goes on with the old index, the way REALM's asynchronous index builder works.
 """
@@ -19,6 +19,7 @@ import torch
 from retriever.encoders import DualEncoder
 from retriever.index import FaissIndex
 from retriever.serve import DocumentIndex
+from retriever.replicas import Replicas
 from retriever.sharded import embed_sharded
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,11 @@ class RetrievalMemory:
         def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
             if frozen is not None:  # no collectives off the main thread: this rank embeds it all
                 return self.embed(encoder=frozen)
-            return embed_sharded(lambda rows: self.embed(rows=rows), len(self), self._dim())
+            # in passes of batch_size rows, as one process embeds them, each split over the ranks with
+            # the encoder's batch statistics spanning them: in training mode the ResNet tower's
+            # BatchNorm normalises each pass as one process does
+            return embed_sharded(lambda rows: self.embed(rows=rows), len(self), self._dim(), chunk=self.batch_size,
+                                 jointly=lambda: Replicas.world().spanning(self.encoder))
 
         start = time.perf_counter()
 

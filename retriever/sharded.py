@@ -1,7 +1,7 @@
 """A document memory split across ranks: embedding it, and searching it when it outgrows one process.
 
-``embed_sharded`` has each rank embed a contiguous 1/W of the documents and all-gathers the whole
-(the memory's synchronous refresh and scripts/build_index.py).
+``embed_sharded`` has each rank embed 1/W of every forward pass one process would make and
+all-gathers the whole (the memory's synchronous refresh and scripts/build_index.py).
 
 ``ShardedIndex`` searches a memory too large for one process: each rank holds an index over 1/W
 of the documents, added with their global ids (``shard_bounds`` gives the contiguous split).
@@ -19,7 +19,9 @@ tensors) and nccl (CUDA tensors; the faiss search itself runs wherever the shard
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,23 +35,40 @@ class Searchable(Protocol):
     def search(self, queries: Any, k: int) -> tuple[Any, Any]: ...
 
 
-def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: int) -> torch.Tensor:
-    """``embed(rows)`` -> (len(rows), dim) over all ``num_rows`` rows, split across the ranks.
+def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: int, chunk: int | None = None,
+                  jointly: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+    """``embed(rows)`` -> (len(rows), dim) over all ``num_rows`` rows, split across the ranks; the
+    (num_rows, dim) whole on every rank.
 
-    Each rank embeds a contiguous ceil(N/W) rows (the last may get fewer or none); all-gather over
-    the default group assembles the (num_rows, dim) whole on every rank. Without a process group,
-    or with one rank, ``embed(range(num_rows))``.
+    The rows go in passes of ``chunk`` (default all of them), as one process embeds them in forward
+    passes of that many rows. Each pass is split over the ranks, contiguous shares in rank order
+    (``shard_bounds``), each rank embedding its share under ``jointly()`` (a context in which the
+    encoder's batch statistics span the ranks, ``Replicas.spanning``: then a training-mode
+    BatchNorm normalises every pass as one process does) and an all-gather assembling the pass. A
+    pass of fewer rows than ranks is embedded whole by every rank, no share being empty. Without a
+    process group, or with one rank, ``embed`` of each pass.
     """
+    chunk = max(1, chunk or num_rows)
+    passes = [range(s, min(num_rows, s + chunk)) for s in range(0, num_rows, chunk)]
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return embed(range(num_rows))
-    W, r, N = dist.get_world_size(), dist.get_rank(), num_rows
-    per = -(-N // W)
-    mine = embed(range(min(N, r * per), min(N, (r + 1) * per)))  # (<= per, dim)
-    buf = torch.zeros(per, dim)  # all_gather needs equal sizes: pad to per rows
-    buf[: len(mine)] = mine
-    parts = [torch.zeros_like(buf) for _ in range(W)]
-    dist.all_gather(parts, buf)
-    return torch.cat(parts)[:N]
+        return torch.cat([embed(p) for p in passes]) if passes else torch.zeros(0, dim)
+    W, r = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros(num_rows, dim)
+    for p in passes:
+        if len(p) < W:
+            out[p.start:p.stop] = embed(p)
+            continue
+        bounds = [shard_bounds(len(p), i, W) for i in range(W)]
+        start, stop = bounds[r]
+        with jointly():
+            mine = embed(range(p.start + start, p.start + stop))  # (stop - start, dim)
+        longest = max(b - a for a, b in bounds)
+        buf = torch.zeros(longest, dim)  # all_gather needs equal sizes: pad to the longest share
+        buf[: len(mine)] = mine
+        parts = [torch.zeros_like(buf) for _ in range(W)]
+        dist.all_gather(parts, buf)
+        out[p.start:p.stop] = torch.cat([part[: b - a] for part, (a, b) in zip(parts, bounds)])
+    return out
 
 
 def shard_bounds(num_docs: int, rank: int, world: int) -> tuple[int, int]:

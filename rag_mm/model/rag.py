@@ -77,7 +77,7 @@ class RagModel(nn.Module):
             ids = gold[:, None].cpu()
             return {**q, **self._docs(ids, dev)}, ids, None
         k = self.rcfg.top_k
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
         sims, ids = self.memory.search(q_emb.detach(), max(k, search_k))  # (B, max(k, search_k)) nearest first
         top = ids[:, :k]
@@ -105,8 +105,9 @@ class RagModel(nn.Module):
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
-        d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
-                               docs["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
+        with self.replicas.spanning(enc):
+            d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
+                                   docs["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
         scores = enc.scale() * torch.einsum("be,bke->bk", q_emb, d_emb)  # (B, k)
         r_loss = scores.new_zeros(())
         if cfg.loss in ("pdist", "emdr") and k > 1:
@@ -131,7 +132,8 @@ class RagModel(nn.Module):
         loss () and whether each query's gold document is in the index's top-k (B,) bool."""
         if gold is None or bool((gold < 0).any()):
             raise ValueError("retriever.warmup_steps needs a doc_id in every training query's json")
-        q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
+        with self.replicas.spanning(self.retriever):
+            q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
         _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
         return self._contrastive(q_emb, gold), (ids == gold.cpu()[:, None]).any(1)
 
@@ -140,7 +142,28 @@ class RagModel(nn.Module):
         ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh; with
         ``retriever.pseudo_queries``, random views of memory pictures join the queries. Over every
         data-parallel replica (``self.replicas``): the rows of all of them are gathered, so each
-        query meets the whole global batch's documents, as in one process."""
+        query meets the whole global batch's documents, as in one process, and the towers' batch
+        statistics span them too."""
+        enc, dev, rep = self.retriever, q_emb.device, self.replicas
+        with rep.spanning(enc):
+            q_emb, gold, g_emb = self._contrastive_rows(q_emb, gold)
+        q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (sum of replicas' B, ...)
+        extra, extra_ids = [], []
+        if hard is not None:
+            hard, hard_ids = rep.gather(hard, hard_ids.to(dev))
+            extra.append(hard)
+            extra_ids.append(hard_ids)
+        if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
+            bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
+            extra.append(bank.to(dev, q_emb.dtype))
+            extra_ids.append(bank_ids.to(dev))
+        return losses.contrastive(q_emb, g_emb, gold, enc.scale(),
+                                  torch.cat(extra) if extra else None, torch.cat(extra_ids) if extra else None)
+
+    def _contrastive_rows(self, q_emb, gold) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This replica's contrastive rows: (query embeddings (n, E), their gold ids (n,), the gold
+        documents' embeddings (n, E)), the queries followed by this replica's share of the
+        pseudo-queries when ``retriever.pseudo_queries`` is on."""
         enc, dev, rep = self.retriever, q_emb.device, self.replicas
         gold = gold.to(dev)
         if self.rcfg.pseudo_queries > 0:  # random views of memory pictures, each querying its own document
@@ -155,18 +178,7 @@ class RagModel(nn.Module):
             gold = torch.cat([gold, self.store.ids[rows].to(dev)])
         g_docs = self._docs(gold[:, None].cpu(), dev)
         g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
-        q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (sum of replicas' B, ...)
-        extra, extra_ids = [], []
-        if hard is not None:
-            hard, hard_ids = rep.gather(hard, hard_ids.to(dev))
-            extra.append(hard)
-            extra_ids.append(hard_ids)
-        if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
-            bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
-            extra.append(bank.to(dev, q_emb.dtype))
-            extra_ids.append(bank_ids.to(dev))
-        return losses.contrastive(q_emb, g_emb, gold, enc.scale(),
-                                  torch.cat(extra) if extra else None, torch.cat(extra_ids) if extra else None)
+        return q_emb, gold, g_emb
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:

@@ -3,6 +3,8 @@ embedding assembles every row once, in order."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -91,24 +93,36 @@ def test_shard_bounds_cover_every_document_once():
             assert max(sizes) - min(sizes) <= 1
 
 
-def _embed_rows(rank, world, n):
+def _embed_rows(rank, world, n, chunk=None):
     asked = []
+    joint = []  # whether each call ran under ``jointly``
+
+    @contextlib.contextmanager
+    def jointly():
+        joint.append(True)
+        yield
 
     def embed(rows):  # row r -> (r, 10 r, 100 r): the whole shows where each row came from
-        asked.append((rows.start, rows.stop))
+        asked.append((rows.start, rows.stop, bool(joint) and joint.pop()))
         r = torch.arange(rows.start, rows.stop, dtype=torch.float32)
         return torch.stack([r, 10 * r, 100 * r], 1)
 
-    return embed_sharded(embed, n, 3), asked
+    return embed_sharded(embed, n, 3, chunk=chunk, jointly=jointly), asked
 
 
 @pytest.mark.multirank
 def test_embed_sharded_splits_rows_and_gathers_them_in_order():
-    for n, spans in ((5, [(0, 3), (3, 5)]), (1, [(0, 1), (1, 1)])):  # with 1 row, rank 1 embeds none
-        out = run_ranks(_embed_rows, 2, n)
+    cases = (
+        (5, None, [[(0, 3, True)], [(3, 5, True)]]),  # one pass, split
+        (1, None, [[(0, 1, False)], [(0, 1, False)]]),  # fewer rows than ranks: both embed it whole
+        # passes of 3 rows as one process makes them, each split; the last (1 row) whole on both
+        (7, 3, [[(0, 2, True), (3, 5, True), (6, 7, False)], [(2, 3, True), (5, 6, True), (6, 7, False)]]),
+    )
+    for n, chunk, calls in cases:
+        out = run_ranks(_embed_rows, 2, n, chunk)
         r = torch.arange(n, dtype=torch.float32)
         for emb, _ in out:  # every rank gets the whole
             assert torch.equal(emb, torch.stack([r, 10 * r, 100 * r], 1))
-        assert [asked for _, asked in out] == [[s] for s in spans]
+        assert [asked for _, asked in out] == calls
     emb, asked = _embed_rows(0, 1, 4)  # no process group: one call over all rows
-    assert emb.shape == (4, 3) and asked == [(0, 4)]
+    assert emb.shape == (4, 3) and asked == [(0, 4, False)]

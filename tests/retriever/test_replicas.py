@@ -49,31 +49,65 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
     enc = rag.retriever
     enc.zero_grad(set_to_none=True)
     torch.manual_seed(2)  # the pseudo-query and bank draws, alike on every rank and in the reference
-    q_emb = enc.embed_queries(image[rows], q_ids[rows], torch.full((B,), 5)[rows])
-    h = rag._docs(hard_ids[rows].flatten()[:, None], "cpu")
-    hard = enc.embed_docs(h["doc_image"][:, 0], h["doc_ids"][:, 0], h["doc_len"][:, 0])
+    with rag.replicas.spanning(enc):  # the RagModel's own passes span the replicas themselves
+        q_emb = enc.embed_queries(image[rows], q_ids[rows], torch.full((B,), 5)[rows])
+        h = rag._docs(hard_ids[rows].flatten()[:, None], "cpu")
+        hard = enc.embed_docs(h["doc_image"][:, 0], h["doc_ids"][:, 0], h["doc_len"][:, 0])
     loss = rag._contrastive(q_emb, gold[rows], hard, hard_ids[rows].flatten())
     loss.backward()
     grad = torch.cat([p.grad.reshape(-1) for p in enc.parameters() if p.grad is not None])
-    return loss.item(), grad
+    stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])  # BatchNorm's running ones
+    return loss.item(), grad, stats
 
 
-def _replicated_vs_one_process(rank: int, world: int, pseudo: int) -> dict:
-    rcfg = RetrieverConfig(**SMALL, mode="learned", pseudo_queries=pseudo, bank_negatives=10)
+def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -> dict:
+    rcfg = RetrieverConfig(**SMALL, vision_tower=tower, mode="learned", pseudo_queries=pseudo, bank_negatives=10)
     rag = _rag(rcfg)
-    ref_loss, ref_grad = _loss_and_grads(rag, slice(None))  # one process, the whole batch
+    start = {n: b.clone() for n, b in rag.retriever.named_buffers()}
+    ref_loss, ref_grad, ref_stats = _loss_and_grads(rag, slice(None))  # one process, the whole batch
+    for n, b in rag.retriever.named_buffers():  # the running statistics as they were
+        b.copy_(start[n])
     rag.replicas = Replicas(dist.group.WORLD, rank, world)
-    loss, grad = _loss_and_grads(rag, rag.replicas.share(B))
+    loss, grad, stats = _loss_and_grads(rag, rag.replicas.share(B))
     dist.all_reduce(grad)  # data parallel's mean over the replicas
-    return dict(ref_loss=ref_loss, ref_grad=ref_grad.tolist(), loss=loss, grad=(grad / world).tolist())  # plain lists cross processes
+    return dict(ref_loss=ref_loss, ref_grad=ref_grad.tolist(), ref_stats=ref_stats.tolist(), loss=loss,
+                grad=(grad / world).tolist(), stats=stats.tolist())  # plain lists cross processes
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("pseudo", [0, 5])  # 5 pseudo-queries: shares of 3 and 2, an uneven gather
-def test_gathered_contrastive_gives_one_process_gradient(pseudo):
+@pytest.mark.parametrize("pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")])  # 5: shares of 3 and 2, uneven
+def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
     one-process loss on every rank and, averaged, its gradient (each replica scoring only its own
-    rows, with a quarter of the negatives missing, has a loss some 25% lower)."""
-    for out in run_ranks(_replicated_vs_one_process, 2, pseudo):
+    rows, with a quarter of the negatives missing, has a loss some 25% lower). With the ResNet
+    tower, its BatchNorm normalises over both replicas' rows, and its running statistics move as
+    one process's do (each replica normalising its own 3 rows, the loss is 6% off)."""
+    for out in run_ranks(_replicated_vs_one_process, 2, pseudo, tower):
         assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
         torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(out["ref_grad"]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6)
+
+
+def _refresh_vs_one_process(rank: int, world: int) -> dict:
+    rcfg = RetrieverConfig(**SMALL, vision_tower="resnet", mode="learned")
+    rag = _rag(rcfg)  # memory batch_size 8: three passes of 8 documents
+    memory, enc = rag.memory, rag.retriever
+    start = {n: b.clone() for n, b in enc.named_buffers()}
+    ref = memory.embed()  # one process, training mode: each pass normalised by its own 8 rows
+    ref_stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])
+    for n, b in enc.named_buffers():
+        b.copy_(start[n])
+    memory.refresh()  # split over the ranks, 4 rows of each pass on each
+    stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])
+    return dict(ref=ref.tolist(), got=memory.embeddings.tolist(), ref_stats=ref_stats.tolist(), stats=stats.tolist())
+
+
+@pytest.mark.multirank
+def test_sharded_refresh_embeds_as_one_process():
+    """The index refresh split over 2 ranks, the encoder in training mode (the ResNet tower's
+    BatchNorm normalising by batch statistics), gives the embeddings and running statistics of one
+    process embedding the memory in its passes (each rank normalising its own half moves the
+    embeddings by up to 0.36)."""
+    for out in run_ranks(_refresh_vs_one_process, 2):
+        torch.testing.assert_close(torch.tensor(out["got"]), torch.tensor(out["ref"]), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6)
