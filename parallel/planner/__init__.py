@@ -21,8 +21,15 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   microbatch x the schedule's in-flight count (``cost.inflight``), divided by ``tp`` except those of
   norms and dropout (replicated without sequence parallel) and the whole inputs that
   column-parallel layers and the LM head save; with checkpointing only each block's
-  input stays per microbatch, plus one block's activations while it is recomputed; with CPU
-  offload params, grads and Adam state live on the host (they must fit there).
+  input stays per microbatch, plus one block's activations while it is recomputed; on the rank
+  holding the model's output, a loss over it at the start of backward (4 output-sized tensors:
+  the output, a cross-entropy's saved log-probabilities and the two gradients its backward
+  makes); on pipeline ranks after the first under the split drain, the output gradients that
+  the deferred weight gradients of its last 2 microbatches keep; with CPU offload params, grads
+  and Adam state live on the host (they must fit there). Gradients are allocated as backward
+  frees activations, so the two count together only where an earlier microbatch's backward made
+  the gradients before the activations peak (gradient accumulation, or a pipeline rank with more
+  microbatches than it holds in flight); otherwise the larger of the two.
 - time = (m + bubble) x slot + exposed data-parallel communication + offload traffic (m: pipeline
   microbatches, or gradient-accumulation steps without a pipeline), with
   slot = the slowest pipeline rank's compute + TP all-reduces + pipeline sends per microbatch:

@@ -12,6 +12,7 @@ from ..balance import InfeasiblePartition
 from ..cluster import Cluster
 from ..cost import CostConfig, inflight, rank_of_stage
 from ..partition import baseline_partition, partition_trace
+from ..pipeline.schedule import DRAIN_DEPTH
 from ..trace import TraceResult
 from .report import GiB, Layout, overrides
 from .stats import ModelStats, PartStats
@@ -30,6 +31,9 @@ ACCUMULATION = (1, 2, 4, 8, 16, 32)  # gradient-accumulation steps tried without
 FULL_SEARCH_MODULES = 300
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the smallest gradient message left at the end
 RECOMPUTE = 4.0 / 3.0  # checkpointing runs each block's forward twice: (1 + 1 + 2) / (1 + 2)
+# tensors of the output's size alive when backward starts: the output, a cross-entropy's saved
+# log-probabilities, and the two gradients its backward makes (of the log-probabilities, of the output)
+LOSS_WORKING_SET = 4.0
 HOST_ADAM_BYTES = 7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
 
 
@@ -155,6 +159,10 @@ class Planner:
         ranks = [rank_of_stage(s, pp, ccfg) for s in range(len(parts))]
         infl = [inflight(s, pp, ccfg) for s in range(len(parts))]
         pp_stride = world // pp
+        # the runtime's split drain (ParallelConfig.split_drain, on by default): GPipe / 1F1B ranks
+        # after the first run their last DRAIN_DEPTH backwards as input gradients first, weight
+        # gradients at the end of the step; off under tp and checkpointing (parallel/api.py)
+        split_drain = pp > 1 and cost_sched in ("gpipe", "1f1b") and tp == 1 and not activation_checkpointing
 
         def local(total: float, tp_part: float) -> float:  # bytes on one tp rank
             return total - tp_part + tp_part / tp
@@ -172,6 +180,10 @@ class Planner:
                 act += local(a, a - a_rep) * infl[s]  # all but the replicated part split over tp
             if activation_checkpointing:
                 act += max(parts[s].recompute_peak for s in mine) / tp
+            if r > 0 and split_drain:  # the drain's deferred weight gradients keep their output gradients
+                act += min(DRAIN_DEPTH, microbatches) * sum(parts[s].wgrad_keep for s in mine)
+            if r == ranks[-1]:  # the loss over the output, whole on every tp rank, at the start of backward
+                act += LOSS_WORKING_SET * st.output_bytes
             act *= scale * cdt
             m = {"params": P / dp_shard, "grads": P / dp_shard, "optimizer": 2.0 * P / dp_shard,
                  "gathered": 0.0, "activations": act}
@@ -183,11 +195,16 @@ class Planner:
                 m["gathered"] = (2.0 * blockP + rootP) * cdt
             elif bf16:
                 m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
+            # Gradients are allocated as backward frees activations. When the activations peak (the
+            # start of a backward) they are still unallocated unless an earlier microbatch's backward
+            # made them: gradient accumulation, or a pipeline rank with more microbatches than in flight.
+            grads_early = microbatches > 1 if pp == 1 else microbatches > max(infl[s] for s in mine)
             host = 0.0
             if cpu_offload:
                 host = m["params"] + m["grads"] + m["optimizer"]
                 m["params"] = m["grads"] = m["optimizer"] = 0.0
-            total = sum(m.values())
+            total = sum(m.values()) - (0.0 if grads_early else min(m["grads"], m["activations"]))
+            lay.memory_by_rank.append(total)
             if total > best_mem:
                 best_mem, mem_parts, host_peak = total, m, host
             # per microbatch on this rank

@@ -30,7 +30,10 @@ class Layout:
     microbatch_size: int = 0  # samples per microbatch on one data-parallel replica
     fits: bool = False  # True if memory (device and host) and every constraint allow it
     memory_bytes_per_device: float = 0.0  # modelled peak on the fullest device
-    memory: dict[str, float] = field(default_factory=dict)  # that peak by kind (params, grads, ...)
+    # that rank's memory by kind (params, grads, optimizer, gathered, activations): the peak is their
+    # sum, less the smaller of grads and activations where the two do not peak together
+    memory: dict[str, float] = field(default_factory=dict)
+    memory_by_rank: list[float] = field(default_factory=list)  # modelled peak of each pipeline rank, first first
     step_time_s: float = math.inf  # modelled seconds per optimizer step
     breakdown: dict[str, float] = field(default_factory=dict)  # step seconds by where they go
     mfu: float = 0.0  # model FLOPs (no recompute) / (step time x world x peak of the dtype)

@@ -34,6 +34,7 @@ class PartStats:
     block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
     cut_out: float = 0.0  # bytes sent per trace batch at its last cut
+    wgrad_keep: float = 0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
     tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
 
@@ -66,6 +67,7 @@ class ModelStats:
             raise ValueError("the trace counted no FLOPs (torch's FlopCounterMode failed on an op); the "
                              "planner needs them for compute time")
         self.whole = self.part(list(mods), sorted({p for p in trace.param_owner}), self.flops)
+        self.output_bytes = float(mods[""].out_bytes)  # the model's output (logits): the loss's input
 
     def _subtree(self, name: str) -> set[str]:
         out, stack = set(), [name]
@@ -96,6 +98,8 @@ class ModelStats:
                 s.tp_calls += node.calls
             rep = any(k in node.type for k in REPLICATED_ACT) or m in self.tp_whole_input
             s.act += node.saved_bytes
+            if node.params:  # its weight gradient needs the gradient of its output
+                s.wgrad_keep += node.out_bytes
             s.act_rep += node.saved_bytes if rep else 0
             if self.block_of.get(m) not in whole:  # outside every whole block: kept under checkpointing
                 s.ckpt_act += node.saved_bytes

@@ -552,6 +552,7 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             "layout": specs[n], "planner_key": lay.key, "fits": lay.fits, "microbatch_size": lay.microbatch_size,
             "predicted": {
                 "state_bytes": p_state, "peak_bytes": lay.memory_bytes_per_device,
+                "peak_bytes_by_pp_rank": lay.memory_by_rank,
                 "memory_bytes": {k: v for k, v in pm.items()},
                 "step_time_s": lay.step_time_s, "breakdown_s": lay.breakdown, "reasons": lay.reasons},
             "measured": {
@@ -573,12 +574,16 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             entry["measured"]["peak_bytes"] = pk["total"]
             entry["measured"]["peak_detail"] = {**pk, "per_rank": [r["peak"]["total"] for r in ranks]}
             entry["ratio_measured_over_predicted"]["peak"] = _ratio(pk["total"], lay.memory_bytes_per_device)
+            by_pp = [max(r["peak"]["total"] for r in ranks if r["pp_rank"] == q) for q in range(specs[n]["pp"])]
+            entry["measured"]["peak_bytes_by_pp_rank"] = by_pp
+            entry["ratio_measured_over_predicted"]["peak_by_pp_rank"] = [
+                _ratio(b, p) for b, p in zip(by_pp, lay.memory_by_rank)]
         notes = []
         if specs[n]["pp"] > 1 and specs[n]["dp_shard"] > 1:
             notes.append("predicted grads are the unsharded gradients a pipeline stage accumulates during the step "
                          "(its peak); measured after the step, when FSDP has reduce-scattered them to a shard")
         if specs[n]["pp"] > 1:
-            notes.append("predicted memory is the fullest pipeline rank's; measured: the rank with the largest state")
+            notes.append("peak: the fullest pipeline rank's, predicted and measured (by_pp_rank: each rank's)")
         if notes:
             entry["notes"] = notes
         part_table = next((r.get("partition") for r in ranks if r.get("partition")), None)

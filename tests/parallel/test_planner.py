@@ -14,6 +14,7 @@ from parallel.cluster import Cluster
 from parallel.config import ParallelConfig
 from parallel.pipeline.schedule import stages_per_rank
 from parallel.planner import SCHEDULE_COST, TP_TYPES, plan_layout
+from parallel.planner.estimate import LOSS_WORKING_SET
 from parallel.trace import trace_model
 
 SEQ = 8  # tokens per sample in the toy models
@@ -87,10 +88,18 @@ def test_memory_matches_exact_counts(toy, tp, dp_shard):
     assert lay.memory["grads"] == pytest.approx(params / dp_shard)
     assert lay.memory["optimizer"] == pytest.approx(adam / dp_shard)
     # the microbatch's activations: the traced ones (4 samples) scaled to 2 per replica, the
-    # norms' replicated over tp and the rest split
-    st = plan.planner.stats.whole
-    per_sample = ((st.act - st.act_rep) / tp + st.act_rep) / 4
+    # norms' replicated over tp and the rest split; and the loss over the output, whole
+    stats = plan.planner.stats
+    st = stats.whole
+    per_sample = ((st.act - st.act_rep) / tp + st.act_rep + LOSS_WORKING_SET * stats.output_bytes) / 4
     assert lay.memory["activations"] == pytest.approx(per_sample * lay.microbatch_size)
+    # one microbatch a step: gradients come as backward frees activations, the larger one counts
+    m = lay.memory
+    static = m["params"] + m["optimizer"] + m["gathered"]
+    assert lay.memory_bytes_per_device == pytest.approx(static + max(m["grads"], m["activations"]))
+    acc = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, microbatches=2, mixed_precision="fp32")
+    a = acc.memory  # accumulating: the first microbatch's gradients are there when the second's activations peak
+    assert acc.memory_bytes_per_device == pytest.approx(sum(a.values()))
     # checkpointing keeps less, and offload moves the state off the device
     ac = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32",
                        activation_checkpointing=True)
@@ -145,7 +154,14 @@ def test_bubble_and_schedules(toy):
     assert inter.breakdown["bubble"] == pytest.approx(islot / 2)
     # zero-bubble's lower bubble costs memory: more microbatches in flight on rank 0
     zb = plan.estimate(schedule="zero_bubble", **kw)
-    assert zb.step_time_s < one.step_time_s and zb.memory["activations"] > one.memory["activations"]
+    assert zb.step_time_s < one.step_time_s and zb.memory_by_rank[0] > one.memory_by_rank[0]
+    # rank 1 under 1F1B: two microbatches in flight, the split drain's two deferred weight
+    # gradients' output gradients, the loss over the output, and the state (gradients already
+    # there: 8 microbatches, 2 in flight); one sample per microbatch, the trace's 4
+    ps = plan.planner.stages(2)[1]
+    act = (2 * ps.act + 2 * ps.wgrad_keep + LOSS_WORKING_SET * plan.planner.stats.output_bytes) / 4
+    assert ps.wgrad_keep > 0
+    assert one.memory_by_rank[1] == pytest.approx(4 * ps.param_bytes + act)
     for name, (_, v) in SCHEDULE_COST.items():
         assert stages_per_rank(name, 1) == v
 
