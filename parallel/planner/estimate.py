@@ -205,6 +205,7 @@ class Planner:
                 m["params"] = m["grads"] = m["optimizer"] = 0.0
             total = sum(m.values()) - (0.0 if grads_early else min(m["grads"], m["activations"]))
             lay.memory_by_rank.append(total)
+            lay.memory_kinds_by_rank.append(m)
             if total > best_mem:
                 best_mem, mem_parts, host_peak = total, m, host
             # per microbatch on this rank

@@ -34,6 +34,7 @@ class Layout:
     # sum, less the smaller of grads and activations where the two do not peak together
     memory: dict[str, float] = field(default_factory=dict)
     memory_by_rank: list[float] = field(default_factory=list)  # modelled peak of each pipeline rank, first first
+    memory_kinds_by_rank: list[dict[str, float]] = field(default_factory=list)  # and each one's memory by kind
     step_time_s: float = math.inf  # modelled seconds per optimizer step
     breakdown: dict[str, float] = field(default_factory=dict)  # step seconds by where they go
     mfu: float = 0.0  # model FLOPs (no recompute) / (step time x world x peak of the dtype)

@@ -546,14 +546,15 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         full = max(ranks, key=lambda r: sum(r["state"].values()))
         st = full["state"]
         state = sum(st.values())
-        pm = lay.memory
-        p_state = pm.get("params", 0.0) + pm.get("grads", 0.0) + pm.get("optimizer", 0.0)
+        # the training state of the rank holding the most (under a pipeline not always the fullest)
+        pm = max(lay.memory_kinds_by_rank, key=lambda k: k["params"] + k["grads"] + k["optimizer"])
+        p_state = pm["params"] + pm["grads"] + pm["optimizer"]
         entry = {
             "layout": specs[n], "planner_key": lay.key, "fits": lay.fits, "microbatch_size": lay.microbatch_size,
             "predicted": {
                 "state_bytes": p_state, "peak_bytes": lay.memory_bytes_per_device,
                 "peak_bytes_by_pp_rank": lay.memory_by_rank,
-                "memory_bytes": {k: v for k, v in pm.items()},
+                "memory_bytes": dict(lay.memory), "memory_bytes_of_the_fullest_state": dict(pm),
                 "step_time_s": lay.step_time_s, "breakdown_s": lay.breakdown, "reasons": lay.reasons},
             "measured": {
                 "state_bytes": state, "state_bytes_by_kind": st,
