@@ -19,8 +19,9 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   runtime keeps it for the step); a bf16 working
   copy of the parameters without FSDP (autocast saves its casts for backward); activations per
   microbatch x the schedule's in-flight count (``cost.inflight``), divided by ``tp`` except those of
-  norms and dropout (replicated without sequence parallel) and the whole inputs that
-  column-parallel layers and the LM head save; with checkpointing only each block's
+  norms and dropout (replicated without sequence parallel), the whole inputs that
+  column-parallel layers and the LM head save, and those of modules outside the repeated blocks
+  that tensor parallel leaves whole; with checkpointing only each block's
   input stays per microbatch, plus one block's activations while it is recomputed; on the rank
   holding the model's output, a loss over it at the start of backward (4 output-sized tensors:
   the output, a cross-entropy's saved log-probabilities and the two gradients its backward
