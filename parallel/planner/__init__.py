@@ -26,7 +26,9 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   holding the model's output, a loss over it at the start of backward (4 output-sized tensors:
   the output, a cross-entropy's saved log-probabilities and the two gradients its backward
   makes); on pipeline ranks after the first under the split drain, the output gradients that
-  the deferred weight gradients of its last 2 microbatches keep; with CPU offload params, grads
+  the deferred weight gradients of its last 2 microbatches keep; under a pipeline, the hand-over
+  buffers (a received activation, the gradient packed to send back, the activation packed to
+  send on); with CPU offload params, grads
   and Adam state live on the host (they must fit there). Gradients are allocated as backward
   frees activations, so the two count together only where an earlier microbatch's backward made
   the gradients before the activations peak (gradient accumulation, or a pipeline rank with more

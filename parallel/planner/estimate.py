@@ -182,6 +182,9 @@ class Planner:
                 act += max(parts[s].recompute_peak for s in mine) / tp
             if r > 0 and split_drain:  # the drain's deferred weight gradients keep their output gradients
                 act += min(DRAIN_DEPTH, microbatches) * sum(parts[s].wgrad_keep for s in mine)
+            if pp > 1:  # the hand-over buffers: a received activation, the gradient packed to send it
+                # back, the activation packed to send on (whole on every tp rank)
+                act += sum(2.0 * parts[s].cut_in + parts[s].cut_out for s in mine)
             if r == ranks[-1]:  # the loss over the output, whole on every tp rank, at the start of backward
                 act += LOSS_WORKING_SET * st.output_bytes
             act *= scale * cdt

@@ -156,11 +156,12 @@ def test_bubble_and_schedules(toy):
     zb = plan.estimate(schedule="zero_bubble", **kw)
     assert zb.step_time_s < one.step_time_s and zb.memory_by_rank[0] > one.memory_by_rank[0]
     # rank 1 under 1F1B: two microbatches in flight, the split drain's two deferred weight
-    # gradients' output gradients, the loss over the output, and the state (gradients already
-    # there: 8 microbatches, 2 in flight); one sample per microbatch, the trace's 4
+    # gradients' output gradients, the received activation and the gradient packed to send back,
+    # the loss over the output, and the state (gradients already there: 8 microbatches, 2 in
+    # flight); one sample per microbatch, the trace's 4
     ps = plan.planner.stages(2)[1]
-    act = (2 * ps.act + 2 * ps.wgrad_keep + LOSS_WORKING_SET * plan.planner.stats.output_bytes) / 4
-    assert ps.wgrad_keep > 0
+    act = (2 * ps.act + 2 * ps.wgrad_keep + 2 * ps.cut_in + LOSS_WORKING_SET * plan.planner.stats.output_bytes) / 4
+    assert ps.wgrad_keep > 0 and ps.cut_in > 0 and ps.cut_out == 0
     assert one.memory_by_rank[1] == pytest.approx(4 * ps.param_bytes + act)
     for name, (_, v) in SCHEDULE_COST.items():
         assert stages_per_rank(name, 1) == v
