@@ -18,8 +18,8 @@ import torch
 
 from retriever.encoders import DualEncoder
 from retriever.index import FaissIndex
-from retriever.serve import DocumentIndex
 from retriever.replicas import Replicas
+from retriever.serve import DocumentIndex
 from retriever.sharded import embed_sharded
 
 log = logging.getLogger(__name__)
