@@ -103,7 +103,6 @@ class Replicas:
         return tuple(out)
 
 
-
 class ReplicaBatchNorm(_BatchNorm):
     """BatchNorm over any input (N, C, *) whose training-mode batch statistics span the replicas of
     ``span`` while ``Replicas.spanning`` sets it, and which is a plain BatchNorm otherwise.

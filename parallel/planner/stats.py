@@ -94,13 +94,13 @@ class ModelStats:
         for m in modules:
             node = mods[m]
             s.calls += node.calls
-            if any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params):
+            sharded = any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params)
+            if sharded:
                 s.tp_calls += node.calls
             # whole on every tp rank: norms and dropout (no sequence parallel), the whole inputs of
             # column-parallel layers, and whatever runs outside the repeated blocks on modules
             # tensor parallel leaves whole (a head, the container's own code)
-            outside = self.block_of.get(m) is None and not any(
-                tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params)
+            outside = self.block_of.get(m) is None and not sharded
             rep = any(k in node.type for k in REPLICATED_ACT) or m in self.tp_whole_input or outside
             s.act += node.saved_bytes
             if node.params:  # its weight gradient needs the gradient of its output
