@@ -9,6 +9,13 @@ exactly when every gold token (EOT included) is the argmax given the gold prefix
 (``rag_mm.vqa_metric``) scores the greedy answer itself against the human answers, so queries whose
 json has ``answers`` (VQA shards from ``scripts/convert.py``) are also decoded token by token.
 
+Whether the reader uses the picture at all is measured three ways: the blind prior (the score of
+answering each question with its text's most frequent training answer, ``rag_mm.blind_prior``),
+accuracy per VQA answer type (yes/no, number, other: question-only priors differ most between them),
+and an ablation that blanks every query picture to the batch's mean pixel and evaluates again
+(``image_drop``). A reader within two points of the blind prior, or one that loses under two points
+without the picture, is warned about: it answers from the question.
+
 The command line evaluates a run directory in one process, whatever layout trained it: the run's
 saved config builds the model (``rag_mm.build``), and only the checkpoint's model entries are
 loaded -- no optimizer, no process group. DCP checkpoints hold the whole RagModel under its own
@@ -27,14 +34,18 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rag_mm import checkpoint
+from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import SPLITS, batch_inputs, build_rag, make_stream
 from rag_mm.data.pipeline import DataError
 from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import all_reduce_sum
-from rag_mm.paths import data_key
-from rag_mm.vqa_metric import vqa_accuracy
+from rag_mm.metrics import json_safe
+from rag_mm.paths import data_key, writable_dir_problem
+from rag_mm.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +54,8 @@ RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 
 @torch.no_grad()
 def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
-             n_examples: int = 0, tokenizer=None, replicas: int = 1) -> dict:
+             n_examples: int = 0, tokenizer=None, replicas: int = 1, prior: BlindPrior | None = None,
+             ablation: bool = True, split: str = "") -> dict:
     """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
 
     Every rank evaluates its share of the split; the sums are all-reduced (and divided by
@@ -51,16 +63,34 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     (main rank only) receives a few queries with their retrieved documents for inspection.
     ``vqa_acc`` (with ``n_vqa``, the queries it averages) is reported when queries carry human
     answers and the reader is whole on every rank (greedy decoding needs it).
+
+    Whether the reader uses the picture:
+
+    * ``blind_prior``: the score of answering each question with its text's most frequent training
+      answer (``prior``, ``rag_mm.blind_prior``; None without one), scored per query as the reader
+      is (VQA accuracy against the human answers where there are some, else exact match);
+    * ``by_type``: per VQA answer type (``rag_mm.vqa_metric.answer_type``: the query's json
+      ``answer_type``, else inferred from its gold answer) n, acc, vqa_acc, the blind prior and the
+      ablation's numbers;
+    * ``ablation``: the same forward (retrieval included) with every query picture replaced by the
+      batch's mean pixel: ``acc_blank`` (``vqa_acc_blank`` greedily decoded), and ``image_drop`` =
+      accuracy minus blanked accuracy (VQA accuracy when reported, else exact match). One extra
+      forward per batch; the trainer's periodic validation passes turn it off.
+
+    ``split`` names the split in one INFO line of these numbers and a warning when the reader does
+    not beat the blind prior or barely needs the picture (every rank must pass the same arguments:
+    the ablation's forwards are collective under a spread reader).
     """
     was_training = rag.training
     rag.eval()
     learned = rag.rcfg.mode == "learned"
+    search_k = max(RECALL_AT) if learned else 0
     # per group (seen, held-out): n, correct, nll, queries with a gold document, then recall hits
     # for each k in RECALL_AT (a query naming no gold document, doc_id -1, is no recall query:
     # faiss pads short result lists with id -1 too)
     width = 4 + len(RECALL_AT)
     acc = torch.zeros(2 * width, dtype=torch.float64)
-    vqa = torch.zeros(2, dtype=torch.float64)  # summed VQA accuracy, queries scored
+    typed = torch.zeros(len(ANSWER_TYPES), len(TYPED), dtype=torch.float64)  # per answer type, the TYPED sums
     whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     warned = False
@@ -68,7 +98,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
             break
-        out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=max(RECALL_AT) if learned else 0)
+        out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k)
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
         hits = []
@@ -84,21 +114,34 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
             acc[base + 3] += float((has_gold & mask).sum())
             for h, hit in enumerate(hits):
                 acc[base + 4 + h] += float((hit & mask).sum())
-        answers = batch.get("answers") or []
+        B = len(correct)
+        golds = batch.get("answer") or [""] * B
+        answers = batch.get("answers") or [None] * B
+        types = torch.tensor([ANSWER_TYPES.index(answer_type(t, g))
+                              for t, g in zip(batch.get("answer_type") or [None] * B, golds)])  # (B,)
+        _add(typed, "n", types, torch.ones(B))
+        _add(typed, "correct", types, correct)
+        if prior is not None:
+            _add(typed, "prior", types, torch.tensor([prior.score(q, g, a) for q, g, a
+                                                      in zip(batch["question"], golds, answers)]))
         rows = [r for r, a in enumerate(answers) if a]
-        if rows and whole:
-            preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
-            max_answer = rag.reader.cfg.max_answer
-            for r, ids in zip(rows, preds):
-                vqa[0] += vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r])
-            vqa[1] += len(rows)
+        vqa_rows = bool(rows) and whole
+        if vqa_rows:
+            _add_vqa(typed, "", rag, batch, out, device, rows, types, tok)
         elif rows and not warned:  # every rank has the same layout, so the same (fixed-size) sums below
             warned = True
             log.warning("vqa_acc not computed: greedy answers need the whole reader on each rank "
                         "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate")
+        if ablation:
+            blank = _blank(batch)
+            out_blank = rag(**batch_inputs(blank, device), retriever_loss=False, search_k=search_k)
+            _add(typed, "correct_blank", types, out_blank.reader.correct.cpu())
+            if vqa_rows:
+                _add_vqa(typed, "_blank", rag, blank, out_blank, device, rows, types, tok)
         if examples_path is not None and len(examples) < n_examples:
             examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
-    acc, vqa = (all_reduce_sum(torch.cat([acc, vqa])) / replicas).split([2 * width, 2])
+    acc, typed = (all_reduce_sum(torch.cat([acc, typed.flatten()])) / replicas).split([2 * width, typed.numel()])
+    typed = typed.view(len(ANSWER_TYPES), len(TYPED))
     rag.train(was_training)
     seen, held = acc[:width].tolist(), acc[width:].tolist()
     n = seen[0] + held[0]
@@ -116,13 +159,107 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         for h, k in enumerate(RECALL_AT):
             res[f"recall@{k}"] = (seen[4 + h] + held[4 + h]) / n_gold
             res[f"recall@{k}_heldout"] = held[4 + h] / held[3] if held[3] else float("nan")
-    if vqa[1] > 0:
-        res["vqa_acc"] = float(vqa[0] / vqa[1])
-        res["n_vqa"] = int(vqa[1])
+    total = typed.sum(0)
+    if total[TYPED["n_vqa"]] > 0:
+        res["vqa_acc"] = float(total[TYPED["vqa"]] / total[TYPED["n_vqa"]])
+        res["n_vqa"] = int(total[TYPED["n_vqa"]])
+    res.update(_picture_metrics(total, prior is not None, ablation))
+    res["by_type"] = {name: {"n": int(row[TYPED["n"]]), **_picture_metrics(row, prior is not None, ablation, typed=True)}
+                      for name, row in zip(ANSWER_TYPES, typed) if row[TYPED["n"]] > 0}
+    if split and _is_main():
+        _report(split, res)
     if examples_path is not None and examples:
         examples_path.parent.mkdir(parents=True, exist_ok=True)
         examples_path.write_text(json.dumps(examples, indent=1))
     return res
+
+
+# The per-answer-type sums evaluate() all-reduces, by column: queries, exact-match correct, summed VQA
+# accuracy and the queries it sums over, summed blind-prior score, and the same for the blanked picture.
+TYPED = {name: i for i, name in enumerate(
+    ("n", "correct", "vqa", "n_vqa", "prior", "correct_blank", "vqa_blank", "n_vqa_blank"))}
+MIN_GAIN = 0.02  # accuracy over the blind prior, and lost by blanking the picture, below which evaluate() warns
+
+
+def _add(typed: torch.Tensor, col: str, types: torch.Tensor, values) -> None:
+    """Add each query's ``values`` (B,) into its answer type's row of column ``col``."""
+    v = torch.as_tensor(values, dtype=torch.float64)
+    typed[:, TYPED[col]] += torch.zeros(len(ANSWER_TYPES), dtype=torch.float64).index_add_(0, types, v)
+
+
+def _add_vqa(typed, suffix: str, rag, batch, out, device, rows: list[int], types, tok) -> None:
+    """Greedily decode the queries ``rows`` (those with human answers) as ``out`` read them and add
+    their VQA accuracy to columns ``vqa<suffix>`` / ``n_vqa<suffix>``."""
+    preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
+    max_answer = rag.reader.cfg.max_answer
+    answers = batch["answers"]
+    scores = [vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r]) for r, ids in zip(rows, preds)]
+    _add(typed, f"vqa{suffix}", types[rows], scores)
+    _add(typed, f"n_vqa{suffix}", types[rows], torch.ones(len(rows)))
+
+
+def _blank(batch: dict) -> dict:
+    """``batch`` with every query picture replaced by one blank picture: the mean pixel of the
+    batch's pictures, per channel, in the pipeline's normalised space (so the ablation asks what
+    the reader does with a picture that carries no content, not with an out-of-range one)."""
+    img = batch["image"]  # (B, 3, H, W), normalised
+    return {**batch, "image": img.mean(dim=(0, 2, 3), keepdim=True).expand_as(img).contiguous()}
+
+
+def _picture_metrics(sums: torch.Tensor, has_prior: bool, ablation: bool, typed: bool = False) -> dict:
+    """blind_prior, acc_blank, vqa_acc_blank and image_drop from one row of TYPED sums (a type's or
+    the total); ``typed`` adds the row's acc and vqa_acc (the split's own come from the main sums)."""
+    n, n_vqa = float(sums[TYPED["n"]]), float(sums[TYPED["n_vqa"]])
+    res: dict = {}
+    if typed:
+        res["acc"] = float(sums[TYPED["correct"]]) / n if n else None
+        if n_vqa:
+            res["vqa_acc"] = float(sums[TYPED["vqa"]]) / n_vqa
+    res["blind_prior"] = float(sums[TYPED["prior"]]) / n if has_prior and n else None
+    if ablation:
+        res["acc_blank"] = float(sums[TYPED["correct_blank"]]) / n if n else None
+        n_blank = float(sums[TYPED["n_vqa_blank"]])
+        if n_blank:
+            res["vqa_acc_blank"] = float(sums[TYPED["vqa_blank"]]) / n_blank
+        if n_vqa and n_blank:  # accuracy as the headline is: VQA accuracy where the queries have it
+            res["image_drop"] = float(sums[TYPED["vqa"]]) / n_vqa - res["vqa_acc_blank"]
+        else:
+            res["image_drop"] = (float(sums[TYPED["correct"]] - sums[TYPED["correct_blank"]]) / n) if n else None
+    return res
+
+
+def headline(res: dict) -> float:
+    """The accuracy a split's metrics lead with: the VQA accuracy where queries had human answers,
+    else exact match (what ``blind_prior`` and ``image_drop`` are compared with)."""
+    return res["vqa_acc"] if res.get("vqa_acc") is not None else res["acc"]
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def _report(split: str, res: dict) -> None:
+    """One INFO line per split (accuracy, blind prior, accuracy by answer type, image drop) and one
+    warning when the reader does not beat the blind prior or barely needs the picture."""
+    accuracy, prior, drop = headline(res), res.get("blind_prior"), res.get("image_drop")
+    by_type = ", ".join(f"{name} {_fmt(headline(t))} (n={t['n']}, prior {_fmt(t.get('blind_prior'))})"
+                        for name, t in res["by_type"].items())
+    log.info("%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
+             split, accuracy, _fmt(prior), by_type or "none",
+             _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))), _fmt(drop))
+    problems = []
+    if prior is not None and accuracy < prior + MIN_GAIN:
+        where = "below" if accuracy < prior - MIN_GAIN else f"within {MIN_GAIN * 100:.0f} points of"
+        problems.append(f"accuracy {accuracy:.3f} is {where} the blind prior {prior:.3f} (answering from the question alone)")
+    if drop is not None and drop < MIN_GAIN:
+        problems.append(f"the picture is barely used: blanking it costs {drop:.3f}" if drop >= 0 else
+                        f"the picture is not used: blanking it raises accuracy by {-drop:.3f}")
+    if problems:
+        log.warning("%s: %s", split, " / ".join(problems))
 
 
 def _png_b64(img: torch.Tensor) -> str:
@@ -284,8 +421,11 @@ def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
         if parts.memory is not None:  # index the documents with the loaded document encoder
             parts.memory.refresh(step=step)
         examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
+        # the blind prior's table: cached in the run directory (the trainer's final evaluation made it)
+        writable = writable_dir_problem("RUN_DIR", run_dir) is None
+        prior = load_or_build(expand_urls(cfg.data.root, cfg.data.train), run_dir / CACHE_NAME if writable else None)
         metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
-                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok)
+                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split)
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
@@ -310,9 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(res))
+    print(json.dumps(json_safe(res), allow_nan=False))  # strict JSON: null where there is nothing to average
     return 0
 
 
 if __name__ == "__main__":
+    # stderr: the split's summary line and its warnings (stdout holds the JSON line alone)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s | %(name)s | %(message)s")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every CPU-feature probe
     raise SystemExit(main())

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def json_safe(obj):
+    """``obj`` with every non-finite float (NaN: an accuracy over no queries; inf) replaced by None,
+    recursively through dicts, lists and tuples, so ``json.dumps(..., allow_nan=False)`` writes
+    strict JSON (``null``) where Python's default would write the non-standard ``NaN``.
+
+    >>> json_safe({"acc": 0.5, "acc_heldout": float("nan"), "by": [float("inf"), 1]})
+    {'acc': 0.5, 'acc_heldout': None, 'by': [None, 1]}
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class MetricsLogger:

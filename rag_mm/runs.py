@@ -2,10 +2,11 @@
 
 A run directory (``run_dir``) holds ``metrics.jsonl`` (one record per log / evaluation, ``kind`` =
 train | val | test), ``metrics.json`` (the final summary), ``.hydra/config.yaml``,
-``checkpoints/``, and, when they were produced, ``retrieved_examples.json`` (queries with the
-documents the retriever returned) and, from runs with ``parallel.pp > 1``, ``timeline.json`` and
-``timeline.png`` (the pipeline's Chrome trace of the last step and its chart; the step's bubble
-fraction is in metrics.json under "pipeline").
+``checkpoints/``, ``blind_prior.json`` (the blind prior's table, ``rag_mm.blind_prior``), and, when
+they were produced, ``retrieved_examples.json`` (queries with the documents the retriever returned)
+and, from runs with ``parallel.pp > 1``, ``timeline.json`` and ``timeline.png`` (the pipeline's
+Chrome trace of the last step and its chart; the step's bubble fraction is in metrics.json under
+"pipeline").
 After a restart, steps after the last checkpoint are trained and logged again: the last record
 of each (kind, step) is the one that counts.
 """
@@ -259,6 +260,29 @@ def comparison_table(runs: list[Run]) -> list[dict]:
             "acc_heldout": t.get("acc_heldout"), **{f"recall@{k}": t.get(f"recall@{k}") for k in RECALL_KS},
             "samples_per_s": s.get("samples_per_s"), "finished": run.summary is not None,
         })
+    return rows
+
+
+PICTURE_COLUMNS = ("split", "answer type", "n", "accuracy", "blind prior", "blanked", "image drop")
+
+
+def picture_table(run: Run) -> list[dict]:
+    """Does the reader use the picture? One row per final split (val, test) and per VQA answer type
+    in it (metrics.json): its accuracy (the VQA accuracy where the queries had human answers, else
+    exact match), the blind prior (answering from the question alone), the accuracy with every
+    picture blanked and the difference (``image_drop``). None where metrics.json has no number
+    (an older run, or a run that did not finish)."""
+    rows = []
+    for split in ("val", "test"):
+        m = (run.summary or {}).get(split)
+        if not isinstance(m, dict):
+            continue
+        for name, t in [("all", m), *(m.get("by_type") or {}).items()]:
+            vqa = t.get("vqa_acc") is not None
+            rows.append({"split": split, "answer type": name, "n": t.get("n"),
+                         "accuracy": t.get("vqa_acc") if vqa else t.get("acc"), "blind prior": t.get("blind_prior"),
+                         "blanked": t.get("vqa_acc_blank") if vqa else t.get("acc_blank"),
+                         "image drop": t.get("image_drop")})
     return rows
 
 

@@ -105,3 +105,25 @@ def vqa_accuracy(prediction: str, answers: list[str]) -> float:
     total = sum(same)
     # leave annotator i out: the others that gave the prediction are total minus i's own match
     return sum(min(1.0, (total - s) / HUMANS_FOR_FULL_CREDIT) for s in same) / len(gts)
+
+
+# VQA's answer types (the ``answer_type`` of VQAv2's annotations), in the order reports list them.
+ANSWER_TYPES = ("yes/no", "number", "other")
+DIGITS = re.compile(r"[0-9]+")
+
+
+def answer_type(given: str | None, gold: str) -> str:
+    """The VQA answer type of a query: ``given`` (the annotation's ``answer_type``) when it is one
+    of ``ANSWER_TYPES``, else inferred from the normalised gold answer as VQAv2's annotators' types
+    mostly fall: "yes/no" for yes or no, "number" for digits only (number words count: "two" is
+    normalised to "2"), "other" for the rest.
+
+    >>> answer_type(None, "Two"), answer_type(None, "No."), answer_type("other", "yes"), answer_type(None, "red")
+    ('number', 'yes/no', 'other', 'other')
+    """
+    if given in ANSWER_TYPES:
+        return given
+    norm = normalize_answer(gold)
+    if norm in ("yes", "no"):
+        return "yes/no"
+    return "number" if DIGITS.fullmatch(norm) else "other"

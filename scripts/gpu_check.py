@@ -125,8 +125,12 @@ def mfu_headline(f: dict[str, Any]) -> str:
 
 def demo_headline(f: dict[str, Any]) -> str:
     t = f["test"]
-    return (f"{f['step']} steps, test exact match {t['acc']:.3f} (held-out {t['acc_heldout']:.3f}), "
-            f"recall@5 {t['recall@5']:.3f}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}")
+
+    def num(x) -> str:  # metrics.json writes null for a mean over no queries
+        return "n/a" if x is None else f"{x:.3f}"
+
+    return (f"{f['step']} steps, test exact match {num(t['acc'])} (held-out {num(t.get('acc_heldout'))}), "
+            f"recall@5 {num(t.get('recall@5'))}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}")
 
 
 def demo_command(args: argparse.Namespace, out: Path) -> list[str]:

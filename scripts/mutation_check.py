@@ -131,6 +131,19 @@ MUTATIONS = (
         "flops-bwd", "traced FLOPs take the module tracker's backward attribution",
         (("parallel/trace.py", "            loss_fn(out)\n    except Exception:", "            loss_fn(out).backward()\n    except Exception:"),),
         ("tests/parallel/test_partition.py::test_trace_dataflow_pairs_llama_linears",)),
+    Mutation(
+        "blank-off", "image ablation: the blanked forward reads the real pictures (image_drop always 0)",
+        (("rag_mm/evaluate.py", 'return {**batch, "image": img.mean(dim=(0, 2, 3), keepdim=True).expand_as(img).contiguous()}',
+          "return dict(batch)"),),
+        ("tests/rag_mm/test_blind_prior.py::test_blanking_the_picture_costs_a_reader_that_looks_and_not_one_that_does_not",)),
+    Mutation(
+        "prior-cache", "blind prior: a cached table is reused after the training shards changed",
+        (("rag_mm/blind_prior.py", 'data.get("fingerprint") == fp', "True"),),
+        ("tests/rag_mm/test_blind_prior.py::test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change",)),
+    Mutation(
+        "answer-type", "accuracy by answer type ignores the annotation's answer_type (always inferred)",
+        (("rag_mm/evaluate.py", "answer_type(t, g)", "answer_type(None, g)"),),
+        ("tests/rag_mm/test_blind_prior.py::test_accuracy_by_answer_type_takes_the_annotated_type_first",)),
 )
 
 

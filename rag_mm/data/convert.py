@@ -22,7 +22,8 @@ are counted and reported at the end.
 Shards (webdataset, ``OUT/<split>/<split>-000000.tar`` ..., ``OUT/corpus/corpus-000000.tar`` ...):
 
 * query: ``<key>.jpg|png|webp`` the picture, ``<key>.txt`` the question, ``<key>.json``
-  ``{"answer", "answers" (every human answer, for the VQA accuracy), "question_id", "image_id"}``;
+  ``{"answer", "answers" (every human answer, for the VQA accuracy), "question_id", "image_id"}``,
+  plus ``answer_type`` and ``question_type`` where the VQA annotation has them (VQAv2);
   no ``doc_id``, so no gold document: train with ``retriever=none`` or ``retriever=learned
   retriever.contrastive_steps=0`` (the reader-driven retriever loss alone);
 * corpus: ``<key>.<picture>``, ``<key>.txt`` the passage, ``<key>.json`` ``{"doc_id", "source"}``,
@@ -79,6 +80,8 @@ class Question:
     question: str
     answer: str  # the training target
     answers: list[str]  # every human answer, in the file's order
+    answer_type: str | None = None  # VQAv2's "yes/no" | "number" | "other", where the annotation has one
+    question_type: str | None = None  # VQAv2's question prefix class ("what color is the", ...), likewise
 
 
 # ------------------------------------------------------------------------------ reading questions
@@ -131,6 +134,12 @@ def _answer_list(path: Path, where: str, answers) -> list[str]:
     return answers
 
 
+def _optional_str(value) -> str | None:
+    """An optional annotation field (VQAv2's ``answer_type``, ``question_type``): kept when it is a
+    non-empty string."""
+    return value if isinstance(value, str) and value else None
+
+
 def read_questions(questions: Path, annotations: Path | None) -> tuple[str, list[Question], Counter]:
     """(layout, questions with answers, skipped counts) from a VQA or A-OKVQA question file."""
     data = load_json(questions, "questions file")
@@ -166,14 +175,16 @@ def read_questions(questions: Path, annotations: Path | None) -> tuple[str, list
         for j, d in enumerate(a["answers"]):
             answers.append(_entry(annotations, f"annotations[{i}]['answers'][{j}]", d, {"answer": str})["answer"])
         mc = a.get("multiple_choice_answer")
-        by_id[a["question_id"]] = (mc if isinstance(mc, str) and mc else None, answers)
+        by_id[a["question_id"]] = (mc if isinstance(mc, str) and mc else None, answers,
+                                   _optional_str(a.get("answer_type")), _optional_str(a.get("question_type")))
     for i, q in enumerate(data["questions"]):
         q = _entry(questions, f"questions[{i}]", q, {"question_id": (int, str), "image_id": int, "question": str})
-        mc, answers = by_id.get(q["question_id"], (None, []))
+        mc, answers, a_type, q_type = by_id.get(q["question_id"], (None, [], None, None))
         if not answers:
             skipped["no_answers"] += 1
             continue
-        out.append(Question(q["question_id"], q["image_id"], q["question"], mc or most_frequent(answers), answers))
+        out.append(Question(q["question_id"], q["image_id"], q["question"], mc or most_frequent(answers), answers,
+                            a_type, q_type))
     return "vqa", out, skipped
 
 
@@ -307,6 +318,8 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             print(f"convert: skipping question {q.question_id}: picture {found[q.image_id]}: {exc}", file=sys.stderr)
             continue
         meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id, "image_id": q.image_id}
+        # the evaluation reports accuracy per VQA answer type (rag_mm.vqa_metric.answer_type)
+        meta.update({k: v for k, v in (("answer_type", q.answer_type), ("question_type", q.question_type)) if v})
         sink.write({"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)})
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
     return _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)

@@ -89,14 +89,17 @@ class SkipCounter:
         return True
 
 
-def _augment(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """Random crop (pad 2, crop back) and per-channel brightness jitter on a (3, H, W) tensor."""
+def _augment(x: torch.Tensor, rng: random.Random, colour_jitter: float = 0.1) -> torch.Tensor:
+    """Random crop (pad 2 px, replicated edges, crop back) and a per-channel brightness shift
+    uniform in +-``colour_jitter`` (0: colours kept exact) on a (3, H, W) tensor."""
     pad = 2
     H, W = x.shape[1:]
     xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]
     i, j = rng.randint(0, 2 * pad), rng.randint(0, 2 * pad)
     x = xp[:, i : i + H, j : j + W]
-    return x + torch.tensor([rng.uniform(-0.1, 0.1) for _ in range(3)]).view(3, 1, 1)
+    if colour_jitter <= 0:
+        return x
+    return x + torch.tensor([rng.uniform(-colour_jitter, colour_jitter) for _ in range(3)]).view(3, 1, 1)
 
 
 @dataclass
@@ -111,6 +114,7 @@ class StreamSpec:
     seed: int = 0
     shuffle_buffer: int = 1000
     augment: bool = False
+    colour_jitter: float = 0.1  # per-channel shift of augmented pictures (DataConfig.colour_jitter)
     train: bool = True  # infinite, shuffled, split by node and worker; else one ordered pass
     rank: int = 0
     world_size: int = 1
@@ -167,6 +171,9 @@ class QueryStream(torch.utils.data.IterableDataset):
             answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.vqa_metric
             if answers is not None and not (isinstance(answers, list) and all(isinstance(a, str) for a in answers)):
                 raise ValueError("json 'answers' is not a list of strings")
+            answer_type = meta.get("answer_type")  # optional VQA answer type ("yes/no", "number", "other")
+            if answer_type is not None and not isinstance(answer_type, str):
+                raise ValueError("json 'answer_type' is not a string")
             question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
         except KeyError as exc:
             counter.counts["missing_key"] += 1
@@ -188,6 +195,7 @@ class QueryStream(torch.utils.data.IterableDataset):
             "heldout": bool(meta.get("heldout", False)),
             "attribute": str(meta.get("attribute", "")),
             "answers": answers or None,
+            "answer_type": answer_type,
         }
 
     def _samples(self, counter: SkipCounter, worker: int, num_workers: int) -> Iterator[dict]:
@@ -245,7 +253,7 @@ class QueryStream(torch.utils.data.IterableDataset):
                     continue
                 if s.train and s.augment:
                     rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
-                    sample["image"] = _augment(sample["image"], rng)
+                    sample["image"] = _augment(sample["image"], rng, s.colour_jitter)
                 batch.append(sample)
                 if len(batch) == s.batch_size:
                     yield collate(batch, counter)
@@ -291,6 +299,7 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
         "question": [s["question"] for s in samples],
         "answer": [s["answer"] for s in samples],
         "answers": [s["answers"] for s in samples],  # per query: its human answers (list[str]) or None
+        "answer_type": [s.get("answer_type") for s in samples],  # per query: its json's answer_type (str) or None
         "key": [s["key"] for s in samples],
         # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
         "skipped": (info.id if info else 0, dict(counter.counts) if counter else {}),

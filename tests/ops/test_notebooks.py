@@ -89,6 +89,11 @@ def test_evaluate_run_notebook(run_dirs, tmp_path):
     _check_pngs(figures, ["loss", "accuracy", "recall_at_k", "timeline", "gallery"])
     text = _outputs(nb)
     assert "run 'learned'" in text and "step_00000006" in text and "'recall@5'" not in text
+    # does the reader use the picture: accuracy, blind prior, blanked accuracy per split and answer type
+    test = runs.load_run(learned).summary["test"]
+    assert "split | answer type | n | accuracy | blind prior | blanked | image drop" in text
+    assert (f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | {test['acc_blank']:.3f} | "
+            f"{test['image_drop']:.3f}") in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # figures are shown inline too
 

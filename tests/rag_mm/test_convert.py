@@ -138,9 +138,11 @@ def _vqa_v2(root: Path) -> tuple[Path, Path, Path]:
     questions = {"info": {}, "task_type": "Open-Ended", "data_type": "mscoco", "data_subtype": "train2014",
                  "questions": [{"image_id": im, "question": q, "question_id": qid} for qid, im, q, _ in rows]}
     annotations = {"info": {}, "annotations": []}
-    for qid, im, _, counts in rows:
+    for qid, im, q, counts in rows:
         answers = [{"answer": a, "answer_confidence": "yes", "answer_id": j + 1} for j, a in enumerate(_answers(counts))]
-        ann = {"question_id": qid, "image_id": im, "answers": answers, "answer_type": "other", "question_type": "what"}
+        a_type = "yes/no" if qid in (201, 302) else "number" if qid == 102 else "other"
+        ann = {"question_id": qid, "image_id": im, "answers": answers, "answer_type": a_type,
+               "question_type": q.split()[0].lower()}
         if qid != 202:  # OK-VQA annotations have no multiple_choice_answer: the most frequent answer is used
             ann["multiple_choice_answer"] = max(counts, key=counts.get)
         annotations["annotations"].append(ann)
@@ -202,6 +204,10 @@ def test_vqa_v2_questions_become_query_shards(tmp_path):
     assert metas[202][1]["answer"] == "square"  # no multiple_choice_answer: most frequent, first on a tie
     assert metas[102][1]["answer"] == "3"
     assert "doc_id" not in m  # no gold document
+    # VQAv2's answer and question types are kept: the evaluation reports accuracy per answer type
+    assert {qid: (m["answer_type"], m["question_type"]) for qid, (_, m) in metas.items()} == {
+        101: ("other", "what"), 102: ("number", "how"), 201: ("yes/no", "is"), 202: ("other", "what"),
+        301: ("other", "which"), 302: ("yes/no", "is")}
 
     again = convert_vqa(q, a, images, tmp_path / "out", "train", shard_size=10, image_size=16, overwrite=True)
     assert again["shards"] == 1 and not (tmp_path / "out" / "train" / "train-000001.tar").exists()
@@ -217,6 +223,7 @@ def test_aokvqa_list_becomes_query_shards(tmp_path):
     metas = {m["question_id"]: m for m in (json.loads(s["json"]) for s in _read(tmp_path / "out", "val/*.tar"))}
     assert metas["aB3x"]["answer"] == "sitting" and metas["cD4y"]["answer"] == "light"
     assert len(metas["cD4y"]["answers"]) == 10 and metas["cD4y"]["image_id"] == 5
+    assert "answer_type" not in metas["cD4y"]  # A-OKVQA has none: the evaluation infers it
 
 
 def test_document_folder_and_img2dataset_shards_become_a_corpus(tmp_path):
@@ -276,6 +283,12 @@ def test_converted_shards_train_and_report_vqa_accuracy(tiny_world, tmp_path, ca
         for split in ("val", "test"):
             assert summary[split]["n"] == summary[split]["n_vqa"] == 6
             assert 0.0 <= summary[split]["vqa_acc"] <= 1.0
+            # the same six questions as training, each asked once: the blind prior answers every one
+            # with its training answer, which three or more annotators gave
+            assert summary[split]["blind_prior"] == pytest.approx(1.0)
+            assert {k: t["n"] for k, t in summary[split]["by_type"].items()} == {"yes/no": 2, "number": 1, "other": 3}
+            assert 0.0 <= summary[split]["vqa_acc_blank"] <= 1.0
+            assert summary[split]["image_drop"] == pytest.approx(summary[split]["vqa_acc"] - summary[split]["vqa_acc_blank"])
             # no query names a gold document, and faiss pads a 4-document search with id -1: no recall
             assert not any(k.startswith("recall@") for k in summary[split]), summary[split]
         examples = json.loads((tmp_path / "run" / "retrieved_examples.json").read_text())

@@ -119,6 +119,10 @@ def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path_factory, tmp
     ref = json.loads((single / "metrics.json").read_text())
     assert "pipeline" not in ref and not (single / "timeline.json").exists()
     assert summary["test"]["nll"] == pytest.approx(ref["test"]["nll"], rel=1e-3, abs=1e-4)
+    # the blind prior (rank 0's table, broadcast) and the blanked-picture forward through the stages
+    assert summary["test"]["blind_prior"] == ref["test"]["blind_prior"] is not None
+    assert summary["test"]["acc_blank"] == pytest.approx(ref["test"]["acc_blank"], abs=1e-6)
+    assert summary["test"]["by_type"]["other"]["n"] == 24
     check_run_timeline(pipe)
 
 
