@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_mm.config import ConfigError, reader_tokenizer
+from rag_mm.config import ConfigError, data_splits, reader_tokenizer
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
@@ -48,9 +48,12 @@ def build_rag(cfg, device: torch.device) -> RagParts:
         reader = build_reader(m, tok.vocab_size).to(device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text,
-                               tokenizer=reader_tokenizer(m))
-    log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
+    if "corpus" in data_splits(cfg):
+        store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text,
+                                   tokenizer=reader_tokenizer(m))
+        log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
+    else:  # closed book reads no document
+        store = DocumentStore.empty(m.image_size, m.max_doc_text)
     retriever = memory = None
     if cfg.retriever.mode == "learned":
         retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
@@ -69,7 +72,8 @@ def make_stream(cfg, split: str, train: bool, rank: int = 0, world_size: int = 1
         urls=expand_urls(c.data.root, getattr(c.data, split)),
         image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
-        seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment, train=train,
+        seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment,
+        colour_jitter=c.data.colour_jitter, train=train,
         rank=rank, world_size=world_size, skip_batches=skip_batches, tokenizer=reader_tokenizer(c.model),
     )
     return make_loader(spec, c.data.num_workers)

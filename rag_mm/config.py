@@ -72,7 +72,9 @@ class DataConfig:
     """Where the shards are and how they are read."""
 
     root: str = "data/knowledge_world"  # base directory; the patterns below are relative to it
-    corpus: str = "corpus/corpus-{000000..000000}.tar"  # document memory shards (brace expansion)
+    # document memory shards (brace expansion); None: no memory, for a closed-book run
+    # (retriever.mode=none), which reads no document
+    corpus: str | None = "corpus/corpus-{000000..000000}.tar"
     train: str = "train/train-{000000..000005}.tar"  # training query shards
     val: str = "val/val-{000000..000000}.tar"  # periodic evaluation
     test: str = "test/test-{000000..000000}.tar"  # final evaluation
@@ -85,7 +87,11 @@ class DataConfig:
     eval_batch_size: int = 128  # larger: no backward pass in evaluation
     num_workers: int = 1  # loader processes per rank; 2 cores leave room for one
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
-    augment: bool = True  # random crop and colour jitter on training query pictures
+    augment: bool = True  # random crop (and colour_jitter) on training query pictures
+    # per-channel brightness shift of augmented pictures, uniform in +-colour_jitter (normalised
+    # units, ~0.27 of the 0..1 range per unit): an invariance for pictures whose colours carry no
+    # answer; 0 keeps colours exact, as a data set that asks about colours needs
+    colour_jitter: float = 0.1
 
 
 @dataclass
@@ -185,6 +191,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"data.global_batch_size must be >= 0 (got {d.global_batch_size})")
     if d.num_workers < 0:
         e.append(f"data.num_workers must be >= 0 (got {d.num_workers})")
+    if d.colour_jitter < 0:
+        e.append(f"data.colour_jitter must be >= 0 (got {d.colour_jitter})")
+    if not d.corpus and r.mode != "none":
+        e.append(f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none runs without one)")
     _positive(e, "optim.lr", o.lr)
     _positive(e, "optim.grad_accum", o.grad_accum)
     if o.warmup_steps < 0:
@@ -349,19 +359,31 @@ def parallel_config(cfg: Any, world_size: int):
                   microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce)
 
 
+def _data_hint(cfg: Any) -> str:
+    """How the missing shards are made: the demo world, or a user's data through the converter."""
+    if cfg.data.train == DataConfig.train:  # the knowledge world's layout (conf/data/knowledge_world.yaml)
+        return f"generate the demo data with `python -m rag_mm.data.knowledge_world out={cfg.data.root}`"
+    return "write your data's shards with `python scripts/convert.py vqa|corpus ... --out DIR`, which prints the data.* overrides"
+
+
+def data_splits(cfg: Any) -> tuple[str, ...]:
+    """The ``data.*`` shard keys a run reads: the corpus only when it retrieves or reads documents."""
+    needs_corpus = cfg.data.corpus and cfg.retriever.mode != "none"
+    return ("corpus", "train", "val", "test") if needs_corpus else ("train", "val", "test")
+
+
 def shard_problems(cfg: Any) -> list[str]:
     """Local shard patterns that match a missing file, a directory or an unreadable file."""
     from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards
 
     e = []
-    for split in ("corpus", "train", "val", "test"):
+    for split in data_splits(cfg):
         urls = expand_urls(cfg.data.root, getattr(cfg.data, split))
         missing = missing_local_shards(urls)
         if missing:
             e.append(
                 f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
-                f"(data.root={cfg.data.root!r}; generate the demo data with "
-                f"`python -m rag_mm.data.knowledge_world out={cfg.data.root}`)"
+                f"(data.root={cfg.data.root!r}; {_data_hint(cfg)})"
             )
         unusable = unusable_local_shards(urls)
         if unusable:

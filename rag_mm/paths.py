@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rag_mm.config import ConfigError, shard_problems
+from rag_mm.config import ConfigError, data_splits, shard_problems
 
 CHECKPOINT_FILES = ("manifest.json", ".metadata", "trainer_state.json")  # what rag_mm.checkpoint.save writes
 
@@ -224,7 +224,7 @@ def data_key(cfg: Any, urls: list[str]) -> str:
     """The ``data.<split>`` key whose shards include all of ``urls`` ('' when none does)."""
     from rag_mm.data.urls import expand_urls
 
-    for split in ("corpus", "train", "val", "test"):
+    for split in data_splits(cfg):
         if set(urls) <= set(expand_urls(cfg.data.root, getattr(cfg.data, split))):
             return f"data.{split}"
     return ""

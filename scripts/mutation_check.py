@@ -137,6 +137,11 @@ MUTATIONS = (
           "return dict(batch)"),),
         ("tests/rag_mm/test_blind_prior.py::test_blanking_the_picture_costs_a_reader_that_looks_and_not_one_that_does_not",)),
     Mutation(
+        "picture-off", "reader: the picture's patch tokens blanked before the transformer reads them",
+        (("rag_mm/model/layout.py", "patches = self.encode_images(pics)  # (B*k + B, P, D)",
+          "patches = self.encode_images(pics) * 0  # (B*k + B, P, D)"),),
+        ("tests/rag_mm/test_reader_sees.py",)),
+    Mutation(
         "prior-cache", "blind prior: a cached table is reused after the training shards changed",
         (("rag_mm/blind_prior.py", 'data.get("fingerprint") == fp', "True"),),
         ("tests/rag_mm/test_blind_prior.py::test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change",)),

@@ -49,6 +49,12 @@ class DocumentStore:
         return {"doc_image": self.images[r], "doc_ids": self.text_ids[r], "doc_len": self.text_len[r]}
 
     @classmethod
+    def empty(cls, image_size: int, max_text: int) -> DocumentStore:
+        """No documents: the memory of a closed-book run, which reads none."""
+        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, image_size, image_size),
+                   torch.zeros(0, max_text, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], {})
+
+    @classmethod
     def load(cls, urls: list[str], image_size: int, max_text: int, tokenizer: str | None = None) -> DocumentStore:
         """The documents of ``urls``, their passages tokenized by ``get_tokenizer(tokenizer)``."""
         tok = get_tokenizer(tokenizer)

@@ -228,3 +228,18 @@ def test_retriever_warmup_keeps_ranks_identical(tiny_world, tmp_path):
                                     timeout_s=300)
     assert out0["world_size"] == 2
     assert all(np.array_equal(p0[n], p1[n]) for n in p0)
+
+
+def test_closed_book_needs_no_corpus_and_custom_data_gets_the_converter_hint(tmp_path, tiny_world):
+    # retriever=none with data.corpus=null: no memory is read, and training runs
+    over = tiny_overrides(tiny_world, tmp_path / "run", "retriever=none", "data.corpus=null", "max_steps=2",
+                          "ckpt_every=2")
+    res = run_module(["-m", "rag_mm.train", *over])
+    assert res.returncode == 0, res.stderr[-2000:]
+    # a retriever that reads documents cannot run without them: named before any work
+    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / "r2", "retriever=oracle", "data.corpus=null")])
+    assert res.returncode == 2 and "data.corpus is needed" in res.stderr and "Traceback" not in res.stderr
+    # custom data whose shards are missing: the hint names the converter, not the demo world
+    res = run_module(["-m", "rag_mm.train", "+experiment=vqa", f"run_dir={tmp_path}/r3", f"data.root={tmp_path}/nowhere"])
+    assert res.returncode == 2 and "data.train" in res.stderr and "scripts/convert.py" in res.stderr
+    assert "knowledge_world" not in res.stderr and "data.corpus" not in res.stderr
