@@ -259,7 +259,9 @@ def _report(split: str, res: dict) -> None:
         problems.append(f"the picture is barely used: blanking it costs {drop:.3f}" if drop >= 0 else
                         f"the picture is not used: blanking it raises accuracy by {-drop:.3f}")
     if problems:
-        log.warning("%s: %s", split, " / ".join(problems))
+        hint = ("; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer patch "
+                "grid (model.patch_size, as +experiment=vqa sets it) is the usual cure" if drop is not None and drop < MIN_GAIN else "")
+        log.warning("%s: %s%s", split, " / ".join(problems), hint)
 
 
 def _png_b64(img: torch.Tensor) -> str:
