@@ -7,6 +7,7 @@ rank, the way torchrun starts them. A rank that raises fails the test with its t
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -37,7 +38,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, t
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world, *args)
-        queue.put((rank, "ok", out))
+        # pickled here, by value: a tensor put on a torch.multiprocessing queue travels as a shared
+        # file descriptor that this process must still be alive to hand over, and a rank that
+        # exits first leaves the parent with "connection reset by peer"
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including assertion errors, to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -71,7 +75,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) ->
                 break
             continue
         if status == "ok":
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         else:
             errors.append(f"rank {rank}:\n{payload}")
     for p in procs:
