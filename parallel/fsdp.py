@@ -35,6 +35,30 @@ log = logging.getLogger("parallel.fsdp")
 # torch 2.11 and a compatibility property on 2.14 (one group per ``fully_shard`` call here).
 
 
+def shard_unit(module: nn.Module, **kw) -> nn.Module:
+    """``fully_shard(module, **kw)``, with the module's class still named as its own.
+
+    FSDP2 swaps the module's class for a dynamic subclass ``FSDP<Name>`` (one per class, cached
+    by torch) that adds ``unshard`` / ``reshard`` / ``set_*``. Model code that identifies a module
+    by its class's name then stops recognising it: transformers keys its output-capture registry
+    (``_can_record_outputs``) on ``str(type(model))``, so a vision tower made an FSDP unit and
+    called with ``output_hidden_states=True`` returned ``hidden_states=None`` (LLaVA under pp x
+    dp_shard). The swapped class takes the original's ``__module__``, ``__qualname__`` and
+    ``__name__``: ``str(type(m))`` and ``type(m).__name__`` read as before, while FSDP's methods
+    and ``isinstance(m, FSDPModule)`` still tell a unit apart. Code that compares classes by
+    identity (``type(m) is X``) still sees the swap."""
+    original = type(module)
+    fully_shard(module, **kw)
+    swapped = type(module)
+    if swapped is not original:
+        # torch creates the class once per original class; renaming it names every FSDP
+        # instance of that class alike (torch itself finds the original by MRO position)
+        swapped.__module__ = original.__module__
+        swapped.__qualname__ = original.__qualname__
+        swapped.__name__ = original.__name__
+    return module
+
+
 def mixed_precision_policy(mode: str) -> MixedPrecisionPolicy:
     """fp32: no casting. bf16: parameters and compute in bf16, gradients reduced in fp32 (the
     reduction is where bf16 rounding would accumulate across ranks)."""
@@ -64,9 +88,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module] | Non
               offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
               shard_placement_fn=_placement_fn)
     for b in blocks or []:
-        fully_shard(b, reshard_after_forward=reshard_after_forward, **kw)
+        shard_unit(b, reshard_after_forward=reshard_after_forward, **kw)
     # the root's parameters (embeddings, final norm, head) are needed again right after forward
-    fully_shard(model, reshard_after_forward=False, **kw)
+    shard_unit(model, reshard_after_forward=False, **kw)
     log.info("fsdp: %d block units + root on mesh %s (mixed precision %s, cpu offload %s)",
              len(blocks or []), tuple(mesh.shape), mixed_precision, cpu_offload)
     return model

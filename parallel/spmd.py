@@ -100,14 +100,12 @@ def _shard_part(model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part:
     unit's parameters stay gathered between its microbatch forwards and backwards, so the step
     gathers each once instead of twice per microbatch (torchtitan turns it off under PP too); the
     pipeline's ``StepSync`` reduce-scatters once per step."""
-    from torch.distributed.fsdp import fully_shard
-
-    from parallel.fsdp import _placement_fn
+    from parallel.fsdp import _placement_fn, shard_unit
 
     units = fsdp_units(model, part.held - part.replicated, blocks, part.container)
     for u in units:
-        fully_shard(u, mesh=dp, reshard_after_forward=False, shard_placement_fn=_placement_fn,
-                    mp_policy=mixed_precision_policy(cfg.mixed_precision))
+        shard_unit(u, mesh=dp, reshard_after_forward=False, shard_placement_fn=_placement_fn,
+                   mp_policy=mixed_precision_policy(cfg.mixed_precision))
     left = sum(p.numel() for p in model.parameters() if id(p) in part.held and not _is_dtensor(p))
     log.info("fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
              "(container-owned, tied or held by several stages)", len(units), tuple(dp.shape), left)

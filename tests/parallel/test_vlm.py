@@ -1,0 +1,40 @@
+"""Vision-language models (tiny, random-initialised transformers models, fp32) through the
+parallel runtime against one process: LLaVA (CLIP + Llama) and PaliGemma (SigLIP + Gemma) under
+pp=2 x dp_shard=2, and the FSDP2 wrapping those layouts rely on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.parallel import vlm_cases
+
+RTOL = 1e-4
+
+
+@pytest.mark.multirank
+def test_fsdp_unit_keeps_its_class_name():
+    """FSDP2 swaps a unit's class for ``FSDP<Name>``; transformers finds what a model can record
+    (``output_hidden_states``) by the class's name, so the swapped tower returned no hidden states
+    and LLaVA failed on them. The unit keeps its own class name, and returns them all."""
+    for r in run_ranks(vlm_cases.fsdp_hidden_states_case, 2, timeout_s=120):
+        assert r["fsdp"], r
+        assert r["name"] == "CLIPVisionModel" and "transformers.models.clip" in r["cls"], r
+        assert r["hidden"] == r["ref_hidden"] == vlm_cases.VISION["num_hidden_layers"] + 1, r
+        assert r["err"] <= 1e-5, r
+
+
+PP_DP = [("llava", dict(pp=2, dp_shard=2)), ("paligemma", dict(pp=2, dp_shard=2))]
+
+
+@pytest.mark.multirank
+def test_vlm_pp2_dp_shard2_matches_one_process():
+    """FSDP2 under the pipeline: the first stage's units include the vision tower, which LLaVA
+    calls with ``output_hidden_states=True`` (it died on ``hidden_states`` being None, and the
+    second stage waited on it). The step's loss and every gradient equal one process's."""
+    res = run_ranks(vlm_cases.pipeline_suite, 4, PP_DP, timeout_s=300)
+    for rank, per in enumerate(res):
+        for name, r in per.items():
+            assert abs(r["loss"] - r["ref"]) <= RTOL * abs(r["ref"]), (rank, name, r)
+            assert r["n"] > 0 and r["fsdp_units"] > 0, (rank, name, r)
+            assert r["err"] < RTOL, (rank, name, r)

@@ -1,0 +1,152 @@
+"""Tiny random-initialised vision-language models and the per-rank bodies of their tests
+(module level: ``run_ranks`` spawns them). Nothing is downloaded: configs only.
+
+- ``llava``: CLIP vision tower + Llama (``LlavaForConditionalGeneration``); it reads the tower's
+  hidden states (``output_hidden_states=True``, ``vision_feature_layer=-2``).
+- ``paligemma``: SigLIP vision tower + Gemma (``PaliGemmaForConditionalGeneration``), one linear
+  projector; it reads the tower's last hidden state.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+IMAGE_TOKEN = 500  # placeholder id of an image patch in input_ids (inside the 512-token vocabulary)
+VOCAB = 512
+SEQ = 24  # tokens per sample: 16 image patches (16 x 16 picture, 4 x 4 patches) + 8 text tokens
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              image_size=16, patch_size=4)
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _inputs(b: int, first: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A batch of ``b``: random text ids with 16 image placeholders from ``first``, and pictures."""
+    ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    ids[:, first:first + 16] = IMAGE_TOKEN
+    return {"input_ids": ids, "pixel_values": torch.randn(b, 3, 16, 16, generator=gen)}
+
+
+def llava(b: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=LlamaConfig(**TEXT),
+                      image_token_index=IMAGE_TOKEN, image_seq_length=16, vision_feature_layer=-2,
+                      vision_feature_select_strategy="default")  # "default": the CLS token dropped
+    return LlavaForConditionalGeneration(cfg), _inputs(b, 2, torch.Generator().manual_seed(1))
+
+
+def paligemma(b: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)  # as PaliGemma's own
+    text = dict(TEXT, model_type="gemma", head_dim=16)
+    cfg = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                          projection_dim=TEXT["hidden_size"])
+    return PaliGemmaForConditionalGeneration(cfg), _inputs(b, 0, torch.Generator().manual_seed(1))
+
+
+MODELS = {"llava": llava, "paligemma": paligemma}
+
+
+def next_token_loss(out, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.float().flatten(0, -2), target.flatten())
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def grad_error(grads: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest max|g - g_ref| / max(max|g_ref|, 1e-3 of the largest reference gradient), and
+    where. The floor: an attention key bias has a zero gradient in exact arithmetic, so its
+    rounding noise is measured against the model's gradient scale, not its own."""
+    scale = max(float(r.abs().max()) for r in ref.values())
+    err, worst = 0.0, ""
+    for n, g in grads.items():
+        r = ref.get(n)
+        if g is None and r is None:
+            continue
+        g = torch.zeros_like(r) if g is None else full(g)
+        r = torch.zeros_like(g) if r is None else r
+        e = float((g - r).abs().max()) / max(float(r.abs().max()), 1e-3 * scale)
+        if e > err:
+            err, worst = e, n
+    return err, worst
+
+
+def pipeline_case(rank: int, world: int, name: str, cfg_kw: dict, b: int = 8, m: int = 4) -> dict:
+    """``parallel.parallelize`` (pp / tp / dp_shard from ``cfg_kw``) against one process: the
+    step's loss, and the largest gradient difference over the parameters this rank holds."""
+    import parallel
+
+    torch.manual_seed(0)
+    model, _ = MODELS[name]()
+    model.eval()  # dropout off: one process and the pipeline compute the same function
+    gen = torch.Generator().manual_seed(2)
+    inputs = _inputs(b, 2 if name == "llava" else 0, gen)
+    target = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    ref = copy.deepcopy(model)
+    ref_loss = next_token_loss(ref(**inputs), target)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    cfg = parallel.ParallelConfig(**({"microbatches": m, "schedule": "1f1b"} | cfg_kw))
+    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
+    pm.zero_grad()
+    loss = pm.train_step(inputs, target=target, loss_fn=next_token_loss)
+    err, worst = grad_error({n: p.grad for n, p in pm.named_parameters()}, ref_grads)
+    return dict(loss=float(loss.detach()), ref=float(ref_loss.detach()), err=err, worst=worst,
+                n=sum(1 for _ in pm.named_parameters()), fsdp_units=len(pm.sharded.fsdp_units))
+
+
+def pipeline_suite(rank: int, world: int, cases: list[tuple[str, dict]]) -> dict:
+    """``pipeline_case`` for several (model, config) pairs in one process group."""
+    return {name: pipeline_case(rank, world, name, kw) for name, kw in cases}
+
+
+def sharded_fraction(model: nn.Module) -> tuple[float, list[str]]:
+    """The share of 2-D weights outside embeddings (by element count) that tensor parallel
+    shards, and the names of those it leaves whole."""
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total, sharded, whole = 0, 0, []
+    for n, p in model.named_parameters():
+        if p.dim() != 2 or id(p) in emb:
+            continue
+        total += p.numel()
+        if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
+            sharded += p.numel()
+        else:
+            whole.append(n)
+    return sharded / total, whole
+
+
+def fsdp_hidden_states_case(rank: int, world: int) -> dict:
+    """A CLIP vision tower made an FSDP2 root (its layers units of their own) and called with
+    ``output_hidden_states=True``, as LLaVA calls it: its class's name, and its hidden states
+    against the unsharded tower's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from parallel.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    tower = CLIPVisionModel(CLIPVisionConfig(**VISION))
+    ref = copy.deepcopy(tower)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    apply_fsdp(tower, init_device_mesh("cpu", (world,)), list(tower.encoder.layers))
+    hidden = tower(pixel_values=x, output_hidden_states=True).hidden_states
+    ref_hidden = ref(pixel_values=x, output_hidden_states=True).hidden_states
+    err = max((float((h - r).abs().max()) for h, r in zip(hidden, ref_hidden)), default=None) if hidden else None
+    return dict(fsdp=isinstance(tower, FSDPModule), cls=str(type(tower)), name=type(tower).__name__,
+                hidden=None if hidden is None else len(hidden), ref_hidden=len(ref_hidden), err=err)
