@@ -3,6 +3,7 @@ VQA accuracy where queries carry their human answers.
 
     python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
     python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
+    python -m rag_mm.evaluate runs/vqa split=test predictions=runs/vqa/test_results.json   # VQA results file
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
@@ -38,13 +39,14 @@ import torch.distributed as dist
 
 from rag_mm import checkpoint
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
-from rag_mm.build import SPLITS, batch_inputs, build_rag, make_stream
+from rag_mm.build import SPLITS, RagParts, batch_inputs, build_rag, make_stream
 from rag_mm.data.pipeline import DataError
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import all_reduce_sum
 from rag_mm.metrics import json_safe
-from rag_mm.paths import data_key, writable_dir_problem
+from rag_mm.paths import data_key, output_file_problems, writable_dir_problem
+from rag_mm.predictions import PredictionError, write_predictions
 from rag_mm.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 @torch.no_grad()
 def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
              n_examples: int = 0, tokenizer=None, replicas: int = 1, prior: BlindPrior | None = None,
-             ablation: bool = True, split: str = "") -> dict:
+             ablation: bool = True, split: str = "", predictions: list[tuple[str, str]] | None = None) -> dict:
     """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
 
     Every rank evaluates its share of the split; the sums are all-reduced (and divided by
@@ -76,6 +78,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
       batch's mean pixel: ``acc_blank`` (``vqa_acc_blank`` greedily decoded), and ``image_drop`` =
       accuracy minus blanked accuracy (VQA accuracy when reported, else exact match). One extra
       forward per batch; the trainer's periodic validation passes turn it off.
+
+    ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy answer
+    text) for every query, in loader order: the VQA results file (``rag_mm.predictions``).
 
     ``split`` names the split in one INFO line of these numbers and a warning when the reader does
     not beat the blind prior or barely needs the picture (every rank must pass the same arguments:
@@ -126,8 +131,14 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
                                                       in zip(batch["question"], golds, answers)]))
         rows = [r for r, a in enumerate(answers) if a]
         vqa_rows = bool(rows) and whole
+        preds = None
+        if predictions is not None:  # every query's greedy answer, decoded once for both uses
+            preds = _greedy(rag, batch, out, device, torch.arange(B), tok)
+            max_answer = rag.reader.cfg.max_answer
+            predictions += [(key, _answer_text(ids, a or [], tok, max_answer))
+                            for key, ids, a in zip(batch["key"], preds, answers)]
         if vqa_rows:
-            _add_vqa(typed, "", rag, batch, out, device, rows, types, tok)
+            _add_vqa(typed, "", rag, batch, out, device, rows, types, tok, [preds[r] for r in rows] if preds is not None else None)
         elif rows and not warned:  # every rank has the same layout, so the same (fixed-size) sums below
             warned = True
             log.warning("vqa_acc not computed: greedy answers need the whole reader on each rank "
@@ -187,10 +198,12 @@ def _add(typed: torch.Tensor, col: str, types: torch.Tensor, values) -> None:
     typed[:, TYPED[col]] += torch.zeros(len(ANSWER_TYPES), dtype=torch.float64).index_add_(0, types, v)
 
 
-def _add_vqa(typed, suffix: str, rag, batch, out, device, rows: list[int], types, tok) -> None:
-    """Greedily decode the queries ``rows`` (those with human answers) as ``out`` read them and add
-    their VQA accuracy to columns ``vqa<suffix>`` / ``n_vqa<suffix>``."""
-    preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
+def _add_vqa(typed, suffix: str, rag, batch, out, device, rows: list[int], types, tok,
+             preds: list[list[int]] | None = None) -> None:
+    """Greedily decode the queries ``rows`` (those with human answers) as ``out`` read them (or take
+    their decoded ``preds``) and add their VQA accuracy to columns ``vqa<suffix>`` / ``n_vqa<suffix>``."""
+    if preds is None:
+        preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
     answers = batch["answers"]
     scores = [vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r]) for r, ids in zip(rows, preds)]
@@ -326,19 +339,21 @@ class EvalError(Exception):
     """Bad input to the command line: its message goes to stderr, the exit status is 2."""
 
 
-USAGE = "usage: python -m rag_mm.evaluate RUN_DIR [split=test] [key=value ...]"
+USAGE = "usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] [key=value ...]"
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a dotted config key, then its value
 
 
-def load_config(run_dir: Path, overrides: list[str]):
+def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     """The run's saved config (``RUN_DIR/.hydra/config.yaml``) with ``overrides``, checked
-    against the schema and laid out for one process; its checkpoints are looked for in ``run_dir``."""
+    against the schema and laid out for one process; its checkpoints are looked for in ``run_dir``.
+    ``queries=False`` (``rag_mm.ask``: the questions come from the user) checks the corpus but not
+    the query splits' shards, and writes nothing into the run directory."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
     from rag_mm.config import ConfigError, TrainConfig, validate
-    from rag_mm.paths import check_paths, dir_problem, file_problem, writable_dir_problem
+    from rag_mm.paths import dir_problem, file_problem, path_problems, writable_dir_problem
 
     if not run_dir.exists():
         raise EvalError(f"run directory {run_dir} not found")
@@ -364,10 +379,13 @@ def load_config(run_dir: Path, overrides: list[str]):
     p.dp = p.pp = p.tp = p.dp_shard = p.microbatches = 1
     try:
         validate(cfg, world_size=1)
-        check_paths(cfg, training=False)
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
-    if cfg.retriever.mode == "learned":  # retrieved_examples.json is written there
+    skip = () if queries else tuple(f"data.{split}:" for split in SPLITS)  # shard_problems names its key first
+    problems = [p for p in path_problems(cfg, training=False) if not p.startswith(skip)]
+    if problems:
+        raise EvalError("invalid paths:\n  - " + "\n  - ".join(problems))
+    if queries and cfg.retriever.mode == "learned":  # retrieved_examples.json is written there
         why = writable_dir_problem("RUN_DIR", run_dir)
         if why:
             raise EvalError(why)
@@ -400,14 +418,10 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
-    """Build the run's model, load its newest valid checkpoint and evaluate ``split``."""
-    if split not in SPLITS:
-        raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
-    cfg = load_config(run_dir, overrides)
-    ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
-    if ckpt is None:
-        raise EvalError(f"no valid checkpoint in {run_dir / 'checkpoints'}")
+def load_run(cfg, ckpt: Path) -> tuple[RagParts, int, torch.device]:
+    """The run's model as ``cfg`` builds it, with checkpoint ``ckpt``'s weights and, when it
+    retrieves, its documents indexed by the loaded document encoder: (parts, the checkpoint's
+    step, the device). The caller closes ``parts.memory``."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
@@ -418,21 +432,50 @@ def run(run_dir: Path, split: str, overrides: list[str]) -> dict:
         parts = build_rag(cfg, device)
     except DataError as exc:  # the corpus holds no readable document
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
-    step = load_model_state(parts.rag, ckpt)["step"]
     try:
+        step = load_model_state(parts.rag, ckpt)["step"]
         if parts.memory is not None:  # index the documents with the loaded document encoder
             parts.memory.refresh(step=step)
+    except BaseException:
+        if parts.memory is not None:
+            parts.memory.close()
+        raise
+    return parts, step, device
+
+
+def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | None = None) -> dict:
+    """Build the run's model, load its newest valid checkpoint and evaluate ``split``;
+    ``predictions``: where every query's greedy answer goes, in the VQA results format."""
+    if split not in SPLITS:
+        raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
+    cfg = load_config(run_dir, overrides)
+    if predictions is not None:
+        why = output_file_problems("predictions", str(predictions))
+        if why:
+            raise EvalError(why[0])
+    ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
+    if ckpt is None:
+        raise EvalError(f"no valid checkpoint in {run_dir / 'checkpoints'}")
+    parts, step, device = load_run(cfg, ckpt)
+    answered: list[tuple[str, str]] | None = [] if predictions is not None else None
+    try:
         examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
         # the blind prior's table: cached in the run directory (the trainer's final evaluation made it)
         writable = writable_dir_problem("RUN_DIR", run_dir) is None
         prior = load_or_build(expand_urls(cfg.data.root, cfg.data.train), run_dir / CACHE_NAME if writable else None)
         metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
-                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split)
+                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split,
+                           predictions=answered)
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
         if parts.memory is not None:
             parts.memory.close()
+    if predictions is not None:
+        try:
+            write_predictions(predictions, answered, expand_urls(cfg.data.root, getattr(cfg.data, split)))
+        except PredictionError as exc:
+            raise EvalError(f"predictions: {exc}") from None
     return {"split": split, "step": step, **metrics}
 
 
@@ -445,10 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    overrides = [a for a in argv[1:] if not a.startswith("split=")]
-    split = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("split=")), "test")
+    # split= and predictions= are the command's own arguments, the rest config overrides
+    own = {key: a.split("=", 1)[1] for a in argv[1:] for key in ("split", "predictions") if a.startswith(f"{key}=")}
+    overrides = [a for a in argv[1:] if not a.startswith(("split=", "predictions="))]
+    predictions = Path(own["predictions"]) if own.get("predictions") else None
     try:
-        res = run(Path(argv[0]), split, overrides)
+        res = run(Path(argv[0]), own.get("split", "test"), overrides, predictions)
     except EvalError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2

@@ -6,9 +6,14 @@ import json
 import shutil
 
 import pytest
+import webdataset as wds
 
 from rag_mm import evaluate
-from tests.rag_mm.conftest import tiny_overrides
+from rag_mm.data.convert import convert_vqa
+from rag_mm.predictions import PredictionError, write_predictions
+from rag_mm.vqa_metric import vqa_accuracy
+from tests.rag_mm.conftest import TINY_MODEL, tiny_overrides
+from tests.rag_mm.test_convert import _vqa_v2
 from tests.rag_mm.test_train import run_module
 
 
@@ -59,3 +64,57 @@ def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path
         assert evaluate.main(list(argv)) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+# ------------------------------------------------------------------------------ predictions out
+def test_predictions_name_each_answer_by_its_shards_question_id(tmp_path):
+    """question ids come from the shards' json; a query without one is named by its sample key, and
+    a key two samples share with different ids is refused rather than guessed."""
+    shard = tmp_path / "q-000000.tar"
+    with wds.TarWriter(str(shard)) as sink:
+        for key, meta in [("q0", {"answer": "a", "question_id": 7}), ("q1", {"answer": "b", "question_id": "x9"}),
+                          ("q2", {"answer": "c"})]:
+            sink.write({"__key__": key, "txt": "?", "json": json.dumps(meta)})
+    out = tmp_path / "preds" / "test.json"
+    assert write_predictions(out, [("q1", "blue"), ("q0", "2"), ("q2", "no")], [str(shard)]) == 3
+    assert json.loads(out.read_text()) == [{"question_id": "x9", "answer": "blue"}, {"question_id": 7, "answer": "2"},
+                                           {"question_id": "q2", "answer": "no"}]
+    other = tmp_path / "q-000001.tar"  # a second conversion's shard: its keys restart at q0
+    with wds.TarWriter(str(other)) as sink:
+        sink.write({"__key__": "q0", "txt": "?", "json": json.dumps({"answer": "a", "question_id": 8})})
+    with pytest.raises(PredictionError, match="the key 'q0' and different question ids"):
+        write_predictions(out, [("q0", "2")], [str(shard), str(other)])
+
+
+def test_evaluate_writes_the_vqa_results_file_it_scored(tmp_path, capsys):
+    q, a, images = _vqa_v2(tmp_path)
+    data = tmp_path / "data"
+    overrides = [f"data.root={data}"]
+    for split in ("train", "val", "test"):  # the six answered questions in each split, 4 per shard
+        overrides += convert_vqa(q, a, images, data, split, shard_size=4)["overrides"][1:]
+    run = tmp_path / "run"
+    res = run_module(["-m", "rag_mm.train", *overrides, f"run_dir={run}", "retriever=none", "data.batch_size=4",
+                      "data.eval_batch_size=4", "data.num_workers=0", "data.shuffle_buffer=4", "max_steps=2",
+                      "log_every=1", "eval_every=0", "ckpt_every=2", "progress=false", "optim.warmup_steps=1", *TINY_MODEL])
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    out = tmp_path / "results" / "test.json"  # its folder is created
+    res = run_module(["-m", "rag_mm.evaluate", str(run), "split=test", f"predictions={out}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = json.loads(res.stdout.strip().splitlines()[-1])
+    preds = json.loads(out.read_text())
+    assert all(set(p) == {"question_id", "answer"} and isinstance(p["answer"], str) for p in preds)
+    # every test question once, under the VQA question id its shard carries (two batches of 4 and 2)
+    assert sorted(p["question_id"] for p in preds) == [101, 102, 201, 202, 301, 302]
+    # the answers are the greedy answers evaluation scored: their VQA accuracy is the reported one
+    human = {json.loads(s["json"])["question_id"]: json.loads(s["json"])["answers"]
+             for s in wds.DataPipeline(wds.SimpleShardList([str(p) for p in sorted((data / "test").glob("*.tar"))]),
+                                       wds.tarfile_to_samples())}
+    scores = [vqa_accuracy(p["answer"], human[p["question_id"]]) for p in preds]
+    assert metrics["n_vqa"] == 6 and sum(scores) / 6 == pytest.approx(metrics["vqa_acc"], abs=1e-9)
+
+    # bad input: a message, status 2, nothing evaluated
+    (tmp_path / "adir").mkdir()
+    assert evaluate.main([str(run), f"predictions={tmp_path / 'adir'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"predictions: {tmp_path / 'adir'} is a directory" in err and "Traceback" not in err, err
