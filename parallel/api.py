@@ -187,9 +187,6 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         tp_plan = verify_plan(model, tp_plan, layout.mesh["tp"], capture_inputs(model, tp_plan, example_inputs))
         if replayer is not None:
             replayer.rewrap()
-        for line in tp_plan.log:
-            if "left replicated" in line:
-                log.warning("tp under pp: %s", line)
         tp_plan, tp_notes = stage_plan(model, tp_plan, ranks_of, layout.pp_rank)
     for p in model.parameters():
         if id(p) not in held:

@@ -18,6 +18,7 @@ whatever does not reproduce the model.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,10 @@ from parallel.tp.layout import read_pair_blocks
 from parallel.tp.registry import linear_kind, log, module_rule
 from parallel.tp.rules import HEAD_ATTRS, SIZE_ATTRS, TPContext, _with_sp
 from parallel.trace import TraceResult
+
+# marks a plan log line about a unit that discovery or the self-check meant to shard and left
+# whole (a width tp does not divide, a fused layout no placement holds, a failed self-check)
+LEFT_REPLICATED = "left replicated"
 
 
 @dataclass
@@ -276,7 +281,7 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             blocks[s] = k
             if (out // k) % tp:
                 ok = False
-                plan.log.append(f"{s} -> {b}: width {out} not divisible by tp={tp}; left replicated")
+                plan.log.append(f"{s} -> {b}: width {out} not divisible by tp={tp}; {LEFT_REPLICATED}")
         if width % tp:
             ok = False
         if not ok:
@@ -286,7 +291,7 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             if read is None:
                 for n in srcs + [b]:
                     plan.entries[n] = TPEntry("replicate", reason=f"fused layout fits no DTensor placement: {why}")
-                plan.log.append(f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); left replicated")
+                plan.log.append(f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); {LEFT_REPLICATED}")
                 used.update(srcs + [b])
                 continue
             for s in srcs:
@@ -389,8 +394,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
     keep the log in the context only (the self-check's trial copies)."""
     ctx = TPContext(mesh, sequence_parallel=sequence_parallel and bool(plan.regions), seq_dim=seq_dim,
                     loss_parallel=loss_parallel, echo=not quiet)
-    for msg in plan.log:
-        ctx.note(msg)
+    for msg in plan.log:  # a unit the plan meant to shard and did not: one warning line, with why
+        ctx.note(msg, logging.WARNING if LEFT_REPLICATED in msg else logging.INFO)
     mods = dict(model.named_modules())
     # head counts first (validated by discover_plan)
     for mn, attr in plan.divide if plan.divide is not None else head_divisions(model, plan):

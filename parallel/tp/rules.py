@@ -9,6 +9,7 @@ forward and one backward, or with sequence parallel one all-gather + one reduce-
 
 from __future__ import annotations
 
+import logging
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -56,10 +57,10 @@ class TPContext:
         self.size = self.mesh.size()
         self.rank = self.mesh.get_local_rank()
 
-    def note(self, msg: str) -> None:
+    def note(self, msg: str, level: int = logging.INFO) -> None:
         self.log.append(msg)
         if self.echo:
-            log.info("tp: %s", msg)
+            log.log(level, "tp: %s", msg)
 
     # ------------------------------------------------------------------ parameters
     def shard_param(self, m: nn.Module, pname: str, dim: int, blocks: int = 1) -> None:

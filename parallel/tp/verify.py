@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel.tp.plan import TPEntry, TPPlan, apply_plan
+from parallel.tp.plan import LEFT_REPLICATED, TPEntry, TPPlan, apply_plan
 
 UNIT_ROLES = ("vocab_embedding", "lm_head")  # entries that are units of their own (besides rule:*)
 
@@ -48,7 +48,7 @@ UNIT_ROLES = ("vocab_embedding", "lm_head")  # entries that are units of their o
 @dataclass
 class CapturedInputs:
     """(args, kwargs) of each unit's first call in one forward of the example on the unsharded
-    model (eval mode, ``use_cache=False`` where the model takes it), detached and deep-copied."""
+    model (eval mode, KV caches off: ``_kv_cache_off``), detached and deep-copied."""
 
     calls: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
     # per call, for each tensor of (args, kwargs) in ``_map`` order: whether it required grad in
@@ -75,6 +75,30 @@ def plan_units(plan: TPPlan) -> dict[str, list[str]]:
     return {u: units[u] for u in sorted(units, key=lambda u: (-depth[u], first[u]))}
 
 
+@contextlib.contextmanager
+def _kv_cache_off(model: nn.Module):
+    """``config.use_cache`` off on every module that has one (Hugging Face models), restored after.
+
+    With a KV cache, each attention layer receives the cache object holding the earlier layers'
+    keys and values: non-leaf tensors ``copy.deepcopy`` refuses, so those layers' inputs could
+    not be captured and their units stayed replicated (LLaVA: 3 of 4 language layers), and a
+    replayed call would read all heads' keys from it. The ``use_cache=False`` argument alone does
+    not reach a composite model's language model when the outer forward takes it only through
+    ``**kwargs`` (``LlavaForConditionalGeneration``); each sub-model reads its own config."""
+    configs = {}  # id -> config: sub-models may share one
+    for m in model.modules():
+        c = getattr(m, "config", None)
+        if getattr(c, "use_cache", None) is True:
+            configs[id(c)] = c
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
 def _call(model: nn.Module, example_inputs: Any) -> Any:
     args = example_inputs if isinstance(example_inputs, tuple | list) else ()
     kwargs = dict(example_inputs) if isinstance(example_inputs, dict) else {}
@@ -85,7 +109,8 @@ def _call(model: nn.Module, example_inputs: Any) -> Any:
             kwargs["use_cache"] = False  # a KV cache would grow with every rerun of a captured call
     except (TypeError, ValueError):
         pass
-    return model(*args, **kwargs)
+    with _kv_cache_off(model):
+        return model(*args, **kwargs)
 
 
 def capture_inputs(model: nn.Module, plan: TPPlan, example_inputs: Any) -> CapturedInputs:
@@ -392,7 +417,7 @@ def verify_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured: Capt
             rejected.append(u)
             layout = _layout(plan, names)
             where = what if err > rtol or err != err else "this rank agrees; another tp rank does not"
-            plan.log.append(f"self-check: {u or type(model).__name__} left replicated: max relative error "
+            plan.log.append(f"self-check: {u or type(model).__name__} {LEFT_REPLICATED}: max relative error "
                             f"{float(t):.2e} > {rtol:g} ({where}); layout was {layout}")
             for n in names:
                 e = plan.entries[n]

@@ -1,6 +1,7 @@
 """Vision-language models (tiny, random-initialised transformers models, fp32) through the
 parallel runtime against one process: LLaVA (CLIP + Llama) and PaliGemma (SigLIP + Gemma) under
-pp=2 x dp_shard=2, and the FSDP2 wrapping those layouts rely on."""
+pp=2 x dp_shard=2 and under tp=2 (what tensor parallel shards of them), the FSDP2 wrapping those
+layouts rely on, and the warning naming a unit tensor parallel leaves replicated."""
 
 from __future__ import annotations
 
@@ -38,3 +39,37 @@ def test_vlm_pp2_dp_shard2_matches_one_process():
             assert abs(r["loss"] - r["ref"]) <= RTOL * abs(r["ref"]), (rank, name, r)
             assert r["n"] > 0 and r["fsdp_units"] > 0, (rank, name, r)
             assert r["err"] < RTOL, (rank, name, r)
+
+
+@pytest.fixture(scope="module")
+def tp_suite():
+    return run_ranks(vlm_cases.tp_suite, 2, ["llava", "paligemma"], timeout_s=300)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", ["llava", "paligemma"])
+def test_vlm_tp2_shards_every_block(tp_suite, name):
+    """Every attention and MLP of both towers, and LLaVA's two-layer projector, is sharded and
+    the step equals one process. LLaVA left 3 of its 4 language attentions replicated, silently:
+    the self-check captured their inputs with the KV cache on (``LlavaForConditionalGeneration``
+    takes ``use_cache`` only through ``**kwargs``), and a cache holding earlier layers' keys
+    cannot be copied. PaliGemma's one-linear projector has no row-parallel partner: replicated."""
+    for r in tp_suite:
+        t = r[name]
+        assert abs(t["loss"] - t["ref"]) <= RTOL * abs(t["ref"]), (name, t)
+        assert t["err"] < RTOL, (name, t["err"], t["worst"])
+        assert not t["warnings"], t["warnings"]
+        whole = {"llava": [], "paligemma": ["model.multi_modal_projector.linear.weight"]}[name]
+        assert t["whole"] == whole, t["whole"]
+        assert t["fraction"] > 0.98, t["fraction"]
+
+
+@pytest.mark.multirank
+def test_unit_left_replicated_is_one_warning(tp_suite):
+    """A unit the self-check leaves replicated is named in one WARNING line with its reason."""
+    for r in tp_suite:
+        lines = sorted(r["warnings"])
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("tp: self-check: mix left replicated: max relative error"), lines
+        assert lines[1].startswith("tp: self-check: skew left replicated: max relative error"), lines
+        assert all("layout was" in line for line in lines), lines

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -150,3 +151,63 @@ def fsdp_hidden_states_case(rank: int, world: int) -> dict:
     err = max((float((h - r).abs().max()) for h, r in zip(hidden, ref_hidden)), default=None) if hidden else None
     return dict(fsdp=isinstance(tower, FSDPModule), cls=str(type(tower)), name=type(tower).__name__,
                 hidden=None if hidden is None else len(hidden), ref_hidden=len(ref_hidden), err=err)
+
+
+class _Warnings(logging.Handler):
+    """The messages of WARNING and above that the ``parallel`` loggers emit while installed."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        logging.getLogger("parallel").addHandler(self)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger("parallel").removeHandler(self)
+
+
+def tp_case(rank: int, world: int, name: str) -> dict:
+    """``parallel.parallelize`` with tp=world against one process: loss, the largest gradient
+    difference, the sharded share of 2-D weights outside embeddings, and the warnings logged."""
+    import parallel
+
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    model.eval()
+    target = torch.randint(0, IMAGE_TOKEN - 1, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    ref_loss = next_token_loss(ref(**inputs), target)
+    ref_loss.backward()
+    with _Warnings() as warned:
+        pm = parallel.parallelize(model, parallel.ParallelConfig(tp=world), inputs)
+    loss = pm.train_step(inputs, target=target, loss_fn=next_token_loss)
+    err, worst = grad_error({n: p.grad for n, p in model.named_parameters()},
+                            {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+    frac, whole = sharded_fraction(model)
+    return dict(loss=float(loss.detach()), ref=float(ref_loss.detach()), err=err, worst=worst,
+                fraction=frac, whole=whole, warnings=warned, log=pm.sharded.tp_plan.log)
+
+
+def tp_warning_case(rank: int, world: int) -> list[str]:
+    """The warnings ``apply_tp`` logs on the self-check's model with misread units
+    (``tp_cases.SelfCheckLM``: ``mix`` and ``skew`` fail the check)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.tp import apply_tp
+    from tests.parallel.tp_cases import SELFCHECK_MODELS
+
+    torch.manual_seed(0)
+    model, inputs = SELFCHECK_MODELS["selfcheck_lm"]()
+    with _Warnings() as warned:
+        apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), inputs)
+    return warned
+
+
+def tp_suite(rank: int, world: int, names: list[str]) -> dict:
+    """``tp_case`` for each model, and ``tp_warning_case``, in one process group."""
+    return {**{n: tp_case(rank, world, n) for n in names}, "warnings": tp_warning_case(rank, world)}
