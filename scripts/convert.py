@@ -3,8 +3,11 @@
     python scripts/convert.py vqa --questions Q.json --annotations A.json --images DIR --out OUT --split train
     python scripts/convert.py corpus --docs DIR --out OUT
     python scripts/convert.py corpus --shards 'web/{00000..00009}.tar' --out OUT
+    python scripts/convert.py hf --path DIR_OR_PARQUET_GLOB --split train --image-column image \
+        --question-column question --answers-column answers [--id-column question_id]
 
-The layouts, the shard schema and the choices made are described in rag_mm/data/convert.py.
+The layouts, the shard schema and the choices made are described in rag_mm/data/convert.py
+(and rag_mm/data/convert_hf.py for Hugging Face data sets).
 """
 
 import sys

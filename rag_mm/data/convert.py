@@ -4,6 +4,10 @@
     python scripts/convert.py vqa --questions aokvqa_v1p0_val.json --images DIR --out OUT --split val
     python scripts/convert.py corpus --docs DIR --out OUT              # name.jpg + name.txt pairs
     python scripts/convert.py corpus --shards 'web/{00000..00009}.tar' --out OUT   # img2dataset output
+    python scripts/convert.py hf --path DIR_OR_PARQUET_GLOB --split train [--image-column image ...]
+
+Hugging Face data sets (a ``save_to_disk`` folder or parquet files) are read by
+``rag_mm.data.convert_hf`` into the same query shards as the VQA layouts below.
 
 Question layouts, told apart by the questions file's shape:
 
@@ -76,7 +80,7 @@ class Question:
     """One question, its human answers and the one answer training targets."""
 
     question_id: int | str
-    image_id: int
+    image_id: int | None  # COCO's image id (None: a Hugging Face data set without an image id column)
     question: str
     answer: str  # the training target
     answers: list[str]  # every human answer, in the file's order
@@ -284,6 +288,15 @@ def _summary(kind: str, sink: ShardSink, out: Path, key: str, read: int, skipped
             "overrides": [f"data.root={out}", f"data.{key}='{pattern}'"]}
 
 
+def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
+    """The ``n``-th query sample of a conversion: ``q``'s picture (member ``ext``), question and json."""
+    meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id}
+    # the evaluation reports accuracy per VQA answer type (rag_mm.vqa_metric.answer_type)
+    meta.update({k: v for k, v in (("image_id", q.image_id), ("answer_type", q.answer_type),
+                                   ("question_type", q.question_type)) if v is not None})
+    return {"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)}
+
+
 def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Path, split: str,
                 shard_size: int = 1000, image_size: int = 0, overwrite: bool = False) -> dict:
     """Write the questions of a VQA / A-OKVQA file whose pictures are under ``images`` as the query
@@ -317,10 +330,7 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             bad.append(q.question_id)
             print(f"convert: skipping question {q.question_id}: picture {found[q.image_id]}: {exc}", file=sys.stderr)
             continue
-        meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id, "image_id": q.image_id}
-        # the evaluation reports accuracy per VQA answer type (rag_mm.vqa_metric.answer_type)
-        meta.update({k: v for k, v in (("answer_type", q.answer_type), ("question_type", q.question_type)) if v})
-        sink.write({"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)})
+        sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
     return _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)
 
@@ -451,6 +461,9 @@ def parser() -> argparse.ArgumentParser:
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--docs", type=Path, help="folder of name.<jpg|jpeg|png|webp> + name.txt pairs")
     src.add_argument("--shards", help="img2dataset-style tar shards (brace pattern): jpg + txt (+ json) per key")
+    from rag_mm.data import convert_hf  # it imports this module's shard writing
+
+    convert_hf.add_parser(sub, common)
     return p
 
 
@@ -461,6 +474,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.kind == "vqa":
             res = convert_vqa(args.questions, args.annotations, args.images, args.out, args.split,
                               args.shard_size, args.image_size, args.overwrite)
+        elif args.kind == "hf":
+            from rag_mm.data import convert_hf
+
+            res = convert_hf.run(args)
         else:
             res = convert_corpus(args.out, args.docs, args.shards, args.shard_size, args.image_size, args.overwrite)
     except ConvertError as exc:

@@ -19,6 +19,7 @@ from PIL import Image
 from rag_mm.build import make_stream
 from rag_mm.config import compose
 from rag_mm.data.convert import convert_corpus, convert_vqa, main
+from rag_mm.data.convert_hf import convert_hf
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.evaluate import _answer_text, evaluate
 from rag_mm.trainer import Trainer
@@ -341,3 +342,128 @@ def test_bad_input_exits_2_with_a_message_naming_the_file(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
     assert not (tmp_path / "o").exists()  # nothing was written for any of them
+
+
+# ------------------------------------------------------------------------------ Hugging Face data sets
+def _hf_rows() -> dict:
+    """A VQAv2-Hub-layout data set: PIL pictures, answers as {"answer", ...} dicts, the answer and
+    question types; row 2 has no answers (a test question), row 3 a picture whose bytes are no picture."""
+    pictures = [Image.new("RGB", (40 + i, 30), COLOURS[i]) for i in range(4)]
+    pictures[3] = {"bytes": b"not a picture", "path": None}
+    # row 1's multiple_choice_answer ("3") is not its most frequent answer ("two", first of a tie)
+    counts = [{"red": 7, "dark red": 2, "orange": 1}, {"two": 4, "3": 4, "2": 2}, {}, {"yes": 10}]
+    return {
+        "image": pictures, "question": ["What colour is it?", "How many shapes?", "Is it big?", "Is it green?"],
+        "answers": [[{"answer": a, "answer_confidence": "yes", "answer_id": j + 1} for j, a in enumerate(_answers(c))]
+                    for c in counts],
+        "multiple_choice_answer": ["red", "3", "", "yes"], "answer_type": ["other", "number", "yes/no", "yes/no"],
+        "question_type": ["what", "how many", "is", "is"], "question_id": [101, 102, 103, 201], "image_id": [1, 1, 2, 3],
+    }
+
+
+def test_hugging_face_dataset_becomes_the_vqa_converters_shards(tmp_path, capsys):
+    import datasets
+
+    ds = datasets.Dataset.from_dict(_hf_rows(), features=datasets.Features({
+        "image": datasets.Image(), "question": datasets.Value("string"),
+        "answers": [{"answer": datasets.Value("string"), "answer_confidence": datasets.Value("string"),
+                     "answer_id": datasets.Value("int64")}],
+        "multiple_choice_answer": datasets.Value("string"), "answer_type": datasets.Value("string"),
+        "question_type": datasets.Value("string"), "question_id": datasets.Value("int64"),
+        "image_id": datasets.Value("int64")}))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    ds.to_parquet(str(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet"))
+
+    res = convert_hf(str(tmp_path / "saved"), tmp_path / "out", "train", shard_size=2)
+    assert res["layout"] == "hf" and res["read"] == 4 and res["written"] == 2 and res["shards"] == 1
+    assert res["skipped"] == {"bad_image": 1, "no_answers": 1} and res["skipped_examples"] == {"bad_image": [201]}
+    assert res["overrides"] == [f"data.root={tmp_path / 'out'}", "data.train='train/train-{000000..000000}.tar'"]
+    samples = _read(tmp_path / "out", "train/*.tar")
+    metas = [json.loads(s["json"]) for s in samples]
+    # the vqa converter's json: the training answer is multiple_choice_answer, every human answer kept
+    assert metas[0] == {"answer": "red", "answers": _answers({"red": 7, "dark red": 2, "orange": 1}), "question_id": 101,
+                        "image_id": 1, "answer_type": "other", "question_type": "what"}
+    assert metas[1]["answer"] == "3" and metas[1]["answer_type"] == "number" and len(metas[1]["answers"]) == 10
+    assert [s["txt"].decode() for s in samples] == ["What colour is it?", "How many shapes?"]
+    assert [s["__key__"] for s in samples] == ["q000000000", "q000000001"]
+    assert Image.open(io.BytesIO(samples[1]["png"])).size == (41, 30)  # the stored bytes, as they came
+
+    # the same rows from parquet (a glob, through the command line): the same shards and the overrides line
+    argv = ["hf", "--path", str(tmp_path / "hub" / "data" / "train-*.parquet"), "--split", "val",
+            "--out", str(tmp_path / "out"), "--image-column", "image", "--question-column", "question",
+            "--answers-column", "answers", "--id-column", "question_id"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["written"] == 2
+    assert "convert: read them with data.root=" in captured.err and "data.val='val/val-{000000..000000}.tar'" in captured.err
+    again = _read(tmp_path / "out", "val/*.tar")
+    assert [json.loads(s["json"]) for s in again] == metas and [s["png"] for s in again] == [s["png"] for s in samples]
+
+
+def test_hugging_face_answers_and_pictures_in_other_layouts(tmp_path):
+    import datasets
+    import numpy as np
+
+    from rag_mm.data.convert_hf import answer_list, image_bytes
+
+    # answers: a list of strings, one string, VQAv2's dicts, a Sequence of dicts (columnar); or unknown
+    assert answer_list(["a", "b"]) == ["a", "b"] and answer_list("yes") == ["yes"]
+    assert answer_list([{"answer": "x", "answer_id": 1}]) == ["x"] and answer_list({"answer": ["x", "y"]}) == ["x", "y"]
+    assert answer_list(None) == [] and answer_list([3]) is None
+    # pictures: decoded (PIL, arrays) are stored as PNG; a path is read (relative to the data set)
+    Image.new("RGB", (5, 4), COLOURS[0]).save(tmp_path / "pic.jpg")
+    for cell in (Image.new("RGB", (5, 4)), np.zeros((4, 5, 3), dtype=np.uint8), {"bytes": None, "path": "pic.jpg"},
+                 "pic.jpg", (tmp_path / "pic.jpg").read_bytes()):
+        assert Image.open(io.BytesIO(image_bytes(cell, tmp_path))).size == (5, 4), type(cell)
+    with pytest.raises(ValueError):
+        image_bytes(None, tmp_path)
+
+    # a DatasetDict (--split val finds "validation"), pictures as file paths, answers as lists of strings
+    # in one split and one string in the other, the ids in a column of another name
+    pics = [str(tmp_path / "pic.jpg")] * 2
+    datasets.DatasetDict({
+        "validation": datasets.Dataset.from_dict({"img": pics, "q": ["What is it?", "Is it red?"],
+                                                  "ans": [["box", "box", "cube"], ["no", "yes", "yes"]], "qid": ["a1", "a2"]}),
+        "test": datasets.Dataset.from_dict({"img": pics, "q": ["What is it?", "Is it red?"], "ans": ["box", ""],
+                                            "qid": ["b1", "b2"]}),
+    }).save_to_disk(str(tmp_path / "dd"))
+    columns = dict(image_column="img", question_column="q", answers_column="ans", id_column="qid")
+    res = convert_hf(str(tmp_path / "dd"), tmp_path / "out", "val", **columns)
+    metas = [json.loads(s["json"]) for s in _read(tmp_path / "out", "val/*.tar")]
+    assert res["written"] == 2 and metas == [{"answer": "box", "answers": ["box", "box", "cube"], "question_id": "a1"},
+                                             {"answer": "yes", "answers": ["no", "yes", "yes"], "question_id": "a2"}]
+    res = convert_hf(str(tmp_path / "dd"), tmp_path / "out", "test", **columns)
+    assert res["written"] == 1 and res["skipped"] == {"no_answers": 1}
+    assert [json.loads(s["json"]) for s in _read(tmp_path / "out", "test/*.tar")] == [
+        {"answer": "box", "answers": ["box"], "question_id": "b1"}]
+
+
+def test_hugging_face_bad_input_exits_2_with_one_message(tmp_path, capsys):
+    import datasets
+
+    datasets.Dataset.from_dict({"image": [Image.new("RGB", (4, 4))], "question": ["q?"], "answers": [["a"]]}) \
+        .save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("no data set here")
+    capsys.readouterr()  # the progress bar of save_to_disk
+    hf = ["hf", "--split", "train", "--out", str(tmp_path / "o"), "--path"]
+    cases = {
+        (*hf, str(tmp_path / "saved"), "--answers-column", "answer"):
+            f"--answers-column 'answer': {tmp_path / 'saved'} has no such column (columns: image, question, answers)",
+        (*hf, str(tmp_path / "saved"), "--id-column", "question_id"): "--id-column 'question_id'",
+        (*hf, str(tmp_path / "nowhere")): f"{tmp_path / 'nowhere'} not found",
+        (*hf, str(tmp_path / "none-*.parquet")): "no file matches the pattern",
+        (*hf, str(tmp_path / "junk.parquet")): f"cannot read parquet file {tmp_path / 'junk.parquet'}",
+        (*hf, str(tmp_path / "plain")): "neither a datasets.save_to_disk folder nor a folder of parquet files",
+    }
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "o").exists()  # nothing was written for any of them
+    # a real process: the message, status 2, no traceback
+    res = subprocess.run([sys.executable, "scripts/convert.py", *hf, str(tmp_path / "saved"), "--image-column", "picture"],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+    assert res.returncode == 2 and "--image-column 'picture'" in res.stderr and "Traceback" not in res.stderr, res.stderr
