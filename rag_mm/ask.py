@@ -158,8 +158,10 @@ def document_sources(urls: list[str], store) -> dict[int, dict]:
     for n, sample in enumerate(pipe):
         try:
             meta = json.loads(sample["json"]) if "json" in sample else {}
+            if not isinstance(meta, dict):
+                raise TypeError("json is no object")
             doc_id = int(meta["doc_id"]) if "doc_id" in meta else (None if store.skipped else n)
-        except (ValueError, TypeError, KeyError):  # bad json: DocumentStore.load dropped it too
+        except (ValueError, TypeError):  # bad json: DocumentStore.load dropped it too
             continue
         if doc_id is not None:
             origin = meta.get("source") if isinstance(meta.get("source"), str) else None
