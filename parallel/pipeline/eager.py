@@ -77,7 +77,11 @@ class _Ctx:
         self.last_call = last_call  # raise _StageDone at the first call after this index (None: run to the end)
         self.idx = 0
         self.depth = 0
-        self.outputs: dict[int, Any] = {}
+        # per real call: its output flattened (spec, tensors) when the call returns, before the
+        # caller's code can change it: Qwen2-VL replaces ``pooler_output`` of its vision tower's
+        # ModelOutput with a tuple of per-image splits, and a later stage, handed the changed
+        # structure, split the tuple again ("'tuple' object has no attribute 'split'")
+        self.outputs: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         self.seen: list[str] = []
 
     def call(self, name: str, orig: Callable, args: tuple, kwargs: dict) -> Any:
@@ -104,7 +108,7 @@ class _Ctx:
             out = orig(*args, **kwargs)
         finally:
             self.depth -= 1
-        self.outputs[idx] = out
+        self.outputs[idx] = flatten(out)
         return out
 
 
@@ -217,7 +221,7 @@ def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, 
     last_call = [max((i for i, s in enumerate(call_stage) if s == st), default=-1) for st in range(num_stages)]
     specs, leaves = [], []
     for i in range(len(names)):
-        sp, lv = flatten(ref.outputs[i])
+        sp, lv = ref.outputs[i]
         specs.append(sp)
         leaves.append([t.detach() for t in lv])
     del ref
@@ -250,7 +254,7 @@ def _probe(replayer, st, k, names, call_stage, last_call, specs, leaves, args, k
     ctx = _Ctx(st, names, call_stage, stub, None if is_last else last_call[st])
     with torch.enable_grad():
         out, _ = replayer.run(ctx, args, kwargs)
-        roots = [t for o in ctx.outputs.values() for t in flatten(o)[1]]
+        roots = [t for _, lv in ctx.outputs.values() for t in lv]
         if is_last:
             roots += flatten(out)[1]
         roots = [t for t in roots if t.is_floating_point() and t.requires_grad]
@@ -334,7 +338,7 @@ class EagerStage:
                 out, _ = self.replayer.run(ctx, args, kwargs)
         sent: list[torch.Tensor] = []
         if not self.is_last:
-            own = {i: flatten(o) for i, o in ctx.outputs.items()}
+            own = ctx.outputs
             meta_out = dict(meta)
             meta_out.update({i: sp for i, (sp, _) in own.items()})
             tensors_out = [own[i][1][j] if plan.call_stage[i] == s else recv_leaves[(i, j)] for (i, j) in plan.send[s]]

@@ -25,14 +25,16 @@ def test_fsdp_unit_keeps_its_class_name():
         assert r["err"] <= 1e-5, r
 
 
-PP_DP = [("llava", dict(pp=2, dp_shard=2)), ("paligemma", dict(pp=2, dp_shard=2))]
+PP_DP = [(name, dict(pp=2, dp_shard=2)) for name in ("llava", "paligemma", "qwen2vl")]
 
 
 @pytest.mark.multirank
 def test_vlm_pp2_dp_shard2_matches_one_process():
     """FSDP2 under the pipeline: the first stage's units include the vision tower, which LLaVA
     calls with ``output_hidden_states=True`` (it died on ``hidden_states`` being None, and the
-    second stage waited on it). The step's loss and every gradient equal one process's."""
+    second stage waited on it). Qwen2-VL changes its tower's output after the call (per-image
+    splits in ``pooler_output``): the second stage must be handed the output as the call
+    returned it. The step's loss and every gradient equal one process's."""
     res = run_ranks(vlm_cases.pipeline_suite, 4, PP_DP, timeout_s=300)
     for rank, per in enumerate(res):
         for name, r in per.items():

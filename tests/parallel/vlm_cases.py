@@ -5,6 +5,11 @@
   hidden states (``output_hidden_states=True``, ``vision_feature_layer=-2``).
 - ``paligemma``: SigLIP vision tower + Gemma (``PaliGemmaForConditionalGeneration``), one linear
   projector; it reads the tower's last hidden state.
+- ``qwen2vl``: Qwen2-VL's own vision transformer (patches flattened, 2 x 2 merger) + Qwen2 with
+  multimodal rotary positions; it replaces ``pooler_output`` of the tower's output with per-image
+  splits after the call.
+
+Each factory takes the batch size and the seed of the inputs' generator.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
 
 
-def _inputs(b: int, first: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _inputs(b: int, first: int, seed: int) -> dict[str, torch.Tensor]:
     """A batch of ``b``: random text ids with 16 image placeholders from ``first``, and pictures."""
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
     ids[:, first:first + 16] = IMAGE_TOKEN
     return {"input_ids": ids, "pixel_values": torch.randn(b, 3, 16, 16, generator=gen)}
 
 
-def llava(b: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def llava(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -44,20 +50,41 @@ def llava(b: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     cfg = LlavaConfig(vision_config=CLIPVisionConfig(**VISION), text_config=LlamaConfig(**TEXT),
                       image_token_index=IMAGE_TOKEN, image_seq_length=16, vision_feature_layer=-2,
                       vision_feature_select_strategy="default")  # "default": the CLS token dropped
-    return LlavaForConditionalGeneration(cfg), _inputs(b, 2, torch.Generator().manual_seed(1))
+    return LlavaForConditionalGeneration(cfg), _inputs(b, 2, seed)
 
 
-def paligemma(b: int = 2) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def paligemma(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
     vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)  # as PaliGemma's own
     text = dict(TEXT, model_type="gemma", head_dim=16)
     cfg = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
                           projection_dim=TEXT["hidden_size"])
-    return PaliGemmaForConditionalGeneration(cfg), _inputs(b, 0, torch.Generator().manual_seed(1))
+    return PaliGemmaForConditionalGeneration(cfg), _inputs(b, 0, seed)
 
 
-MODELS = {"llava": llava, "paligemma": paligemma}
+def qwen2vl(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    start, end = IMAGE_TOKEN + 1, IMAGE_TOKEN + 2  # vision start / end markers around the image tokens
+    vision = dict(depth=2, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=4, mlp_ratio=2,
+                  patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    text = dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # 2 + 3 + 3 = head_dim / 2
+                bos_token_id=None, eos_token_id=None)  # the defaults lie outside the tiny vocabulary
+    cfg = Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                        vision_start_token_id=start, vision_end_token_id=end)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    # one 16 x 16 picture per sample: 4 x 4 patches of 4 px over 2 frames, merged 2 x 2 -> 4 tokens
+    ids[:, 1], ids[:, 2:6], ids[:, 6] = start, IMAGE_TOKEN, end
+    inputs = {"input_ids": ids,
+              "pixel_values": torch.randn(b * 16, 3 * 2 * 4 * 4, generator=gen),  # (patches, C*T*P*P)
+              "image_grid_thw": torch.tensor([[1, 4, 4]] * b),
+              "mm_token_type_ids": (ids == IMAGE_TOKEN).long()}
+    return Qwen2VLForConditionalGeneration(cfg), inputs
+
+
+MODELS = {"llava": llava, "paligemma": paligemma, "qwen2vl": qwen2vl}
 
 
 def next_token_loss(out, target: torch.Tensor) -> torch.Tensor:
@@ -92,11 +119,9 @@ def pipeline_case(rank: int, world: int, name: str, cfg_kw: dict, b: int = 8, m:
     import parallel
 
     torch.manual_seed(0)
-    model, _ = MODELS[name]()
+    model, inputs = MODELS[name](b, seed=2)
     model.eval()  # dropout off: one process and the pipeline compute the same function
-    gen = torch.Generator().manual_seed(2)
-    inputs = _inputs(b, 2 if name == "llava" else 0, gen)
-    target = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    target = torch.randint(0, IMAGE_TOKEN - 1, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(3))
     ref = copy.deepcopy(model)
     ref_loss = next_token_loss(ref(**inputs), target)
     ref_loss.backward()
