@@ -359,11 +359,16 @@ def parallel_config(cfg: Any, world_size: int):
                   microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce)
 
 
-def _data_hint(cfg: Any) -> str:
-    """How the missing shards are made: the demo world, or a user's data through the converter."""
+def _data_hint(cfg: Any, split: str) -> str:
+    """How the missing shards of ``data.<split>`` are made: the demo world, or a user's data through
+    the converter (``corpus`` for the document memory, ``vqa`` / ``hf`` for the query splits)."""
     if cfg.data.train == DataConfig.train:  # the knowledge world's layout (conf/data/knowledge_world.yaml)
         return f"generate the demo data with `python -m rag_mm.data.knowledge_world out={cfg.data.root}`"
-    return "write your data's shards with `python scripts/convert.py vqa|corpus ... --out DIR`, which prints the data.* overrides"
+    if split == "corpus":
+        return (f"write the document memory with `python scripts/convert.py corpus --docs DIR --out {cfg.data.root}`, "
+                "which prints the data.corpus override; a closed-book run needs none: retriever=none data.corpus=null")
+    return (f"write the {split} queries with `python scripts/convert.py vqa|hf ... --split {split} --out {cfg.data.root}`, "
+            "which prints the data.* overrides")
 
 
 def data_splits(cfg: Any) -> tuple[str, ...]:
@@ -383,7 +388,7 @@ def shard_problems(cfg: Any) -> list[str]:
         if missing:
             e.append(
                 f"data.{split}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]} "
-                f"(data.root={cfg.data.root!r}; {_data_hint(cfg)})"
+                f"(data.root={cfg.data.root!r}; {_data_hint(cfg, split)})"
             )
         unusable = unusable_local_shards(urls)
         if unusable:

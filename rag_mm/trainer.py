@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.cpu_affinity import bind_cores
-from rag_mm import checkpoint, faults, preemption
+from rag_mm import checkpoint, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
 from rag_mm.config import check_shards, validate
@@ -45,6 +45,7 @@ class Trainer:
     def __init__(self, cfg, log_metrics: bool = True) -> None:
         validate(cfg, world_size_from_env())
         check_shards(cfg)
+        gold_queries = gold.check(cfg)  # settings that need gold documents, against the data's first samples
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -61,6 +62,7 @@ class Trainer:
         parts = build_rag(cfg, self.device)
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
+        self.rag.gold_queries = gold_queries
         retriever = parts.retriever
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
@@ -200,14 +202,19 @@ class Trainer:
         opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
         t0 = window_t = time.perf_counter()
         refresh_before = sum(self.memory.refresh_seconds)
-        loss_sum, hits, n = 0.0, 0.0, 0
-        log.info("retriever warm-up: %d contrastive steps at lr %g, %d bank negatives", r.warmup_steps, r.warmup_lr,
-                 r.bank_negatives)
+        labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
+        loss_sum, hits, n, n_hit = 0.0, 0, 0, 0
+        log.info("retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s", r.warmup_steps, r.warmup_lr,
+                 r.bank_negatives, "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)")
         for i in range(1, r.warmup_steps + 1):
-            batch = next(it)
-            self.consumed += 1
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
-            inputs = batch_inputs(batch, self.device)
+            if labelled:
+                batch = next(it)
+                self.consumed += 1
+                inputs = batch_inputs(batch, self.device)
+            else:
+                none = torch.zeros(0, dtype=torch.long, device=self.device)
+                inputs = {"image": torch.zeros(0, device=self.device), "q_ids": none, "q_len": none, "gold": none}
             with autocast:
                 loss, hit = self.rag.retriever_warmup(**inputs)
             loss.backward()
@@ -221,16 +228,18 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss_sum, hits, n = loss_sum + loss.item(), hits + float(hit.float().mean()), n + 1
+            loss_sum, hits, n, n_hit = loss_sum + loss.item(), hits + int(hit.sum()), n + 1, n_hit + len(hit)
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
             if i % c.log_every == 0 or i == r.warmup_steps:
-                rec = {"step": i, "loss": loss_sum / n, f"train_recall@{r.top_k}": hits / n,
-                       "samples_per_s": n * c.data.batch_size * self.data_size / (time.perf_counter() - window_t)}
+                recall = hits / n_hit if n_hit else None  # over the queries naming their gold document
+                per_step = c.data.batch_size * self.data_size if labelled else r.pseudo_queries
+                rec = {"step": i, "loss": loss_sum / n, f"train_recall@{r.top_k}": recall,
+                       "samples_per_s": n * per_step / (time.perf_counter() - window_t)}
                 self.metrics.log(rec, prefix="warmup")
-                log.info("retriever warm-up %d/%d: loss %.3f, train recall@%d %.3f", i, r.warmup_steps, rec["loss"],
-                         r.top_k, rec[f"train_recall@{r.top_k}"])
-                loss_sum, hits, n, window_t = 0.0, 0.0, 0, time.perf_counter()
+                log.info("retriever warm-up %d/%d: loss %.3f, train recall@%d %s", i, r.warmup_steps, rec["loss"],
+                         r.top_k, "n/a (no gold documents)" if recall is None else f"{recall:.3f}")
+                loss_sum, hits, n, n_hit, window_t = 0.0, 0, 0, 0, time.perf_counter()
         refreshed = sum(self.memory.refresh_seconds) - refresh_before  # counted as refresh time, not warm-up
         self.warmup_time = time.perf_counter() - t0 - refreshed
 
@@ -261,7 +270,7 @@ class Trainer:
                 self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
                 loss_sum = torch.zeros((), device=self.device)
-                r_loss_sum, hits = torch.zeros((), device=self.device), 0.0
+                r_loss_sum, hits, n_hit = torch.zeros((), device=self.device), 0, 0
                 for _ in range(accum):
                     batch = next(it)
                     self.consumed += 1
@@ -273,7 +282,9 @@ class Trainer:
                     loss_sum += out.reader.loss.detach() / accum
                     if out.retriever_loss is not None:
                         r_loss_sum += out.retriever_loss / accum
-                        hits += float((out.doc_ids == batch["doc_id"][:, None]).any(1).float().mean()) / accum
+                        labelled = batch["doc_id"] >= 0  # recall of the queries naming their gold document
+                        hits += int(((out.doc_ids == batch["doc_id"][:, None]).any(1) & labelled).sum())
+                        n_hit += int(labelled.sum())
                 gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
                 # every rank must take the same decision, so agree on finiteness
                 self.watch.at("all_reduce: non-finite check")
@@ -306,7 +317,7 @@ class Trainer:
                     }
                     if self.memory is not None:
                         rec["retriever_loss"] = float(r_loss_sum)
-                        rec[f"train_recall@{r.top_k}"] = hits
+                        rec[f"train_recall@{r.top_k}"] = hits / n_hit if n_hit else None
                     self.metrics.log(rec)
                     self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
                     window_t, window_steps = time.perf_counter(), 0

@@ -28,8 +28,9 @@ Shards (webdataset, ``OUT/<split>/<split>-000000.tar`` ..., ``OUT/corpus/corpus-
 * query: ``<key>.jpg|png|webp`` the picture, ``<key>.txt`` the question, ``<key>.json``
   ``{"answer", "answers" (every human answer, for the VQA accuracy), "question_id", "image_id"}``,
   plus ``answer_type`` and ``question_type`` where the VQA annotation has them (VQAv2);
-  no ``doc_id``, so no gold document: train with ``retriever=none`` or ``retriever=learned
-  retriever.contrastive_steps=0`` (the reader-driven retriever loss alone);
+  no ``doc_id``, so no gold document: train with ``retriever=none``, or ``retriever=learned`` with
+  ``retriever.pseudo_queries`` > 0 (its warm-up and contrastive term on random views of the
+  memory's pictures) or ``retriever.contrastive_steps=0`` (the reader-driven loss alone);
 * corpus: ``<key>.<picture>``, ``<key>.txt`` the passage, ``<key>.json`` ``{"doc_id", "source"}``,
   doc ids numbering the documents from 0 in input order (``rag_mm.data.documents`` loads them).
 

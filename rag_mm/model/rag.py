@@ -44,6 +44,9 @@ class RagModel(nn.Module):
         self.store = store  # host tensors, not parameters
         self.memory = memory
         self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
+        # whether the training queries name their gold documents (json doc_id; set by the trainer
+        # from the data, rag_mm.gold): without them the contrastive terms use pseudo-queries alone
+        self.gold_queries = True
         self.replicas = Replicas()  # the data-parallel replicas the contrastive loss spans (set by the trainer)
 
     def _docs(self, ids: torch.Tensor, device) -> dict:
@@ -121,21 +124,37 @@ class RagModel(nn.Module):
             r_loss = losses.attention_distillation(scores, doc_attention)
         else:
             r_loss = r_loss + 0.0 * scores.sum()  # keeps every retriever parameter in the graph (DDP)
-        if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0:
+        if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0 and self._has_rows():
             # the retrieved documents are the hardest negatives there are (same colours, other shape)
+            keep = self._labelled(gold)  # queries naming no gold document take no part
             r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
-                q_emb, gold, d_emb.flatten(0, 1), top.flatten().to(dev))
+                q_emb[keep], gold[keep], d_emb.flatten(0, 1), top.flatten().to(dev))
         return r_loss, scores
 
     def retriever_warmup(self, image, q_ids, q_len, gold, **_unused) -> tuple[torch.Tensor, torch.Tensor]:
         """Retriever-only contrastive loss of a batch, no reader (the warm-up phase): returns the
-        loss () and whether each query's gold document is in the index's top-k (B,) bool."""
-        if gold is None or bool((gold < 0).any()):
-            raise ValueError("retriever.warmup_steps needs a doc_id in every training query's json")
+        loss () and, for each query naming its gold document, whether that document is in the
+        index's top-k (n,) bool. Queries naming none take no part; when no training query names
+        one (``gold_queries`` off) the pseudo-queries alone make the loss, as Contriever trains
+        without labels, and the queries are not even embedded."""
+        if not self._has_rows():
+            raise ValueError("the retriever warm-up needs gold documents (json doc_id) or retriever.pseudo_queries > 0")
+        if not self.gold_queries:
+            q_emb = torch.zeros(0, self.retriever.cfg.embed_dim, device=image.device)  # (0, E)
+            return self._contrastive(q_emb, gold[:0]), torch.zeros(0, dtype=torch.bool)
         with self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
         _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
-        return self._contrastive(q_emb, gold), (ids == gold.cpu()[:, None]).any(1)
+        keep = self._labelled(gold)
+        return self._contrastive(q_emb[keep], gold[keep]), (ids == gold.cpu()[:, None]).any(1)[keep.cpu()]
+
+    def _labelled(self, gold: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: the queries whose gold document the contrastive terms may use."""
+        return gold >= 0 if self.gold_queries else torch.zeros_like(gold, dtype=torch.bool)
+
+    def _has_rows(self) -> bool:
+        """Whether the contrastive terms have queries: gold-labelled ones or pseudo-queries."""
+        return self.gold_queries or self.rcfg.pseudo_queries > 0
 
     def _contrastive(self, q_emb, gold, hard=None, hard_ids=None) -> torch.Tensor:
         """In-batch InfoNCE against the batch's gold documents, plus ``hard`` negatives (N, E) with
@@ -148,6 +167,8 @@ class RagModel(nn.Module):
         with rep.spanning(enc):
             q_emb, gold, g_emb = self._contrastive_rows(q_emb, gold)
         q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (sum of replicas' B, ...)
+        if len(gold) == 0:  # no replica had a labelled query (and there are no pseudo-queries)
+            return 0.0 * enc.scale()
         extra, extra_ids = [], []
         if hard is not None:
             hard, hard_ids = rep.gather(hard, hard_ids.to(dev))
