@@ -39,6 +39,7 @@ from webdataset.tariterators import base_plus_ext
 
 from rag_mm.data.pipeline import IMAGE_KEYS
 from rag_mm.data.urls import REMOTE
+from rag_mm.metrics import strict_dumps
 from rag_mm.vqa_metric import normalize_answer, vqa_accuracy
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ def load_or_build(urls: list[str], cache: Path | None) -> BlindPrior | None:
              prior.n_train, len(prior.answers), prior.fallback)
     if cache is not None:
         try:
-            _write_atomic(cache, json.dumps(prior.to_json(fp)))
+            _write_atomic(cache, strict_dumps(prior.to_json(fp)))
         except OSError as exc:
             log.warning("blind prior: cannot cache the table in %s: %s", cache, exc)
     return prior

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from rag_mm import checkpoint_safety, faults
 from rag_mm.distributed import barrier, broadcast_object
+from rag_mm.metrics import strict_dumps
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -56,9 +57,9 @@ def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_
     faults.inject("save", step, dist.get_rank() if dist.is_initialized() else 0)
     barrier()
     if is_main:
-        _write_atomic(tmp / STATE, json.dumps(trainer_state))
+        _write_atomic(tmp / STATE, strict_dumps(trainer_state))
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
-        _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        _write_atomic(tmp / MANIFEST, strict_dumps({"step": step, "files": files}, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

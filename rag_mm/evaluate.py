@@ -44,7 +44,7 @@ from rag_mm.data.pipeline import DataError
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import all_reduce_sum
-from rag_mm.metrics import json_safe
+from rag_mm.metrics import json_safe, strict_dumps
 from rag_mm.paths import data_key, output_file_problems, writable_dir_problem
 from rag_mm.predictions import PredictionError, write_predictions
 from rag_mm.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
@@ -181,7 +181,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         _report(split, res)
     if examples_path is not None and examples:
         examples_path.parent.mkdir(parents=True, exist_ok=True)
-        examples_path.write_text(json.dumps(examples, indent=1))
+        examples_path.write_text(strict_dumps(examples, indent=1))
     return res
 
 

@@ -43,7 +43,7 @@ def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
                  f"model.adapter={out / 'adapter.safetensors'}", f"model.projector={model_cfg.projector}",
                  f"model.copy_head={str(bool(model_cfg.copy_head)).lower()}", f"model.max_docs={model_cfg.max_docs}",
                  *(f"model.{f}={getattr(model_cfg, f)}" for f in VISION_FIELDS)]
-    (out / "import.json").write_text(json.dumps({"overrides": overrides}, indent=1) + "\n")
+    (out / "import.json").write_text(json.dumps({"overrides": overrides}, indent=1, allow_nan=False) + "\n")
     return overrides
 
 

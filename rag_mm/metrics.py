@@ -29,6 +29,12 @@ def json_safe(obj):
     return obj
 
 
+def strict_dumps(obj, **kwargs) -> str:
+    """``json.dumps`` of ``obj`` as strict JSON: every non-finite float becomes ``null``
+    (``json_safe``), and anything else that is not JSON raises instead of writing ``NaN``."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
+
+
 class MetricsLogger:
     """Writes only on the main rank; other ranks get a logger that does nothing."""
 
@@ -69,7 +75,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"time": time.time(), "kind": prefix, **record}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(strict_dumps(record) + "\n")  # null, not NaN: an accuracy over no queries
         self._jsonl.flush()
         if self._tb is not None:
             step = record.get("step", 0)

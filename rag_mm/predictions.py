@@ -18,6 +18,8 @@ from pathlib import Path
 
 import webdataset as wds
 
+from rag_mm.metrics import strict_dumps
+
 QuestionId = int | str
 
 
@@ -66,7 +68,7 @@ def write_predictions(path: Path, answered: list[tuple[str, str]], urls: list[st
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(rows, f)
+            f.write(strict_dumps(rows))
         os.replace(tmp, path)
     except OSError as exc:
         raise PredictionError(f"cannot write {path}: {exc}") from None

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from rag_mm.config import ConfigError, register_configs, resolve_batch, validate
+from rag_mm.metrics import strict_dumps
 from rag_mm.paths import check_paths, data_key, run_dir_problems
 
 register_configs()
@@ -107,7 +107,7 @@ def main(cfg: DictConfig) -> None:
     trainer.close()
     requeue.hand_over()
     if trainer.env.is_main:
-        print(json.dumps(summary, indent=1))
+        print(strict_dumps(summary, indent=1))
     logging.getLogger(__name__).info("run directory: %s", OmegaConf.select(cfg, "run_dir"))
 
 

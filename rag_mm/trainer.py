@@ -41,6 +41,14 @@ log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
 
 
+def accuracy_line(m: dict) -> str:
+    """A split's exact-match accuracy with its seen / held-out parts; a group the split does not
+    have (VQA data holds no held-out entities) is named as absent, not printed as nan."""
+    parts = [f"{name} {m[key]:.3f}" if m[n] else f"no {name} entities" for name, key, n in
+             (("seen", "acc_seen", "n_seen"), ("held-out", "acc_heldout", "n_heldout"))]
+    return f"acc {m['acc']:.3f} ({', '.join(parts)})"
+
+
 class Trainer:
     def __init__(self, cfg, log_metrics: bool = True) -> None:
         validate(cfg, world_size_from_env())
@@ -324,7 +332,7 @@ class Trainer:
                 if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
                     val = self.evaluate_split("val", final=False)
                     self.metrics.log({"step": self.step, **val}, prefix="val")
-                    log.info("step %d val: acc %.3f (seen %.3f, held-out %.3f)", self.step, val["acc"], val["acc_seen"], val["acc_heldout"])
+                    log.info("step %d val: %s", self.step, accuracy_line(val))
                 if self.step == timeline_step:  # after the step's timing and logging: not counted in them
                     self.watch.at("pipeline timeline (gather of events)", self.step)
                     self._write_timeline()

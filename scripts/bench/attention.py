@@ -46,6 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from parallel.kernels import attention as A  # noqa: E402
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implementations
 
@@ -191,7 +192,7 @@ def cuda_main(args) -> None:
     report = dict(machine=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                cuda=torch.version.cuda), target="fused >= 0.7x flash", results=results,
                   ratio_median=statistics.median(r["ratio"] for r in results))
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    Path(args.out).write_text(strict_dumps(report, indent=1))
     print(f"median fused / flash: {report['ratio_median']:.2f}x")
 
 
@@ -295,8 +296,8 @@ def main() -> None:
     if args.memory_only:
         report = json.loads(Path(args.out).read_text())
         report["memory"] = memory
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report.get("ratio_summary"), indent=1))
+    Path(args.out).write_text(strict_dumps(report, indent=1))
+    print(strict_dumps(report.get("ratio_summary"), indent=1))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ reduce-scatter). Point to point: one-way latency = half a ping-pong round trip.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -24,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
        "reduce_scatter": lambda n: (n - 1) / n}
@@ -176,8 +177,8 @@ def main(argv=None) -> dict:
         rows=rows, summary=summarize(rows))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    print(json.dumps(report["summary"], indent=1))
+        Path(args.out).write_text(strict_dumps(report, indent=1))
+    print(strict_dumps(report["summary"], indent=1))
     return report
 
 

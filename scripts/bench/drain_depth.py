@@ -14,7 +14,6 @@ by 10% within a minute, which separate runs cannot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline import BATCH, D, _tight_barrier, mlp, mse, spawn  # noqa: E402 - the same model, loss, launcher
+
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 def paired(rank, m, depths, steps, schedule):
@@ -69,10 +70,10 @@ def main() -> None:
             rel = statistics.median(t / b for t, b in zip(per_step[d], base))
             row = {"m": m, "depth": d, "step_ms": statistics.median(per_step[d]) * 1e3, "vs_first": rel}
             res.append(row)
-            print(json.dumps(row), flush=True)
+            print(strict_dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(strict_dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import sys
@@ -31,6 +30,7 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from retriever.index import FaissIndex, default_factory, default_search_params, ivf_nlist  # noqa: E402
 
 K = 10  # recall@10
@@ -165,7 +165,7 @@ def main() -> None:
         row["speedup_vs_flat"] = round(row["qps"] / flat_qps, 2)
         rows.append(row)
         print(
-            f"{name:24s} {json.dumps(params):34s} build {row['build_s']:7.1f}s  {row['qps']:9.1f} q/s  "
+            f"{name:24s} {strict_dumps(params):34s} build {row['build_s']:7.1f}s  {row['qps']:9.1f} q/s  "
             f"R@10 {row['recall_at_10']:.4f}  x{row['speedup_vs_flat']:.1f}",
             flush=True,
         )
@@ -315,7 +315,7 @@ def main() -> None:
         "total_s": round(time.perf_counter() - t0, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+    args.out.write_text(strict_dumps(report, indent=2))
     print(
         f"default for {n} docs: {chosen} {default_search_params(chosen)}; wrote {args.out} ({report['total_s']}s)"
     )

@@ -39,6 +39,8 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+
 # freed tensors' pages go back to the OS at once (glibc otherwise raises its mmap threshold after
 # the first large free and keeps later blocks in the heap), so RSS follows the live bytes
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
@@ -227,12 +229,12 @@ def main():
     res = {"shapes": {}}
     if a.pipeline:
         res["pipeline"] = pipeline_compare(a.pipeline)
-        print("pipeline", json.dumps(res["pipeline"]), flush=True)
+        print("pipeline", strict_dumps(res["pipeline"]), flush=True)
     if a.only == "pipeline":
-        print(json.dumps(res, indent=1))
+        print(strict_dumps(res, indent=1))
         if a.json:
             with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
+                f.write(strict_dumps(res, indent=1))
         return
     for shape in a.shapes.split(","):
         dim, layers, batch = (int(x) for x in shape.split("x"))
@@ -246,10 +248,10 @@ def main():
         res[f"activation_bytes_{mode}"] = activation_bytes(dim, layers, mode)
     res["ac_full_reduction"] = res["activation_bytes_none"] / res["activation_bytes_full"]
     res["ac_every2_reduction"] = res["activation_bytes_none"] / res["activation_bytes_every_n"]
-    print(json.dumps(res, indent=1))
+    print(strict_dumps(res, indent=1))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(strict_dumps(res, indent=1))
 
 
 if __name__ == "__main__":

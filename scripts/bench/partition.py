@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import parallel  # noqa: E402
 from parallel.trace import trace_model  # noqa: E402
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 class Block(nn.Module):
@@ -70,7 +70,7 @@ def speed(repeats: int = 3) -> list[dict]:
                 times.append(time.perf_counter() - t0)
             out.append({"model": label, "modules": n_mod, "stages": k, "units": len(part.units),
                         "partition_s": round(statistics.median(times), 4), "max_s": round(max(times), 4)})
-            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+            print(strict_dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
 
@@ -96,7 +96,7 @@ def quality() -> list[dict]:
             mem = parallel.partition_trace(tr, k, objective="memory")
             row["memory_objective_peak_vs_speed"] = round(mem.max_memory / part.max_memory, 3)
             out.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            print(strict_dumps(row), file=sys.stderr, flush=True)
     return out
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     res = {"torch": torch.__version__, "speed": speed()}
     if not args.skip_quality:
         res["quality"] = quality()
-    print(json.dumps(res, indent=1))
+    print(strict_dumps(res, indent=1))
     if args.markdown and "quality" in res:
         print(markdown(res["quality"]))
 

@@ -27,7 +27,6 @@ Native readers only (``model.family=native``): the probes hook its blocks.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import Counter
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from rag_mm import checkpoint  # noqa: E402
 from rag_mm.build import batch_inputs, build_rag, make_stream  # noqa: E402
 from rag_mm.evaluate import load_config, load_model_state  # noqa: E402
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from rag_mm.model.layout import IGNORE, QUERY_IMAGE  # noqa: E402
 
 TRAIN_SHARE = 0.7  # queries the probe is fitted on; the rest score it
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             s[0] += float(prm.grad.pow(2).sum())
             s[1] += float(prm.detach().pow(2).sum())
     res["grad_to_param"] = {part: float(f"{math.sqrt(g) / max(math.sqrt(w), 1e-12):.3g}") for part, (g, w) in sums.items()}
-    print(json.dumps(res))
+    print(strict_dumps(res))
     return 0
 
 

@@ -23,7 +23,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -37,6 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 D, BATCH, BLOCKS = 512, 256, 8  # the reference setting: an 8-block MLP, batch 256
 
@@ -402,7 +402,7 @@ def main() -> None:
               f"median {statistics.median(ratios):.2f}x")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(strict_dumps(res, indent=1))
 
 
 if __name__ == "__main__":

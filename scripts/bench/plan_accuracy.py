@@ -78,6 +78,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 # name -> layout (degrees; pp > 1 layouts take --microbatches); the world is their product
 LAYOUTS = {
@@ -700,7 +701,7 @@ def main() -> None:
         "machine": {**machine(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
         "total_s": round(time.perf_counter() - t_start, 1),
     }
-    text = json.dumps(result, indent=1)
+    text = strict_dumps(result, indent=1)
     print(text)
     if a.json:
         with open(a.json, "w") as f:

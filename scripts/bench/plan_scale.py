@@ -16,7 +16,6 @@ Prints JSON on stdout (tables on stderr).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from parallel.cluster import Cluster  # noqa: E402
 from parallel.planner import Plan, plan_layout  # noqa: E402
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 class FlashLikeAttention(torch.autograd.Function):
@@ -177,7 +177,7 @@ def main() -> None:
                 "best": brief(single.best) if single.best else None,
                 "without_offload_closest": brief(min(no_off, key=lambda lay: lay.memory_bytes_per_device)),
             }
-    print(json.dumps(result, indent=1))
+    print(strict_dumps(result, indent=1))
 
 
 if __name__ == "__main__":

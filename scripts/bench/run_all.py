@@ -60,8 +60,8 @@ def main() -> int:
         summary[name] = {"cmd": cmd[1:], "returncode": rc, "wall_s": round(time.perf_counter() - t0, 1),
                          "log": str(args.out / f"{name}.log")}
         print(f"   rc={rc} in {summary[name]['wall_s']} s (log: {summary[name]['log']})", flush=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary, indent=1))
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+    print(json.dumps(summary, indent=1, allow_nan=False))
     return 0 if all(v["returncode"] == 0 for v in summary.values()) else 1
 
 

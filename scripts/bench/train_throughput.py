@@ -26,7 +26,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -42,6 +41,7 @@ from parallel.memory import apply_activation_checkpointing  # noqa: E402
 from parallel.spmd import find_blocks  # noqa: E402
 from rag_mm.config import compose, reader_tokenizer  # noqa: E402
 from rag_mm.data.tokenizer import get_tokenizer  # noqa: E402
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from rag_mm.model.factory import build_reader, count_parameters, materialize  # noqa: E402
 from rag_mm.optim import build_optimizer  # noqa: E402
 
@@ -161,7 +161,7 @@ def main() -> None:
     peak = sheet or measured
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    report = json.dumps({
+    report = strict_dumps({
         "bench": "train_throughput", "device": dev_name, "torch": torch.__version__,
         "model": cfg.model.name, "family": cfg.model.family, "precision": args.precision, "batch": args.batch,
         "docs_per_query": cfg.retriever.top_k, "blocks": len(blocks), "checkpointing": args.checkpointing,

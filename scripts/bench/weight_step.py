@@ -14,7 +14,6 @@ under zero_bubble, the last ``DRAIN_DEPTH`` backwards of the non-first ranks und
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline import BATCH, D, _tight_barrier, mlp, mse, spawn  # noqa: E402 - the same model, loss, launcher
+
+from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 def paired(rank, m, steps, schedule):
@@ -78,10 +79,10 @@ def main() -> None:
                    "step_ms": {"fast": statistics.median(fast) * 1e3, "engine": statistics.median(engine) * 1e3},
                    "action_us": [x["action_us"] for x in r]}
             res.append(row)
-            print(json.dumps(row), flush=True)
+            print(strict_dumps(row), flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            f.write(strict_dumps(res, indent=1))
 
 
 if __name__ == "__main__":

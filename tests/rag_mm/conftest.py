@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from rag_mm.data.knowledge_world import WorldConfig, generate
@@ -30,3 +37,21 @@ def tiny_world(tmp_path_factory):
     generate(WorldConfig(out=str(root), num_entities=24, train_queries_per_entity=4, val_queries_per_entity=1,
                          test_queries_per_entity=1, shard_size=32))
     return root
+
+
+def rewrite_queries(src: Path, dst: Path, edit: Callable[[dict], dict]) -> Path:
+    """A copy of the world ``src`` at ``dst`` with every query's json (train, val, test) passed
+    through ``edit``: the tiny world as other data sets look (no doc_id, no held-out entities)."""
+    shutil.copytree(src, dst)
+    for split in ("train", "val", "test"):
+        for shard in (dst / split).glob("*.tar"):
+            out = io.BytesIO()
+            with tarfile.open(shard) as old, tarfile.open(fileobj=out, mode="w") as new:
+                for m in old:
+                    data = old.extractfile(m).read()
+                    if m.name.endswith(".json"):
+                        data = json.dumps(edit(json.loads(data))).encode()
+                    m.size = len(data)
+                    new.addfile(m, io.BytesIO(data))
+            shard.write_bytes(out.getvalue())
+    return dst

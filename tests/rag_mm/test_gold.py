@@ -4,10 +4,7 @@ shard's hint names the converter that writes it."""
 
 from __future__ import annotations
 
-import io
 import json
-import shutil
-import tarfile
 
 import numpy as np
 import pytest
@@ -15,30 +12,15 @@ import torch
 
 from rag_mm.config import ConfigError, compose, shard_problems
 from rag_mm.trainer import Trainer
-from tests.rag_mm.conftest import tiny_overrides
+from tests.rag_mm.conftest import rewrite_queries, tiny_overrides
 from tests.rag_mm.test_train import WARMUP, run_module
 
 
 @pytest.fixture(scope="module")
 def no_gold_world(tiny_world, tmp_path_factory):
     """The tiny world with every query's ``doc_id`` removed, as ``scripts/convert.py vqa`` writes them."""
-    root = tmp_path_factory.mktemp("no_gold")
-    shutil.rmtree(root)
-    shutil.copytree(tiny_world, root)
-    for split in ("train", "val", "test"):
-        for shard in (root / split).glob("*.tar"):
-            out = io.BytesIO()
-            with tarfile.open(shard) as src, tarfile.open(fileobj=out, mode="w") as dst:
-                for m in src:
-                    data = src.extractfile(m).read()
-                    if m.name.endswith(".json"):
-                        meta = json.loads(data)
-                        meta.pop("doc_id")
-                        data = json.dumps(meta).encode()
-                    m.size = len(data)
-                    dst.addfile(m, io.BytesIO(data))
-            shard.write_bytes(out.getvalue())
-    return root
+    return rewrite_queries(tiny_world, tmp_path_factory.mktemp("no_gold") / "world",
+                           lambda meta: {k: v for k, v in meta.items() if k != "doc_id"})
 
 
 def test_oracle_on_queries_without_gold_documents_is_refused_before_work(no_gold_world, tmp_path):
