@@ -13,7 +13,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -65,6 +64,7 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
     blocks = find_blocks(model) if blocks is None else blocks
     if part is not None:  # a pipeline rank: only the blocks it holds
         blocks = [b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())]
+        held_names = _names_of(model, part.held), _names_of(model, part.replicated)
     out = Sharded()
     # 1. tensor parallel first: it changes the modules' forwards and turns parameters into DTensors
     #    on the tp mesh, which the later steps must see
@@ -76,6 +76,10 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
         else:  # read off and checked on the whole model before the split (``stage_plan``)
             ctx = apply_plan(model, plan, mesh["tp"], sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim)
             out.tp_plan = dataclasses.replace(plan, log=ctx.log)
+            # TP put new (DTensor) parameter objects in place of the ones ``part`` names by id:
+            # without this, FSDP took every TP-sharded module for another rank's and left it
+            # whole on each data-parallel rank
+            part = dataclasses.replace(part, held=_ids_of(model, held_names[0]), replicated=_ids_of(model, held_names[1]))
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
     apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
@@ -103,19 +107,24 @@ def _shard_part(model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part:
     from parallel.fsdp import _placement_fn, shard_unit
 
     units = fsdp_units(model, part.held - part.replicated, blocks, part.container)
+    covered = {id(p) for u in units for p in u.parameters()}
+    left = sum(p.numel() for p in model.parameters() if id(p) in part.held and id(p) not in covered)
     for u in units:
         shard_unit(u, mesh=dp, reshard_after_forward=False, shard_placement_fn=_placement_fn,
                    mp_policy=mixed_precision_policy(cfg.mixed_precision))
-    left = sum(p.numel() for p in model.parameters() if id(p) in part.held and not _is_dtensor(p))
     log.info("fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
              "(container-owned, tied or held by several stages)", len(units), tuple(dp.shape), left)
     return units
 
 
-def _is_dtensor(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
+def _names_of(model: nn.Module, ids: set[int]) -> set[str]:
+    """The names (every alias) of the parameters whose ids are in ``ids``."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
-    return isinstance(p, DTensor)
+
+def _ids_of(model: nn.Module, names: set[str]) -> set[int]:
+    """The ids of the parameters now registered under ``names``."""
+    return {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in names}
 
 
 def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any) -> TPPlan:

@@ -252,8 +252,10 @@ def _with_sp(ctx: TPContext, sp: bool) -> TPContext:
 
 @register_tp_rule(nn.MultiheadAttention, name="multihead_attention")
 def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
-    """nn.MultiheadAttention (open_clip, timm-style towers): fused in_proj split per head block
-    (column), out_proj row-parallel, num_heads per rank. Self-attention only."""
+    """nn.MultiheadAttention (open_clip, timm-style towers, SigLIP's pooling head): fused in_proj
+    split per head block (column), out_proj row-parallel, num_heads per rank. Self-attention runs
+    one fused projection; cross-attention (a query other than the key / value, such as a learned
+    probe) projects each input with its rows of the weight."""
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
         raise NotImplementedError("tp: nn.MultiheadAttention with kdim/vdim, bias_k/v or add_zero_attn")
     ctx.divide_attr(m, "num_heads")
@@ -263,23 +265,40 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
 
     def forward(self_, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if not (query is key and key is value):
-            raise NotImplementedError("tp: sharded nn.MultiheadAttention supports self-attention only")
-        x = query if self_.batch_first else query.transpose(0, 1)  # (B, L, E)
-        x = ctx._enter(x, None)
+        def batch_first(t: torch.Tensor) -> torch.Tensor:
+            return t if self_.batch_first else t.transpose(0, 1)  # (B, L, E)
+
+        w = local(self_.in_proj_weight)  # (3 E/tp, E): this rank's rows of q, k and v
         b = None
         if has_bias:
             b = comm.grad_all_reduce(self_.in_proj_bias, ctx.group).view(3, ctx.size, -1)[:, ctx.rank].reshape(-1)
-        qkv = F.linear(x, local(self_.in_proj_weight), b)  # (B, L, 3 E/tp)
-        q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, h, L, hd)
+        if _same_values(query, key) and _same_values(key, value):  # self-attention: one projection
+            qkv = F.linear(ctx._enter(batch_first(query), None), w, b)  # (B, L, 3 E/tp)
+            q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, h, L, hd)
+        else:
+            ws, bs = w.chunk(3), (b.chunk(3) if b is not None else (None,) * 3)
+            xq = ctx._enter(batch_first(query), None)
+            xk = ctx._enter(batch_first(key), None)
+            xv = xk if _same_values(key, value) else ctx._enter(batch_first(value), None)
+            q, k, v = (F.linear(x, wi, bi).unflatten(-1, (self_.num_heads, -1)).transpose(1, 2)  # (B, h, L, hd)
+                       for x, wi, bi in zip((xq, xk, xv), ws, bs))
         mask = _sdpa_mask(attn_mask, key_padding_mask, q)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self_.dropout if self_.training else 0.0,
                                            is_causal=is_causal and mask is None)
-        y = self_.out_proj(y.transpose(1, 2).flatten(2))  # (B, L, E)
+        y = self_.out_proj(y.transpose(1, 2).flatten(2))  # (B, Lq, E)
         return (y if self_.batch_first else y.transpose(0, 1)), None
 
     m.forward = types.MethodType(forward, m)
     ctx.sharded.add(id(m))
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one tensor, or views of one storage at the same offset, shape and
+    stride (so the same values). FSDP2 hands a unit's tensor arguments on through an autograd
+    function (its post-backward hook), which turns ``attn(x, x, x)`` into three distinct aliases
+    of ``x``: identity alone would take that self-attention for cross-attention."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
 
 
 def _sdpa_mask(attn_mask, key_padding_mask, q):

@@ -76,6 +76,8 @@ def test_pp2_tp2_dp_shard2_matches_one_process():
     res = run_ranks(tp_cases.pp_tp_suite, 8, PP_TP_DP, timeout_s=900)
     assert [next(iter(r.values()))["pp_rank"] for r in res] == [0] * 4 + [1] * 4
     _check(res, PP_TP_DP, 8)
+    for per in res:  # FSDP shards the TP shards too (2-D dp_shard x tp), none left whole per dp rank
+        assert all(not r["tp_not_fsdp"] for r in per.values()), {c: r["tp_not_fsdp"] for c, r in per.items()}
     for per in res:  # Llama with sequence parallel: one region per stage, whole tensors at the cut
         sp = next(r for case, r in per.items() if "sequence_parallel" in case)["sp_regions"]
         assert len(sp) == 1 and sp[0].startswith("sequence parallel over model.layers."), sp

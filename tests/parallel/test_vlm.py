@@ -75,3 +75,17 @@ def test_unit_left_replicated_is_one_warning(tp_suite):
         assert lines[0].startswith("tp: self-check: mix left replicated: max relative error"), lines
         assert lines[1].startswith("tp: self-check: skew left replicated: max relative error"), lines
         assert all("layout was" in line for line in lines), lines
+
+
+@pytest.mark.multirank
+def test_sharded_multihead_attention_cross_and_aliased(tp_suite):
+    """nn.MultiheadAttention under tensor parallel as SigLIP's pooling head uses it (a learned
+    probe attending over the tower's output), and as a self-attention whose key and value are
+    aliases of the query (what an FSDP2 unit receives): both sharded, both equal one process.
+    Identity was the test for self-attention, and the reader's vision attention, made an FSDP
+    unit under pp x tp x dp_shard, raised "supports self-attention only"."""
+    for r in tp_suite:
+        m = r["mha"]
+        assert m["roles"] == {"mix": "rule:multihead_attention", "pool": "rule:multihead_attention"}, m["roles"]
+        assert m["sharded"] == 1.0, m
+        assert m["out_err"] < 1e-5 and m["err"] < RTOL, m

@@ -313,6 +313,10 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
                 res["dtensors"].append(n)
     res["ref"] = ref_loss
     res["names"] = sorted(n for n, _ in pm.named_parameters())
+    # tensor-parallel shards that FSDP left whole on every data-parallel rank (a DTensor on the tp
+    # mesh alone): under pp the units are chosen after TP replaced the parameters
+    res["tp_not_fsdp"] = sorted(n for n, p in pm.named_parameters() if isinstance(p, DTensor)
+                                and "dp_shard" not in (p.device_mesh.mesh_dim_names or ()))
     tp_log = pm.sharded.tp_plan.log if pm.sharded.tp_plan is not None else []
     res["sp_regions"] = [line for line in tp_log if line.startswith("sequence parallel over")]
     # the collective timeout (timeout_s above) of every group on the mesh, not torch's 30 min

@@ -233,6 +233,45 @@ def tp_warning_case(rank: int, world: int) -> list[str]:
     return warned
 
 
+class ProbePool(nn.Module):
+    """SigLIP's pooling head in miniature: a self-attention whose key and value arrive as aliases
+    of its query (as FSDP2 hands a unit's arguments on: ``attn(x, x, x)`` becomes three tensor
+    objects), then a learned probe attending over the result (cross-attention)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.probe = nn.Parameter(torch.randn(1, 1, dim))
+        self.mix = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.pool = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, L, dim)
+        h = x + self.mix(x, x.view_as(x), x.view_as(x), need_weights=False)[0]
+        return self.pool(self.probe.expand(x.shape[0], -1, -1), h, h, need_weights=False)[0]  # (B, 1, dim)
+
+
+def mha_case(rank: int, world: int) -> dict:
+    """``apply_tp`` on ``ProbePool`` against one process: the output and every gradient, and the
+    roles (both attentions under the multihead_attention rule, and the self-check passing)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.tp import apply_tp
+
+    torch.manual_seed(0)
+    model = ProbePool()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
+    c = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(2))  # a fixed cotangent
+    (ref(x) * c).sum().backward()
+    plan = apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), (x,))
+    y = model(x)
+    (y * c).sum().backward()
+    err, worst = grad_error({n: p.grad for n, p in model.named_parameters()},
+                            {n: p.grad for n, p in ref.named_parameters()})
+    return dict(out_err=float((y - ref(x)).abs().max()), err=err, worst=worst,
+                roles={n: e.role for n, e in plan.entries.items()}, sharded=sharded_fraction(model)[0])
+
+
 def tp_suite(rank: int, world: int, names: list[str]) -> dict:
-    """``tp_case`` for each model, and ``tp_warning_case``, in one process group."""
-    return {**{n: tp_case(rank, world, n) for n in names}, "warnings": tp_warning_case(rank, world)}
+    """``tp_case`` for each model, ``tp_warning_case`` and ``mha_case``, in one process group."""
+    return {**{n: tp_case(rank, world, n) for n in names}, "warnings": tp_warning_case(rank, world),
+            "mha": mha_case(rank, world)}
