@@ -9,11 +9,13 @@ checkpoint whose files are missing, truncated or altered.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -53,7 +55,8 @@ def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    with one_process_quiet():
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     faults.inject("save", step, dist.get_rank() if dist.is_initialized() else 0)
     barrier()
     if is_main:
@@ -67,6 +70,18 @@ def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_
         _prune(root, keep)
     barrier()
     return final
+
+
+@contextlib.contextmanager
+def one_process_quiet():
+    """DCP's save and load warn at every call made without a process group ("torch.distributed
+    is disabled, unavailable or uninitialized, assuming the intent is to save in a single
+    process"), even when called with ``no_dist=True`` (torch 2.14). One process is what rag_mm
+    means then, so the note is filtered here, around DCP's calls only, and only then."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
+        yield
 
 
 def _fsync_dir(path: Path) -> None:

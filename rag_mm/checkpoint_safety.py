@@ -94,12 +94,16 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 
 def load(state: dict, ckpt: Path) -> None:
     """``dcp.load`` into ``state`` in place, with both guards; a refusal raises UnsafeCheckpointError."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from rag_mm.checkpoint import one_process_quiet
+
     check_metadata(ckpt)
     try:
-        dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner())
+        with one_process_quiet():  # (one process: DCP's note that it assumes so, filtered)
+            dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # DCP wraps each rank's failure: surface ours as itself
         for failure in getattr(exc, "failures", {}).values():
             if isinstance(failure, UnsafeCheckpointError):

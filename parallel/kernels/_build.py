@@ -21,6 +21,20 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
+def _no_cuda_runtime_note(record: logging.LogRecord) -> bool:
+    """False for torch's "No CUDA runtime is found, using CUDA_HOME=..." (logged once, when
+    ``torch.utils.cpp_extension`` is imported on a machine with a CUDA toolkit or CUDA_HOME and no
+    GPU driver). Every CPU run imports that module here, to build or load its CPU kernels, so
+    the note would open every run's log; whether CUDA kernels are built, and why not, is logged
+    by ``load_extension`` itself. Any other cpp_extension message passes."""
+    return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+# A filter on torch's logger, installed before any import of cpp_extension (all of them are lazy,
+# below): the note is printed at that import, so it cannot be caught around a later call.
+logging.getLogger("torch.utils.cpp_extension").addFilter(_no_cuda_runtime_note)
+
+
 def cache_dir() -> Path:
     """Where built extensions live: $RAG_MM_EXT_CACHE, else ~/.cache/rag_mm/ext/<torch tag>."""
     root = os.environ.get("RAG_MM_EXT_CACHE")
