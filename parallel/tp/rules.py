@@ -255,7 +255,9 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
     """nn.MultiheadAttention (open_clip, timm-style towers, SigLIP's pooling head): fused in_proj
     split per head block (column), out_proj row-parallel, num_heads per rank. Self-attention runs
     one fused projection; cross-attention (a query other than the key / value, such as a learned
-    probe) projects each input with its rows of the weight."""
+    probe) projects each input with its rows of the weight. With ``need_weights`` (torch's
+    default) the attention probabilities are computed explicitly and returned whole: averaged over
+    the heads (one all-reduce) or per head (one all-gather)."""
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
         raise NotImplementedError("tp: nn.MultiheadAttention with kdim/vdim, bias_k/v or add_zero_attn")
     ctx.divide_attr(m, "num_heads")
@@ -283,13 +285,37 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
             q, k, v = (F.linear(x, wi, bi).unflatten(-1, (self_.num_heads, -1)).transpose(1, 2)  # (B, h, L, hd)
                        for x, wi, bi in zip((xq, xk, xv), ws, bs))
         mask = _sdpa_mask(attn_mask, key_padding_mask, q)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self_.dropout if self_.training else 0.0,
-                                           is_causal=is_causal and mask is None)
+        p = self_.dropout if self_.training else 0.0
+        weights = None
+        if need_weights:  # torch's default: the probabilities too, which SDPA does not return
+            y, probs = _attention_with_weights(q, k, v, mask, is_causal and mask is None, p)  # (B, h/tp, Lq, Lk)
+            if average_attn_weights:  # the mean over all heads: this rank's sum, summed over ranks
+                weights = comm.reduce_from_tp(probs.sum(1), ctx.group) / (self_.num_heads * ctx.size)
+            else:  # every head, in head order (rank r holds heads r*h/tp .. (r+1)*h/tp - 1)
+                weights = comm.gather_from_seq(probs, 1, ctx.group)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal and mask is None)
         y = self_.out_proj(y.transpose(1, 2).flatten(2))  # (B, Lq, E)
-        return (y if self_.batch_first else y.transpose(0, 1)), None
+        # the weights are batch first whatever ``batch_first`` says, as nn.MultiheadAttention's
+        return (y if self_.batch_first else y.transpose(0, 1)), weights
 
     m.forward = types.MethodType(forward, m)
     ctx.sharded.add(id(m))
+
+
+def _attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            is_causal: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention computed step by step, as ``F.multi_head_attention_forward`` does when asked for
+    its weights: (output (B, h, Lq, hd), probabilities after dropout (B, h, Lq, Lk))."""
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, h, Lq, Lk)
+    if mask is not None:
+        scores = scores + mask
+    elif is_causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    w = scores.softmax(-1)
+    if dropout_p > 0.0:
+        w = F.dropout(w, dropout_p)
+    return w @ v, w
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:

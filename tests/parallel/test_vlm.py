@@ -80,10 +80,12 @@ def test_unit_left_replicated_is_one_warning(tp_suite):
 @pytest.mark.multirank
 def test_sharded_multihead_attention_cross_and_aliased(tp_suite):
     """nn.MultiheadAttention under tensor parallel as SigLIP's pooling head uses it (a learned
-    probe attending over the tower's output), and as a self-attention whose key and value are
-    aliases of the query (what an FSDP2 unit receives): both sharded, both equal one process.
-    Identity was the test for self-attention, and the reader's vision attention, made an FSDP
-    unit under pp x tp x dp_shard, raised "supports self-attention only"."""
+    probe attending over the tower's output, attention weights asked for: torch's default), and as
+    a self-attention whose key and value are aliases of the query (what an FSDP2 unit receives):
+    both sharded, outputs and gradients equal one process. Identity was the test for
+    self-attention (the reader's vision attention, made an FSDP unit under pp x tp x dp_shard,
+    raised "supports self-attention only"), and the weights came back None (SigLIP's head failed
+    the self-check)."""
     for r in tp_suite:
         m = r["mha"]
         assert m["roles"] == {"mix": "rule:multihead_attention", "pool": "rule:multihead_attention"}, m["roles"]

@@ -236,7 +236,8 @@ def tp_warning_case(rank: int, world: int) -> list[str]:
 class ProbePool(nn.Module):
     """SigLIP's pooling head in miniature: a self-attention whose key and value arrive as aliases
     of its query (as FSDP2 hands a unit's arguments on: ``attn(x, x, x)`` becomes three tensor
-    objects), then a learned probe attending over the result (cross-attention)."""
+    objects), then a learned probe attending over the result (cross-attention), both asked for
+    their attention weights (per head, and averaged: torch's default)."""
 
     def __init__(self, dim: int = 32, heads: int = 4):
         super().__init__()
@@ -244,13 +245,14 @@ class ProbePool(nn.Module):
         self.mix = nn.MultiheadAttention(dim, heads, batch_first=True)
         self.pool = nn.MultiheadAttention(dim, heads, batch_first=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, L, dim)
-        h = x + self.mix(x, x.view_as(x), x.view_as(x), need_weights=False)[0]
-        return self.pool(self.probe.expand(x.shape[0], -1, -1), h, h, need_weights=False)[0]  # (B, 1, dim)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x: (B, L, dim)
+        h, per_head = self.mix(x, x.view_as(x), x.view_as(x), average_attn_weights=False)  # (B, 4, L, L)
+        y, mean = self.pool(self.probe.expand(x.shape[0], -1, -1), x + h, x + h)  # (B, 1, dim), (B, 1, L)
+        return y, per_head, mean
 
 
 def mha_case(rank: int, world: int) -> dict:
-    """``apply_tp`` on ``ProbePool`` against one process: the output and every gradient, and the
+    """``apply_tp`` on ``ProbePool`` against one process: the outputs and every gradient, and the
     roles (both attentions under the multihead_attention rule, and the self-check passing)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -260,15 +262,20 @@ def mha_case(rank: int, world: int) -> dict:
     model = ProbePool()
     ref = copy.deepcopy(model)
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
-    c = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(2))  # a fixed cotangent
-    (ref(x) * c).sum().backward()
+
+    def loss(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fixed random cotangents
+        gen = torch.Generator().manual_seed(2)
+        return sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+
+    loss(ref(x)).backward()
     plan = apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), (x,))
-    y = model(x)
-    (y * c).sum().backward()
+    outs = model(x)
+    loss(outs).backward()
     err, worst = grad_error({n: p.grad for n, p in model.named_parameters()},
                             {n: p.grad for n, p in ref.named_parameters()})
-    return dict(out_err=float((y - ref(x)).abs().max()), err=err, worst=worst,
-                roles={n: e.role for n, e in plan.entries.items()}, sharded=sharded_fraction(model)[0])
+    out_err = max(float((o - r).abs().max()) for o, r in zip(outs, ref(x)))
+    return dict(out_err=out_err, err=err, worst=worst, roles={n: e.role for n, e in plan.entries.items()},
+                sharded=sharded_fraction(model)[0])
 
 
 def tp_suite(rank: int, world: int, names: list[str]) -> dict:
