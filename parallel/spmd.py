@@ -20,7 +20,8 @@ from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
 from parallel.memory import apply_activation_checkpointing, apply_activation_offload
 from parallel.mesh import dp_mesh
-from parallel.tp.plan import TPPlan, apply_plan, apply_tp, find_block_lists, head_divisions
+from parallel.tp.plan import TPPlan, apply_plan, find_block_lists, head_divisions
+from parallel.tp.verify import apply_tp
 
 log = logging.getLogger("parallel.spmd")
 

@@ -7,7 +7,6 @@ from parallel.tp.plan import (
            TPEntry,
            TPPlan,
            apply_plan,
-           apply_tp,
            discover_plan,
            find_block_lists,
            tied_modules,
@@ -19,7 +18,13 @@ from parallel.tp.registry import (
            unregister_tp_rule,
 )
 from parallel.tp.rules import TPContext
-from parallel.tp.verify import CapturedInputs, capture_inputs, verify_and_apply, verify_plan
+from parallel.tp.verify import (
+           CapturedInputs,
+           apply_tp,
+           capture_inputs,
+           verify_and_apply,
+           verify_plan,
+)
 
 __all__ = ["CapturedInputs", "LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp",
            "capture_inputs", "discover_plan", "find_block_lists", "register_linear_kind", "register_tp_rule",

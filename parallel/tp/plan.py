@@ -12,8 +12,8 @@ Head counts on the pair's owner are divided by tp.
 Left replicated, and logged: modules that share a parameter (tied embeddings / LM heads; SMP
 makes the same choice), linears without a partner (other than the LM head), anything whose width
 does not divide, fused layouts no DTensor placement holds (a grouped-query q|k|v). ``apply_tp``
-then checks the plan unit by unit before sharding (``parallel.tp.verify``) and keeps replicated
-whatever does not reproduce the model.
+(``parallel.tp.verify``, which imports this module) then checks the plan unit by unit before
+sharding and keeps replicated whatever does not reproduce the model.
 """
 
 from __future__ import annotations
@@ -440,26 +440,3 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
             ctx.sequence_region(mods[first], mods[last])
             ctx.note(f"sequence parallel over {first} .. {last}")
     return ctx
-
-
-def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, trace: TraceResult | None = None,
-             plan: TPPlan | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
-             loss_fn=None, seq_dim: int = 1, verify: bool = True, rtol: float = 1e-4) -> TPPlan:
-    """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan as
-    applied; its ``log`` says what was sharded, what was left replicated and why. ``verify``: run
-    the self-check first (``parallel.tp.verify``: each unit of the plan, sharded, must reproduce
-    its replicated output and gradients on the example within ``rtol``, or it stays replicated)."""
-    if mesh.size() == 1:
-        return plan or TPPlan()
-    if plan is None:
-        plan = discover_plan(model, mesh.size(), trace, example_inputs, sequence_parallel=sequence_parallel,
-                             loss_fn=loss_fn)
-    if verify:
-        from parallel.tp.verify import capture_inputs, verify_and_apply
-
-        return verify_and_apply(model, plan, mesh, capture_inputs(model, plan, example_inputs), rtol=rtol,
-                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, seq_dim=seq_dim)
-    ctx = apply_plan(model, plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                     seq_dim=seq_dim)
-    plan.log = ctx.log
-    return plan

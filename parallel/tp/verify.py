@@ -40,7 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from parallel.tp.plan import LEFT_REPLICATED, TPEntry, TPPlan, apply_plan
+from parallel.tp.plan import LEFT_REPLICATED, TPEntry, TPPlan, apply_plan, discover_plan
+from parallel.trace import TraceResult
 
 UNIT_ROLES = ("vocab_embedding", "lm_head")  # entries that are units of their own (besides rule:*)
 
@@ -453,3 +454,24 @@ def verify_and_apply(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured:
                      seq_dim=seq_dim)
     checked.log = ctx.log
     return checked
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, trace: TraceResult | None = None,
+             plan: TPPlan | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
+             loss_fn=None, seq_dim: int = 1, verify: bool = True, rtol: float = 1e-4) -> TPPlan:
+    """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan as
+    applied; its ``log`` says what was sharded, what was left replicated and why. ``verify``: run
+    the self-check first (``verify_and_apply``: each unit of the plan, sharded, must reproduce its
+    replicated output and gradients on the example within ``rtol``, or it stays replicated)."""
+    if mesh.size() == 1:
+        return plan or TPPlan()
+    if plan is None:
+        plan = discover_plan(model, mesh.size(), trace, example_inputs, sequence_parallel=sequence_parallel,
+                             loss_fn=loss_fn)
+    if verify:
+        return verify_and_apply(model, plan, mesh, capture_inputs(model, plan, example_inputs), rtol=rtol,
+                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, seq_dim=seq_dim)
+    ctx = apply_plan(model, plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                     seq_dim=seq_dim)
+    plan.log = ctx.log
+    return plan
