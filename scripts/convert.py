@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rag_mm.data.convert import main  # noqa: E402
+from rag_mm.data.convert_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -40,17 +40,15 @@ instead: every query sample holds its own picture (VQAv2 asks ~5 questions per C
 this keeps the shards small and the decoding cheap.
 
 Bad input (a missing file or folder, malformed JSON, a JSON of another layout) is a ``ConvertError``:
-``main`` prints its message, which names the file, and returns 2.
+the command line (``rag_mm.data.convert_cli``) prints its message, which names the file, and returns 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
 import re
-import shlex
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -428,67 +426,3 @@ def _chain(first, rest: Iterator) -> Iterator:
     yield first
     yield from rest
 
-
-# ------------------------------------------------------------------------------ command line
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive (got {value})")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert.py", description="Your own data as rag_mm shards.")
-    sub = p.add_subparsers(dest="kind", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--out", type=Path, required=True, help="output root (data.root); shards go to OUT/<split>/")
-    common.add_argument("--shard-size", type=_positive, default=1000, help="samples per shard (default 1000)")
-    common.add_argument("--image-size", type=_non_negative, default=0,
-                        help="center-crop and resize pictures to this many pixels (default 0: store them as they are)")
-    common.add_argument("--overwrite", action="store_true", help="replace shards of the same name already in OUT")
-    v = sub.add_parser("vqa", parents=[common], help="VQAv2 / OK-VQA / A-OKVQA questions -> query shards")
-    v.add_argument("--questions", type=Path, required=True, help="VQA questions JSON, or the A-OKVQA JSON list")
-    v.add_argument("--annotations", type=Path, help="VQA annotations JSON (not for A-OKVQA)")
-    v.add_argument("--images", type=Path, required=True, help="folder with the COCO pictures (searched recursively)")
-    v.add_argument("--split", choices=SPLITS, required=True, help="which query split the shards are")
-    c = sub.add_parser("corpus", parents=[common], help="documents -> corpus shards")
-    src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--docs", type=Path, help="folder of name.<jpg|jpeg|png|webp> + name.txt pairs")
-    src.add_argument("--shards", help="img2dataset-style tar shards (brace pattern): jpg + txt (+ json) per key")
-    from rag_mm.data import convert_hf  # it imports this module's shard writing
-
-    convert_hf.add_parser(sub, common)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Convert; print the summary as one JSON line (stdout) and in words (stderr). Bad input: 2."""
-    args = parser().parse_args(argv)
-    try:
-        if args.kind == "vqa":
-            res = convert_vqa(args.questions, args.annotations, args.images, args.out, args.split,
-                              args.shard_size, args.image_size, args.overwrite)
-        elif args.kind == "hf":
-            from rag_mm.data import convert_hf
-
-            res = convert_hf.run(args)
-        else:
-            res = convert_corpus(args.out, args.docs, args.shards, args.shard_size, args.image_size, args.overwrite)
-    except ConvertError as exc:
-        print(f"convert: error: {exc}", file=sys.stderr)
-        return 2
-    skipped = ", ".join(f"{k}={v}" + (f" (e.g. question ids {', '.join(map(str, res['skipped_examples'][k]))})"
-                                      if k in res["skipped_examples"] else "")
-                        for k, v in res["skipped"].items()) or "none"
-    shell = " ".join(shlex.quote(o) if "'" not in o else f'"{o}"' for o in res["overrides"])  # as typed in a shell
-    print(f"convert: {res['written']} {res['kind']}s of {res['read']} written in {res['shards']} shard(s) to "
-          f"{res['out']}; skipped: {skipped}\nconvert: read them with {shell}", file=sys.stderr)
-    print(json.dumps(res))
-    return 0

@@ -18,7 +18,8 @@ from PIL import Image
 
 from rag_mm.build import make_stream
 from rag_mm.config import compose
-from rag_mm.data.convert import convert_corpus, convert_vqa, main
+from rag_mm.data.convert import convert_corpus, convert_vqa
+from rag_mm.data.convert_cli import main
 from rag_mm.data.convert_hf import convert_hf
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.evaluate import _answer_text, evaluate
