@@ -76,10 +76,6 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    return mesh["tp"]
-
-
 @dataclass
 class Layout:
     """Where this rank sits on the (pp, dp_replicate, dp_shard, tp) mesh."""

@@ -114,18 +114,6 @@ class ParallelModel(nn.Module):
         keys = self._local_keys()
         return {k: v for k, v in self.module.state_dict(keep_vars=False).items() if k in keys}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state, gathered over the pipeline (a collective; every rank gets it)."""
-        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        if not dist.is_initialized() or self.layout.pp_size == 1:
-            return mine
-        parts: list[Any] = [None] * self.layout.pp_size
-        dist.all_gather_object(parts, mine, group=self.layout.pp_group)
-        out: dict[str, torch.Tensor] = {}
-        for p in parts:
-            out.update(p)
-        return out
-
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = False, assign: bool = False):  # type: ignore[override]
         """Load the entries this rank holds (a full or a per-rank state dict both work)."""
         keys = self._local_keys()
@@ -403,5 +391,3 @@ def _gc_paused(on: bool):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the same part on every data-parallel or pipeline peer), else ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-

@@ -95,10 +95,6 @@ class Partition:
             raise ValueError(f"{name!r} spans stages {st}")
         return st[0]
 
-    def modules_of(self, stage: int) -> list[str]:
-        """Modules wholly on ``stage`` (what that rank builds and runs)."""
-        return [m for m, st in self.module_stages.items() if st == [stage]]
-
     @property
     def bounds(self) -> list[int]:
         """Unit index where each stage starts, plus n (contiguous partitions only)."""
@@ -107,10 +103,6 @@ class Partition:
             if self.unit_stage[j] != self.unit_stage[j - 1]:
                 b.append(j)
         return b + [len(self.unit_stage)]
-
-    @property
-    def max_cost(self) -> float:
-        return max(s.cost for s in self.stages)
 
     @property
     def max_time(self) -> float:

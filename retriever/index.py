@@ -303,12 +303,6 @@ class FaissIndex:
         _log_once(f"index {self.meta.factory!r} stays on CPU: {reason}")
         return self
 
-    def to_cpu(self) -> FaissIndex:
-        if self.on_gpu:
-            self.index, self.on_gpu = faiss.index_gpu_to_cpu(self.index), False
-            self.set_search_params(**self.meta.search_params)
-        return self
-
     # -- save / load -------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:

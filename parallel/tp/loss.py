@@ -5,7 +5,6 @@ vectors (max, sum of exponentials, target logit) give the exact loss."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
@@ -63,7 +62,3 @@ def vocab_parallel_cross_entropy(logits, target: torch.Tensor, *, ignore_index: 
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / (target != ignore_index).sum().clamp_min(1)
-
-
-def world_of(group) -> int:
-    return dist.get_world_size(group)

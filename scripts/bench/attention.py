@@ -97,10 +97,6 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
     return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
 
 
-def time_pair(f1, f2, reps: int, grad: bool = False) -> tuple[float, float]:
-    return tuple(time_many([f1, f2], reps, grad))
-
-
 def time_many(fns, reps: int, grad: bool = False) -> list[float]:
     """Median seconds per call of each fn, calls interleaved (a load spike hits all alike)."""
     ctx = torch.enable_grad if grad else torch.no_grad
