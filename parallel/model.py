@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -360,7 +359,6 @@ def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
 
     hosts = hosts_of()  # collective on every rank before any rank-local answer
     ok, _ = should_use_shm(torch.empty(0, device=device), hosts=hosts, op="pipeline loss all_reduce")
-    ok = ok and os.environ.get("RAG_MM_PIPELINE_P2P") != "gloo"
     oks: list = [None] * dist.get_world_size()
     dist.all_gather_object(oks, ok)
     return comm.ShmGroup(timeout_s=timeout_s) if all(oks) else None

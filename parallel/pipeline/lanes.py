@@ -31,7 +31,6 @@ Pages of ``/dev/shm`` are only backed once touched, so an unused large ring cost
 from __future__ import annotations
 
 import logging
-import os
 
 from .schedule import Action, forward_only
 
@@ -111,8 +110,6 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
     possible) | shm (required) | gloo."""
     if mode == "gloo":
         return {}, "process group (p2p='gloo')"
-    if mode == "auto" and os.environ.get("RAG_MM_PIPELINE_P2P") == "gloo":
-        return {}, "process group (RAG_MM_PIPELINE_P2P=gloo)"
     from parallel.kernels import comm
 
     built, why = comm.available()
