@@ -32,3 +32,13 @@ class IndexMismatchError(RetrievalIndexError, ValueError):
         super().__init__(
             f"index {path} does not match what was expected:\n" + "\n".join(lines) + hint
         )
+
+
+class RefreshInterrupted(Exception):
+    """An embedding pass over the memory was stopped between two of its forward passes, at the
+    caller's request (a preemption signal): ``done`` of ``total`` passes had run. The index that
+    served before the refresh still serves."""
+
+    def __init__(self, done: int, total: int):
+        self.done, self.total = done, total
+        super().__init__(f"embedding of the memory stopped after {done} of {total} passes")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from retriever.encoders import DualEncoder
+from retriever.errors import RefreshInterrupted
 from retriever.index import FaissIndex
 from retriever.replicas import Replicas
 from retriever.serve import DocumentIndex
@@ -39,6 +41,7 @@ class RetrievalMemory:
         self.index = DocumentIndex()
         self.refresh_seconds: list[float] = []  # wall time of each refresh (embedding + index build)
         self.embeddings: torch.Tensor | None = None  # (N, E) of the last refresh: the negatives bank
+        self._cancelled = False  # set by cancel(): a background refresh stops at its next batch
 
     def __len__(self) -> int:
         return len(self.doc_ids)
@@ -55,7 +58,10 @@ class RetrievalMemory:
         enc = encoder or self.encoder
         rows = rows if rows is not None else range(len(self))
         out = [torch.zeros(0, self._dim())]
-        for s in range(rows.start, rows.stop, self.batch_size):
+        starts = range(rows.start, rows.stop, self.batch_size)
+        for i, s in enumerate(starts):
+            if encoder is not None and self._cancelled:  # the background refresh's copy: no collectives
+                raise RefreshInterrupted(i, len(starts))
             idx = slice(s, min(rows.stop, s + self.batch_size))
             out.append(enc.embed_docs(self.images[idx].to(self.device), self.text_ids[idx].to(self.device),
                                       self.text_len[idx].to(self.device)).float().cpu())
@@ -65,8 +71,11 @@ class RetrievalMemory:
         return int(self.encoder.cfg.embed_dim)
 
     # ------------------------------------------------------------------------------ refresh
-    def refresh(self, background: bool = False, step: int = 0) -> None:
-        """Re-embed the memory and swap the new index in (now, or when the worker finishes)."""
+    def refresh(self, background: bool = False, step: int = 0, stop: Callable[[], bool] | None = None) -> None:
+        """Re-embed the memory and swap the new index in (now, or when the worker finishes).
+        ``stop()`` is asked before each forward pass of a synchronous refresh (every rank asks,
+        so it may be a collective) and ends it with ``RefreshInterrupted`` when True; a
+        background refresh is stopped by ``cancel()``. The previous index keeps serving."""
         background = background and self.built  # the first refresh always runs now
         if background and self.index.rebuilding:
             log.info("index refresh at step %d skipped: the previous one is still running", step)
@@ -80,7 +89,7 @@ class RetrievalMemory:
             # the encoder's batch statistics spanning them: in training mode the ResNet tower's
             # BatchNorm normalises each pass as one process does
             return embed_sharded(lambda rows: self.embed(rows=rows), len(self), self._dim(), chunk=self.batch_size,
-                                 jointly=lambda: Replicas.world().spanning(self.encoder))
+                                 jointly=lambda: Replicas.world().spanning(self.encoder), should_stop=stop)
 
         start = time.perf_counter()
 
@@ -94,8 +103,16 @@ class RetrievalMemory:
                            search_params=None, encoder_hash=f"step{step}", corpus_hash=self.corpus_hash)
 
     def wait(self) -> None:
-        """Wait for a background refresh; raises what it raised."""
-        self.index.wait()
+        """Wait for a background refresh; raises what it raised (nothing when it was cancelled)."""
+        try:
+            self.index.wait()
+        except RefreshInterrupted:
+            if not self._cancelled:
+                raise
+
+    def cancel(self) -> None:
+        """Stop a background refresh at its next batch (the process is about to stop)."""
+        self._cancelled = True
 
     def close(self) -> None:
         self.wait()

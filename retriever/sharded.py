@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from retriever.errors import RefreshInterrupted
 from retriever.index import sort_rows
 
 
@@ -36,7 +37,8 @@ class Searchable(Protocol):
 
 
 def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: int, chunk: int | None = None,
-                  jointly: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+                  jointly: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                  should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """``embed(rows)`` -> (len(rows), dim) over all ``num_rows`` rows, split across the ranks; the
     (num_rows, dim) whole on every rank.
 
@@ -47,14 +49,27 @@ def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: in
     BatchNorm normalises every pass as one process does) and an all-gather assembling the pass. A
     pass of fewer rows than ranks is embedded whole by every rank, no share being empty. Without a
     process group, or with one rank, ``embed`` of each pass.
+
+    ``should_stop()``, called on every rank before each pass (it may be a collective: every rank
+    makes the same calls), ends the embedding with ``RefreshInterrupted`` when it returns True.
     """
     chunk = max(1, chunk or num_rows)
     passes = [range(s, min(num_rows, s + chunk)) for s in range(0, num_rows, chunk)]
+
+    def check(done: int) -> None:
+        if should_stop is not None and should_stop():
+            raise RefreshInterrupted(done, len(passes))
+
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return torch.cat([embed(p) for p in passes]) if passes else torch.zeros(0, dim)
+        out = [torch.zeros(0, dim)]
+        for i, p in enumerate(passes):
+            check(i)
+            out.append(embed(p))
+        return torch.cat(out)
     W, r = dist.get_world_size(), dist.get_rank()
     out = torch.zeros(num_rows, dim)
-    for p in passes:
+    for i, p in enumerate(passes):
+        check(i)
         if len(p) < W:
             out[p.start:p.stop] = embed(p)
             continue
