@@ -30,7 +30,7 @@ import string
 import tarfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,13 +164,18 @@ def _pair(sample: dict) -> tuple[str, str] | None:
     return question, str(meta["answer"])
 
 
-def build(urls: list[str]) -> BlindPrior | None:
+def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior | None:
     """The table of the training shards ``urls``; None when no usable sample was read. An
-    unreadable shard is skipped with a warning, as the training stream skips it."""
+    unreadable shard is skipped with a warning, as the training stream skips it. ``stop()`` is
+    asked before each shard: when True, ``rag_mm.preemption.Stopped`` ends the read."""
     per_question: dict[str, Counter[str]] = {}
     overall: Counter[str] = Counter()
     n = skipped = 0
-    for url in urls:
+    for i, url in enumerate(urls):
+        if stop is not None and stop():
+            from rag_mm.preemption import Stopped
+
+            raise Stopped(f"the blind prior's table stopped after {i} of {len(urls)} training shards")
         try:
             for sample in _shard_samples(url):
                 pair = _pair(sample)
@@ -222,10 +227,10 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load_or_build(urls: list[str], cache: Path | None) -> BlindPrior | None:
+def load_or_build(urls: list[str], cache: Path | None, stop: Callable[[], bool] | None = None) -> BlindPrior | None:
     """The table of the training shards ``urls``: from ``cache`` when it was built from these
     shards (same list, sizes and mtimes), else built and written there (a folder that cannot be
-    written only costs the cache). None when the shards hold no usable sample."""
+    written only costs the cache). None when the shards hold no usable sample. ``stop``: as ``build``'s."""
     fp = fingerprint(urls)
     if cache is not None and cache.is_file():
         try:
@@ -238,7 +243,7 @@ def load_or_build(urls: list[str], cache: Path | None) -> BlindPrior | None:
             if prior is not None:
                 return prior
         log.info("blind prior: %s is stale (the training shards changed): rebuilding", cache)
-    prior = build(urls)
+    prior = build(urls, stop)
     if prior is None:
         log.warning("blind prior: no usable training sample in %d shard(s): not reported", len(urls))
         return None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from rag_mm import checkpoint_safety, faults
+from rag_mm import checkpoint_safety, disk, faults
 from rag_mm.distributed import barrier, broadcast_object
 from rag_mm.metrics import strict_dumps
 
@@ -48,28 +48,68 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_main: bool) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory. A write that fails
+    for space or permission (``rag_mm.disk.fault``) raises ``disk.WriteFailed`` on every rank, its
+    partial ``.tmp`` directory removed where the file system still allows it."""
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    with one_process_quiet():
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    faults.inject("save", step, dist.get_rank() if dist.is_initialized() else 0)
-    barrier()
-    if is_main:
-        _write_atomic(tmp / STATE, strict_dumps(trainer_state))
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
-        _write_atomic(tmp / MANIFEST, strict_dumps({"step": step, "files": files}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _prune(root, keep)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        _on_main(is_main, lambda: _start(tmp))
+        barrier()
+        with one_process_quiet():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        faults.inject("save", step, rank, path=str(tmp / f"__{rank}_0.distcp"))
+        barrier()
+        _on_main(is_main, lambda: _finish(root, tmp, final, step, trainer_state, keep))
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        found = disk.fault(exc)
+        if found is None:
+            raise
+        removed = _remove(tmp) if is_main else None
+        raise disk.WriteFailed(found, tmp, removed) from exc
     barrier()
     return final
+
+
+def _start(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, keep: int) -> None:
+    """The main rank's part once every rank's DCP files are written: the trainer state, the
+    manifest, the rename that makes the checkpoint complete, and pruning."""
+    _write_atomic(tmp / STATE, strict_dumps(trainer_state))
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+    _write_atomic(tmp / MANIFEST, strict_dumps({"step": step, "files": files}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep)
+
+
+def _on_main(is_main: bool, fn) -> None:
+    """``fn()`` on the main rank; an OSError there is raised on every rank (the others would wait
+    in the next collective for a rank that left)."""
+    err = None
+    if is_main:
+        try:
+            fn()
+        except OSError as exc:
+            err = exc
+    sent = broadcast_object(None if err is None else (err.errno, err.strerror, err.filename))
+    if err is not None:
+        raise err
+    if sent is not None:
+        raise OSError(*sent)
+
+
+def _remove(tmp: Path) -> bool:
+    """Remove a partial checkpoint directory; whether it is gone."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    return not tmp.exists()
 
 
 @contextlib.contextmanager

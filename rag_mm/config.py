@@ -149,6 +149,10 @@ class TrainConfig:
     eval_every: int = 250  # steps between validation passes (0 = only at the end)
     ckpt_every: int = 250  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    # before training: can run_dir's file system hold keep_checkpoints + 1 checkpoints (the kept
+    # ones and the one being written, estimated from the model)? warn: say so with the numbers and
+    # train (free space changes while a run goes on) | stop: refuse to start (exit 2) | off
+    disk_check: str = "warn"
     resume: str = "auto"  # auto (newest valid checkpoint in run_dir) | never | <checkpoint path>
     deterministic: bool = False  # deterministic algorithms and seeded workers (bitwise resumable)
     device: str = "auto"  # auto | cpu | cuda
@@ -160,6 +164,7 @@ class TrainConfig:
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "flex", "reference")
 PRECISIONS = ("fp32", "bf16")
 GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
+DISK_CHECKS = ("warn", "stop", "off")
 
 
 def _positive(errors: list[str], key: str, value: Any) -> None:
@@ -216,6 +221,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         if getattr(cfg, key) < 0:
             e.append(f"{key} must be >= 0 (got {getattr(cfg, key)})")
     _positive(e, "keep_checkpoints", cfg.keep_checkpoints)
+    if cfg.disk_check not in DISK_CHECKS:
+        e.append(f"disk_check must be one of {DISK_CHECKS} (got {cfg.disk_check!r})")
     if cfg.device not in ("auto", "cpu", "cuda"):
         e.append(f"device must be auto, cpu or cuda (got {cfg.device!r})")
     # parallel layout

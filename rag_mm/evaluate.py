@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,7 @@ from rag_mm.distributed import all_reduce_sum
 from rag_mm.metrics import json_safe, strict_dumps
 from rag_mm.paths import data_key, output_file_problems, writable_dir_problem
 from rag_mm.predictions import PredictionError, write_predictions
+from rag_mm.preemption import Stopped
 from rag_mm.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,8 @@ RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 @torch.no_grad()
 def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
              n_examples: int = 0, tokenizer=None, replicas: int = 1, prior: BlindPrior | None = None,
-             ablation: bool = True, split: str = "", predictions: list[tuple[str, str]] | None = None) -> dict:
+             ablation: bool = True, split: str = "", predictions: list[tuple[str, str]] | None = None,
+             stop: Callable[[], bool] | None = None, name: str = "evaluation") -> dict:
     """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
 
     Every rank evaluates its share of the split; the sums are all-reduced (and divided by
@@ -84,6 +87,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     ``split`` names the split in one INFO line of these numbers and a warning when the reader does
     not beat the blind prior or barely needs the picture (every rank must pass the same arguments:
     the ablation's forwards are collective under a spread reader).
+
+    ``stop()`` (a preemption flag) is asked before each batch; when it is set on any rank, every
+    rank leaves after the same batch with ``rag_mm.preemption.Stopped`` (``name`` says what stopped).
     """
     was_training = rag.training
     rag.eval()
@@ -99,9 +105,8 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     warned = False
     examples: list[dict] = []
-    for i, batch in enumerate(loader):
-        if max_batches and i >= max_batches:
-            break
+    # (a stop puts the model back in its mode before Stopped leaves the loop)
+    for batch in _batches(loader, max_batches, stop, name, before_stop=lambda: rag.train(was_training)):
         out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k)
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
@@ -182,6 +187,32 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         examples_path.parent.mkdir(parents=True, exist_ok=True)
         examples_path.write_text(strict_dumps(examples, indent=1))
     return res
+
+
+def _batches(loader, max_batches: int, stop: Callable[[], bool] | None, name: str, before_stop: Callable[[], None]):
+    """The loader's batches (the first ``max_batches`` when > 0). With ``stop``, before each batch
+    every rank says in one all-reduce whether it has a batch and whether its ``stop()`` is set: a
+    rank whose share of the split ran out keeps answering until every share has, so all ranks
+    leave together, at the end or, when any rank is stopped, with ``Stopped`` after the same batch."""
+    it, done, exhausted = iter(loader), 0, False
+    while True:
+        batch = None
+        if not exhausted and not (max_batches and done >= max_batches):
+            batch = next(it, None)
+            exhausted = batch is None
+        if stop is not None:
+            have, halt = all_reduce_sum(torch.tensor([float(batch is not None), float(bool(stop()))])).tolist()
+            if halt:
+                before_stop()
+                raise Stopped(f"{name} stopped after {done} batch{'' if done == 1 else 'es'}")
+            if not have:
+                return
+        if batch is None:
+            if stop is None:
+                return
+            continue  # other ranks still have batches: keep answering
+        yield batch
+        done += 1
 
 
 # The per-answer-type sums evaluate() all-reduces, by column: queries, exact-match correct, summed VQA

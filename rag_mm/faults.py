@@ -8,15 +8,23 @@ week-long job. Nothing happens unless ``RAG_MM_FAULT`` is set::
                                           # its DCP shards are written, before the manifest
     RAG_MM_FAULT="hang:step=3:rank=1"     # rank 1 stops responding (a stuck rank, for timeouts)
     RAG_MM_FAULT="term:step=2"            # SIGTERM to itself (what a spot reclaim sends)
+    RAG_MM_FAULT="term:eval=4"            # ... during the evaluation after step 4 (after its first batch)
+    RAG_MM_FAULT="term:refresh=2"         # ... during the index refresh after step 2 (after its first pass)
+    RAG_MM_FAULT="term:warmup=1"          # ... after the first step of the retriever warm-up
+    RAG_MM_FAULT="enospc:save=4"          # the checkpoint write of step 4 fails: no space left on device
+    RAG_MM_FAULT="erofs:step=3"           # a write as step 4 begins fails: read-only file system
 
 Several faults are separated by ``;``. ``rank`` defaults to every rank. A fault fires only in the
 first incarnation of a torchrun worker group (``restart=0``, compared with torchrun's
 ``TORCHELASTIC_RESTART_COUNT``): the restarted group must get through, as after a real crash.
 The kill is a real ``SIGKILL`` of the process: no Python cleanup, no flush, nothing saved.
+``enospc`` and ``erofs`` raise the ``OSError`` a full or read-only disk raises, naming the file the
+trainer was writing there (for tests on machines where no small file system can be mounted).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -27,16 +35,19 @@ from functools import cache
 
 log = logging.getLogger(__name__)
 ENV = "RAG_MM_FAULT"
-ACTIONS = ("kill", "hang", "term")
-POINTS = ("step", "save")
+ACTIONS = ("kill", "hang", "term", "enospc", "erofs")
+POINTS = ("step", "save", "eval", "refresh", "warmup")
 HANG_S = 3600.0  # a hung rank sleeps this long: far beyond any collective timeout
 
 
 @dataclass(frozen=True)
 class Fault:
-    action: str  # kill | hang | term
-    point: str  # step (start of a training step) | save (inside a checkpoint save)
-    step: int  # completed optimizer steps when it fires
+    action: str  # kill | hang | term | enospc | erofs
+    # step (start of a training step) | save (inside a checkpoint save, its DCP files written) |
+    # eval (an evaluation after that step, after its first batch) | refresh (an index refresh
+    # after that step, after its first forward pass) | warmup (after that retriever warm-up step)
+    point: str
+    step: int  # completed optimizer steps when it fires (warm-up steps for warmup)
     rank: int | None  # None: every rank
     restart: int  # torchrun restart count (incarnation) in which it fires
 
@@ -66,23 +77,27 @@ def _armed() -> tuple[Fault, ...]:
     return faults
 
 
-def inject(point: str, step: int, rank: int) -> None:
-    """Called by the trainer at each ``point``; fires the faults that match. Free when unset."""
+def inject(point: str, step: int, rank: int, path: str = "") -> None:
+    """Called by the trainer at each ``point``; fires the faults that match. Free when unset.
+    ``path``: the file a disk fault names (the one being written there)."""
     if not _armed():
         return
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for f in _armed():
         if f.point == point and f.step == step and f.rank in (None, rank) and f.restart == restart:
-            _fire(f, rank)
+            _fire(f, rank, path)
 
 
-def _fire(f: Fault, rank: int) -> None:
+def _fire(f: Fault, rank: int, path: str = "") -> None:
     msg = f"fault injection: {f.action} rank {rank} at {f.point}={f.step} (restart {f.restart})"
     print(msg, file=sys.stderr, flush=True)  # the log may be buffered; the kill leaves no chance later
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "term":
         os.kill(os.getpid(), signal.SIGTERM)
+    elif f.action in ("enospc", "erofs"):
+        code = errno.ENOSPC if f.action == "enospc" else errno.EROFS
+        raise OSError(code, os.strerror(code), path or None)
     elif f.action == "hang":
         # A stuck rank does not checkpoint on SIGTERM: let the launcher's stop signal end it.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,29 @@ def strict_dumps(obj, **kwargs) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
 
 
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes events on a thread of its own: when the disk refuses a write (full,
+    read-only), that thread keeps the OSError, hands it to the next ``add_scalar`` in the training
+    thread (where rag_mm.train explains it in one message), and raises it once more as it dies,
+    which Python prints as an "Exception in thread" traceback. Only that second print is dropped
+    here: an OSError ending TensorBoard's writer thread; any other thread's exception prints."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:
+        return
+    previous = threading.excepthook
+    if getattr(previous, "rag_mm_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.rag_mm_tensorboard = True
+    threading.excepthook = hook
+
+
 class MetricsLogger:
     """Writes only on the main rank; other ranks get a logger that does nothing."""
 
@@ -52,6 +76,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tb"))
+            _quiet_tensorboard_writer_thread()
         except Exception as exc:  # tensorboard missing or broken: keep training, say so
             log.warning("TensorBoard disabled: %s", exc)
         if progress and sys.stderr.isatty():

@@ -3,6 +3,10 @@
 - ``any_rank(flag)``: a spot reclaim may reach one node before another (or one rank only, when a
   user sends SIGTERM by hand). Every rank must stop after the *same* step, or the checkpoint save
   (a collective) would pair with another rank's training step. So the stop decision is all-reduced.
+- ``Stopped``: a phase that would outlast a scheduler's grace period (an evaluation, an index
+  refresh, the retriever warm-up, the blind prior's table) is abandoned at its next batch instead
+  of finished; every rank raises it at the same point, and the trainer then checkpoints the last
+  completed step and exits.
 - ``from_submitit()``: Hydra's submitit launcher starts one process per SLURM task; it sets
   torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from submitit's
   job environment so ``init_distributed`` works unchanged.
@@ -24,6 +28,10 @@ from rag_mm.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 SUBMITIT_PORT_BASE = 20000  # MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash
+
+
+class Stopped(Exception):
+    """A stop signal ended a phase between two of its batches; the message says which and where."""
 
 
 def any_rank(flag: bool) -> bool:

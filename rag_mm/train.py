@@ -55,6 +55,19 @@ def _check_output_dir(argv: list[str]) -> None:
         _fail(ConfigError("invalid paths:\n  - " + "\n  - ".join(problems)))
 
 
+def _close_after_disk_fault(trainer) -> None:
+    """Close what can be closed once the run directory refused a write (closing writes too: the
+    metrics file and TensorBoard's events flush, and fail again on that disk)."""
+    for close in (trainer.metrics.close, trainer.watch.close):
+        try:
+            close()
+        except OSError:
+            pass
+    if trainer.memory is not None:
+        trainer.memory.cancel()
+        trainer.memory.close()
+
+
 def _setup_logging() -> None:
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -99,6 +112,19 @@ def main(cfg: DictConfig) -> None:
         trainer.watch.close()
         _fail(exc, cfg)
     except Exception as exc:
+        from rag_mm import disk
+
+        found = disk.fault(exc)
+        if found is not None:  # a full or read-only disk: one message, no traceback
+            _close_after_disk_fault(trainer)
+            if trainer.env.is_main:
+                print(f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",
+                      file=sys.stderr, flush=True)
+            if isinstance(exc, disk.WriteFailed):  # raised on every rank: wait for rank 0's message and clean-up
+                from rag_mm.distributed import barrier
+
+                barrier()  # (a launcher stops the other ranks as soon as one exits)
+            sys.exit(1)
         if trainer.env.world_size > 1:  # name the stuck rank and the operation, not only gloo's message
             logging.getLogger(__name__).error("%s", trainer.watch.explain(exc))
         trainer.metrics.close()  # no close(): its final barrier would wait on the dead or stuck peer

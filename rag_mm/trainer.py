@@ -9,6 +9,7 @@ Checkpoints, metrics and the resolved config live in ``cfg.run_dir``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import signal
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from parallel.cpu_affinity import bind_cores
-from rag_mm import checkpoint, faults, gold, preemption
+from rag_mm import checkpoint, disk, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
-from rag_mm.config import check_shards, validate
+from rag_mm.config import ConfigError, check_shards, validate
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import (
     all_reduce_sum,
@@ -36,6 +37,7 @@ from rag_mm.metrics import MetricsLogger, json_safe
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.spread import SpreadRag
 from rag_mm.watchdog import Watchdog
+from retriever.errors import RefreshInterrupted
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
@@ -71,6 +73,8 @@ class Trainer:
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
         self.rag.gold_queries = gold_queries
+        self.ckpt_bytes = disk.checkpoint_bytes(self.rag)  # the whole model, before it is spread over ranks
+        self._check_disk()
         retriever = parts.retriever
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
@@ -87,12 +91,27 @@ class Trainer:
         self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         self._stop_signal = False
+        self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
         self._prior: BlindPrior | None = None  # the blind prior's table, read at the first evaluation
         self._prior_ready = False
         n_params = sum(p.numel() for p in self.model.parameters())
         n_retr = sum(p.numel() for p in retriever.parameters()) if retriever is not None else 0
         log.info("reader: %.2f M parameters, retriever: %.2f M, world size %d, device %s",
                  n_params / 1e6, n_retr / 1e6, self.env.world_size, self.device)
+
+    def _check_disk(self) -> None:
+        """Warn (or with ``disk_check=stop`` refuse to start) when run_dir's file system cannot hold
+        keep_checkpoints + 1 checkpoints; the main rank looks, every rank hears."""
+        if self.cfg.disk_check == "off":
+            return
+        problem = disk.space_problem(self.ckpt_dir, self.ckpt_bytes, self.cfg.keep_checkpoints) if self.env.is_main else None
+        problem = broadcast_object(problem)
+        if problem is None:
+            return
+        if self.cfg.disk_check == "stop":
+            raise ConfigError(f"disk_check=stop: {problem}")
+        if self.env.is_main:
+            log.warning("%s (disk_check=stop refuses to start then)", problem)
 
     # ------------------------------------------------------------------------------ retrieval
     def refresh_index(self) -> None:
@@ -104,7 +123,18 @@ class Trainer:
         self.watch.at("index refresh (retriever copies check)", self.step)
         self.spread.check_retriever_copies()
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
-        self.memory.refresh(background=r.refresh_background, step=self.step)
+        asked = itertools.count()
+
+        def stop() -> bool:  # asked before each forward pass; the fault point is after the first one
+            if next(asked) == 1:
+                faults.inject("refresh", self.step, self.env.rank)
+            return self._stop_agreed()
+
+        try:  # a stop signal ends it between two forward passes, on every rank together
+            self.memory.refresh(background=r.refresh_background, step=self.step, stop=stop)
+        except RefreshInterrupted as exc:
+            raise preemption.Stopped(f"index refresh at step {self.step} stopped after {exc.done} of its "
+                                     f"{exc.total} passes") from None
         if self.memory.refresh_seconds:
             log.info("index refresh at step %d: %.2fs", self.step, self.memory.refresh_seconds[-1])
 
@@ -121,12 +151,18 @@ class Trainer:
         run on the main rank (cached in the run directory, so a resumed run or the command-line
         evaluation reuses it) and sent to the other ranks. None when no training sample is usable."""
         if not self._prior_ready:
-            table = None
-            if self.env.is_main:
-                prior = load_or_build(expand_urls(self.cfg.data.root, self.cfg.data.train), self.run_dir / CACHE_NAME)
-                table = prior.to_json("") if prior is not None else None
+            table, stopped = None, False
+            if self.env.is_main:  # a stop signal ends the read between two shards
+                try:
+                    prior = load_or_build(expand_urls(self.cfg.data.root, self.cfg.data.train), self.run_dir / CACHE_NAME,
+                                          stop=lambda: self._stop_signal)
+                    table = prior.to_json("") if prior is not None else None
+                except preemption.Stopped:
+                    stopped = True
             self.watch.at("blind prior (broadcast of the table)", self.step)
-            table = broadcast_object(table)  # plain JSON data, checked again on arrival
+            table, stopped = broadcast_object((table, stopped))  # plain JSON data, checked again on arrival
+            if stopped:
+                raise preemption.Stopped("reading the blind prior's table from the training shards stopped")
             self._prior = BlindPrior.from_json(table) if table is not None else None
             self._prior_ready = True
         return self._prior
@@ -143,10 +179,17 @@ class Trainer:
         if self.env.is_main and self.memory is not None and self.spread.whole_reader:
             examples = self.run_dir / "retrieved_examples.json"
         # every rank of a replica (its stages and tp ranks) counts the batch: divided by them
+        asked = itertools.count()
+
+        def stop() -> bool:  # asked before each batch; the fault point is after the first one
+            if next(asked) == 1:
+                faults.inject("eval", self.step, self.env.rank)
+            return self._stop_signal
+
         return evaluate(self.spread, self._stream(split, train=False), self.device, max_batches,
                         examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok,
                         replicas=self.env.world_size // self.data_size, prior=prior, ablation=final,
-                        split=split if final else "")
+                        split=split if final else "", stop=stop, name=f"evaluation of {split} at step {self.step}")
 
     # ------------------------------------------------------------------------------ checkpoints
     def _state(self) -> dict:
@@ -163,6 +206,7 @@ class Trainer:
         }
         self.watch.at("checkpoint save (DCP write + barriers)")
         path = checkpoint.save(self.ckpt_dir, self.step, self._state(), trainer_state, self.cfg.keep_checkpoints, self.env.is_main)
+        self._saved_step = self.step
         log.info("checkpoint saved: %s", path)
         return path
 
@@ -186,12 +230,30 @@ class Trainer:
             group["lr"] = lr
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
+        self._saved_step = self.step
         log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------------------ training
     def _on_sigterm(self, signum, frame) -> None:
-        log.warning("received signal %d: checkpointing after this step, then exiting", signum)
+        log.warning("received signal %d: checkpointing after this step (or batch), then exiting", signum)
         self._stop_signal = True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank got a stop signal (a collective: every rank asks at the same point)."""
+        return preemption.any_rank(self._stop_signal)
+
+    def _stopped(self, why: str, loss: torch.Tensor) -> dict:
+        """The run stops on a signal (or stop_after_steps): say where, and what resume=auto does."""
+        self._stop_signal = True
+        if self.memory is not None:
+            self.memory.cancel()  # a background refresh stops at its next batch
+        if self._saved_step is None or self._saved_step != self.step:
+            after = "nothing checkpointed yet: resume=auto starts over"
+        else:
+            then = "runs the final evaluation" if self.step >= self.cfg.max_steps else "continues from it"
+            after = f"checkpoint of step {self.step} saved: resume=auto {then}"
+        log.warning("stopping at step %d (%s); %s", self.step, why, after)
+        return {"stopped_at": self.step, "loss": loss.item()}
 
     def _skipped_total(self) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -237,6 +299,10 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss_sum, hits, n, n_hit = loss_sum + loss.item(), hits + int(hit.sum()), n + 1, n_hit + len(hit)
+            faults.inject("warmup", i, self.env.rank)
+            if self._stop_agreed():
+                raise preemption.Stopped(f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "
+                                         "(it is not checkpointed)")
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
             if i % c.log_every == 0 or i == r.warmup_steps:
@@ -267,10 +333,14 @@ class Trainer:
         timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
         r = c.retriever
         refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
-        self._ensure_index()
-        if self.step == 0 and r.warmup_steps and self.memory is not None:
-            self._warmup_retriever(it, autocast)
+        loss_sum = torch.full((), float("nan"))  # no step trained by this process (resumed at max_steps): null
         try:
+            try:  # before the first step: the index and the retriever warm-up (neither is checkpointed)
+                self._ensure_index()
+                if self.step == 0 and r.warmup_steps and self.memory is not None:
+                    self._warmup_retriever(it, autocast)
+            except preemption.Stopped as why:
+                return self._stopped(f"signal: {why}", loss_sum)
             while self.step < c.max_steps:
                 self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
                 faults.inject("step", self.step, self.env.rank)
@@ -312,8 +382,11 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.train_time += dt
                 window_steps += 1
+                # a stop signal ends an index refresh or an evaluation between two of its batches,
+                # on every rank together (Stopped): the step is done, so it is checkpointed below
+                abandoned = False
                 if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
-                    self.refresh_index()
+                    abandoned, _ = self._abandonable(self.refresh_index)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
                     self.watch.at("all_reduce: training loss")
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
@@ -329,10 +402,11 @@ class Trainer:
                     self.metrics.log(rec)
                     self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
                     window_t, window_steps = time.perf_counter(), 0
-                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps:
-                    val = self.evaluate_split("val", final=False)
-                    self.metrics.log({"step": self.step, **val}, prefix="val")
-                    log.info("step %d val: %s", self.step, accuracy_line(val))
+                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps and not abandoned:
+                    abandoned, val = self._abandonable(lambda: self.evaluate_split("val", final=False))
+                    if not abandoned:
+                        self.metrics.log({"step": self.step, **val}, prefix="val")
+                        log.info("step %d val: %s", self.step, accuracy_line(val))
                 if self.step == timeline_step:  # after the step's timing and logging: not counted in them
                     self.watch.at("pipeline timeline (gather of events)", self.step)
                     self._write_timeline()
@@ -343,13 +417,28 @@ class Trainer:
                 if (c.ckpt_every and self.step % c.ckpt_every == 0) or stopping:
                     self.save()
                 if stopping:
-                    log.warning("stopping at step %d (%s)", self.step, "signal" if self._stop_signal else "stop_after_steps")
-                    return {"stopped_at": self.step, "loss": loss_sum.item()}
-            if not (c.ckpt_every and self.step % c.ckpt_every == 0):
+                    return self._stopped("signal" if self._stop_signal else "stop_after_steps", loss_sum)
+            if self._saved_step != self.step:
                 self.save()
-            return self.finish(loss_sum.item())
+            self.watch.at("all_reduce: stop-signal agreement", self.step)
+            if self._stop_agreed():  # a signal during the last step's checkpoint: no final evaluation
+                return self._stopped("signal; the final evaluation was not run", loss_sum)
+            try:
+                return self.finish(loss_sum.item())
+            except preemption.Stopped as why:  # the checkpoint of the last step is on disk already
+                return self._stopped(f"signal: {why}; the final evaluation was not finished", loss_sum)
         finally:
             signal.signal(signal.SIGTERM, prev)
+
+    def _abandonable(self, phase) -> tuple[bool, object]:
+        """(whether a stop signal ended it, its result): ``phase()`` run, ``Stopped`` caught (it is
+        raised on every rank together, so every rank goes on the same way)."""
+        try:
+            return False, phase()
+        except preemption.Stopped as why:
+            log.warning("%s (signal)", why)
+            self._stop_signal = True
+            return True, None
 
     def _write_timeline(self) -> None:
         self.pipeline = self.spread.write_timeline(self.run_dir)  # rank 0 writes it and gets the summary

@@ -106,7 +106,7 @@ def test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change(tmp_path
 
     built = []
     real_build = blind_prior.build
-    monkeypatch.setattr(blind_prior, "build", lambda u: built.append(u) or real_build(u))
+    monkeypatch.setattr(blind_prior, "build", lambda u, *rest: built.append(u) or real_build(u, *rest))
     assert load_or_build(urls, cache) == first and built == []  # same shards: the cache, no read
 
     # the training set changes: "is it round" now mostly "no" -> rebuilt, and the cache follows
