@@ -477,6 +477,12 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
     if split not in SPLITS:
         raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     cfg = load_config(run_dir, overrides)
+    if cfg.retriever.mode == "oracle":  # it reads each query's gold document: checked before any work
+        from rag_mm.gold import oracle_problem
+
+        why = oracle_problem(cfg, split)
+        if why:
+            raise EvalError(why)
     if predictions is not None:
         why = output_file_problems("predictions", str(predictions))
         if why:

@@ -107,17 +107,26 @@ def check(cfg: Any) -> bool:
                         f"{train.read} samples of {train.shard}), and {'these settings need' if len(learned) > 1 else 'this setting needs'} "
                         f"one: {'; '.join(learned)}")
     if cfg.retriever.mode == "oracle":  # the reader reads every query's gold document, in evaluation too
-        for split in ("train", "val", "test"):
-            got = train if split == "train" else peek(expand_urls(cfg.data.root, getattr(cfg.data, split)))
-            if got is not None and not got.all:
-                problems.append(f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} "
-                                "name no doc_id, and retriever.mode=oracle reads every query's gold document")
+        problems += [p for split in ("train", "val", "test")
+                     if (p := oracle_problem(cfg, split, train if split == "train" else None)) is not None]
     if problems:
         raise ConfigError("\n  - ".join(["gold documents:", *problems]) + "\n" + HINT)
     if train.none and cfg.retriever.mode == "learned":
         log.info("the training queries name no gold document: the retriever's contrastive terms train on %d "
                  "pseudo-queries per step (random views of the memory's pictures)", cfg.retriever.pseudo_queries)
     return not train.none
+
+
+def oracle_problem(cfg: Any, split: str, seen: Peek | None = None) -> str | None:
+    """Why ``retriever.mode=oracle`` cannot read ``data.<split>`` (None when its first samples all
+    name their gold document); ``seen``: the split's peek, when already taken."""
+    from rag_mm.data.urls import expand_urls
+
+    got = seen or peek(expand_urls(cfg.data.root, getattr(cfg.data, split)))
+    if got is None or got.all:
+        return None
+    return (f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} name no doc_id, "
+            "and retriever.mode=oracle reads every query's gold document")
 
 
 HINT = ("  without gold documents: retriever=none (closed book), or retriever=learned with retriever.pseudo_queries=32 "

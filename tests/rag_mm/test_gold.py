@@ -72,3 +72,22 @@ def test_missing_shards_of_custom_data_name_the_converter_that_writes_them(tmp_p
     for split in ("train", "val", "test"):
         assert f"scripts/convert.py vqa|hf ... --split {split}" in problems[f"data.{split}"]
     assert "knowledge_world" not in " ".join(problems.values())
+
+
+def test_oracle_evaluation_of_a_split_without_gold_documents_is_refused(no_gold_world, tiny_world, tmp_path):
+    """An oracle run trained on labelled data, evaluated on a split that names no gold document."""
+    from omegaconf import OmegaConf
+
+    from rag_mm import evaluate
+
+    run_dir = tmp_path / "run"
+    cfg = compose(tiny_overrides(tiny_world, run_dir, "max_steps=2", "ckpt_every=2"))
+    t = Trainer(cfg)
+    try:
+        t.fit()
+    finally:
+        t.close()
+    (run_dir / ".hydra").mkdir()
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    with pytest.raises(evaluate.EvalError, match="data.test: 24 of the first 24 samples .* name no doc_id"):
+        evaluate.run(run_dir, "test", [f"data.root={no_gold_world}"])
