@@ -3,7 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 DATA   ?= data/knowledge_world
-# One OpenMP thread per process keeps multi-rank tests from oversubscribing 2 cores.
+# One OpenMP thread per process keeps multi-rank tests (several processes each) from
+# oversubscribing the cores.
 TEST_ENV := OMP_NUM_THREADS=1 PYTHONHASHSEED=0
 
 .PHONY: install demo test test-all bench lint clean

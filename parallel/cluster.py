@@ -170,7 +170,7 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps:
     """Seconds of one all-reduce per size, timed between bursts of compute on every rank (a
     training step's situation): the time a loop of (compute, all-reduce) takes over the compute
     alone. Where ranks outnumber the cores, a collective also waits for its peers to be scheduled,
-    which an all-reduce timed alone never shows (on 4 ranks of 2 cores: ~20 ms against ~4 ms)."""
+    which an all-reduce timed alone never shows."""
     import torch
     import torch.distributed as dist
 
@@ -275,7 +275,8 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     as one rank of a CPU job runs) and a gloo all-reduce between ``ranks`` local processes while
     they compute (8 B for the latency, 4 MiB for the bandwidth: alpha-beta fitted on the ring
     formula; ``_all_reduce_worker``), and the runtime's fixed work per FSDP unit and per
-    tensor-parallel module call (``_runtime_overheads``). About 15 s on a 2-core host.
+    tensor-parallel module call (``_runtime_overheads``). Seconds, not milliseconds: it starts
+    ``ranks`` processes and times loops.
     Efficiency is 1: the matmul rate is what a step achieves on its matmuls (a model's own rate:
     ``Cluster.with_model_efficiency``). With more ranks than the cores this process may run on,
     ranks time-share the cores: ``rank_share`` = cores / ranks."""

@@ -4,9 +4,8 @@ Why: with every rank free to run on every core, the scheduler may move a rank to
 (a rank waiting on a shared-memory ring yields and naps, and may wake elsewhere), leaving its
 weights and activations in the old core's caches. This is what ``numactl --physcpubind`` or
 ``taskset`` at launch do, and what DeepSpeed's ``--bind_cores_to_rank`` does; doing it here means
-a launch line does not have to know. Measured on the 2-core dev VM (BENCHMARKS.md, "Pipeline"):
-no difference beyond the noise there; the benchmark's ``+bind`` rows measure it on
-any host.
+a launch line does not have to know. What it gains depends on the host: the pipeline
+benchmark's ``+bind`` rows measure it (figures: BENCHMARKS.md, "Pipeline").
 
 Opt-in (off by default): binding is only right when this job owns the cores it was started on.
 Two jobs started side by side on one machine would each bind their local rank 0 to the same

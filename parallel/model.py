@@ -348,10 +348,10 @@ class ParallelModel(nn.Module):
 
 def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
     """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them (CPU
-    tensors, every rank on this host), else None (the process group). After a pipelined step
-    gloo's threads have gone idle and its all-reduce of one number took ~0.7 ms here
-    (BENCHMARKS.md, Pipeline); the shared-memory one ~80 us. A collective: every rank learns every
-    rank's answer, so all take the same path."""
+    tensors, every rank on one host), else None (the process group). After a pipelined step
+    gloo's threads have gone idle, and waking them costs its all-reduce of one number several times
+    what the shared-memory one takes (BENCHMARKS.md, Pipeline). A collective: every rank learns
+    every rank's answer, so all take the same path."""
     if cfg.p2p == "gloo" or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     from parallel.comm_hooks import hosts_of, should_use_shm

@@ -13,8 +13,9 @@ How each quantity is measured:
 - forward time: a clock read in forward pre/post hooks, minus the time spent inside the
   tracer's own hooks during the call (so a parent's time does not include its children's hooks);
 - the clock: on a CPU running one intra-op thread, the thread's CPU time (``thread_time``), so a
-  module that happens to be descheduled by another process is not charged the wait (on a shared
-  2-core host one 120 ms outlier decided a whole partition); with several threads or on a GPU,
+  module that happens to be descheduled by another process is not charged the wait (where ranks
+  or other jobs share the cores, one such outlier can decide a whole partition); with several
+  threads or on a GPU,
   wall time (``perf_counter``, after a device sync);
 - backward time: each autograd node created during a module call is *claimed* by the innermost
   module whose forward post-hook reaches it (walking back from the outputs, stopping at the call's

@@ -11,8 +11,8 @@ import math
 import re
 
 # Below this many documents exact search is the default: Flat needs no training, loses nothing,
-# and costs 2*N*d FLOPs per query -- 51 MFLOP at 100k x 256, ~4,000 queries/s on this machine's
-# 2 idle cores (it answers ~370 q/s at 1M) -- more than a training step asks for. Above it, the
+# and costs 2*N*d FLOPs per query -- 51 MFLOP at 100k x 256, thousands of queries/s on a CPU
+# (BENCHMARKS.md, "Retrieval index") -- more than a training step asks for. Above it, the
 # approximate index pays for itself.
 FLAT_MAX_DOCS = 100_000
 # Fraction of the lists probed by default. 1M x 256 benchmark (BENCHMARKS.md, "Retrieval index"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-# One intra-op thread per process: multi-rank tests run several processes on 2 cores.
+# One intra-op thread per process: multi-rank tests run several processes on a few cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -182,7 +182,7 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
 #   SDPA's flash CPU kernel is kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused
 #   kernel skips masked blocks where SDPA takes a dense mask and computes every score).
 # * avx512: the fused kernel on every layout (AVX-512 micro-kernels, 1.5-4x SDPA on an AVX-512
-#   host); not measured on this machine.
+#   host; BENCHMARKS.md, "Attention kernels").
 # ISAs without a row use the generic row.
 CPU_AUTO_TABLE = {
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
@@ -244,7 +244,7 @@ def _flex_gate(q: torch.Tensor) -> tuple[bool, str]:
 
 
 def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> tuple[str, str]:
-    """CUDA rule (not measured here, no GPU): dense and causal -> SDPA, whose flash / cuDNN kernels
+    """CUDA rule (from published figures; no GPU row in BENCHMARKS.md): dense and causal -> SDPA, whose flash / cuDNN kernels
     are the fastest published ones for unmasked attention (FlexAttention reaches ~90% of
     FlashAttention-2 there, the fused kernel targets >= 0.7x). Masked layouts (packed, retrieval)
     -> flex on sm80+ with Triton: it skips masked 128 x 128 blocks where SDPA must take a dense

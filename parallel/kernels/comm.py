@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 CPU_SOURCES = ["comm/comm.cpp", "comm/cpu/shm_segment.cpp", "comm/cpu/shm_collectives.cpp", "comm/cpu/quant.cpp"]
 CUDA_SOURCES = ["comm/cuda/quant.cu"]
 SHM_DTYPES = (torch.float32, torch.bfloat16)
-# 1 MiB halves: a chunk stays in L2 (2 MiB here) between one rank's copy-in and a peer's read,
-# and the per-chunk barrier (~1-10 us) is small next to moving 1 MiB (~100 us).
+# 1 MiB halves: a chunk stays in a core's L2 (1-2 MiB on current x86 server cores) between one
+# rank's copy-in and a peer's read, and the per-chunk barrier (a few microseconds) is small next
+# to moving 1 MiB.
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -2,8 +2,8 @@
 
 Why: gloo's tagged ``isend`` / ``irecv`` is a rendezvous over loopback TCP - the sender announces,
 the receiver's posted buffer is announced back, gloo's I/O threads move the bytes - so every
-message costs several thread wake-ups. On a 2-core host running 2 ranks that was ~2 ms per
-message, more than the compute of a microbatch of the 8-block MLP (BENCHMARKS.md, Pipeline). A
+message costs several thread wake-ups: with the ranks on busy cores, more than the compute of a
+microbatch of the 8-block MLP (BENCHMARKS.md, Pipeline). A
 ``ShmChannel`` (``parallel.kernels.comm``) is a ring of slots in ``/dev/shm``: a send is a memcpy into the ring, a
 receive a memcpy out, no other thread involved.
 

@@ -110,8 +110,8 @@ class Transport:
         # one forward header buffer per edge for headers that go through a ring: a ring
         # send copies at once and a received header is read at once, so the buffer can be reused;
         # written and read through its numpy view. Why: a step has m headers each way, and every
-        # torch call after a microbatch's compute costs 5-20 us here (its code and data left the
-        # cache), against ~1 us for a numpy access (BENCHMARKS.md, Pipeline)
+        # torch call after a microbatch's compute is slow (its code and data left the cache),
+        # several times a numpy access (BENCHMARKS.md, Pipeline)
         self._headers: dict[tuple, tuple[torch.Tensor, Any]] = {}
 
     def _header(self, edge: tuple) -> tuple[torch.Tensor, Any] | None:

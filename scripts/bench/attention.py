@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -279,7 +280,7 @@ def main() -> None:
     report = dict(
         machine=dict(cpu=platform.processor() or platform.machine(), cpu_capability=A.cpu_capability(),
                      threads=args.threads, torch=torch.__version__,
-                     note="shared 2-core machine; compare ratios within one run"),
+                     cores=os.cpu_count(), note="compare ratios within one run (other load shifts absolute times)"),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",

@@ -4,8 +4,8 @@
 
 Each benchmark writes its own JSON (and log) under ``--out``; this script adds ``summary.json``
 with the command, exit status and wall time of each. The default settings are the quick ones
-(about 10 minutes on 2 idle cores); ``--full`` uses each script's own defaults, the settings
-BENCHMARKS.md quotes (the 1M-vector index benchmark alone takes ~15 minutes there).
+(``summary.json`` has each one's wall time); ``--full`` uses each script's own defaults, the
+settings BENCHMARKS.md quotes (the 1M-vector index benchmark alone is the longest of them).
 Benchmarks time things; nothing here asserts a speed.
 """
 
