@@ -23,14 +23,13 @@ from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, disk, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
-from rag_mm.config import ConfigError, check_shards, validate
+from rag_mm.config import ConfigError
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed import (
     all_reduce_sum,
     broadcast_object,
     cleanup,
     init_distributed,
-    world_size_from_env,
 )
 from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger, json_safe
@@ -53,8 +52,8 @@ def accuracy_line(m: dict) -> str:
 
 class Trainer:
     def __init__(self, cfg, log_metrics: bool = True) -> None:
-        validate(cfg, world_size_from_env())
-        check_shards(cfg)
+        """``cfg`` as the entry point hands it over: values validated, paths and shards checked
+        (``rag_mm.train``: ``config.validate``, ``paths.check_paths``), once per start."""
         gold_queries = gold.check(cfg)  # settings that need gold documents, against the data's first samples
         self.cfg = cfg
         if cfg.threads:
