@@ -73,7 +73,8 @@ def make_stream(cfg, split: str, train: bool, rank: int = 0, world_size: int = 1
         image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
         seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment,
-        colour_jitter=c.data.colour_jitter, train=train,
+        colour_jitter=c.data.colour_jitter, crop_pad=c.data.crop_pad,
+        zoom_out=c.data.zoom_out, train=train,
         rank=rank, world_size=world_size, skip_batches=skip_batches, tokenizer=reader_tokenizer(c.model),
     )
     return make_loader(spec, c.data.num_workers)

@@ -92,6 +92,14 @@ class DataConfig:
     # units, ~0.27 of the 0..1 range per unit): an invariance for pictures whose colours carry no
     # answer; 0 keeps colours exact, as a data set that asks about colours needs
     colour_jitter: float = 0.1
+    # replicated border (px) the random crop may shift a training picture by; 2 px at 32 px keeps
+    # a picture's layout, a quarter of it moves things anywhere
+    crop_pad: int = 2
+    # largest crop side over the picture's side (1: shift only). > 1 also shrinks the content by
+    # up to 1/zoom_out, so a thing's size and place stop naming the training picture it is in: a
+    # reader that sees each picture with many questions otherwise memorises per-picture answers
+    # it cannot generalise (see the VQA recipe)
+    zoom_out: float = 1.0
 
 
 @dataclass
@@ -198,6 +206,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"data.num_workers must be >= 0 (got {d.num_workers})")
     if d.colour_jitter < 0:
         e.append(f"data.colour_jitter must be >= 0 (got {d.colour_jitter})")
+    if d.crop_pad < 0:
+        e.append(f"data.crop_pad must be >= 0 (got {d.crop_pad})")
+    if d.zoom_out < 1.0:
+        e.append(f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the picture's")
     if not d.corpus and r.mode != "none":
         e.append(f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none runs without one)")
     _positive(e, "optim.lr", o.lr)

@@ -89,14 +89,25 @@ class SkipCounter:
         return True
 
 
-def _augment(x: torch.Tensor, rng: random.Random, colour_jitter: float = 0.1) -> torch.Tensor:
-    """Random crop (pad 2 px, replicated edges, crop back) and a per-channel brightness shift
-    uniform in +-``colour_jitter`` (0: colours kept exact) on a (3, H, W) tensor."""
-    pad = 2
+def _augment(x: torch.Tensor, rng: random.Random, colour_jitter: float = 0.1, crop_pad: int = 2,
+             zoom_out: float = 1.0) -> torch.Tensor:
+    """Random crop and a per-channel brightness shift on a (3, H, W) tensor.
+
+    The picture is padded by ``crop_pad`` px of replicated edge on every side; a square of side
+    uniform in [H, min(H * zoom_out, H + 2 * crop_pad)] is cropped at a random place and resized
+    back to H. Side H is a plain shift of up to ``crop_pad`` px; a larger side also shrinks the
+    content (zoom out), so neither where a thing sits nor how big it is identifies a training
+    picture. The brightness shift is uniform in +-``colour_jitter`` (0: colours kept exact)."""
     H, W = x.shape[1:]
-    xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]
-    i, j = rng.randint(0, 2 * pad), rng.randint(0, 2 * pad)
-    x = xp[:, i : i + H, j : j + W]
+    pad = crop_pad
+    if pad > 0:
+        xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]  # (3, H+2p, W+2p)
+        side = H if zoom_out <= 1.0 else rng.randint(H, min(int(H * zoom_out), H + 2 * pad))
+        i, j = rng.randint(0, H + 2 * pad - side), rng.randint(0, W + 2 * pad - side)
+        x = xp[:, i : i + side, j : j + side]
+        if side != H:
+            x = torch.nn.functional.interpolate(x[None], size=(H, W), mode="bilinear", antialias=True,
+                                                align_corners=False)[0]
     if colour_jitter <= 0:
         return x
     return x + torch.tensor([rng.uniform(-colour_jitter, colour_jitter) for _ in range(3)]).view(3, 1, 1)
@@ -115,6 +126,8 @@ class StreamSpec:
     shuffle_buffer: int = 1000
     augment: bool = False
     colour_jitter: float = 0.1  # per-channel shift of augmented pictures (DataConfig.colour_jitter)
+    crop_pad: int = 2  # replicated border of the random crop, px (DataConfig.crop_pad)
+    zoom_out: float = 1.0  # largest crop side over the picture's (DataConfig.zoom_out)
     train: bool = True  # infinite, shuffled, split by node and worker; else one ordered pass
     rank: int = 0
     world_size: int = 1
@@ -253,7 +266,7 @@ class QueryStream(torch.utils.data.IterableDataset):
                     continue
                 if s.train and s.augment:
                     rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
-                    sample["image"] = _augment(sample["image"], rng, s.colour_jitter)
+                    sample["image"] = _augment(sample["image"], rng, s.colour_jitter, s.crop_pad, s.zoom_out)
                 batch.append(sample)
                 if len(batch) == s.batch_size:
                     yield collate(batch, counter)

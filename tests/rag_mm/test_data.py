@@ -100,3 +100,41 @@ def test_process_exits_with_a_training_pass_still_open(tiny_world):
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0 and "leaving" in res.stdout, res.stderr[-2000:]
+
+
+def _square(size: int = 32, side: int = 8) -> torch.Tensor:
+    """A (3, size, size) picture: zeros with a square of ones in the middle."""
+    x = torch.zeros(3, size, size)
+    lo = (size - side) // 2
+    x[:, lo:lo + side, lo:lo + side] = 1.0
+    return x
+
+
+def test_augment_shifts_by_crop_pad_and_zoom_out_shrinks_the_content():
+    import random
+
+    from rag_mm.data.pipeline import _augment
+
+    x = _square()
+    # no border, no zoom: the picture is returned as it is
+    assert torch.equal(_augment(x, random.Random(0), 0.0, crop_pad=0), x)
+    # shift only: the square keeps its area (64 px per channel) and moves by at most crop_pad
+    moved = [_augment(x, random.Random(k), 0.0, crop_pad=8) for k in range(20)]
+    assert all(float(m[0].sum()) == 64.0 for m in moved)
+    assert len({tuple(m[0].nonzero().min(0).values.tolist()) for m in moved}) > 5  # many places
+    # zoom out: the content shrinks (the square's mass falls) by up to 1/zoom_out per side
+    zoomed = [float(_augment(x, random.Random(k), 0.0, crop_pad=8, zoom_out=1.5)[0].sum()) for k in range(40)]
+    assert min(zoomed) < 64.0 * 0.6 and max(zoomed) <= 64.0 + 1e-3
+    assert min(zoomed) >= 64.0 / 1.5**2 - 2.0  # never smaller than the largest crop makes it
+
+
+def test_bad_crop_settings_are_named(tmp_path):
+    import pytest
+
+    from rag_mm.config import ConfigError, compose, validate
+
+    cfg = compose([f"data.root={tmp_path}", "data.crop_pad=-1", "data.zoom_out=0.5"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    problems = str(err.value)
+    assert "data.crop_pad must be >= 0" in problems and "data.zoom_out must be >= 1" in problems
