@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .collectives import flat_collective
 from .config import ParallelConfig
 from .cpu_affinity import bind_cores
 from .fsdp import StepSync
@@ -313,17 +314,14 @@ def _broadcast_replicated(pm: ParallelModel) -> None:
     for n in pm._replicated:
         first = min(stage_rank(s, pm.layout.pp_size, pm.cfg.schedule) for s in held_stages[n])
         p = params[n]
-        flat.append(p.detach().reshape(-1).clone() if first == pm.layout.pp_rank else
+        flat.append(p.detach().reshape(-1) if first == pm.layout.pp_rank else
                     torch.zeros(pm._numel[n], dtype=p.dtype, device=pm._device()))
-    buf = torch.cat(flat)
-    dist.all_reduce(buf, group=pm.layout.pp_group)
-    off = 0
-    for n in pm._replicated:
-        p, k = params[n], pm._numel[n]
+    summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=pm.layout.pp_group), write_back=False)
+    for n, value in zip(pm._replicated, summed, strict=True):
+        p = params[n]
         if id(p) in pm._held:
             with torch.no_grad():
-                p.copy_(buf[off:off + k].view_as(p))
-        off += k
+                p.copy_(value.view_as(p))
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .collectives import flat_collective
 from .config import ParallelConfig
 from .fsdp import StepSync
 from .inputs import _as_call, _default_loss, split_microbatches
@@ -287,14 +288,12 @@ class ParallelModel(nn.Module):
                 mine = id(p) in self._held
                 flat.append(_local(p.grad).reshape(-1) if mine and p.grad is not None else
                             torch.zeros(self._numel[n], dtype=p.dtype, device=self._device()))
-            buf = torch.cat(flat)
-            dist.all_reduce(buf, group=self.layout.pp_group)
-            off = 0
-            for n in self._replicated:
-                p, k = params[n], self._numel[n]
+            summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=self.layout.pp_group),
+                                     write_back=False)
+            for n, g in zip(self._replicated, summed, strict=True):
+                p = params[n]
                 if id(p) in self._held:
-                    p.grad = buf[off:off + k].view_as(p).clone()
-                off += k
+                    p.grad = g.view_as(p).clone()
         # 2. data parallel: average what FSDP does not reduce (everything without FSDP; under a
         #    pipeline with FSDP, the container-owned and tied parameters) over the ranks holding
         #    the same part; a TP shard is averaged as its local tensor (same shard on each)
@@ -303,14 +302,7 @@ class ParallelModel(nn.Module):
             for p in ps:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if ps:
-                local = [_local(p.grad) for p in ps]
-                buf = torch.cat([g.reshape(-1) for g in local])
-                self.grad_mean_(buf, 0)
-                off = 0
-                for g in local:
-                    g.copy_(buf[off:off + g.numel()].view_as(g))
-                    off += g.numel()
+            flat_collective([_local(p.grad) for p in ps], lambda buf: self.grad_mean_(buf, 0))
 
     # --- evaluation
     @torch.no_grad()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import parallel
+from parallel.collectives import all_reduce_mean_, flat_collective
 from parallel.timeline import write_run_timeline
 from rag_mm.config import parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
@@ -208,14 +209,7 @@ class SpreadRag:
         Linear, so calling it after every accumulated micro-step is exact."""
         if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        ps = [q for q in self.rag.retriever.parameters() if q.grad is not None]
-        buf = torch.cat([q.grad.reshape(-1) for q in ps])
-        dist.all_reduce(buf)
-        buf /= dist.get_world_size()
-        off = 0
-        for q in ps:
-            q.grad.copy_(buf[off:off + q.numel()].view_as(q))
-            off += q.numel()
+        flat_collective([q.grad for q in self.rag.retriever.parameters() if q.grad is not None], all_reduce_mean_)
 
     @torch.no_grad()
     def _broadcast_retriever_buffers(self) -> None:
@@ -227,12 +221,7 @@ class SpreadRag:
         bufs = [b for b in self.rag.retriever.buffers() if b.is_floating_point()] if self.rag.retriever else []
         if not bufs or not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        flat = torch.cat([b.reshape(-1) for b in bufs])
-        dist.broadcast(flat, src=0)
-        off = 0
-        for b in bufs:
-            b.copy_(flat[off:off + b.numel()].view_as(b))
-            off += b.numel()
+        flat_collective(bufs, lambda flat: dist.broadcast(flat, src=0))
 
     @torch.no_grad()
     def check_retriever_copies(self) -> None:

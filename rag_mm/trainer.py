@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.collectives import all_reduce_mean_, flat_collective
 from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, disk, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
@@ -288,11 +289,7 @@ class Trainer:
                 loss, hit = self.rag.retriever_warmup(**inputs)
             loss.backward()
             if self.env.world_size > 1:
-                grads = [p.grad for p in params if p.grad is not None]
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat)
-                for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat / self.env.world_size, grads)):
-                    g.copy_(new)
+                flat_collective([p.grad for p in params if p.grad is not None], all_reduce_mean_)
             if c.optim.grad_clip:
                 torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip)
             opt.step()
