@@ -149,6 +149,52 @@ MUTATIONS = (
         "answer-type", "accuracy by answer type ignores the annotation's answer_type (always inferred)",
         (("rag_mm/evaluate.py", "answer_type(t, g)", "answer_type(None, g)"),),
         ("tests/rag_mm/test_blind_prior.py::test_accuracy_by_answer_type_takes_the_annotated_type_first",)),
+    Mutation(
+        "gold-check", "settings that need gold documents are not checked against the data (oracle fails mid-run)",
+        (("rag_mm/gold.py", "    train = peek(expand_urls(cfg.data.root, cfg.data.train))", "    train = None"),),
+        ("tests/rag_mm/test_gold.py::test_oracle_on_queries_without_gold_documents_is_refused_before_work",)),
+    Mutation(
+        "pseudo-warmup", "without gold documents the warm-up embeds the queries instead of pseudo-queries alone",
+        (("rag_mm/model/rag.py", "        if not self.gold_queries:\n            q_emb = torch.zeros",
+          "        if False:\n            q_emb = torch.zeros"),),
+        ("tests/rag_mm/test_gold.py::test_warmup_trains_on_pseudo_queries_alone_without_gold_documents",)),
+    Mutation(
+        "strict-jsonl", "metrics.jsonl written with Python's NaN for a mean over no queries",
+        (("rag_mm/metrics.py", "self._jsonl.write(strict_dumps(record)", "self._jsonl.write(json.dumps(record)"),),
+        ("tests/rag_mm/test_strict_json.py::test_every_json_of_a_run_is_strict",)),
+    Mutation(
+        "cuda-note", "torch's 'No CUDA runtime is found' note printed by every CPU run",
+        (("parallel/kernels/_build.py", 'logging.getLogger("torch.utils.cpp_extension").addFilter(_no_cuda_runtime_note)',
+          "pass"),),
+        ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
+    Mutation(
+        "dcp-note", "DCP's 'assuming the intent is to save in a single process' printed at every checkpoint",
+        (("rag_mm/checkpoint.py", "        if not dist.is_initialized():\n            warnings.filterwarnings",
+          "        if False:\n            warnings.filterwarnings"),),
+        ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
+    Mutation(
+        "partial-ckpt", "a checkpoint write that fails for space leaves its partial .tmp directory",
+        (("rag_mm/checkpoint.py", "removed = _remove(tmp) if is_main else None", "removed = None"),),
+        ("tests/ops/test_disk.py::test_full_disk_stops_with_one_message_and_resume_goes_on",)),
+    Mutation(
+        "disk-message", "a full or read-only disk ends in a traceback instead of one message",
+        (("rag_mm/train.py", "        if found is not None:  # a full or read-only disk", "        if False:  # a full or read-only disk"),),
+        ("tests/ops/test_disk.py::test_read_only_run_directory_mid_run_stops_with_one_message_and_resume_goes_on",)),
+    Mutation(
+        "ckpt-estimate", "one checkpoint's bytes estimated without the optimizer's second moment",
+        (("rag_mm/disk.py", "def checkpoint_bytes(model, optimizer_moments: int = 2)",
+          "def checkpoint_bytes(model, optimizer_moments: int = 1)"),),
+        ("tests/ops/test_disk.py::test_estimate_matches_a_written_checkpoint",)),
+    Mutation(
+        "eval-stop", "SIGTERM during an evaluation waits for the whole split",
+        (("rag_mm/evaluate.py", "            if halt:", "            if False:"),),
+        ("tests/ops/test_preemption.py::test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint[eval]",
+         "tests/ops/test_preemption.py::test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint[final_eval]")),
+    Mutation(
+        "refresh-stop", "SIGTERM during an index refresh waits for the whole memory to be re-embedded",
+        (("retriever/sharded.py", "        if should_stop is not None and should_stop():",
+          "        if should_stop is not None and should_stop() and False:"),),
+        ("tests/ops/test_preemption.py::test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint[refresh]",)),
 )
 
 
