@@ -132,7 +132,9 @@ class ParallelConfig:
     grad_reduce: str = "pg"  # gradient all-reduce path: pg (process group) | auto | shm | hier_int8
     timeout_s: int = 600  # collective timeout: a dead rank fails the job instead of hanging it
     # CPU runs: bind each local rank's threads to its own slice of the host's cores (and its data
-    # workers with it), as numactl / taskset would; only right when the job owns the machine
+    # workers with it), as numactl / taskset would; only right when the job owns the machine.
+    # Handed to the runtime (parallel.ParallelConfig.bind_cores): parallelize binds, before the
+    # trainer starts any data worker
     bind_cores: bool = False
     # plan the layout at start-up (rag_mm.plan.resolve_auto, conf/parallel/auto.yaml): the best
     # fitting one for the run's world replaces the degrees above before validation
@@ -375,7 +377,8 @@ def parallel_config(cfg: Any, world_size: int):
     p = cfg.parallel
     dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
     return Layout(pp=p.pp, tp=p.tp, dp_replicate=max(dp // max(p.dp_shard, 1), 1), dp_shard=p.dp_shard,
-                  microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce)
+                  microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce,
+                  bind_cores=p.bind_cores)
 
 
 def _data_hint(cfg: Any, split: str) -> str:

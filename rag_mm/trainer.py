@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from parallel.collectives import all_reduce_mean_, flat_collective
-from parallel.cpu_affinity import bind_cores
 from rag_mm import checkpoint, disk, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
@@ -63,8 +62,6 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
         self.device = self.env.device
-        if cfg.parallel.bind_cores:  # before the data workers start: they inherit the binding
-            bind_cores(self.device)
         self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.parallel.timeout_s)  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
