@@ -46,7 +46,7 @@ class ModelConfig:
     # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
-    dim: int = 128  # transformer width; the demo needs little capacity, speed matters on 2 cores
+    dim: int = 128  # transformer width; the demo needs little capacity, and a narrow model trains it on a CPU in minutes
     layers: int = 4  # transformer blocks: 2 to find the fact's slot, 2 to copy it is the minimum
     heads: int = 4  # attention heads; must divide dim
     mlp_ratio: float = 4.0  # MLP hidden size = mlp_ratio * dim, as in GPT-2 / ViT
@@ -85,7 +85,7 @@ class DataConfig:
     # with dp
     global_batch_size: int = 0
     eval_batch_size: int = 128  # larger: no backward pass in evaluation
-    num_workers: int = 1  # loader processes per rank; 2 cores leave room for one
+    num_workers: int = 1  # loader processes per rank: one decodes ahead of the step; more take cores from the ranks on a small host
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
     augment: bool = True  # random crop (and colour_jitter) on training query pictures
     # per-channel brightness shift of augmented pictures, uniform in +-colour_jitter (normalised

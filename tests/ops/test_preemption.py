@@ -17,7 +17,7 @@ import pytest
 from tests.ops.helpers import REPO, env, valid_checkpoints
 from tests.rag_mm.conftest import tiny_overrides
 
-BOUND_S = 30.0  # signal to exit: one batch and a checkpoint of the tiny model, on a busy 2-core host
+BOUND_S = 30.0  # signal to exit: one batch and a checkpoint of the tiny model, with room for a loaded host
 LEARNED = ("retriever=learned", "retriever.top_k=2", "retriever.embed_dim=16", "retriever.shared_towers=true",
            "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.vision_layers=1",
            "retriever.fusion=image", "retriever.bank_negatives=8", "retriever.pseudo_queries=4",
