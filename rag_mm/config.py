@@ -418,13 +418,6 @@ def shard_problems(cfg: Any) -> list[str]:
     return e
 
 
-def check_shards(cfg: Any) -> None:
-    """Fail before any work if a local shard pattern matches no file, a directory or an unreadable file."""
-    e = shard_problems(cfg)
-    if e:
-        raise ConfigError("\n".join(e) if len(e) == 1 else "invalid shards:\n  - " + "\n  - ".join(e))
-
-
 def register_configs() -> None:
     """Register the schema so conf/config.yaml (and its groups) are type-checked by Hydra."""
     # One schema node for the whole tree: group YAMLs merge into its typed sub-nodes, so an
