@@ -106,8 +106,10 @@ def _on_main(is_main: bool, fn) -> None:
         raise OSError(*sent)
 
 
-def _remove(tmp: Path) -> bool:
-    """Remove a partial checkpoint directory; whether it is gone."""
+def _remove(tmp: Path) -> bool | None:
+    """Remove a partial checkpoint directory: whether it is gone (None: there was none)."""
+    if not tmp.exists():
+        return None
     shutil.rmtree(tmp, ignore_errors=True)
     return not tmp.exists()
 

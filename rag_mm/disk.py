@@ -118,7 +118,9 @@ def fault(exc: BaseException) -> Fault | None:
 
 
 class WriteFailed(OSError):
-    """A checkpoint write that failed for space or permission, its partial directory dealt with."""
+    """A checkpoint write that failed for space or permission, its partial directory dealt with:
+    ``removed`` True (gone), False (the file system refused) or None (none was made, or another
+    rank removes it)."""
 
     def __init__(self, found: Fault, partial: Path, removed: bool | None) -> None:
         code = errno.ENOSPC if found.kind == "full" else errno.EROFS
