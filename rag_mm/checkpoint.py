@@ -9,19 +9,18 @@ checkpoint whose files are missing, truncated or altered.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from rag_mm import checkpoint_safety, disk, faults
+from rag_mm.checkpoint_safety import one_process_quiet
 from rag_mm.distributed import barrier, broadcast_object
 from rag_mm.metrics import strict_dumps
 
@@ -112,18 +111,6 @@ def _remove(tmp: Path) -> bool | None:
         return None
     shutil.rmtree(tmp, ignore_errors=True)
     return not tmp.exists()
-
-
-@contextlib.contextmanager
-def one_process_quiet():
-    """DCP's save and load warn at every call made without a process group ("torch.distributed
-    is disabled, unavailable or uninitialized, assuming the intent is to save in a single
-    process"), even when called with ``no_dist=True`` (torch 2.14). One process is what rag_mm
-    means then, so the note is filtered here, around DCP's calls only, and only then."""
-    with warnings.catch_warnings():
-        if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
-        yield
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,14 +16,17 @@ written to be malicious, checksums and all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path")
@@ -92,13 +95,22 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
+@contextlib.contextmanager
+def one_process_quiet():
+    """DCP's save and load warn at every call made without a process group ("torch.distributed
+    is disabled, unavailable or uninitialized, assuming the intent is to save in a single
+    process"), even when called with ``no_dist=True`` (torch 2.14). One process is what rag_mm
+    means then, so the note is filtered here, around DCP's calls only, and only then."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
+        yield
+
+
 def load(state: dict, ckpt: Path) -> None:
     """``dcp.load`` into ``state`` in place, with both guards; a refusal raises UnsafeCheckpointError."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from rag_mm.checkpoint import one_process_quiet
 
     check_metadata(ckpt)
     try:

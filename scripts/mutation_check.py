@@ -169,7 +169,7 @@ MUTATIONS = (
         ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
     Mutation(
         "dcp-note", "DCP's 'assuming the intent is to save in a single process' printed at every checkpoint",
-        (("rag_mm/checkpoint.py", "        if not dist.is_initialized():\n            warnings.filterwarnings",
+        (("rag_mm/checkpoint_safety.py", "        if not dist.is_initialized():\n            warnings.filterwarnings",
           "        if False:\n            warnings.filterwarnings"),),
         ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
     Mutation(
