@@ -60,9 +60,9 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.env = init_distributed(cfg.device, cfg.launch.backend, cfg.launch.timeout_s)
         self.device = self.env.device
-        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.parallel.timeout_s)  # names a stuck rank
+        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.launch.timeout_s)  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"

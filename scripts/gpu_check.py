@@ -14,7 +14,7 @@ Steps (``--only`` picks some):
 * ``mfu_1b``: the same on the ~1B Hugging Face reader preset (``model=llama3_2_1b``, 2 documents
   per query, batch 8, block checkpointing; ``--compile`` compiles each block) -> ``mfu_1b.json``.
 * ``demo``: ``torchrun --nproc_per_node=1 -m rag_mm.train +experiment=demo device=cuda
-  parallel.backend=nccl``: the demo trained in one process through a NCCL process group (its data
+  launch.backend=nccl``: the demo trained in one process through a NCCL process group (its data
   generated first unless ``make demo``'s is there; the run under runs/gpu_check_work) ->
   ``demo_metrics.json``.
 
@@ -144,10 +144,10 @@ def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
     train = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train", "+experiment=demo",
              f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
     if args.dry_run:
-        train += ["device=cpu", "parallel.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
+        train += ["device=cpu", "launch.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
                   "eval_every=0", "ckpt_every=0"]
     else:
-        train += ["device=cuda", "parallel.backend=nccl"]
+        train += ["device=cuda", "launch.backend=nccl"]
     gen = f"[ -d {shlex.quote(str(data / 'corpus'))} ] || {shlex.quote(sys.executable)} -m " \
           f"rag_mm.data.knowledge_world out={shlex.quote(str(data))}"
     copy = f"cp {shlex.quote(str(work / 'demo' / 'metrics.json'))} {shlex.quote(str(out / 'demo_metrics.json'))}"

@@ -49,12 +49,12 @@ def test_steps_cover_every_gpu_check(tmp_path):
     one_b = steps["mfu_1b"].argv
     assert {"--device", "cuda", "bf16", "--checkpointing", "--compile", "model=llama3_2_1b"} <= set(one_b)
     demo = steps["demo"].argv[-1]
-    assert "--nproc_per_node=1" in demo and "parallel.backend=nccl" in demo and "device=cuda" in demo
+    assert "--nproc_per_node=1" in demo and "launch.backend=nccl" in demo and "device=cuda" in demo
     assert str(tmp_path / "demo_metrics.json") in demo
     dry = {s.name: s for s in gc.plan(argparse.Namespace(dry_run=True, quick=False, only=["mfu_1b", "demo"],
                                                          compile=False), tmp_path)}
     assert list(dry) == ["mfu_1b", "demo"]
     assert "cuda" not in dry["mfu_1b"].argv and "model=hf_tiny" in dry["mfu_1b"].argv
-    assert "parallel.backend=gloo" in dry["demo"].argv[-1] and "max_steps=2" in dry["demo"].argv[-1]
+    assert "launch.backend=gloo" in dry["demo"].argv[-1] and "max_steps=2" in dry["demo"].argv[-1]
     # every bench with a --device option has a step
     assert set(gc.benches_with_device()) <= set(gc.BENCHES)
