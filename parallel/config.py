@@ -33,8 +33,8 @@ class ParallelConfig:
     """Degrees of each kind of parallelism and the knobs of each. ``validate(world_size)`` is the
     one check of a layout (every caller, the planner included, goes through it); afterwards the
     config answers ``world_size``, ``dp``, ``pp_enabled``, ``dp_shard_enabled``, ... as
-    torchtitan's ``ParallelDims`` does. rag_mm's Hydra group ``parallel`` has this class as its
-    schema: every field is a command-line key (``parallel.tp=2``)."""
+    torchtitan's ``ParallelDims`` does. Plain typed fields only, so an application can register
+    the class as a config schema as it is (every field a command-line key)."""
 
     pp: int = 1  # pipeline stages (ranks along the pipeline dimension)
     # replicas of the (sharded) model: HSDP's replicate dimension / plain data parallel; -1 =
