@@ -1,7 +1,10 @@
 """Typed configuration: one dataclass per Hydra group, registered in Hydra's ConfigStore.
 
 YAML files under ``conf/`` only choose and override; every field is declared (with its reason)
-here, so a typo in a key is rejected by Hydra and a bad value by ``validate`` before any work.
+here, in ``retriever/config.py`` (``retriever``) or in the runtime's ``parallel/config.py``
+(``parallel``: the reader's layout is the runtime's own ``ParallelConfig``, every field a key), so
+a typo in a key is rejected by Hydra and a bad value by ``validate`` before any work. The layout
+is checked by the runtime (``ParallelConfig.problems``); ``validate`` adds the reader's rules.
 """
 
 from __future__ import annotations
