@@ -11,7 +11,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from parallel.config import ParallelConfig
-from rag_mm.config import RENAMED, ConfigError, TrainConfig, compose, parallel_config, upgrade_saved, validate
+from rag_mm.config import (
+    RENAMED,
+    ConfigError,
+    TrainConfig,
+    compose,
+    parallel_config,
+    upgrade_saved,
+    validate,
+)
 from tests.rag_mm.test_train import run_module
 
 DEFAULT = ParallelConfig()
