@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +63,48 @@ def cuda_build_possible() -> tuple[bool, str]:
     return True, "nvcc and a CUDA build of torch are present"
 
 
+# Architectures compiled when no GPU is visible (the build-only check): Ampere (A100, sm_80) and
+# Hopper (H100/H200, sm_90) as machine code, Blackwell (B200, sm_100) too when the toolkit knows
+# it. No PTX is embedded: a newer GPU rebuilds for itself on first use. RAG_MM_CUDA_ARCHS="80,90"
+# overrides; with a GPU visible, only its architectures are built (one build per machine is enough).
+DEFAULT_CUDA_ARCHS = ("80", "90")
+OPTIONAL_CUDA_ARCHS = ("100",)
+ARCHS_ENV = "RAG_MM_CUDA_ARCHS"
+
+
+def toolkit_archs() -> set[str]:
+    """The real architectures (``sm_XX`` -> ``"XX"``) the CUDA_HOME nvcc can compile; empty when
+    there is no nvcc or it does not answer."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return set()
+    try:
+        proc = subprocess.run([str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-code"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return set(re.findall(r"\bsm_(\d+)\b", proc.stdout)) if proc.returncode == 0 else set()
+
+
+def cuda_archs() -> list[str]:
+    """Architectures to compile CUDA sources for, as ``["80", "90"]`` (see DEFAULT_CUDA_ARCHS)."""
+    env = os.environ.get(ARCHS_ENV)
+    if env:
+        return sorted({a.strip().replace(".", "").removeprefix("sm_") for a in env.split(",") if a.strip()}, key=int)
+    if torch.cuda.is_available():
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return sorted((f"{major}{minor}" for major, minor in caps), key=int)
+    known = toolkit_archs()
+    return list(DEFAULT_CUDA_ARCHS) + [a for a in OPTIONAL_CUDA_ARCHS if a in known]
+
+
+def arch_flags(archs: list[str]) -> list[str]:
+    """nvcc flags for machine code of each architecture (cpp_extension adds none when these are
+    given, whatever TORCH_CUDA_ARCH_LIST says)."""
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
 def compiler_available() -> tuple[bool, str]:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
@@ -77,18 +121,27 @@ class BuildResult:
     reason: str
     with_cuda: bool = False
     sources: list[str] = field(default_factory=list)
+    archs: list[str] = field(default_factory=list)  # CUDA architectures compiled, as "90"
+    build_dir: str = ""
 
 
 _RESULTS: dict[str, BuildResult] = {}
 
 
+# A compiler's or linker's error line: gcc "f.cpp:3:1: error: ...", nvcc "f.cu(3): error: ...",
+# "fatal error", "undefined reference" (ld).
+_ERROR_LINE = re.compile(r"(:\s*(fatal )?error\b|\berror\s*:|undefined reference)", re.I)
+
+
 def _first_error(exc: Exception) -> str:
-    """The first compiler ``error`` line of a failed build (ninja's last line says nothing)."""
+    """The first compiler ``error`` line of a failed build (ninja's last line says nothing, and
+    torch's "Error building extension ..." line carries the first command instead)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for ln in lines:
-        if "error" in ln.lower() and "ninja" not in ln.lower():
-            return ln[:500]
-    return lines[-1] if lines else repr(exc)
+    for pick in (lambda ln: _ERROR_LINE.search(ln), lambda ln: "error" in ln.lower()):
+        for ln in lines:
+            if pick(ln) and "ninja" not in ln.lower() and not ln.startswith("Error building extension"):
+                return ln[:500]
+    return lines[-1][:500] if lines else repr(exc)
 
 
 def load_extension(
@@ -100,13 +153,18 @@ def load_extension(
     extra_cuda_cflags: list[str] | None = None,
     extra_ldflags: list[str] | None = None,
     require_cuda: bool = False,
+    verbose: bool | None = None,
 ) -> BuildResult:
     """Compile (or reuse the cached build of) a TORCH_LIBRARY extension and load it.
 
     ``*_sources`` are paths relative to ``csrc/``. The extension is loaded as a plain shared
     library (``is_python_module=False``): the ops register themselves with the dispatcher.
     CUDA sources are added only when ``cuda_build_possible()``; set ``require_cuda`` to build
-    them regardless (used by the compile-only check on machines without a GPU).
+    them regardless (``scripts/cuda_build.py``: the build check on machines without a GPU).
+    The CUDA build is compiled for ``cuda_archs()`` into its own folder per architecture set, so
+    a GPU machine's build and the check's do not rebuild each other; torch's ninja build rebuilds
+    what changed (sources, included headers, flags, the nvcc path) and nothing else. ``verbose``
+    (default: $RAG_MM_VERBOSE_BUILD) shows the compiler commands and warnings.
     """
     if name in _RESULTS:
         return _RESULTS[name]
@@ -128,7 +186,8 @@ def load_extension(
 
     from torch.utils.cpp_extension import load
 
-    build_dir = cache_dir() / (name + ("_cuda" if with_cuda else ""))
+    archs = cuda_archs() if with_cuda else []
+    build_dir = cache_dir() / (name + (f"_cuda_sm{'-'.join(archs)}" if with_cuda else ""))
     build_dir.mkdir(parents=True, exist_ok=True)
     # No -std flag: cpp_extension passes the standard the installed torch headers need
     # (C++17 up to torch 2.9, C++20 from 2.10 on); forcing c++17 breaks the 2.10+ headers.
@@ -138,16 +197,18 @@ def load_extension(
             name=name + ("_cuda" if with_cuda else ""),
             sources=sources,
             extra_cflags=cflags,
-            extra_cuda_cflags=["-O3", "--use_fast_math"] + (extra_cuda_cflags or []),
+            # --threads=0: nvcc compiles the architectures in parallel, one per core
+            extra_cuda_cflags=["-O3", "--use_fast_math", "--threads=0"] + arch_flags(archs) + (extra_cuda_cflags or []),
             extra_ldflags=["-fopenmp"] + (extra_ldflags or []),
             build_directory=str(build_dir),
             with_cuda=with_cuda,
             is_python_module=False,
-            verbose=bool(os.environ.get("RAG_MM_VERBOSE_BUILD")),
+            verbose=bool(os.environ.get("RAG_MM_VERBOSE_BUILD")) if verbose is None else verbose,
         )
-        res = BuildResult(name, True, "built" + (" with CUDA" if with_cuda else " (CPU)"), with_cuda, sources)
+        what = f" with CUDA (sm_{', sm_'.join(archs)})" if with_cuda else " (CPU)"
+        res = BuildResult(name, True, "built" + what, with_cuda, sources, archs, str(build_dir))
     except Exception as exc:  # compiler errors, missing headers, linker errors
-        res = BuildResult(name, False, f"build failed: {_first_error(exc)}", with_cuda, sources)
+        res = BuildResult(name, False, f"build failed: {_first_error(exc)}", with_cuda, sources, archs, str(build_dir))
         log.warning("%s: %s", name, res.reason)
     _RESULTS[name] = res
     return res
