@@ -154,24 +154,29 @@ def demo_headline(f: dict[str, Any]) -> str:
 def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
     """The demo in one process through a NCCL process group (torchrun, one rank): the demo's data
     (``make demo``'s when present, else generated under the work folder), the run there, and its
-    metrics.json copied to ``out``. The dry run: gloo, CPU, a few steps.
+    metrics.json copied to ``out``. The dry run: gloo, CPU, two steps on a small world.
 
     Every program is this interpreter (``python -m torch.distributed.run`` is torchrun): the
     command assumes nothing about PATH, where a venv's ``torchrun`` is missing unless the venv is
     activated. The three actions run in one small Python program, one step for the timeout."""
     work = ROOT / "runs" / "gpu_check_work"
     data = ROOT / "data" / "knowledge_world"
-    if not (data / "corpus").is_dir():
+    world: list[str] = []
+    if args.dry_run:  # the plumbing only: a small world (its generation and final evaluation take seconds)
+        data = work / "data_small"
+        world = ["num_entities=32", "train_queries_per_entity=4", "val_queries_per_entity=1",
+                 "test_queries_per_entity=1"]
+    elif not (data / "corpus").is_dir():
         data = work / "data"
     py = sys.executable
     train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train",
              "+experiment=demo", f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
     if args.dry_run:
         train += ["device=cpu", "parallel.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
-                  "eval_every=0", "ckpt_every=0"]
+                  "eval_every=0", "ckpt_every=0", "data.train=train/train-000000.tar"]  # the one shard
     else:
         train += ["device=cuda", "parallel.backend=nccl"]
-    gen = [py, "-m", "rag_mm.data.knowledge_world", f"out={data}"]
+    gen = [py, "-m", "rag_mm.data.knowledge_world", f"out={data}", *world]
     program = "\n".join([
         "import pathlib, shutil, subprocess, sys",
         f"if not pathlib.Path({str(data / 'corpus')!r}).is_dir():",
