@@ -23,8 +23,8 @@ architecture set, which ninja brings up to date: only a changed source, header, 
 toolkit recompiles. An unchanged tree takes seconds.
 
 Exit status: 0 when every CUDA source compiled and registered its kernels; 1 when one did not
-(the extension, its sources and the first compiler error are named; the full compiler output is
-above it); 2 when there is nothing to build with (a CPU-only torch, no toolkit, pip failed).
+(the extension, its sources and the first compiler error are named; without ``--quiet`` the
+full compiler output is above it); 2 when there is nothing to build with (a CPU-only torch, no toolkit, pip failed).
 """
 
 from __future__ import annotations
