@@ -7,8 +7,11 @@ cache lives, and remembers why a build failed so callers can say so once and fal
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -144,6 +147,51 @@ def _first_error(exc: Exception) -> str:
     return lines[-1][:500] if lines else repr(exc)
 
 
+HEADER_SUFFIXES = (".h", ".hpp", ".cuh")
+KEY_FILE = "rag_mm_build_key"  # beside the built library: the key it was built for
+
+
+def _first_line(argv: list[str]) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "release" in ln), lines[0] if lines else "")
+
+
+def _cpu_signature() -> str:
+    """Model and instruction-set flags of this CPU (the CPU sources build with -march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return platform.processor()
+    return "\n".join(next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags"))
+
+
+def build_key(sources: list[str], flags: list, with_cuda: bool) -> str:
+    """What a built library depends on, hashed: the contents of its sources and of every header
+    under csrc/ (by path relative to csrc/, so another clone of the same tree matches), the flags,
+    torch, the C++ compiler, nvcc's version when CUDA is built, and the CPU (-march=native).
+
+    torch's ninja build decides by file times, so a fresh clone (new times) would recompile an
+    unchanged tree: a library whose key matches is loaded without asking ninja."""
+    h = hashlib.sha256()
+    files = [Path(s) for s in sources] + sorted(p for p in CSRC.rglob("*") if p.suffix in HEADER_SUFFIXES)
+    for path in files:
+        rel = str(path.relative_to(CSRC)) if path.is_relative_to(CSRC) else str(path)
+        h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    cxx = os.environ.get("CXX", "c++")
+    env = dict(flags=flags, with_cuda=with_cuda, torch=torch.__version__, torch_cuda=torch.version.cuda,
+               cxx=_first_line([cxx, "--version"]), cpu=_cpu_signature())
+    if with_cuda:
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        env["nvcc"] = _first_line([str(Path(CUDA_HOME or "") / "bin" / "nvcc"), "--version"])
+    h.update(json.dumps(env, sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def load_extension(
     name: str,
     cpu_sources: list[str],
@@ -163,7 +211,8 @@ def load_extension(
     them regardless (``scripts/cuda_build.py``: the build check on machines without a GPU).
     The CUDA build is compiled for ``cuda_archs()`` into its own folder per architecture set, so
     a GPU machine's build and the check's do not rebuild each other; torch's ninja build rebuilds
-    what changed (sources, included headers, flags, the nvcc path) and nothing else. ``verbose``
+    what changed (sources, included headers, flags, the nvcc path) and nothing else; a library
+    whose ``build_key`` matches is loaded as it is (a fresh clone of an unchanged tree). ``verbose``
     (default: $RAG_MM_VERBOSE_BUILD) shows the compiler commands and warnings.
     """
     if name in _RESULTS:
@@ -192,21 +241,27 @@ def load_extension(
     # No -std flag: cpp_extension passes the standard the installed torch headers need
     # (C++17 up to torch 2.9, C++20 from 2.10 on); forcing c++17 breaks the 2.10+ headers.
     cflags = ["-O3", "-fopenmp", "-march=native"] + (extra_cflags or [])
+    # --threads=0: nvcc compiles the architectures in parallel, one per core
+    cuda_cflags = ["-O3", "--use_fast_math", "--threads=0"] + arch_flags(archs) + (extra_cuda_cflags or [])
+    ldflags = ["-fopenmp"] + (extra_ldflags or [])
+    lib_name = name + ("_cuda" if with_cuda else "")
+    library, key_file = build_dir / f"{lib_name}.so", build_dir / KEY_FILE
+    verbose = bool(os.environ.get("RAG_MM_VERBOSE_BUILD")) if verbose is None else verbose
+    what = f" with CUDA (sm_{', sm_'.join(archs)})" if with_cuda else " (CPU)"
     try:
-        load(
-            name=name + ("_cuda" if with_cuda else ""),
-            sources=sources,
-            extra_cflags=cflags,
-            # --threads=0: nvcc compiles the architectures in parallel, one per core
-            extra_cuda_cflags=["-O3", "--use_fast_math", "--threads=0"] + arch_flags(archs) + (extra_cuda_cflags or []),
-            extra_ldflags=["-fopenmp"] + (extra_ldflags or []),
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            is_python_module=False,
-            verbose=bool(os.environ.get("RAG_MM_VERBOSE_BUILD")) if verbose is None else verbose,
-        )
-        what = f" with CUDA (sm_{', sm_'.join(archs)})" if with_cuda else " (CPU)"
-        res = BuildResult(name, True, "built" + what, with_cuda, sources, archs, str(build_dir))
+        key = build_key(sources, [cflags, cuda_cflags if with_cuda else [], ldflags], with_cuda)
+        if library.exists() and key_file.exists() and key_file.read_text() == key:
+            torch.ops.load_library(str(library))
+            if verbose:
+                print(f"{lib_name}: sources, headers, flags and compilers unchanged: loaded {library}", flush=True)
+            res = BuildResult(name, True, "cached build" + what, with_cuda, sources, archs, str(build_dir))
+        else:
+            key_file.unlink(missing_ok=True)
+            load(name=lib_name, sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags,
+                 extra_ldflags=ldflags, build_directory=str(build_dir), with_cuda=with_cuda,
+                 is_python_module=False, verbose=verbose)
+            key_file.write_text(key)
+            res = BuildResult(name, True, "built" + what, with_cuda, sources, archs, str(build_dir))
     except Exception as exc:  # compiler errors, missing headers, linker errors
         res = BuildResult(name, False, f"build failed: {_first_error(exc)}", with_cuda, sources, archs, str(build_dir))
         log.warning("%s: %s", name, res.reason)
