@@ -19,8 +19,9 @@ environment is not touched. A toolkit already there is reused without asking pip
 
 What is cached, and so what a second run costs: the toolkit (one folder per set of wheel
 versions), and the builds under ``_build.cache_dir()``, one folder per extension and
-architecture set, which ninja brings up to date: only a changed source, header, flag or
-toolkit recompiles. An unchanged tree takes seconds.
+architecture set, each reused while its ``_build.build_key`` (the contents of the sources and
+of csrc/'s headers, the flags, torch, the compilers' versions) is unchanged, whatever the files'
+times (a fresh clone); else ninja recompiles. An unchanged tree takes seconds.
 
 Exit status: 0 when every CUDA source compiled and registered its kernels; 1 when one did not
 (the extension, its sources and the first compiler error are named; without ``--quiet`` the
