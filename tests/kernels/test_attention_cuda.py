@@ -79,6 +79,12 @@ def test_cuda_build_names_a_source_that_does_not_compile(tmp_path, monkeypatch, 
     assert f"FAILED: {ext.name} ({tmp_path / 'broken.cu'})" in capsys.readouterr().err
 
 
+def test_cuda_build_without_a_toolkit_says_so(tmp_path, capsys):
+    cb = _cuda_build()
+    assert cb.main(["--cuda-home", str(tmp_path)]) == 2
+    assert f"--cuda-home {tmp_path}: no bin/nvcc there" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cuda_build_compiles_and_registers_every_cuda_op(tmp_path):
     """`make cuda-build` end to end: nvcc (fetched from PyPI unless cached) compiles every .cu for
