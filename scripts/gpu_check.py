@@ -42,10 +42,11 @@ working tree, and exits 0, or 1 naming what is missing or too large. ``--dry-run
 
 No step can hang: each runs in its own process group, killed after ``--timeout`` seconds or
 whatever is left of ``--budget``. The lent machine runs a command for at most 10 minutes, pip
-install included; if the checks need longer, run them in two calls (``--only pytest``, then
-``--only attention``): CUDA extensions are cached under ``--ext-cache``, inside the repository,
-which a warm machine keeps between calls. All steps take longer than one call: e.g. ``--only
-pytest,attention``, then ``--only mfu_demo,mfu_1b``, then ``--only demo``.
+install included; if the checks need longer, run them in several calls: CUDA extensions are
+cached under ``--ext-cache``, inside the repository, which a warm machine keeps between calls
+(a fresh one rebuilds them in the ``cuda_build`` step, or on first use). All steps take longer
+than one call: ``--only cuda_build,pytest,attention``, then ``--only mfu_demo,mfu_1b``, then
+``--only demo`` (the README's "On a GPU" commands).
 """
 
 from __future__ import annotations
