@@ -21,14 +21,15 @@ demo: install
 	$(PY) -m rag_mm.data.knowledge_world out=$(DATA)
 	$(PY) -m rag_mm.train +experiment=demo data.root=$(DATA)
 
-# The tests, then the GPU check's CPU paths: the wheels a lent GPU machine would get are all there
-# and fit the transfer limit (it exits 0 with no GPU; on a GPU machine it runs every GPU check),
-# and every step of the check run on the CPU (gpu-check-dry). The CUDA build is not part of it
-# (minutes when its cache is cold): `make cuda-build`, which CI runs too.
+# The GPU check's CPU paths: the wheels a lent GPU machine would get are all there and fit the
+# transfer limit (it exits 0 with no GPU; on a GPU machine it runs every GPU check), and every step
+# of the check run on the CPU (gpu-check-dry); then the tests, last, so that their summary closes
+# the output (the dry run's `pytest -m gpu` skips everything here). The CUDA build is not part of
+# it (minutes when its cache is cold): `make cuda-build`, which CI runs too.
 test: install gpu-wheels
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
 	$(PY) scripts/gpu_check.py --out runs/gpu_check
 	$(MAKE) --no-print-directory gpu-check-dry
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
 
 # Every CUDA source of csrc/ compiled for sm_80, sm_90 (and sm_100 when the toolkit has it) with
 # nvcc from PyPI, installed under ~/.cache/rag_mm/cuda-toolkit (the venv is not touched), then
