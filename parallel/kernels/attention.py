@@ -19,11 +19,16 @@ its reason once per (layout, dtype).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from parallel.kernels import autotune as _tune
 
 log = logging.getLogger(__name__)
 
@@ -260,12 +265,15 @@ def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> 
     return "sdpa", f"{layout} on CUDA: flex unavailable ({why}), fused unavailable ({fused_why})"
 
 
-def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tuple[str, str]:
+def select_backend(requested: str, q: torch.Tensor, layout: str = "dense", *, grad: bool = False) -> tuple[str, str]:
     """Resolve ``requested`` to a concrete backend and a human-readable reason.
 
-    ``layout`` (one of ``LAYOUTS``) matters for ``auto``: on the CPU the choice follows
-    ``CPU_AUTO_TABLE`` for ``cpu_capability()`` (the fused kernels' ISA; the generic row where
-    q's dtype / head size take the generic kernels), on CUDA the rule of ``_auto_cuda``.
+    ``auto`` is measured (``_tuned``: the fastest correct candidate for the call's key, cached on
+    disk) unless ``RAG_MM_ATTN_AUTOTUNE=0`` or nothing can be timed here; then the fixed rule
+    decides: on the CPU ``CPU_AUTO_TABLE`` for ``cpu_capability()`` (the fused kernels' ISA; the
+    generic row where q's dtype / head size take the generic kernels), on CUDA ``_auto_cuda``.
+    ``grad``: the inputs require grad (forward and backward are timed together). A measured
+    choice may be ``"fused:<isa>"``: the fused CPU kernel run at that vector ISA.
     """
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
@@ -287,11 +295,17 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
             raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
         return "fused", "requested"
     if q.device.type == "cuda":
-        return _auto_cuda(q, layout, ok, why)
-    if not ok:
-        return "sdpa", f"fused unavailable: {why}"
-    if q.device.type != "cpu":
-        return "fused", why
+        fixed = _auto_cuda(q, layout, ok, why)
+    elif not ok:
+        fixed = "sdpa", f"fused unavailable: {why}"
+    elif q.device.type != "cpu":
+        fixed = "fused", why
+    else:
+        fixed = _cpu_fixed_rule(q, layout)
+    return _tuned(q, layout, grad, fixed, ok)
+
+
+def _cpu_fixed_rule(q: torch.Tensor, layout: str) -> tuple[str, str]:
     cap = cpu_capability()
     if cap != "generic" and hasattr(torch.ops.rag_attn, "cpu_kernel"):
         # head sizes / dtypes the vector kernels do not take run the generic ones
@@ -304,15 +318,234 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
     return choice, f"{layout} {str(q.dtype).removeprefix('torch.')} on a {table} CPU: {faster}"
 
 
+# ----------------------------------------------------------------------------- measured auto
+# heads are dim 1 in every layout: (B, H, S, D) and packed (T, H, D)
+ISAS = ("generic", "avx2", "avx512")  # the fused CPU kernels' vector ISAs, lowest first
+# Agreement with the fp64 reference a candidate needs to be timed at all: max error over max |ref|
+# (autotune._max_rel_err). fp32 kernels land near 1e-6, bf16 / fp16 rounding near 1e-2.
+TUNE_TOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+_machines: dict[str, tuple[str, dict]] = {}
+_names_memo: dict[tuple, tuple[str, ...]] = {}
+
+
+def _isa_cap() -> str | None:
+    """The highest ISA auto may run: ``RAG_ATTN_ISA`` if set, else the CPU's best."""
+    if kernel_isa() is None:
+        return None
+    return os.environ.get("RAG_ATTN_ISA") or kernel_isa(best=True)
+
+
+def _candidate_names(q: torch.Tensor, layout: str, fused_ok: bool) -> tuple[str, ...]:
+    """What ``auto`` chooses among for q's device, dtype and head size.
+
+    CPU: SDPA and the fused kernel at every ISA up to ``_isa_cap`` that runs a kernel of its own for
+    this dtype / head size (``cpu_kernel``: e.g. head size 40 runs the AVX2 kernel under avx512).
+    Flex is left out on the CPU: its first call per shape compiles through Inductor (seconds to
+    minutes), past any timing bound, and its CPU backward is the dense PyTorch formula.
+    CUDA: SDPA, the fused kernel, and flex for the masked layouts (sm80+ with Triton).
+    """
+    memo = (q.device.type, q.dtype, q.shape[-1], layout, fused_ok, os.environ.get("RAG_ATTN_ISA"))
+    if memo in _names_memo:
+        return _names_memo[memo]
+    names = ["sdpa"]
+    if q.device.type == "cpu" and fused_ok:
+        cap = _isa_cap()
+        kernels = {}
+        for isa in ISAS[: ISAS.index(cap) + 1] if cap in ISAS else ():
+            with pinned_isa(isa):
+                kernels.setdefault(torch.ops.rag_attn.cpu_kernel(q.dtype, q.shape[-1]), isa)
+        names += [f"fused:{isa}" for isa in kernels.values()]
+    elif q.device.type == "cuda":
+        names += ["fused"] if fused_ok else []
+        names += ["flex"] if layout in ("packed", "retrieval") and _flex_gate(q)[0] else []
+    _names_memo[memo] = tuple(names)
+    return _names_memo[memo]
+
+
+def _machine(device: str) -> tuple[str, dict]:
+    if device not in _machines:
+        _machines[device] = _tune.machine(device, _isa_cap() if device == "cpu" else None)
+    return _machines[device]
+
+
+def _tune_key(q: torch.Tensor, layout: str, grad: bool) -> _tune.Key:
+    S = q.shape[0] if layout == "packed" else q.shape[-2]  # packed: (T, H, D); the rest (B, H, S, D)
+    return _tune.Key("fwd+bwd" if grad else "fwd", layout, str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
+                     _tune.seq_bucket(S), torch.get_num_threads(), q.device.type)
+
+
+def _tuned(q: torch.Tensor, layout: str, grad: bool, fixed: tuple[str, str], fused_ok: bool) -> tuple[str, str]:
+    """``auto``'s measured choice for q's key (cached, else measured now when ``can_time``), or
+    ``fixed`` (the fixed rule) with the reason no measurement decides."""
+    if not _tune.enabled():
+        return fixed
+    names = _candidate_names(q, layout, fused_ok)
+    if len(names) < 2:
+        return fixed
+    key = _tune_key(q, layout, grad)
+    memo = _resolved.get(str(key))
+    if memo is not None and memo[0] == _tune.generation() and memo[1] == fixed:
+        return memo[2]
+    rec, why = _record(q, key, names, force=False)
+    if rec is None:
+        return fixed[0], f"{fixed[1]}; not measured: {why}"
+    if rec["choice"] is None:
+        out = fixed[0], f"{fixed[1]}; no candidate agreed with the reference ({rec['rejected']})"
+    else:
+        ms = ", ".join(f"{n} {t:.3g}" for n, t in sorted(rec["ms"].items(), key=lambda kv: kv[1]))
+        out = rec["choice"], f"measured fastest for {key} (median ms: {ms})"
+    _resolved[str(key)] = (_tune.generation(), fixed, out)
+    return out
+
+
+_resolved: dict[str, tuple] = {}  # key -> (autotune generation, fixed rule, choice and reason)
+
+
+def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict | None, str]:
+    """The record deciding ``key``: the pinned or cached one if its choice is still a candidate,
+    else a new measurement when allowed (``force``: also under torch.distributed, for rank 0 in
+    ``autotune``); (None, why not) when nothing decides."""
+    mid, desc = _machine(q.device.type)
+    rec = _tune.lookup(key, mid, distributed=not force)
+    if rec is not None and (rec["choice"] is None or rec["choice"] in names):
+        return rec, "cached"
+    ok, why = _tune.can_time(q)
+    if not ok and not (force and why.startswith("torch.distributed")):
+        return None, why
+    with torch.autocast(q.device.type, enabled=False):
+        return _tune.tune(key, mid, desc, *_tuning_case(key, names)), "measured"
+
+
+def _tuning_case(key: _tune.Key, names) -> tuple[dict, list[torch.Tensor], float]:
+    """Inputs of ``key``'s bucket shape; (candidates, reference outputs, tolerance).
+
+    Heads: max(4, 2 x threads) on the CPU (every thread busy in every backend), 64 on CUDA. Masked
+    layouts take the benchmark's shapes: retrieval 8 documents of S/10 and the query; packed four
+    sequences of S, S/2, S/4, S/4. Inputs come from a private generator (the global RNG stays).
+    """
+    S, D, dev = key.seq_bucket, key.head_dim, key.device
+    dtype = getattr(torch, key.dtype)
+    h = min(32, max(4, 2 * key.threads)) if dev == "cpu" else 64
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)  # noqa: E731
+    kw: dict = {"causal": key.layout == "causal"}
+    if key.layout == "packed":
+        lens = [S, S // 2, S // 4, S // 4]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        shape, kw = (int(cu[-1]), h, D), {"cu_seqlens": cu, "max_seqlen": S}
+    else:
+        shape = (1, h, S, D)
+        if key.layout == "retrieval":
+            doc = max(1, S // 10)
+            kw = {"seg_offsets": torch.tensor([[i * doc for i in range(9)] + [S]], dtype=torch.int32, device=dev)}
+    q, k, v, g = (rnd(*shape) for _ in range(4))
+    grad = key.op == "fwd+bwd"
+    inputs = [t.requires_grad_(grad) for t in (q, k, v)]
+
+    def run(name, q, k, v):
+        if "cu_seqlens" in kw:
+            return _varlen_with(name, q, k, v, kw["cu_seqlens"], kw["max_seqlen"], False, None)
+        return _attention_with(name, q, k, v, kw.get("causal", False), kw.get("seg_offsets"), None)
+
+    def outputs(name, q, k, v, g):
+        if not grad:
+            with torch.no_grad():
+                return [run(name, q, k, v)]
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = run(name, q, k, v)
+        return [out.detach(), *torch.autograd.grad(out, (q, k, v), g)]
+
+    ref = [[] for _ in range(4 if grad else 1)]  # fp64, one head at a time (an (S, S) matrix each)
+    for i in range(h):
+        head = [t.detach().narrow(1, i, 1).double() for t in (*inputs, g)]
+        for acc, t in zip(ref, outputs("reference", *head)):
+            acc.append(t)
+    ref = [torch.cat(parts, 1) for parts in ref]
+    cands = _candidates(names, lambda name: outputs(name, *inputs, g))
+    return cands, ref, TUNE_TOL.get(dtype, 1e-3)
+
+
+def _candidates(names, call) -> dict:
+    """name -> zero-argument callable returning the candidate's outputs (tests wrap this)."""
+    return {name: (lambda name=name: call(name)) for name in names}
+
+
+@contextlib.contextmanager
+def pinned_isa(isa: str | None):
+    """Run the fused CPU kernels at ``isa`` inside the block (forward, and the backward of what the
+    block's forward recorded); no effect for None, under torch.compile, or without the extension."""
+    from parallel.kernels._attention_ops import cpu_isa_pinned
+
+    with cpu_isa_pinned(isa):
+        yield
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """One attention call shape for ``autotune``: what the model will run."""
+
+    layout: str  # one of LAYOUTS
+    seq_len: int  # S (packed: total tokens T)
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    grad: bool = True  # training: forward and backward are timed together
+    device: str = "cpu"
+
+
+def autotune(specs: list[TuneSpec], group=None) -> dict[str, str]:
+    """Measure ``auto``'s choice for every spec before the first step; key -> choice.
+
+    Under torch.distributed a collective: every rank of ``group`` calls it at the same point with
+    the same specs; rank 0 measures (or reads its cache) and broadcasts, and every rank runs rank
+    0's choices (see ``autotune.py``). Without a process group it measures locally. Keys that
+    ``RAG_MM_ATTN_AUTOTUNE=0`` or a missing candidate leave unmeasured keep the fixed rule.
+    """
+
+    def local() -> dict[str, dict]:
+        recs = {}
+        for s in specs:
+            if not _tune.enabled():
+                break
+            q = torch.empty((1, 1, s.seq_len, s.head_dim), dtype=s.dtype, device=s.device)
+            if s.layout == "packed":
+                q = q[0].transpose(0, 1)  # (T, 1, D)
+            ok, _ = fused_available()
+            names = _candidate_names(q, s.layout, ok and _fused_supports(q)[0])
+            if len(names) < 2:
+                continue
+            key = _tune_key(q, s.layout, s.grad)
+            rec, _ = _record(q, key, names, force=True)
+            if rec is not None:
+                recs[key.shape_id()] = rec
+        return recs
+
+    return {k: r["choice"] for k, r in _tune.share(local, group).items()}
+
+
 def _scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _split(chosen: str) -> tuple[str, str | None]:
+    """"fused:avx2" -> ("fused", "avx2"); a plain backend -> (backend, None)."""
+    name, _, isa = chosen.partition(":")
+    return name, isa or None
 
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
     layout = _layout(causal, seg_offsets)
-    chosen, reason = select_backend(backend, q, layout)
+    chosen, reason = select_backend(backend, q, layout, grad=_needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
+    return _attention_with(chosen, q, k, v, causal, seg_offsets, scale)
+
+
+def _attention_with(chosen: str, q, k, v, causal, seg_offsets, scale):
+    chosen, isa = _split(chosen)
     if chosen == "flex":
         from parallel.kernels.flex import flex_attention
 
@@ -324,8 +557,9 @@ def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str =
 
         if seg_offsets is not None:
             seg_offsets = seg_offsets.to(device=q.device, dtype=torch.int32)
-        return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
-                             scale=_scale(q, scale))
+        with pinned_isa(isa):
+            return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
+                                 scale=_scale(q, scale))
     return sdpa_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
 
 
@@ -336,8 +570,13 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
     sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
     """
-    chosen, reason = select_backend(backend, q, "packed")
+    chosen, reason = select_backend(backend, q, "packed", grad=_needs_grad(q, k, v))
     _log_once("packed", q.dtype, chosen, reason)
+    return _varlen_with(chosen, q, k, v, cu_seqlens, max_seqlen, causal, scale)
+
+
+def _varlen_with(chosen: str, q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    chosen, isa = _split(chosen)
     if chosen == "flex":
         from parallel.kernels.flex import flex_varlen_attention
 
@@ -348,6 +587,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
         from parallel.kernels._attention_ops import fused_forward
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
-                             scale=_scale(q, scale))
+        with pinned_isa(isa):
+            return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
+                                 scale=_scale(q, scale))
     return sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)
