@@ -11,8 +11,8 @@ the ops a fake kernel (shapes only, for torch.compile / FakeTensor) and an autog
 calls ``bwd`` with the saved log-sum-exp (FlashAttention-2 recomputation).
 
 The CPU kernels' vector ISA is process-wide state of the extension (``cpu_set_isa``).
-``cpu_isa_pinned`` sets it around one call and restores it; the forward records the ISA it ran at
-and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is differentiated
+``cpu_isa_pinned`` sets it around one call and restores it; a forward inside such a block records
+the pinned ISA and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is differentiated
 by that ISA's kernels whatever the process default is.
 """
 
@@ -67,23 +67,30 @@ def _eager_cpu(t: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling() and hasattr(torch.ops.rag_attn, "cpu_isa"))
 
 
+_pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
+
+
 @contextlib.contextmanager
 def cpu_isa_pinned(isa: str | None):
     """Run the CPU kernels at ``isa`` inside the block, then restore the ISA in force; no effect for
-    None or under torch.compile."""
+    None or under torch.compile. One op call when ``isa`` is already in force, three otherwise."""
     if isa is None or torch.compiler.is_compiling() or not hasattr(torch.ops, "rag_attn") \
             or not hasattr(torch.ops.rag_attn, "cpu_isa"):
         yield
         return
     before = torch.ops.rag_attn.cpu_isa(False)
-    if before == isa:
-        yield
-        return
-    torch.ops.rag_attn.cpu_set_isa(isa)
+    outer, _pinned.isa = getattr(_pinned, "isa", None), isa
     try:
-        yield
+        if before == isa:
+            yield
+            return
+        torch.ops.rag_attn.cpu_set_isa(isa)
+        try:
+            yield
+        finally:
+            torch.ops.rag_attn.cpu_set_isa(before)
     finally:
-        torch.ops.rag_attn.cpu_set_isa(before)
+        _pinned.isa = outer
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -112,7 +119,7 @@ def _register_python_side() -> None:
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seg_offsets, cu_seqlens)
         ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
-        ctx.isa = torch.ops.rag_attn.cpu_isa(False) if _eager_cpu(q) else None  # the forward's ISA
+        ctx.isa = getattr(_pinned, "isa", None)  # the forward's pinned ISA (None: the process's)
         ctx.mark_non_differentiable(lse)
 
     def _backward(ctx, grad_out, grad_lse):

@@ -294,14 +294,16 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense", *, gr
         if not ok:
             raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
         return "fused", "requested"
-    if q.device.type == "cuda":
-        fixed = _auto_cuda(q, layout, ok, why)
-    elif not ok:
-        fixed = "sdpa", f"fused unavailable: {why}"
-    elif q.device.type != "cpu":
-        fixed = "fused", why
-    else:
-        fixed = _cpu_fixed_rule(q, layout)
+
+    def fixed() -> tuple[str, str]:
+        if q.device.type == "cuda":
+            return _auto_cuda(q, layout, ok, why)
+        if not ok:
+            return "sdpa", f"fused unavailable: {why}"
+        if q.device.type != "cpu":
+            return "fused", why
+        return _cpu_fixed_rule(q, layout)
+
     return _tuned(q, layout, grad, fixed, ok)
 
 
@@ -369,36 +371,38 @@ def _machine(device: str) -> tuple[str, dict]:
 
 
 def _tune_key(q: torch.Tensor, layout: str, grad: bool) -> _tune.Key:
-    S = q.shape[0] if layout == "packed" else q.shape[-2]  # packed: (T, H, D); the rest (B, H, S, D)
+    S = q.shape[0] if layout == "packed" else q.shape[-2]  # packed: (T, H, D), T tokens; else (B, H, S, D)
     return _tune.Key("fwd+bwd" if grad else "fwd", layout, str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
                      _tune.seq_bucket(S), torch.get_num_threads(), q.device.type)
 
 
-def _tuned(q: torch.Tensor, layout: str, grad: bool, fixed: tuple[str, str], fused_ok: bool) -> tuple[str, str]:
+def _tuned(q: torch.Tensor, layout: str, grad: bool, fixed, fused_ok: bool) -> tuple[str, str]:
     """``auto``'s measured choice for q's key (cached, else measured now when ``can_time``), or
-    ``fixed`` (the fixed rule) with the reason no measurement decides."""
+    ``fixed()`` (the fixed rule) with the reason no measurement decides. A decided key is memoised
+    per process (a dict lookup: no op call on the hot path)."""
     if not _tune.enabled():
-        return fixed
+        return fixed()
     names = _candidate_names(q, layout, fused_ok)
     if len(names) < 2:
-        return fixed
+        return fixed()
     key = _tune_key(q, layout, grad)
-    memo = _resolved.get(str(key))
-    if memo is not None and memo[0] == _tune.generation() and memo[1] == fixed:
-        return memo[2]
+    memo = _resolved.get((key, names))
+    if memo is not None and memo[0] == _tune.generation():
+        return memo[1]
+    rule = fixed()
     rec, why = _record(q, key, names, force=False)
     if rec is None:
-        return fixed[0], f"{fixed[1]}; not measured: {why}"
+        return rule[0], f"{rule[1]}; not measured: {why}"
     if rec["choice"] is None:
-        out = fixed[0], f"{fixed[1]}; no candidate agreed with the reference ({rec['rejected']})"
+        out = rule[0], f"{rule[1]}; no candidate agreed with the reference ({rec['rejected']})"
     else:
         ms = ", ".join(f"{n} {t:.3g}" for n, t in sorted(rec["ms"].items(), key=lambda kv: kv[1]))
-        out = rec["choice"], f"measured fastest for {key} (median ms: {ms})"
-    _resolved[str(key)] = (_tune.generation(), fixed, out)
+        out = rec["choice"], f"measured fastest for {key} (ms: {ms})"
+    _resolved[(key, names)] = (_tune.generation(), out)
     return out
 
 
-_resolved: dict[str, tuple] = {}  # key -> (autotune generation, fixed rule, choice and reason)
+_resolved: dict[tuple, tuple] = {}  # (key, candidates) -> (autotune generation, (choice, reason))
 
 
 def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict | None, str]:
@@ -421,7 +425,7 @@ def _tuning_case(key: _tune.Key, names) -> tuple[dict, list[torch.Tensor], float
 
     Heads: max(4, 2 x threads) on the CPU (every thread busy in every backend), 64 on CUDA. Masked
     layouts take the benchmark's shapes: retrieval 8 documents of S/10 and the query; packed four
-    sequences of S, S/2, S/4, S/4. Inputs come from a private generator (the global RNG stays).
+    sequences of T/2, T/4, T/8, T/8. Inputs come from a private generator (the global RNG stays).
     """
     S, D, dev = key.seq_bucket, key.head_dim, key.device
     dtype = getattr(torch, key.dtype)
@@ -429,10 +433,10 @@ def _tuning_case(key: _tune.Key, names) -> tuple[dict, list[torch.Tensor], float
     gen = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)  # noqa: E731
     kw: dict = {"causal": key.layout == "causal"}
-    if key.layout == "packed":
-        lens = [S, S // 2, S // 4, S // 4]
+    if key.layout == "packed":  # S is the total token count T here
+        lens = [S // 2, S // 4, S // 8, S - S // 2 - S // 4 - S // 8]
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        shape, kw = (int(cu[-1]), h, D), {"cu_seqlens": cu, "max_seqlen": S}
+        shape, kw = (S, h, D), {"cu_seqlens": cu, "max_seqlen": max(lens)}
     else:
         shape = (1, h, S, D)
         if key.layout == "retrieval":

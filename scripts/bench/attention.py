@@ -4,9 +4,16 @@ ratios and the ``auto`` choice, and peak extra memory.
     python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick] [--backward]
         [--dtypes float32,bfloat16] [--head-dims 64,128] [--no-flex]
 
-Every point times ``fused``, ``sdpa``, ``flex`` (compiled flex_attention with a cached block mask;
-compilation happens in the warm-up) and ``auto`` (whatever ``backend="auto"`` picks here) and
-reports each one's time over SDPA's (``ratios``: below 1 is faster than SDPA).
+Every point times ``fused`` at each vector ISA the CPU has (``fused:avx512``, ``fused:avx2``,
+``fused:generic``, capped by ``RAG_ATTN_ISA``; ``fused`` is the one the process runs by default),
+``sdpa``, ``flex`` (compiled flex_attention with a cached block mask; compilation happens in the
+warm-up) and ``auto`` (``backend="auto"``: measured on its first call, in the warm-up, into a fresh
+cache unless ``--autotune-cache`` names one) and reports each one's time over SDPA's (``ratios``:
+below 1 is faster than SDPA) and ``auto_vs_best``: the fastest of auto's candidates (the fused
+ISAs and SDPA) over auto's time (1 = auto took the fastest; the goal is >= 0.95).
+
+    python scripts/bench/attention.py --quick --dtypes float32 --head-dims 64 --no-flex \
+        --cases dense,causal,retrieval    # the autotune table of BENCHMARKS.md
 
 Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
 
@@ -34,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -80,6 +86,31 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         return (lambda: A.attention(q, k, v, seg_offsets=seg, backend=backend),
                 lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
     raise ValueError(case)
+
+
+def at_isa(fn, isa: str):
+    """``fn`` with the fused CPU kernels pinned to ``isa`` for the call."""
+
+    def run():
+        with A.pinned_isa(isa):
+            return fn()
+
+    return run
+
+
+def auto_probe(case: str, S: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of q's shape for ``A.select_backend`` (its key: packed takes (T, H, D))."""
+    if case == "packed":
+        return torch.empty(2 * S, H, D, dtype=dtype)  # lengths S, S/2, S/4, S/4: T = 2S
+    return torch.empty(1, H, S, D, dtype=dtype)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
@@ -206,7 +237,19 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--no-flex", action="store_true", help="skip flex (its first call per shape compiles)")
+    ap.add_argument("--cases", default="dense,causal,packed,retrieval", help="forward cases to time")
+    ap.add_argument("--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)")
     args = ap.parse_args()
+    from parallel.kernels import autotune
+
+    tmp_cache = None
+    if args.autotune_cache:
+        os.environ[autotune.CACHE_ENV] = args.autotune_cache
+    else:
+        import tempfile
+
+        tmp_cache = tempfile.mkdtemp(prefix="attn_autotune_")
+        os.environ[autotune.CACHE_ENV] = os.path.join(tmp_cache, "attn_autotune.json")
     if args.device == "cuda":
         return cuda_main(args)
 
@@ -221,9 +264,11 @@ def main() -> None:
     results = []
     if args.memory_only:
         seqs = []
+    default_isa = A.kernel_isa()
+    isas = list(A.ISAS[: A.ISAS.index(A._isa_cap()) + 1])
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for D in (int(d) for d in args.head_dims.split(",")):
-            cases = ["dense", "causal", "packed", "retrieval"] + (["dense+bwd", "causal+bwd"] if args.backward else [])
+            cases = args.cases.split(",") + (["dense+bwd", "causal+bwd"] if args.backward else [])
             for case in cases:
                 for S in seqs:
                     bwd = case.endswith("+bwd")
@@ -233,24 +278,29 @@ def main() -> None:
                         fns = {"fused": fused, "sdpa": sdpa}
                     else:
                         fused, sdpa, flops = make_case(case, S, D, dtype)
-                        fns = {"fused": fused, "sdpa": sdpa}
+                        fns = {f"fused:{isa}": at_isa(fused, isa) for isa in isas}
+                        fns["sdpa"] = sdpa
                         if flex_ok:
                             fns["flex"] = make_case(case, S, D, dtype, "flex")[0]
                         fns["auto"] = make_case(case, S, D, dtype, "auto")[0]
                     times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd)))
+                    if not bwd:
+                        times["fused"] = times[f"fused:{default_isa}"]
                     layout = case.removesuffix("+bwd")
-                    q = torch.empty(1, 1, 1, D, dtype=dtype)
                     row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
                                fused_tflops=flops / times["fused"] / 1e12, sdpa_tflops=flops / times["sdpa"] / 1e12,
                                speedup=times["sdpa"] / times["fused"],
                                **{f"{k}_ms": t * 1e3 for k, t in times.items()},
                                ratios={k: t / times["sdpa"] for k, t in times.items() if k != "sdpa"})
                     if not bwd:
-                        row["auto_picks"] = A.select_backend("auto", q, layout)[0]
+                        row["auto_picks"] = A.select_backend("auto", auto_probe(case, S, D, dtype), layout)[0]
+                        best = min(t for k, t in times.items() if k.startswith("fused:") or k == "sdpa")
+                        row["auto_vs_best"] = best / times["auto"]
                     results.append(row)
                     print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa']*1e3:7.2f} ms  "
                           + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
-                          + (f"  (auto -> {row['auto_picks']})" if not bwd else ""), flush=True)
+                          + (f"  (auto -> {row['auto_picks']}, best/auto {row['auto_vs_best']:.2f})"
+                             if not bwd else ""), flush=True)
     memory = []
     if not args.quick:
         for case in ("dense", "retrieval"):
@@ -272,20 +322,24 @@ def main() -> None:
             return None
         out = {k: statistics.median(r["ratios"][k] for r in rows) for k in rows[0]["ratios"]}
         out["auto_max"] = max(r["ratios"]["auto"] for r in rows) if "auto" in out else None
+        out["auto_vs_best_min"] = min((r["auto_vs_best"] for r in rows if "auto_vs_best" in r), default=None)
         out["auto_picks"] = sorted({r.get("auto_picks") for r in rows} - {None})
         return out
 
     cases = ("dense", "causal", "packed", "retrieval", "dense+bwd", "causal+bwd")
     dtypes = ("float32", "bfloat16")
+    model, flags = autotune._cpu_description()
     report = dict(
-        machine=dict(cpu=platform.processor() or platform.machine(), cpu_capability=A.cpu_capability(),
-                     threads=args.threads, torch=torch.__version__,
+        machine=dict(cpu=model, isa_flags=sorted(f for f in flags.split() if f.startswith(("avx", "fma"))),
+                     kernel_isa=default_isa, isa_cap=A._isa_cap(), threads=args.threads, torch=torch.__version__,
+                     commit=_commit(),
                      cores=os.cpu_count(), note="compare ratios within one run (other load shifts absolute times)"),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
-        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point",
+        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
+                   "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",
         ratio_summary={f"{c}/{d}": ratio_summary(c, d) for c in cases for d in dtypes
                        if ratio_summary(c, d) is not None},
         results=results, memory=memory,
@@ -295,6 +349,10 @@ def main() -> None:
         report["memory"] = memory
     Path(args.out).write_text(strict_dumps(report, indent=1))
     print(strict_dumps(report.get("ratio_summary"), indent=1))
+    if tmp_cache:
+        import shutil
+
+        shutil.rmtree(tmp_cache, ignore_errors=True)
 
 
 if __name__ == "__main__":
