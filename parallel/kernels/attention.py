@@ -13,8 +13,21 @@ Layouts (all tensors ``(B, H, S, D)`` unless said otherwise):
 
 The fused C++/CUDA kernels live in ``csrc/attention``; this module is their only Python face.
 ``flex`` is ``torch.nn.attention.flex_attention`` with a block mask per layout (``flex.py``).
-``auto`` picks per device, layout and CPU capability (``select_backend``) and logs the choice and
-its reason once per (layout, dtype).
+``auto`` is chosen by measurement (``select_backend``, ``autotune.py``): on the first call of a key
+(op, layout, dtype, head size, length bucket, threads) the candidates (the fused CPU kernel at
+every vector ISA, SDPA; on CUDA also the fused kernel and, for masked layouts, flex) are checked
+against ``reference_attention`` and timed for a bounded few milliseconds on the machine in use,
+and the fastest correct one is cached on disk per machine. ``RAG_MM_ATTN_AUTOTUNE=0``, and calls
+where nothing may be timed (torch.compile, fake / meta tensors, CUDA graph capture) without a
+cached choice, take the fixed rule: per device, layout and CPU capability (``CPU_AUTO_TABLE``,
+``_auto_cuda``). The choice and its reason are logged once per key.
+
+Under torch.distributed nothing is measured at a call: ranks reach the first call of a key at
+different moments (a pipeline stage may never reach it), so a collective there could deadlock and
+ranks timing alone could choose different kernels, which round differently. Instead every rank
+calls ``autotune(specs)`` at one well-defined point before the first step (a collective: rank 0
+measures or reads its cache, broadcasts, every rank installs rank 0's choices); keys it did not
+cover take the fixed rule on every rank.
 """
 
 from __future__ import annotations
@@ -23,7 +36,6 @@ import contextlib
 import logging
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -188,7 +200,8 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
 #   kernel skips masked blocks where SDPA takes a dense mask and computes every score).
 # * avx512: the fused kernel on every layout (AVX-512 micro-kernels, 1.5-4x SDPA on an AVX-512
 #   host; BENCHMARKS.md, "Attention kernels").
-# ISAs without a row use the generic row.
+# ISAs without a row use the generic row. The table is the fallback of ``auto``: measurement
+# (``_tuned``) decides unless RAG_MM_ATTN_AUTOTUNE=0 or nothing may be timed.
 CPU_AUTO_TABLE = {
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
     "avx2": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
@@ -323,9 +336,6 @@ def _cpu_fixed_rule(q: torch.Tensor, layout: str) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- measured auto
 # heads are dim 1 in every layout: (B, H, S, D) and packed (T, H, D)
 ISAS = ("generic", "avx2", "avx512")  # the fused CPU kernels' vector ISAs, lowest first
-# Agreement with the fp64 reference a candidate needs to be timed at all: max error over max |ref|
-# (autotune._max_rel_err). fp32 kernels land near 1e-6, bf16 / fp16 rounding near 1e-2.
-TUNE_TOL = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 _machines: dict[str, tuple[str, dict]] = {}
 _names_memo: dict[tuple, tuple[str, ...]] = {}
 
@@ -417,61 +427,7 @@ def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict |
     if not ok and not (force and why.startswith("torch.distributed")):
         return None, why
     with torch.autocast(q.device.type, enabled=False):
-        return _tune.tune(key, mid, desc, *_tuning_case(key, names)), "measured"
-
-
-def _tuning_case(key: _tune.Key, names) -> tuple[dict, list[torch.Tensor], float]:
-    """Inputs of ``key``'s bucket shape; (candidates, reference outputs, tolerance).
-
-    Heads: max(4, 2 x threads) on the CPU (every thread busy in every backend), 64 on CUDA. Masked
-    layouts take the benchmark's shapes: retrieval 8 documents of S/10 and the query; packed four
-    sequences of T/2, T/4, T/8, T/8. Inputs come from a private generator (the global RNG stays).
-    """
-    S, D, dev = key.seq_bucket, key.head_dim, key.device
-    dtype = getattr(torch, key.dtype)
-    h = min(32, max(4, 2 * key.threads)) if dev == "cpu" else 64
-    gen = torch.Generator().manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)  # noqa: E731
-    kw: dict = {"causal": key.layout == "causal"}
-    if key.layout == "packed":  # S is the total token count T here
-        lens = [S // 2, S // 4, S // 8, S - S // 2 - S // 4 - S // 8]
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        shape, kw = (S, h, D), {"cu_seqlens": cu, "max_seqlen": max(lens)}
-    else:
-        shape = (1, h, S, D)
-        if key.layout == "retrieval":
-            doc = max(1, S // 10)
-            kw = {"seg_offsets": torch.tensor([[i * doc for i in range(9)] + [S]], dtype=torch.int32, device=dev)}
-    q, k, v, g = (rnd(*shape) for _ in range(4))
-    grad = key.op == "fwd+bwd"
-    inputs = [t.requires_grad_(grad) for t in (q, k, v)]
-
-    def run(name, q, k, v):
-        if "cu_seqlens" in kw:
-            return _varlen_with(name, q, k, v, kw["cu_seqlens"], kw["max_seqlen"], False, None)
-        return _attention_with(name, q, k, v, kw.get("causal", False), kw.get("seg_offsets"), None)
-
-    def outputs(name, q, k, v, g):
-        if not grad:
-            with torch.no_grad():
-                return [run(name, q, k, v)]
-        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out = run(name, q, k, v)
-        return [out.detach(), *torch.autograd.grad(out, (q, k, v), g)]
-
-    ref = [[] for _ in range(4 if grad else 1)]  # fp64, one head at a time (an (S, S) matrix each)
-    for i in range(h):
-        head = [t.detach().narrow(1, i, 1).double() for t in (*inputs, g)]
-        for acc, t in zip(ref, outputs("reference", *head)):
-            acc.append(t)
-    ref = [torch.cat(parts, 1) for parts in ref]
-    cands = _candidates(names, lambda name: outputs(name, *inputs, g))
-    return cands, ref, TUNE_TOL.get(dtype, 1e-3)
-
-
-def _candidates(names, call) -> dict:
-    """name -> zero-argument callable returning the candidate's outputs (tests wrap this)."""
-    return {name: (lambda name=name: call(name)) for name in names}
+        return _tune.tune(key, mid, desc, *_tune.attention_case(key, names, _run_named)), "measured"
 
 
 @contextlib.contextmanager
@@ -484,16 +440,7 @@ def pinned_isa(isa: str | None):
         yield
 
 
-@dataclass(frozen=True)
-class TuneSpec:
-    """One attention call shape for ``autotune``: what the model will run."""
-
-    layout: str  # one of LAYOUTS
-    seq_len: int  # S (packed: total tokens T)
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-    grad: bool = True  # training: forward and backward are timed together
-    device: str = "cpu"
+TuneSpec = _tune.TuneSpec
 
 
 def autotune(specs: list[TuneSpec], group=None) -> dict[str, str]:
@@ -532,6 +479,13 @@ def _scale(q, scale):
 
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _run_named(name: str, q, k, v, kw: dict):
+    """Backend ``name`` on one tuning case (``autotune.attention_case``'s keyword arguments)."""
+    if "cu_seqlens" in kw:
+        return _varlen_with(name, q, k, v, kw["cu_seqlens"], kw["max_seqlen"], False, None)
+    return _attention_with(name, q, k, v, kw.get("causal", False), kw.get("seg_offsets"), None)
 
 
 def _split(chosen: str) -> tuple[str, str | None]:

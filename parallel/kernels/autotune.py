@@ -1,8 +1,8 @@
 """Backend choice by measurement: time the candidates once per key, keep the fastest correct one.
 
-``attention.py`` asks this module which backend ``auto`` runs; this module knows nothing of
-attention itself (no import of it): the caller hands it the key, the candidates as callables, a
-reference and a tolerance.
+``attention.py`` asks this module which backend ``auto`` runs. This module builds the tuning
+inputs of a key (``attention_case``) but does not import ``attention.py``: the caller hands it the
+function that runs a backend by name.
 
 Key: op (``fwd`` or ``fwd+bwd``), layout, dtype, head size, sequence-length bucket (next power of
 two), thread count (``torch.get_num_threads()``) and device type. The same key on another machine
@@ -230,6 +230,76 @@ def pin(records: dict[str, dict]) -> None:
         _generation += 1
 
 
+# ----------------------------------------------------------------------------- attention cases
+# Agreement with the fp64 reference a candidate needs to be timed at all: max error over max |ref|
+# (``_max_rel_err``). fp32 kernels land near 1e-6, bf16 / fp16 rounding near 1e-2.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """One attention call shape for ``attention.autotune``: what the model will run."""
+
+    layout: str  # one of attention.LAYOUTS
+    seq_len: int  # S (packed: total tokens T)
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    grad: bool = True  # training: forward and backward are timed together
+    device: str = "cpu"
+
+
+def attention_case(key: Key, names, run) -> tuple[dict, list[torch.Tensor], float]:
+    """Inputs of ``key``'s bucket shape; (candidates, reference outputs, tolerance).
+
+    ``run(name, q, k, v, kw)`` runs backend ``name`` (``"reference"`` included) on the case, ``kw``
+    holding ``causal``, ``seg_offsets`` or ``cu_seqlens`` / ``max_seqlen``.
+
+    Heads: max(4, 2 x threads) on the CPU (every thread busy in every backend), 64 on CUDA. Masked
+    layouts take the benchmark's shapes: retrieval 8 documents of S/10 and the query; packed four
+    sequences of T/2, T/4, T/8, T/8. Inputs come from a private generator (the global RNG stays).
+    """
+    S, D, dev = key.seq_bucket, key.head_dim, key.device
+    dtype = getattr(torch, key.dtype)
+    h = min(32, max(4, 2 * key.threads)) if dev == "cpu" else 64
+    gen = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=dev, dtype=dtype)  # noqa: E731
+    kw: dict = {"causal": key.layout == "causal"}
+    if key.layout == "packed":  # S is the total token count T here
+        lens = [S // 2, S // 4, S // 8, S - S // 2 - S // 4 - S // 8]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        shape, kw = (S, h, D), {"cu_seqlens": cu, "max_seqlen": max(lens)}
+    else:
+        shape = (1, h, S, D)
+        if key.layout == "retrieval":
+            doc = max(1, S // 10)
+            kw = {"seg_offsets": torch.tensor([[i * doc for i in range(9)] + [S]], dtype=torch.int32, device=dev)}
+    q, k, v, g = (rnd(*shape) for _ in range(4))
+    grad = key.op == "fwd+bwd"
+    inputs = [t.requires_grad_(grad) for t in (q, k, v)]
+
+    def outputs(name, q, k, v, g):
+        if not grad:
+            with torch.no_grad():
+                return [run(name, q, k, v, kw)]
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = run(name, q, k, v, kw)
+        return [out.detach(), *torch.autograd.grad(out, (q, k, v), g)]
+
+    ref = [[] for _ in range(4 if grad else 1)]  # fp64, one head at a time (an (S, S) matrix each)
+    for i in range(h):
+        head = [t.detach().narrow(1, i, 1).double() for t in (*inputs, g)]
+        for acc, t in zip(ref, outputs("reference", *head)):
+            acc.append(t)
+    ref = [torch.cat(parts, 1) for parts in ref]
+    cands = candidates(names, lambda name: outputs(name, *inputs, g))
+    return cands, ref, TOLERANCE.get(dtype, 1e-3)
+
+
+def candidates(names, call) -> dict:
+    """name -> zero-argument callable returning the candidate's outputs (tests wrap this)."""
+    return {name: (lambda name=name: call(name)) for name in names}
+
+
 # ----------------------------------------------------------------------------- measuring
 def _max_rel_err(got, want) -> float:
     """max |got - want| / max(max |want|, 1), over a list of tensors (NaN counts as infinite)."""
@@ -310,8 +380,18 @@ def share(local: Callable[[], dict[str, dict]], group=None) -> dict[str, dict]:
         records = local()
     else:
         src = d.get_global_rank(group, 0) if group is not None else 0
-        box = [local() if d.get_rank() == src else None]
+        box, err = [None], None
+        if d.get_rank() == src:
+            try:
+                box[0] = local()
+            except Exception as e:  # tell the other ranks instead of leaving them in the broadcast
+                err = e
+                box[0] = {"__error__": f"{type(e).__name__}: {e}"}
         d.broadcast_object_list(box, src=src, group=group)
+        if err is not None:
+            raise err
         records = box[0]
+        if "__error__" in records:
+            raise RuntimeError(f"attention autotune failed on rank {src}: {records['__error__']}")
     pin(records)
     return records

@@ -129,8 +129,10 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
     return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
 
 
-def time_many(fns, reps: int, grad: bool = False) -> list[float]:
-    """Median seconds per call of each fn, calls interleaved (a load spike hits all alike)."""
+def time_many(fns, reps: int, grad: bool = False, stat=statistics.median) -> list[float]:
+    """Seconds per call of each fn (``stat`` of the timed calls: median, or ``min`` for the fastest
+    call, which other load on a shared machine can only lengthen), calls interleaved (a load spike
+    hits all alike)."""
     ctx = torch.enable_grad if grad else torch.no_grad
     with ctx():
         for fn in fns:  # warm-up: builds, compiles, block masks
@@ -142,7 +144,7 @@ def time_many(fns, reps: int, grad: bool = False) -> list[float]:
             with ctx():
                 fn()
             acc.append(time.perf_counter() - t)
-    return [statistics.median(t) for t in times]
+    return [stat(t) for t in times]
 
 
 def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: int) -> float:
@@ -238,6 +240,8 @@ def main() -> None:
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--no-flex", action="store_true", help="skip flex (its first call per shape compiles)")
     ap.add_argument("--cases", default="dense,causal,packed,retrieval", help="forward cases to time")
+    ap.add_argument("--stat", default="median", choices=["median", "min"],
+                    help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)")
     ap.add_argument("--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)")
     args = ap.parse_args()
     from parallel.kernels import autotune
@@ -254,6 +258,7 @@ def main() -> None:
         return cuda_main(args)
 
     torch.set_num_threads(args.threads)
+    stat = min if args.stat == "min" else statistics.median
     ok, why = A.fused_available()
     if not ok:
         sys.exit(f"fused attention unavailable: {why}")
@@ -283,7 +288,7 @@ def main() -> None:
                         if flex_ok:
                             fns["flex"] = make_case(case, S, D, dtype, "flex")[0]
                         fns["auto"] = make_case(case, S, D, dtype, "auto")[0]
-                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd)))
+                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd, stat=stat)))
                     if not bwd:
                         times["fused"] = times[f"fused:{default_isa}"]
                     layout = case.removesuffix("+bwd")
@@ -337,6 +342,7 @@ def main() -> None:
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
+        stat=f"{args.stat} of {args.reps} interleaved timed calls per point", command=" ".join(sys.argv),
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
         ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
                    "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",

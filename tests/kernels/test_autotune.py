@@ -51,7 +51,7 @@ def _q(S=64, D=64):
     return torch.randn(1, 2, S, D)
 
 
-_REAL_CANDIDATES = A._candidates
+_REAL_CANDIDATES = T.candidates
 
 
 def _only(monkeypatch, keep, slow=None, wrong=None):
@@ -69,7 +69,7 @@ def _only(monkeypatch, keep, slow=None, wrong=None):
             cands[wrong] = lambda: [torch.zeros(s) for s in shapes]
         return cands
 
-    monkeypatch.setattr(A, "_candidates", fake)
+    monkeypatch.setattr(T, "candidates", fake)
 
 
 def test_picks_the_faster_candidate(tuner, monkeypatch):
@@ -183,7 +183,7 @@ def _ranks_use_rank0_choice(rank, world, cache_dir):
     disagree; after ``autotune`` both run rank 0's choice (the fused kernel)."""
     os.environ[T.CACHE_ENV] = os.path.join(cache_dir, f"rank{rank}.json")
     pair = ("sdpa", "fused:generic")
-    real = A._candidates
+    real = T.candidates
 
     def fake(names, call):
         cands = {n: f for n, f in real(names, call).items() if n in pair}
@@ -191,7 +191,7 @@ def _ranks_use_rank0_choice(rank, world, cache_dir):
         cands[pair[rank]] = lambda: (time.sleep(0.01), f())[1]
         return cands
 
-    A._candidates = fake
+    T.candidates = fake
     q = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))  # the same on both ranks
     before = A.select_backend("auto", q, "dense")  # no lazy timing under torch.distributed
     chosen = A.autotune([A.TuneSpec("dense", 64, 64, grad=False)])
