@@ -12,13 +12,15 @@ flags (and GPU name / capability on CUDA), the torch version and the fused kerne
 Measuring (``measure``): every candidate runs once on inputs of the key's bucket shape (warm-up,
 lazy initialisation) and its output (and gradients for ``fwd+bwd``) is compared with the
 reference; a candidate that disagrees or raises is dropped and can never win. The survivors are
-then timed interleaved (a load spike hits all alike); each is scored by its fastest call, since
-other load only ever adds time (on a shared machine a median of a few calls still carries
-descheduling spikes of several milliseconds). The bound: rounds stop
-once every candidate has had ``MIN_REPS`` timed calls and ``BUDGET_S`` of timed calls each, or
-``TOTAL_CAP_S`` of timed calls have passed over all candidates, or ``MAX_REPS`` rounds ran. So a
-key costs the warm-up calls plus at most max(MIN_REPS calls, BUDGET_S) per candidate, once per
-machine: the choice is cached.
+then timed interleaved, in an order rotated every round (a load spike hits all alike), and each is
+scored by its fastest call: other load only ever adds time, and on a shared machine a median of a
+few calls still carries descheduling spikes of several milliseconds. With one CPU thread the clock
+is the thread's CPU time (time slices lost to other processes do not count), with several threads
+or on CUDA wall time. The bound: rounds stop once every candidate has had ``MIN_REPS`` timed calls
+and ``BUDGET_S`` of timed calls each, or ``TOTAL_CAP_S`` of timed calls have passed over all
+candidates, or ``MAX_REPS`` rounds ran. So a key costs the check calls, the fp64 reference, and at
+most max(MIN_REPS calls, BUDGET_S) per candidate (``TOTAL_CAP_S`` over all), once per machine: the
+choice is cached.
 
 Cache: a JSON file, ``$RAG_MM_ATTN_AUTOTUNE_CACHE`` or ``~/.cache/rag_mm/attn_autotune.json``,
 read once per process and rewritten atomically (temporary file + ``os.replace``) after each
@@ -338,13 +340,20 @@ def measure(key: Key, candidates: dict[str, Callable[[], list[torch.Tensor]]], r
             ok[name] = fn
     times = {name: [] for name in ok}
     total, rounds = 0.0, 0
+    # One CPU thread: the thread's CPU time, which time slices lost to other processes do not
+    # lengthen (a call longer than a scheduler slice on a busy machine has no undisturbed wall
+    # time to find); several threads or a GPU: wall time.
+    clock = time.thread_time if key.device == "cpu" and key.threads == 1 else time.perf_counter
+    order = list(ok.items())
     while ok and rounds < MAX_REPS:
-        for name, fn in ok.items():
+        # rotated every round: a call right after another candidate (its allocations, its cache
+        # footprint) runs differently, so each candidate takes each position in turn
+        for name, fn in order[rounds % len(order):] + order[: rounds % len(order)]:
             _sync(key.device)
-            t = time.perf_counter()
+            t = clock()
             fn()
             _sync(key.device)
-            dt = time.perf_counter() - t
+            dt = clock() - t
             times[name].append(dt)
             total += dt
         rounds += 1

@@ -60,6 +60,12 @@ H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implemen
 
 def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fused"):
     """Returns (backend_fn, sdpa_fn, useful_flops); ``backend`` is any of ``A.BACKENDS``."""
+    fns, sdpa, flops = make_fns(case, S, D, dtype, (backend,))
+    return fns[backend], sdpa, flops
+
+
+def make_fns(case: str, S: int, D: int, dtype: torch.dtype, backends):
+    """({backend: fn}, sdpa_fn, useful_flops), every fn on the same inputs (equally warm in cache)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     scale = D**-0.5
@@ -67,7 +73,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         c = case == "causal"
         flops = 4 * S * S * H * D / (2 if c else 1)
-        return (lambda: A.attention(q, k, v, causal=c, backend=backend),
+        return ({b: (lambda b=b: A.attention(q, k, v, causal=c, backend=b)) for b in backends},
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale), flops)
     if case == "packed":
         lens = [S, S // 2, S // 4, S // 4]  # mean S/2: 50% padding when padded to S
@@ -75,7 +81,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         T = int(cu[-1])
         q, k, v = (rnd(T, H, D) for _ in range(3))
         flops = sum(4 * L * L * H * D for L in lens)
-        return (lambda: A.varlen_attention(q, k, v, cu, S, backend=backend),
+        return ({b: (lambda b=b: A.varlen_attention(q, k, v, cu, S, backend=b)) for b in backends},
                 lambda: A.sdpa_varlen_attention(q, k, v, cu, S), flops)
     if case == "retrieval":
         doc, n_docs = S // 10, 8
@@ -83,7 +89,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         seg = torch.tensor([bounds], dtype=torch.int32)
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         pairs = int(A.layout_mask(seg, S).sum())
-        return (lambda: A.attention(q, k, v, seg_offsets=seg, backend=backend),
+        return ({b: (lambda b=b: A.attention(q, k, v, seg_offsets=seg, backend=b)) for b in backends},
                 lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
     raise ValueError(case)
 
@@ -129,21 +135,25 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
     return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
 
 
-def time_many(fns, reps: int, grad: bool = False, stat=statistics.median) -> list[float]:
+def time_many(fns, reps: int, grad: bool = False, stat=statistics.median, clock=time.perf_counter) -> list[float]:
     """Seconds per call of each fn (``stat`` of the timed calls: median, or ``min`` for the fastest
-    call, which other load on a shared machine can only lengthen), calls interleaved (a load spike
-    hits all alike)."""
+    call, which other load on a shared machine can only lengthen; ``clock``: wall time, or
+    ``time.thread_time`` for one thread's CPU time), calls interleaved (a load spike hits all alike)
+    in an order rotated every round."""
     ctx = torch.enable_grad if grad else torch.no_grad
     with ctx():
         for fn in fns:  # warm-up: builds, compiles, block masks
             fn()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, acc in zip(fns, times):
-            t = time.perf_counter()
+    order = list(zip(fns, times))
+    for r in range(reps):
+        # rotated each round: what runs right after another implementation (its allocations, its
+        # cache footprint) differs by position, so every fn takes every position in turn
+        for fn, acc in order[r % len(order):] + order[: r % len(order)]:
+            t = clock()
             with ctx():
                 fn()
-            acc.append(time.perf_counter() - t)
+            acc.append(clock() - t)
     return [stat(t) for t in times]
 
 
@@ -242,6 +252,9 @@ def main() -> None:
     ap.add_argument("--cases", default="dense,causal,packed,retrieval", help="forward cases to time")
     ap.add_argument("--stat", default="median", choices=["median", "min"],
                     help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the calling thread's CPU time, not wall time (needs --threads 1; what "
+                         "auto's measurement uses with one thread): other processes' load does not count")
     ap.add_argument("--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)")
     args = ap.parse_args()
     from parallel.kernels import autotune
@@ -259,6 +272,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     stat = min if args.stat == "min" else statistics.median
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU time)")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     ok, why = A.fused_available()
     if not ok:
         sys.exit(f"fused attention unavailable: {why}")
@@ -282,13 +298,13 @@ def main() -> None:
                         fused, sdpa, flops = make_train_case(case.removesuffix("+bwd"), S, D, dtype)
                         fns = {"fused": fused, "sdpa": sdpa}
                     else:
-                        fused, sdpa, flops = make_case(case, S, D, dtype)
-                        fns = {f"fused:{isa}": at_isa(fused, isa) for isa in isas}
+                        by, sdpa, flops = make_fns(case, S, D, dtype, ("fused", "auto") + (("flex",) if flex_ok else ()))
+                        fns = {f"fused:{isa}": at_isa(by["fused"], isa) for isa in isas}
                         fns["sdpa"] = sdpa
                         if flex_ok:
-                            fns["flex"] = make_case(case, S, D, dtype, "flex")[0]
-                        fns["auto"] = make_case(case, S, D, dtype, "auto")[0]
-                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd, stat=stat)))
+                            fns["flex"] = by["flex"]
+                        fns["auto"] = by["auto"]
+                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd, stat=stat, clock=clock)))
                     if not bwd:
                         times["fused"] = times[f"fused:{default_isa}"]
                     layout = case.removesuffix("+bwd")
@@ -342,7 +358,8 @@ def main() -> None:
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
-        stat=f"{args.stat} of {args.reps} interleaved timed calls per point", command=" ".join(sys.argv),
+        stat=f"{args.stat} of {args.reps} interleaved timed calls per point, "
+             + ("the thread's CPU time" if args.cpu_time else "wall time"), command=" ".join(sys.argv),
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
         ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
                    "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",

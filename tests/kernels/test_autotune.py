@@ -54,8 +54,15 @@ def _q(S=64, D=64):
 _REAL_CANDIDATES = T.candidates
 
 
+def _burn(seconds: float = 0.01) -> None:
+    """Busy for ``seconds`` of CPU time (a sleep would not count: one thread is timed by CPU time)."""
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
+        pass
+
+
 def _only(monkeypatch, keep, slow=None, wrong=None):
-    """Restrict the candidates to ``keep``; ``slow`` sleeps 10 ms per call, ``wrong`` returns zeros
+    """Restrict the candidates to ``keep``; ``slow`` burns 10 ms per call, ``wrong`` returns zeros
     at once (the fastest candidate, and a wrong one)."""
     real = _REAL_CANDIDATES
 
@@ -63,7 +70,7 @@ def _only(monkeypatch, keep, slow=None, wrong=None):
         cands = {n: f for n, f in real(names, call).items() if n in keep}
         if slow in cands:
             f = cands[slow]
-            cands[slow] = lambda f=f: (time.sleep(0.01), f())[1]
+            cands[slow] = lambda f=f: (_burn(), f())[1]
         if wrong in cands:
             shapes = [t.shape for t in cands[wrong]()]
             cands[wrong] = lambda: [torch.zeros(s) for s in shapes]
@@ -188,7 +195,7 @@ def _ranks_use_rank0_choice(rank, world, cache_dir):
     def fake(names, call):
         cands = {n: f for n, f in real(names, call).items() if n in pair}
         f = cands[pair[rank]]
-        cands[pair[rank]] = lambda: (time.sleep(0.01), f())[1]
+        cands[pair[rank]] = lambda: (_burn(), f())[1]
         return cands
 
     T.candidates = fake
