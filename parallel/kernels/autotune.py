@@ -66,9 +66,10 @@ ENV = "RAG_MM_ATTN_AUTOTUNE"  # "0": never measure, the caller's fixed rule deci
 CACHE_ENV = "RAG_MM_ATTN_AUTOTUNE_CACHE"  # path of the JSON cache file
 FORMAT = 1  # cache file layout version; another version is ignored and rewritten
 
-# The time bound of one key (see the module doc): each candidate gets MIN_REPS timed calls and
-# BUDGET_S of timed calls (a few milliseconds: tens of calls of a small shape, a few of a long
-# one); TOTAL_CAP_S caps the timed calls of all candidates together, MAX_REPS the rounds.
+# The time bound of one key (see the module doc): each candidate gets MIN_REPS timed calls (the
+# fastest of 5 steadies the score on a busy machine) and BUDGET_S of timed calls (tens of calls of
+# a small shape, MIN_REPS of a long one); TOTAL_CAP_S caps the timed calls of all candidates
+# together, MAX_REPS the rounds. Paid once per key and machine: the choice is cached.
 BUDGET_S = 0.03
 MIN_REPS = 5
 MAX_REPS = 30
