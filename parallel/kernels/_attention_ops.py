@@ -12,8 +12,8 @@ calls ``bwd`` with the saved log-sum-exp (FlashAttention-2 recomputation).
 
 The CPU kernels' vector ISA is process-wide state of the extension (``cpu_set_isa``).
 ``cpu_isa_pinned`` sets it around one call and restores it; a forward inside such a block records
-the pinned ISA and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is differentiated
-by that ISA's kernels whatever the process default is.
+the pinned ISA and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is
+differentiated by that ISA's kernels whatever the process default is.
 """
 
 from __future__ import annotations
