@@ -298,7 +298,8 @@ def main() -> None:
                         fused, sdpa, flops = make_train_case(case.removesuffix("+bwd"), S, D, dtype)
                         fns = {"fused": fused, "sdpa": sdpa}
                     else:
-                        by, sdpa, flops = make_fns(case, S, D, dtype, ("fused", "auto") + (("flex",) if flex_ok else ()))
+                        names = ("fused", "auto") + (("flex",) if flex_ok else ())
+                        by, sdpa, flops = make_fns(case, S, D, dtype, names)
                         fns = {f"fused:{isa}": at_isa(by["fused"], isa) for isa in isas}
                         fns["sdpa"] = sdpa
                         if flex_ok:
