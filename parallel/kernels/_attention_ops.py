@@ -9,10 +9,16 @@ The ops themselves are declared in ``csrc/attention/attention.cpp``:
 This module builds the extension on first use (cached under ``_build.cache_dir()``), then gives
 the ops a fake kernel (shapes only, for torch.compile / FakeTensor) and an autograd formula that
 calls ``bwd`` with the saved log-sum-exp (FlashAttention-2 recomputation).
+
+The CPU kernels' vector ISA is process-wide state of the extension (``cpu_set_isa``).
+``cpu_isa_pinned`` sets it around one call and restores it; a forward inside such a block records
+the pinned ISA and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is
+differentiated by that ISA's kernels whatever the process default is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -54,6 +60,39 @@ def load() -> BuildResult:
         return _result
 
 
+def _eager_cpu(t: torch.Tensor) -> bool:
+    """A real CPU tensor outside tracing: where the ISA may be read and set (no fake / functional
+    tensors, no torch.compile graph)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and not torch.compiler.is_compiling() and hasattr(torch.ops.rag_attn, "cpu_isa"))
+
+
+_pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
+
+
+@contextlib.contextmanager
+def cpu_isa_pinned(isa: str | None):
+    """Run the CPU kernels at ``isa`` inside the block, then restore the ISA in force; no effect for
+    None or under torch.compile. One op call when ``isa`` is already in force, three otherwise."""
+    if isa is None or torch.compiler.is_compiling() or not hasattr(torch.ops, "rag_attn") \
+            or not hasattr(torch.ops.rag_attn, "cpu_isa"):
+        yield
+        return
+    before = torch.ops.rag_attn.cpu_isa(False)
+    outer, _pinned.isa = getattr(_pinned, "isa", None), isa
+    try:
+        if before == isa:
+            yield
+            return
+        torch.ops.rag_attn.cpu_set_isa(isa)
+        try:
+            yield
+        finally:
+            torch.ops.rag_attn.cpu_set_isa(before)
+    finally:
+        _pinned.isa = outer
+
+
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -80,13 +119,15 @@ def _register_python_side() -> None:
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seg_offsets, cu_seqlens)
         ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+        ctx.isa = getattr(_pinned, "isa", None)  # the forward's pinned ISA (None: the process's)
         ctx.mark_non_differentiable(lse)
 
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, seg_offsets, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.rag_attn.bwd(
-            grad_out, q, k, v, out, lse, seg_offsets, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale
-        )
+        with cpu_isa_pinned(ctx.isa if _eager_cpu(q) else None):
+            dq, dk, dv = torch.ops.rag_attn.bwd(
+                grad_out, q, k, v, out, lse, seg_offsets, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale
+            )
         return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd("rag_attn::fwd", _backward, setup_context=_setup_context)
