@@ -127,10 +127,9 @@ def _where() -> str:
     for fr in reversed(stack):
         if fr.filename.startswith(PROJECT):
             return f"{Path(fr.filename).relative_to(REPO)}:{fr.lineno} in {fr.name}"
-    lib = [fr for fr in stack if fr.filename != __file__ and "/torch/utils/" not in fr.filename
-           and not fr.filename.endswith("torch/_ops.py")]
-    fr = lib[-1] if lib else stack[-1]
-    return f"{fr.filename.rsplit('site-packages/', 1)[-1]}:{fr.lineno} in {fr.name} (outside the project)"
+    caller = [fr for fr in stack if fr.filename != __file__ and "/torch/" not in fr.filename]  # torch's own: skipped
+    fr = caller[-1] if caller else stack[-1]
+    return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} in {fr.name} (outside the project)"
 
 
 @contextlib.contextmanager
