@@ -142,8 +142,8 @@ class ParallelModel(nn.Module):
         output's ``loss``). The step loss is ``sum_i w_i loss_i / sum_i w_i`` with ``w_i =
         weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means), a number or a
         tensor (on an accelerator a tensor stays there: no host sync; a zero sum is then not
-        caught); gradients are those of that loss. A per-token mean loss gives the full-batch mean when ``w_i`` is the
-        microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
+        caught); gradients are those of that loss. A per-token mean loss gives the full-batch
+        mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
         ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
 
         Mixed precision: call it inside ``torch.autocast(...)`` as one wraps a forward. The
