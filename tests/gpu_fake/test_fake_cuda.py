@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parallel
 from parallel.config import ParallelConfig
@@ -130,7 +130,8 @@ def test_audit_boolean_mask_and_device_mismatch():
         with pytest.raises(Exception, match="nonzero|dynamic"), audit:
             x[x > 0]  # a boolean mask: its size is read back; counted, then raised (no stand-in)
         assert audit.syncs and "output size read back" in audit.syncs[0].op
-        with pytest.raises(FakeTensorDeviceMismatchError):
+        # torch's FakeTensorDeviceMismatchError is a RuntimeError naming both devices
+        with pytest.raises(RuntimeError, match="(?i)device"):
             x + torch.randn(4, device="cpu")
 
 
