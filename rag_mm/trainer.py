@@ -33,6 +33,7 @@ from rag_mm.distributed import (
 )
 from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger, json_safe
+from rag_mm.nonfinite import NonFiniteGuard
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.spread import SpreadRag
 from rag_mm.watchdog import Watchdog
@@ -319,7 +320,9 @@ class Trainer:
         it = iter(self._stream("train", train=True, skip_batches=self.consumed))
         accum = c.optim.grad_accum
         samples_per_step = c.data.batch_size * accum * self.data_size
-        bad_steps, window_t, window_steps = 0, time.perf_counter(), 0
+        window_t, window_steps = time.perf_counter(), 0
+        # skips non-finite steps; on an accelerator decided on the device, read at log steps
+        nonfinite = NonFiniteGuard(self.opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
         # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
         # (allocator growth, lazy initialisation), written once; recorded on that step only
@@ -359,15 +362,9 @@ class Trainer:
                 gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
                 # every rank must take the same decision, so agree on finiteness
                 self.watch.at("all_reduce: non-finite check")
-                finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))
-                if finite.item() < self.env.world_size:
+                if not nonfinite.check(self.step, loss_sum, gnorm):  # skipped on the host: not counted
                     self.opt.zero_grad(set_to_none=True)
-                    bad_steps += 1
-                    log.warning("non-finite loss or gradient at step %d: step skipped (%d in a row)", self.step, bad_steps)
-                    if bad_steps > MAX_NONFINITE_STEPS:
-                        raise FloatingPointError(f"{bad_steps} consecutive non-finite steps: aborting (lower optim.lr?)")
                     continue
-                bad_steps = 0
                 self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
@@ -381,6 +378,7 @@ class Trainer:
                 if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
                     abandoned, _ = self._abandonable(self.refresh_index)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    nonfinite.flush()  # the device path's skipped steps: logged now, abort if too many
                     self.watch.at("all_reduce: training loss")
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
                     elapsed = time.perf_counter() - window_t
