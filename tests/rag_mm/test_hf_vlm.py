@@ -137,6 +137,7 @@ def test_builds_from_a_save_pretrained_directory(tmp_path):
 
 @pytest.mark.parametrize("preset", ["llava1_5_7b", "paligemma_3b"])
 def test_presets_on_meta_have_the_public_parameter_counts(preset):
+    from rag_mm import plan as rplan
     from rag_mm.config import compose
     from rag_mm.model.factory import build_reader, count_parameters
     from rag_mm.model.vlm_presets import PUBLIC_PARAMETERS
@@ -149,11 +150,29 @@ def test_presets_on_meta_have_the_public_parameter_counts(preset):
     assert abs(n - public) <= 0.01 * public, (preset, n, public)
     assert reader.encode_images(torch.empty(1, 3, cfg.model.image_size, cfg.model.image_size, device="meta")).shape[1] \
         == {"llava1_5_7b": 576, "paligemma_3b": 256}[preset]
+    # tp divides the VLM's own heads: Vicuna's 32 and CLIP-L's 16; Gemma-2B has one key/value head
+    assert rplan.tp_divisor(cfg) == {"llava1_5_7b": 16, "paligemma_3b": 1}[preset]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["llava1_5_7b", "paligemma_3b"])
+def test_the_planner_lays_the_presets_out_on_16_nodes_of_8_gpus(preset):
+    """``python -m rag_mm.plan model=<preset> cluster=h100 cluster.nodes=16``: a fitting layout
+    rag_mm accepts (minutes on a loaded 2-core host: the trace and ~2700 layouts)."""
+    from parallel.cluster import Cluster
+    from rag_mm import plan as rplan
+    from rag_mm.config import compose
+
+    cfg = compose([f"model={preset}", "retriever.top_k=1", "run_dir=/tmp/unused"])
+    cluster = Cluster.preset("h100", nodes=16)
+    p = rplan.plan(cfg, cluster, rplan.default_global_batch(cfg, cluster.world))
+    assert rplan.runnable(cfg, p, cluster.world, 1), p.table(5)
 
 
 def test_what_is_no_vlm_is_refused_by_name(tmp_path):
     """A directory holding a causal LM, a config of a family with multimodal rotary positions,
-    an unknown vlm_config: a message that names the key and why, no traceback."""
+    an unknown vlm_config: a message that names the key and why (``build_rag`` turns it into the
+    ``ConfigError`` the entry points print without a traceback)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rag_mm.config import ConfigError, compose, validate
@@ -173,3 +192,9 @@ def test_what_is_no_vlm_is_refused_by_name(tmp_path):
                      (["model.vlm_config=nosuch"], "model.vlm_config='nosuch' is none of")]:
         with pytest.raises(ConfigError, match=why):
             validate(compose(["model=hf_vlm", "run_dir=/tmp/unused", *bad]))
+    from rag_mm.build import build_rag
+
+    cfg = compose(["model=hf_vlm", "run_dir=/tmp/unused", f"model.pretrained={tmp_path / 'lm'}"])
+    validate(cfg)  # a config.json is there: only building the model tells
+    with pytest.raises(ConfigError, match="not a vision-language model"):
+        build_rag(cfg, torch.device("cpu"))
