@@ -5,6 +5,7 @@ with its image processor, the public presets on the meta device, and inputs that
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -58,10 +59,23 @@ def _own_logits(reader, x: dict) -> torch.Tensor:
     return torch.log_softmax(torch.cat(rows).float(), -1)
 
 
-@pytest.mark.parametrize("family", ["llava", "paligemma"])
-def test_no_documents_equals_the_vlms_own_forward(family):
+# Gemma 3 from a config.json (model.vlm_config=PATH): SigLIP, pooling to 4 tokens per picture,
+# Gemma 3 text (q/k norms, sliding-window layers whose window exceeds the sequence)
+GEMMA3 = dict(model_type="gemma3", image_token_index=VOCAB, mm_tokens_per_image=4,
+              text_config=dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB + 1,
+                               sliding_window=512),
+              vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8))
+
+
+@pytest.mark.parametrize("family", ["llava", "paligemma", "gemma3"])
+def test_no_documents_equals_the_vlms_own_forward(family, tmp_path):
     """Closed book, the reader's answer log-probabilities are the VLM's own forward on the same
     picture, question and answer (its processor, tower, projector, placeholders and eager attention)."""
+    if family == "gemma3":
+        (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
+        family = str(tmp_path)
     reader = tiny_vlm_reader(family)
     x = reader_inputs(k=0, vocab=VOCAB)
     with torch.no_grad():
