@@ -28,6 +28,7 @@ import json
 import logging
 import math
 from pathlib import Path
+
 import torch
 import torch.nn as nn
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from rag_mm.config import ModelConfig
-from rag_mm.model.layout import IGNORE
 from tests.rag_mm.hf_cases import reader_inputs
 
 VOCAB = 512  # the tokenizer's; the small configs add one row for the image placeholder
