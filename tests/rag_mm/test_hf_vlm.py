@@ -167,11 +167,10 @@ def test_presets_on_meta_have_the_public_parameter_counts(preset):
     assert rplan.tp_divisor(cfg) == {"llava1_5_7b": 16, "paligemma_3b": 1}[preset]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["llava1_5_7b", "paligemma_3b"])
 def test_the_planner_lays_the_presets_out_on_16_nodes_of_8_gpus(preset):
     """``python -m rag_mm.plan model=<preset> cluster=h100 cluster.nodes=16``: a fitting layout
-    rag_mm accepts (minutes on a loaded 2-core host: the trace and ~2700 layouts)."""
+    rag_mm accepts (the trace on the meta device and ~2700 layouts: seconds)."""
     from parallel.cluster import Cluster
     from rag_mm import plan as rplan
     from rag_mm.config import compose
