@@ -36,6 +36,8 @@ class ModelConfig:
     name: str = "small"  # label for logs and run names
     # native: rag_mm's transformer (dim, layers, heads, ... below) | hf: any decoder that
     # transformers' AutoModelForCausalLM builds, from ``pretrained`` or from ``lm`` / ``lm_config``
+    # | hf_vlm: a vision-language model (AutoModelForImageTextToText), its own tower and
+    # projector, from ``pretrained`` or ``vlm_config``
     family: str = "native"
     # hf: a local directory saved by save_pretrained (config.json + safetensors, tokenizer
     # optional), loaded offline; its weights are the reader's starting point
@@ -44,6 +46,10 @@ class ModelConfig:
     # (a preset in conf/model/ fills it); ignored when ``pretrained`` or ``lm_config`` is set
     lm: dict[str, Any] = field(default_factory=dict)
     lm_config: str | None = None  # hf, random init: a local config.json (or its directory) instead of ``lm``
+    # hf_vlm, random init (ignored when ``pretrained`` is set): a VLM family built at the size
+    # fields (llava | paligemma), a public preset (llava-1.5-7b | paligemma-3b-pt-224; see
+    # rag_mm.model.vlm_presets), or a local config.json (or its directory)
+    vlm_config: str | None = None
     # a local Hugging Face tokenizer directory; None: ``pretrained``'s own tokenizer when it holds
     # one, else the bundled CLIP BPE (randomly initialised readers)
     tokenizer: str | None = None
@@ -241,7 +247,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
 
 
-FAMILIES = ("native", "hf")
+FAMILIES = ("native", "hf", "hf_vlm")
 PROJECTORS = ("mlp2x_gelu", "linear")
 
 
@@ -255,10 +261,15 @@ def _model_family_problems(cfg: Any) -> list[str]:
     if m.projector not in PROJECTORS:
         e.append(f"model.projector must be one of {PROJECTORS} (got {m.projector!r})")
     if m.family == "native":
-        for key in ("pretrained", "lm_config", "adapter"):
+        for key in ("pretrained", "lm_config", "adapter", "vlm_config"):
             if getattr(m, key):
-                e.append(f"model.{key} needs model.family=hf (got model.family=native)")
+                e.append(f"model.{key} needs model.family={'hf_vlm' if key == 'vlm_config' else 'hf'} "
+                         "(got model.family=native)")
         return e
+    if m.family == "hf_vlm":
+        return e + _vlm_problems(m) + _tokenizer_fusion_problems(cfg)
+    if m.vlm_config:
+        e.append("model.vlm_config needs model.family=hf_vlm (model=hf_vlm)")
     if not (m.pretrained or m.lm_config or m.lm):
         e.append("model.family=hf needs model.pretrained (a local directory), model.lm_config "
                  "(a config.json) or model.lm (a preset, e.g. model=hf_tiny)")
@@ -277,9 +288,39 @@ def _model_family_problems(cfg: Any) -> list[str]:
             e.append(f"model.{key}={getattr(m, key)!r}: no such file")
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         e.append(f"model.tokenizer={m.tokenizer!r} is not a directory")
+    return e + _tokenizer_fusion_problems(cfg)
+
+
+def _tokenizer_fusion_problems(cfg: Any) -> list[str]:
+    """A learned retriever that reads text reads CLIP BPE ids: the reader's tokenizer must be CLIP's."""
+    m = cfg.model
     if reader_tokenizer(m) and cfg.retriever.mode == "learned" and cfg.retriever.fusion != "image":
-        e.append("the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
-                 f"{reader_tokenizer(m)!r}: set retriever.fusion=image")
+        return ["the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
+                f"{reader_tokenizer(m)!r}: set retriever.fusion=image"]
+    return []
+
+
+def _vlm_problems(m: Any) -> list[str]:
+    """What is wrong with a vision-language reader's keys (``model.family=hf_vlm``)."""
+    from pathlib import Path
+
+    from rag_mm.model.vlm_presets import names
+
+    e = []
+    if not (m.pretrained or m.vlm_config):
+        e.append(f"model.family=hf_vlm needs model.pretrained (a local directory) or model.vlm_config "
+                 f"(one of {names()} or a config.json)")
+    if m.pretrained and not (Path(m.pretrained) / "config.json").is_file():
+        e.append(f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
+                 "(save one with save_pretrained; nothing is downloaded)")
+    v = m.vlm_config
+    if v and not m.pretrained and v not in names() and not (Path(v).is_file() or (Path(v) / "config.json").is_file()):
+        e.append(f"model.vlm_config={v!r} is none of {names()} and no config.json")
+    for key in ("lm_config", "adapter", "vision_checkpoint"):
+        if getattr(m, key):
+            e.append(f"model.{key} is not read by model.family=hf_vlm (the VLM brings its own tower and projector)")
+    if m.tokenizer and not Path(m.tokenizer).is_dir():
+        e.append(f"model.tokenizer={m.tokenizer!r} is not a directory")
     return e
 
 
@@ -302,7 +343,7 @@ def reader_tokenizer(m: Any) -> str | None:
 
     if m.tokenizer:
         return m.tokenizer
-    if m.family == "hf" and has_tokenizer(m.pretrained):
+    if m.family in ("hf", "hf_vlm") and has_tokenizer(m.pretrained):
         return m.pretrained
     return None
 

@@ -76,6 +76,10 @@ def tp_divisor(cfg: Any) -> int:
     """tp must divide the reader's attention heads (query and key/value heads of a Hugging Face
     LM) and its vision tower's (``validate``'s rule)."""
     m = cfg.model
+    if m.family == "hf_vlm":  # the VLM's own language model and tower
+        from rag_mm.model.hf_vlm import tp_divisor as vlm_tp_divisor
+
+        return vlm_tp_divisor(m)
     vision_heads = m.vision_width // m.vision_head_width
     if m.family == "hf":
         from rag_mm.model.hf_reader import lm_config

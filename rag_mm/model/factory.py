@@ -19,6 +19,10 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
 
         with torch.device("meta") if meta else contextlib.nullcontext():
             return Reader(m, vocab_size)
+    if m.family == "hf_vlm":
+        from rag_mm.model.hf_vlm import build_vlm_reader
+
+        return build_vlm_reader(m, vocab_size, meta=meta)
     from rag_mm.model.hf_reader import HFReader, build_lm
 
     lm = build_lm(m, meta=meta)
@@ -28,18 +32,23 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
 
 def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
     """Give a meta-device reader real, initialised weights on ``device`` (delayed init): each part
-    is initialised as its own library would (the LM by transformers, the vision tower by torch's
-    defaults as open_clip builds it, the rest by the reader). Pretrained weights (``model.pretrained``,
-    ``model.vision_checkpoint``, ``model.adapter``) are not read here: load them afterwards."""
+    is initialised as its own library would (the LM, or a VLM whole, by transformers, the vision
+    tower by torch's defaults as open_clip builds it, the rest by the reader). Pretrained weights
+    (``model.pretrained``, ``model.vision_checkpoint``, ``model.adapter``) are not read here: load
+    them afterwards."""
     reader.to_empty(device=device)
     with torch.no_grad():
-        lm = getattr(reader, "lm", None)
-        if lm is not None:
+        for lm in (getattr(reader, "lm", None), getattr(reader, "vlm", None)):  # a transformers model
+            if lm is None:
+                continue
             for mod in lm.modules():  # to_empty cleared the flags' meaning: initialise everything
                 mod.__dict__.pop("_is_hf_initialized", None)
             lm.initialize_weights()
             lm.tie_weights()
-        vision = reader.vision
+        vision = getattr(reader, "vision", None)  # an open_clip tower; a VLM's tower is inside it
+        if vision is None:
+            reader.init_own_weights()
+            return reader
         for mod in vision.modules():
             if mod is not vision and hasattr(mod, "reset_parameters"):
                 mod.reset_parameters()
