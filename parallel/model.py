@@ -198,14 +198,14 @@ class ParallelModel(nn.Module):
         no_cast = _autocast_off(self._device().type)
         if self.step_sync is not None:  # FSDP: gather once, reduce-scatter once (if sync), per call
             self.step_sync.begin()
-        elif self.sharded.fsdp_units:  # FSDP's own hooks run the step: they reduce-scatter only if sync
-            for u in self.sharded.fsdp_units:
-                u.set_requires_gradient_sync(sync, recurse=False)
             if stages:  # the split backward's weight step works on what autograd sees
                 unsharded = self.step_sync.unsharded_params()
                 params = [unsharded.get(id(p), p) for p in self._parts.trainable]
                 for st in self.all_stages():
                     st.params = params
+        elif self.sharded.fsdp_units:  # FSDP's own hooks run the step: they reduce-scatter only if sync
+            for u in self.sharded.fsdp_units:
+                u.set_requires_gradient_sync(sync, recurse=False)
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
