@@ -21,7 +21,7 @@ The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama``
 4. ``spmd.parallelize_spmd`` on this rank's part (the whole model when pp == 1): tensor parallel
    -> activation checkpointing -> compile -> FSDP2, on the non-pipeline dimensions of the mesh;
 5. data parallel for what FSDP does not shard: parameters broadcast from dp rank 0 now,
-   gradients averaged over the data-parallel ranks after every step.
+   gradients averaged over the data-parallel ranks once per optimizer step (``train_step(sync=...)``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """``ParallelModel``: what ``parallelize`` returns. This rank's part of the model (its pipeline
 stages, sharded by TP / FSDP where configured) and the step that drives it: microbatches through
 the pipeline schedule, the loss shared by every rank, gradients averaged over the data-parallel
-ranks for what FSDP does not shard, and forward-only prediction. Built by ``parallel.api``.
+ranks for what FSDP does not shard (once per optimizer step under gradient accumulation), the
+global-norm clipper, and forward-only prediction. Built by ``parallel.api`` from the frozen
+``Parts`` it made; nothing outside sets its attributes.
 """
 
 from __future__ import annotations
