@@ -27,7 +27,7 @@ _EXPORTS = {
     "meta_init": "parallel.memory",
     "materialize": "parallel.memory",
     "parallelize": "parallel.api",
-    "ParallelConfig": "parallel.api",
+    "ParallelConfig": "parallel.config",
     "ParallelModel": "parallel.model",
     "PipelineError": "parallel.pipeline.p2p",
     "plan_layout": "parallel.planner",

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.config import ParallelConfig
+from parallel.config import DEGREES, ParallelConfig
 
 log = logging.getLogger(__name__)
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = DEGREES
 
 
 def default_device_type() -> str:
@@ -59,8 +59,12 @@ def build_mesh(cfg: ParallelConfig, world_size: int | None = None, device_type: 
     """The 4-D mesh (pp, dp_replicate, dp_shard, tp) for ``cfg``; validates the layout first, so a
     layout that does not fit the world fails here, before any model code runs. ``timeout_s``: the
     collective timeout of every dimension's group (None: torch's default)."""
-    world_size = world_size if world_size is not None else dist.get_world_size()
-    cfg.validate(world_size)
+    cfg.validate(world_size if world_size is not None else dist.get_world_size())
+    return _init_mesh(cfg, device_type, timeout_s)
+
+
+def _init_mesh(cfg: ParallelConfig, device_type: str | None, timeout_s: float | None) -> DeviceMesh:
+    """``init_device_mesh`` over a validated ``cfg``."""
     shape = tuple(getattr(cfg, d) for d in DIMS)
     device_type = device_type or default_device_type()
     override = _timeout_override(device_type, timeout_s)
@@ -97,11 +101,12 @@ def layout_of(cfg: ParallelConfig, device_type: str | None = None, timeout_s: fl
     """Build the mesh once (a collective: every rank calls it) and this rank's place on it. Without
     a process group (one process), a layout of size 1 everywhere and no mesh. ``timeout_s``: how
     long a collective on any of the mesh's groups waits for a dead peer (None: torch's default)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg.validate(world)
     if not dist.is_initialized():
-        cfg.validate(1)
         return Layout(0, 0, 1, 0, 1, 0, 1, [0], None, None, None)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = build_mesh(cfg, world, device_type, timeout_s)
+    rank = dist.get_rank()
+    mesh = _init_mesh(cfg, device_type, timeout_s)
     P, R, S, T = (getattr(cfg, d) for d in DIMS)
     coord = dict(zip(DIMS, mesh.get_coordinate()))
     dp_i = coord["dp_replicate"] * S + coord["dp_shard"]

@@ -162,16 +162,17 @@ class ParallelModel(nn.Module):
 
     # --- training
     def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   weight_fn: Callable[[Any, Any], float] | None = None, structure: str | None = None,
+                   weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None, structure: str | None = None,
                    sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
 
         ``inputs``: tuple of positional or dict of keyword arguments; dim 0 of every tensor is
         split into ``cfg.microbatches``. ``loss_fn(output, target_microbatch)`` (default: the
         output's ``loss``). The step loss is ``sum_i w_i loss_i / sum_i w_i`` with ``w_i =
-        weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means); gradients are
-        those of that loss. A per-token mean loss gives the full-batch mean when ``w_i`` is the
-        microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
+        weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means), a number or a
+        tensor (on an accelerator a tensor stays there: no host sync; a zero sum is then not
+        caught); gradients are those of that loss. A per-token mean loss gives the full-batch
+        mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
         ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
 
         ``sync``: whether this call ends an optimizer step's gradient accumulation. Only then are
@@ -189,9 +190,10 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or _default_loss
         mbs = split_microbatches(inputs, m)
         tgts = split_microbatches(target, m)
-        w = [float(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)]
+        # a weight_fn may answer with an accelerator's tensor: kept there (reading it is a host sync)
+        w = [_weight(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)]
         total_w = sum(w)
-        if total_w <= 0:
+        if not isinstance(total_w, torch.Tensor) and total_w <= 0:
             raise ValueError("microbatch weights sum to zero")
         self.events = []
         losses: dict[int, torch.Tensor] = {}
@@ -228,12 +230,14 @@ class ParallelModel(nn.Module):
             self.step_sync.finish(reduce=sync)
         if sync:
             self._sync_grads()
-        if self.is_last_stage:
+        if self.is_last_stage and losses[0].device.type == "cpu" and not isinstance(total_w, torch.Tensor):
             # four ops, not 3m: on a CPU rank each costs microseconds on the step's critical path
             lw = torch.tensor(w, dtype=torch.float32, device=losses[0].device)
             step_loss = torch.dot(torch.stack([losses[i] for i in range(m)]).float().reshape(m), lw) / total_w
+        elif self.is_last_stage:  # an accelerator: no host tensor of weights to copy in every step
+            step_loss = sum(losses[i].float().reshape(()) * (w[i] / total_w) for i in range(m))
         else:
-            step_loss = torch.zeros((), dtype=torch.float32)
+            step_loss = torch.zeros((), dtype=torch.float32, device=self._device())
         step_loss = self._share_loss(step_loss)
         if rec:
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
@@ -441,6 +445,11 @@ def _gc_paused(on: bool):
         if on and was:
             gc.enable()
 
+
+
+def _weight(w) -> float | torch.Tensor:
+    """A microbatch weight: a number or a host tensor as a float, an accelerator's tensor as it is."""
+    return w.detach() if isinstance(w, torch.Tensor) and w.device.type != "cpu" else float(w)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

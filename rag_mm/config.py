@@ -1,18 +1,23 @@
 """Typed configuration: one dataclass per Hydra group, registered in Hydra's ConfigStore.
 
 YAML files under ``conf/`` only choose and override; every field is declared (with its reason)
-here, so a typo in a key is rejected by Hydra and a bad value by ``validate`` before any work.
+here, in ``retriever/config.py`` (``retriever``) or in the runtime's ``parallel/config.py``
+(``parallel``: the reader's layout is the runtime's own ``ParallelConfig``, every field a key), so
+a typo in a key is rejected by Hydra and a bad value by ``validate`` before any work. The layout
+is checked by the runtime (``ParallelConfig.problems``); ``validate`` adds the reader's rules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
+from parallel.config import ParallelConfig
 from retriever.config import RetrieverConfig
 from retriever.config import validate as validate_retriever
 
@@ -119,26 +124,17 @@ class OptimConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """How ranks are laid out; the product of the degrees must equal the world size."""
+class LaunchConfig:
+    """How the app starts its ranks: the keys only the app reads (the layout itself is the
+    ``parallel`` group, the runtime's own ``parallel.ParallelConfig``)."""
 
-    dp: int = -1  # data-parallel degree; -1 = world_size / (pp * tp)
-    pp: int = 1  # pipeline stages for the reader
-    tp: int = 1  # tensor-parallel degree of the reader (its attention heads / MLP split over tp ranks)
-    dp_shard: int = 1  # of dp, ranks that shard the reader's parameters, gradients and Adam state (FSDP2); 1 = replicate
-    microbatches: int = 1  # pipeline microbatches per step (pp > 1)
-    schedule: str = "1f1b"  # pipeline schedule name (pp > 1; parallel.config.SCHEDULES)
     backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
-    grad_reduce: str = "pg"  # gradient all-reduce path: pg (process group) | auto | shm | hier_int8
-    timeout_s: int = 600  # collective timeout: a dead rank fails the job instead of hanging it
-    # CPU runs: bind each local rank's threads to its own slice of the host's cores (and its data
-    # workers with it), as numactl / taskset would; only right when the job owns the machine.
-    # Handed to the runtime (parallel.ParallelConfig.bind_cores): parallelize binds, before the
-    # trainer starts any data worker
-    bind_cores: bool = False
-    # plan the layout at start-up (rag_mm.plan.resolve_auto, conf/parallel/auto.yaml): the best
-    # fitting one for the run's world replaces the degrees above before validation
-    auto: bool = False
+    # collective timeout: a dead rank fails the job instead of hanging it (the process group's, the
+    # mesh's sub-groups', the pipeline's receives and the watchdog's)
+    timeout_s: int = 600
+    # plan the layout at start-up (rag_mm.plan.resolve_auto; conf/parallel/auto.yaml sets it): the
+    # best fitting layout for the run's world replaces the ``parallel`` degrees before validation
+    auto_layout: bool = False
 
 
 @dataclass
@@ -148,7 +144,8 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the reader's layout (the runtime's schema)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
     name: str = "default"  # run name; the run directory is runs/<name> unless run_dir is set
@@ -173,7 +170,7 @@ class TrainConfig:
 
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "flex", "reference")
 PRECISIONS = ("fp32", "bf16")
-GRAD_REDUCE = ("pg", "auto", "shm", "hier_int8")
+BACKENDS = ("auto", "gloo", "nccl")
 DISK_CHECKS = ("warn", "stop", "off")
 
 
@@ -185,7 +182,7 @@ def _positive(errors: list[str], key: str, value: Any) -> None:
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Reject values that cannot work, naming every bad key at once. Runs before any work."""
     e: list[str] = []
-    m, d, o, p, r = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.retriever
+    m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.retriever
     for key in ("dim", "layers", "heads", "mlp_ratio", "vision_width", "vision_layers", "vision_head_width",
                 "patch_size", "image_size", "max_doc_text", "max_question", "max_answer", "max_segment_len", "max_docs"):
         _positive(e, f"model.{key}", getattr(m, key))
@@ -239,45 +236,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"disk_check must be one of {DISK_CHECKS} (got {cfg.disk_check!r})")
     if cfg.device not in ("auto", "cpu", "cuda"):
         e.append(f"device must be auto, cpu or cuda (got {cfg.device!r})")
-    # parallel layout
-    for key in ("pp", "tp", "microbatches", "timeout_s"):
-        _positive(e, f"parallel.{key}", getattr(p, key))
-    if p.dp == 0 or p.dp < -1:
-        e.append(f"parallel.dp must be positive or -1 for 'the remaining ranks' (got {p.dp})")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        e.append(f"parallel.backend must be auto, gloo or nccl (got {p.backend!r})")
-    if p.grad_reduce not in GRAD_REDUCE:
-        e.append(f"parallel.grad_reduce must be one of {GRAD_REDUCE} (got {p.grad_reduce!r})")
-    if p.pp > 0 and p.tp > 0:
-        if p.dp == -1:
-            if world_size % (p.pp * p.tp):
-                e.append(f"world size {world_size} is not divisible by parallel.pp * parallel.tp = {p.pp * p.tp}")
-        elif p.dp > 0 and p.dp * p.pp * p.tp != world_size:
-            e.append(f"parallel.dp * parallel.pp * parallel.tp = {p.dp}*{p.pp}*{p.tp} = {p.dp * p.pp * p.tp} "
-                     f"does not match the world size {world_size}")
-        if p.tp > 1 and m.family == "native" and m.heads > 0 and m.heads % p.tp:
-            e.append(f"parallel.tp ({p.tp}) must divide model.heads ({m.heads})")
-        vh = m.vision_width // m.vision_head_width if m.vision_head_width > 0 else 0
-        if p.tp > 1 and vh and vh % p.tp:
-            e.append(f"parallel.tp ({p.tp}) must divide the vision heads (model.vision_width / "
-                     f"model.vision_head_width = {vh})")
-        dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
-        if d.global_batch_size > 0 and dp > 0 and d.global_batch_size % dp:
-            e.append(f"data.global_batch_size ({d.global_batch_size}) must be divisible by the {dp} "
-                     "data-parallel replicas")
-        if p.dp_shard < 1 or (dp > 0 and dp % p.dp_shard):
-            e.append(f"parallel.dp_shard ({p.dp_shard}) must be >= 1 and divide the data-parallel degree ({dp})")
-        elif not e:  # the layout's own checks (schedule, degrees, option x layout) live in parallel/
-            try:
-                parallel_config(cfg, world_size).validate(world_size)
-            except ValueError as err:
-                e.append(f"parallel: {err}".replace("invalid ParallelConfig: ", ""))
-        if p.pp > 1 or p.tp > 1 or p.dp_shard > 1:
-            if d.batch_size % p.microbatches:
-                e.append(f"parallel.microbatches ({p.microbatches}) must divide data.batch_size ({d.batch_size})")
-            if d.eval_batch_size % p.microbatches:
-                e.append(f"parallel.microbatches ({p.microbatches}) must divide data.eval_batch_size "
-                         f"({d.eval_batch_size})")
+    e += _launch_problems(cfg.launch) + layout_problems(cfg, world_size)
     if e:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(e))
 
@@ -348,10 +307,67 @@ def reader_tokenizer(m: Any) -> str | None:
     return None
 
 
-def data_parallel_degree(cfg: Any, world_size: int) -> int:
-    """Data-parallel replicas of the run: ``parallel.dp``, or what pp x tp leave of the world."""
+def _launch_problems(launch: Any) -> list[str]:
+    e = []
+    if launch.backend not in BACKENDS:
+        e.append(f"launch.backend must be one of {BACKENDS} (got {launch.backend!r})")
+    _positive(e, "launch.timeout_s", launch.timeout_s)
+    return e
+
+
+def layout_problems(cfg: Any, world_size: int) -> list[str]:
+    """What is wrong with the run's layout on ``world_size`` ranks: the runtime's own check
+    (``ParallelConfig.problems``: degrees against the world, names, option x layout), then the
+    reader's and the data's rules on top of it."""
+    m, d = cfg.model, cfg.data
+    layout = runtime_config(cfg)
+    e = [f"parallel.{x}" if x.split(" ", 1)[0].split("=", 1)[0] in PARALLEL_KEYS else f"parallel: {x}"
+         for x in layout.problems(world_size)]
+    tp = layout.tp
+    if tp > 1 and m.family == "native" and m.heads > 0 and m.heads % tp:
+        e.append(f"parallel.tp ({tp}) must divide model.heads ({m.heads})")
+    vh = m.vision_width // m.vision_head_width if m.vision_head_width > 0 else 0
+    if tp > 1 and vh and vh % tp:
+        e.append(f"parallel.tp ({tp}) must divide the vision heads (model.vision_width / "
+                 f"model.vision_head_width = {vh})")
+    if e:
+        return e
+    layout.validate(world_size)
+    if d.global_batch_size > 0 and d.global_batch_size % layout.dp:
+        e.append(f"data.global_batch_size ({d.global_batch_size}) must be divisible by the {layout.dp} "
+                 "data-parallel replicas")
+    if not layout.whole_model:  # the runtime splits each batch into parallel.microbatches
+        for key in ("batch_size", "eval_batch_size"):
+            if getattr(d, key) % layout.microbatches:
+                e.append(f"parallel.microbatches ({layout.microbatches}) must divide data.{key} ({getattr(d, key)})")
+    return e
+
+
+PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
+
+
+def runtime_config(cfg: Any) -> ParallelConfig:
+    """The run's ``parallel`` group as the runtime's ``ParallelConfig`` (a copy; -1 not resolved)."""
     p = cfg.parallel
-    return p.dp if p.dp > 0 else max(world_size // max(p.pp * p.tp, 1), 1)
+    if isinstance(p, ParallelConfig):
+        return dataclasses.replace(p)
+    obj = OmegaConf.to_object(p)
+    return obj if isinstance(obj, ParallelConfig) else ParallelConfig(**obj)
+
+
+def parallel_config(cfg: Any, world_size: int) -> ParallelConfig:
+    """The runtime's ``parallel.ParallelConfig`` for the reader: the run's ``parallel`` group,
+    validated for ``world_size`` ranks (-1 resolved)."""
+    return runtime_config(cfg).validate(world_size)
+
+
+def data_parallel_degree(cfg: Any, world_size: int) -> int | None:
+    """Data-parallel replicas of the run (``dp_replicate x dp_shard``, -1 resolved); None when the
+    layout does not fit the world (``validate`` says why)."""
+    try:
+        return parallel_config(cfg, world_size).dp
+    except (ValueError, TypeError):
+        return None
 
 
 def resolve_batch(cfg: Any, world_size: int) -> None:
@@ -360,25 +376,51 @@ def resolve_batch(cfg: Any, world_size: int) -> None:
     other bad key)."""
     g = cfg.data.global_batch_size
     dp = data_parallel_degree(cfg, world_size)
-    if g <= 0 or g % dp:  # (validate names a global batch the replicas do not divide)
+    if g <= 0 or dp is None or g % dp:  # (validate names a global batch the replicas do not divide)
         return
     if cfg.data.batch_size != g // dp:
         log.info("data.batch_size = data.global_batch_size / %d replicas = %d", dp, g // dp)
     cfg.data.batch_size = g // dp
 
 
-def parallel_config(cfg: Any, world_size: int):
-    """The runtime's ``parallel.ParallelConfig`` for the reader, from the run's ``parallel`` group:
-    ``dp`` data-parallel ranks (-1: what pp x tp leave of the world), of which ``dp_shard`` shard
-    the reader (FSDP2) and the rest replicate it (``dp_replicate = dp / dp_shard``: HSDP when
-    both are > 1)."""
-    from parallel.config import ParallelConfig as Layout
+# keys of earlier versions: a command line (or a saved run's config) that still uses one is told
+# the key that replaced it
+RENAMED = {
+    "parallel.dp": "parallel.dp_replicate (model replicas; the data-parallel degree is now "
+                   "parallel.dp_replicate x parallel.dp_shard, and -1 takes the ranks the others leave)",
+    "parallel.backend": "launch.backend",
+    "parallel.timeout_s": "launch.timeout_s",
+    "parallel.auto": "launch.auto_layout (or choose the group option: parallel=auto)",
+}
 
-    p = cfg.parallel
-    dp = p.dp if p.dp > 0 else world_size // max(p.pp * p.tp, 1)
-    return Layout(pp=p.pp, tp=p.tp, dp_replicate=max(dp // max(p.dp_shard, 1), 1), dp_shard=p.dp_shard,
-                  microbatches=p.microbatches, schedule=p.schedule, partition="auto", grad_reduce=p.grad_reduce,
-                  bind_cores=p.bind_cores)
+
+def renamed_key_problems(overrides: list[str]) -> list[str]:
+    """A message for every command-line override that sets a key of ``RENAMED``."""
+    e = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in RENAMED:
+            e.append(f"{key} is no longer a key: use {RENAMED[key]}")
+    return e
+
+
+def upgrade_saved(saved: Any) -> Any:
+    """A run's saved config (``.hydra/config.yaml``, read without its schema) with the keys of
+    ``RENAMED`` moved to the ones that replaced them, so runs trained before the rename still load."""
+    p = saved.get("parallel") if hasattr(saved, "get") else None
+    if p is None:
+        return saved
+    launch = dict(saved.get("launch") or {})
+    for old, new in (("backend", "backend"), ("timeout_s", "timeout_s"), ("auto", "auto_layout")):
+        if old in p:
+            launch.setdefault(new, p[old])
+            del p[old]
+    if "dp" in p:
+        dp, shard = p["dp"], p.get("dp_shard", 1)
+        p["dp_replicate"] = dp // shard if dp > 0 and shard > 0 else -1
+        del p["dp"]
+    saved["launch"] = launch
+    return saved
 
 
 def _data_hint(cfg: Any, split: str) -> str:
@@ -434,6 +476,9 @@ def compose(overrides: list[str] | None = None, config_dir: str | None = None, r
     from hydra import initialize_config_dir
 
     register_configs()
+    renamed = renamed_key_problems(list(overrides or []))
+    if renamed:
+        raise ConfigError("; ".join(renamed))
     conf = config_dir or str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides or []),

@@ -382,7 +382,7 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    from rag_mm.config import ConfigError, TrainConfig, validate
+    from rag_mm.config import ConfigError, TrainConfig, renamed_key_problems, upgrade_saved, validate
     from rag_mm.paths import dir_problem, file_problem, path_problems, writable_dir_problem
 
     if not run_dir.exists():
@@ -399,14 +399,16 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     for o in overrides:
         if not OVERRIDE.match(o):
             raise EvalError(f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)")
+    if renamed_key_problems(overrides):
+        raise EvalError("; ".join(renamed_key_problems(overrides)))
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path),
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), upgrade_saved(OmegaConf.load(cfg_path)),
                               OmegaConf.from_dotlist(overrides))
     except (OmegaConfBaseException, YAMLError) as exc:
         raise EvalError(f"bad config or override: {exc}".rstrip()) from None
     cfg.run_dir = str(run_dir)
     p = cfg.parallel  # one process, whatever layout trained the run
-    p.dp = p.pp = p.tp = p.dp_shard = p.microbatches = 1
+    p.dp_replicate = p.pp = p.tp = p.dp_shard = p.microbatches = 1
     try:
         validate(cfg, world_size=1)
     except ConfigError as exc:

@@ -15,10 +15,16 @@ What is planned: only the reader (``rag_mm.spread`` spreads the reader alone; th
 whole on every rank), traced on the meta device (no weights: any preset plans on any machine) on
 an example batch shaped like the run's: ``retriever.top_k``
 documents per query, ``model.image_size`` pictures, ``model.max_*`` text lengths (the longest, so
-the activation memory is an upper bound). Layouts with activation checkpointing or CPU offload are
-not considered: rag_mm has no keys that turn them on.
+the activation memory is an upper bound). Activation checkpointing and CPU offload are the run's
+own (``parallel.activation_checkpointing``, ``parallel.cpu_offload``): the planner prices them, it
+does not choose them.
 
-``parallel=auto`` (``resolve_auto``): the plan for the world the run has (the ``local`` preset with
+The planner returns the runtime's ``ParallelConfig`` of each candidate; ``layout_overrides``
+turns one into rag_mm's command line: ``parallel.<field>`` for its degrees and every field it sets
+otherwise than the run, plus the batch, accumulation and precision keys that keep the planned
+global batch.
+
+``parallel=auto`` (``launch.auto_layout``, ``resolve_auto``): the plan for the world the run has (the ``local`` preset with
 ``WORLD_SIZE`` ranks, ``LOCAL_WORLD_SIZE`` per node; the device memory of the GPU on CUDA), in the
 run's ``optim.precision``, for the run's global batch. Every rank plans on its own and all pick the
 same layout: the estimates come from the trace's FLOPs and saved-activation bytes (the planner
@@ -29,6 +35,7 @@ depend on the rank or on the machine's load, and the ranking is a stable sort of
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import shlex
@@ -40,7 +47,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from parallel.cluster import Cluster
-from rag_mm.config import ConfigError, compose, validate
+from parallel.config import DEGREES
+from rag_mm.config import ConfigError, compose, runtime_config, validate
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +98,10 @@ def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, .
     # and the planner reads only the trace's FLOPs and bytes, which the meta device gives
     reader = build_reader(model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size, meta=True)
     example = {k: v.to("meta") for k, v in example_inputs(cfg).items()}
+    run = runtime_config(cfg)  # the fields the planner does not choose stay the run's
     return plan_layout(reader, example, cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
-                       precisions=precisions, checkpointing=(False,), offload=(False,), passes=0)
+                       precisions=precisions, checkpointing=(run.activation_checkpointing != "none",),
+                       offload=(run.cpu_offload,), passes=0, base=run)
 
 
 def default_global_batch(cfg: Any, world: int) -> int:
@@ -106,13 +116,28 @@ def _split(override: str) -> tuple[str, str]:
     return key.lstrip("+~"), value
 
 
-def layout_overrides(cfg: Any, overrides: list[str]) -> list[str]:
-    """A layout's overrides as the run takes them: ``data.eval_batch_size`` stays the run's when
-    the layout's microbatches already divide it (the planner sets it to the training batch only so
-    that evaluation splits into the microbatches too)."""
-    values = dict(_split(o) for o in overrides)
-    m = int(values.get("parallel.microbatches", 1))
-    return [o for o in overrides if not (_split(o)[0] == "data.eval_batch_size" and cfg.data.eval_batch_size % m == 0)]
+def _yaml(value: Any) -> str:
+    """A value as a Hydra override writes it (true / false / null, names and numbers as they are)."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def layout_overrides(cfg: Any, est) -> list[str]:
+    """The command line that runs the planner's candidate ``est`` (a ``parallel.planner.Estimate``)
+    as the run ``cfg`` is configured: ``parallel.<degree>`` for its four degrees and
+    ``parallel.<field>`` for every other field its ``ParallelConfig`` sets otherwise than the run;
+    ``data.batch_size`` (per data-parallel replica: the microbatches of one optimizer micro-step),
+    ``data.eval_batch_size`` only where the run's does not split into the pipeline's microbatches,
+    ``optim.grad_accum`` and ``optim.precision`` (bf16: autocast)."""
+    c, run = est.config, runtime_config(cfg)
+    o = [f"parallel.{d}={getattr(c, d)}" for d in DEGREES]
+    o += [f"parallel.{f.name}={_yaml(getattr(c, f.name))}" for f in dataclasses.fields(c)
+          if f.name not in DEGREES and getattr(c, f.name) != getattr(run, f.name)]
+    per_replica = est.microbatch_size * c.microbatches
+    if per_replica:
+        o.append(f"data.batch_size={per_replica}")
+        if cfg.data.eval_batch_size % c.microbatches:
+            o.append(f"data.eval_batch_size={per_replica}")
+    return o + [f"optim.grad_accum={est.grad_accum}", f"optim.precision={est.precision}"]
 
 
 def apply(cfg: Any, overrides: list[str]) -> None:
@@ -137,7 +162,7 @@ def runnable(cfg: Any, p, world: int, n: int) -> list[tuple[Any, list[str]]]:
     """The first ``n`` fitting layouts of plan ``p`` that rag_mm validates, with their overrides."""
     out = []
     for lay in p.fitting:
-        o = layout_overrides(cfg, lay.overrides)
+        o = layout_overrides(cfg, lay)
         why = rag_mm_problem(cfg, o, world)
         if why is None:
             out.append((lay, o))
@@ -162,11 +187,11 @@ def auto_cluster(world: int, local_world: int | None = None) -> Cluster:
 
 
 def resolve_auto(cfg: Any, world: int, local_world: int | None = None):
-    """``parallel.auto``: plan the reader for ``world`` ranks and set the best fitting layout's
+    """``launch.auto_layout``: plan the reader for ``world`` ranks and set the best fitting layout's
     overrides (parallel degrees, microbatches, schedule, the per-rank batch that keeps the run's
-    global batch, accumulation) on ``cfg``; log the top layouts and why. Returns the layout chosen
-    (None when ``parallel.auto`` is off); ``ConfigError`` when none fits."""
-    if not cfg.parallel.auto:
+    global batch, accumulation) on ``cfg``; log the top layouts and why. Returns the candidate
+    chosen (None when ``launch.auto_layout`` is off); ``ConfigError`` when none fits."""
+    if not cfg.launch.auto_layout:
         return None
     validate(cfg, world)  # the reader is built from cfg.model: reject bad values before building it
     cluster = auto_cluster(world, local_world)
@@ -263,8 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gb = opts["global_batch"] or default_global_batch(cfg, cluster.world)
     p = plan(cfg, cluster, gb)
-    if opts["format"] == "json":
-        print(p.to_json(opts["top"]))
+    if opts["format"] == "json":  # with each layout's command line, as rag_mm runs it
+        out = p.to_dict(opts["top"])
+        for d, lay in zip(out["layouts"], p.layouts):
+            d["overrides"] = layout_overrides(cfg, lay)
+        print(json.dumps(out, indent=1))
         return 0
     print(p.table(opts["top"]))
     best = runnable(cfg, p, cluster.world, 3)

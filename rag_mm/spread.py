@@ -70,7 +70,6 @@ class SpreadRag:
 
     def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
-        p = cfg.parallel
         self.pcfg = parallel_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
@@ -81,7 +80,7 @@ class SpreadRag:
             structures["one_document"] = one_document_inputs(
                 {n: example[n] for n in ("image", "q_ids", "q_len", "a_ids", "a_len")},
                 {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")})
-        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(p.timeout_s),
+        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(cfg.launch.timeout_s),
                                            structures=structures)
         lay = self.pmodel.layout
         # the contrastive loss over the whole global batch: gathered over this rank's data-parallel

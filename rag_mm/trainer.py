@@ -33,6 +33,7 @@ from rag_mm.distributed import (
 )
 from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger, json_safe
+from rag_mm.nonfinite import NonFiniteGuard
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.spread import SpreadRag
 from rag_mm.watchdog import Watchdog
@@ -72,9 +73,9 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         if cfg.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=True)
-        self.env = init_distributed(cfg.device, cfg.parallel.backend, cfg.parallel.timeout_s)
+        self.env = init_distributed(cfg.device, cfg.launch.backend, cfg.launch.timeout_s)
         self.device = self.env.device
-        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.parallel.timeout_s)  # names a stuck rank
+        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.launch.timeout_s)  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -97,7 +98,6 @@ class Trainer:
         self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         self._stop_signal = False
-        self._bad_steps = 0  # consecutive non-finite steps skipped
         self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
         self._prior: BlindPrior | None = None  # the blind prior's table, read at the first evaluation
         self._prior_ready = False
@@ -285,11 +285,12 @@ class Trainer:
         none = torch.zeros(0, dtype=torch.long, device=self.device)
         return {"image": torch.zeros(0, device=self.device), "q_ids": none, "q_len": none, "gold": none}
 
-    def _step(self, it, autocast, loss: str, opt: torch.optim.Optimizer, sched=None, accum: int = 1) -> _Step | None:
+    def _step(self, it, autocast, loss: str, guard: NonFiniteGuard, sched=None, accum: int = 1) -> _Step | None:
         """One optimizer step: the training step of every phase. ``accum`` micro-steps, each the
         forward and backward of one batch (gradients synchronised over the ranks once, on the last:
         ``SpreadRag.train_step(sync=...)``), the one gradient clipper, the non-finite check every
-        rank agrees on, then ``opt`` and ``sched``. ``loss``: ``joint`` (reader and retriever) or
+        rank agrees on (``guard``, which holds the phase's optimizer), then the optimizer and
+        ``sched``. ``loss``: ``joint`` (reader and retriever) or
         ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss).
         Returns the step's detached sums, or None when the step was skipped (non-finite)."""
         c = self.cfg
@@ -309,15 +310,10 @@ class Trainer:
         gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
         # every rank must take the same decision, so agree on finiteness
         self.watch.at("all_reduce: non-finite check")
-        finite = all_reduce_sum(torch.tensor([float(torch.isfinite(loss_sum) and torch.isfinite(gnorm))]))
-        if finite.item() < self.env.world_size:
+        opt = guard.opt
+        if not guard.check(self.step, loss_sum, gnorm):  # skipped on the host: not counted
             opt.zero_grad(set_to_none=True)
-            self._bad_steps += 1
-            log.warning("non-finite loss or gradient at step %d: step skipped (%d in a row)", self.step, self._bad_steps)
-            if self._bad_steps > MAX_NONFINITE_STEPS:
-                raise FloatingPointError(f"{self._bad_steps} consecutive non-finite steps: aborting (lower optim.lr?)")
             return None
-        self._bad_steps = 0
         opt.step()
         if sched is not None:
             sched.step()
@@ -333,6 +329,7 @@ class Trainer:
         c, r = self.cfg, self.cfg.retriever
         params = [p for p in self.rag.retriever.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
+        guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         t0 = window_t = time.perf_counter()
         refresh_before = sum(self.memory.refresh_seconds)
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
@@ -341,7 +338,7 @@ class Trainer:
                  r.bank_negatives, "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)")
         for i in range(1, r.warmup_steps + 1):
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
-            done = self._step(it, autocast, "retriever", opt)
+            done = self._step(it, autocast, "retriever", guard)
             if done is not None:
                 window.append(done)
             faults.inject("warmup", i, self.env.rank)
@@ -350,6 +347,8 @@ class Trainer:
                                          "(it is not checkpointed)")
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
+            if i % c.log_every == 0 or i == r.warmup_steps:
+                guard.flush()  # the device path's skipped steps: logged now, abort if too many
             if (i % c.log_every == 0 or i == r.warmup_steps) and window:
                 n_hit = sum(s.n_hit for s in window)
                 recall = float(sum(s.hits for s in window)) / n_hit if n_hit else None  # queries naming their gold document
@@ -373,6 +372,8 @@ class Trainer:
         accum = c.optim.grad_accum
         samples_per_step = c.data.batch_size * accum * self.data_size
         window_t, window_steps = time.perf_counter(), 0
+        # skips non-finite steps; on an accelerator decided on the device, read at log steps
+        nonfinite = NonFiniteGuard(self.opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
         # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
         # (allocator growth, lazy initialisation), written once; recorded on that step only
@@ -393,7 +394,7 @@ class Trainer:
                 self.spread.record_timeline(self.step + 1 == timeline_step)
                 self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
-                done = self._step(it, autocast, "joint", self.opt, self.sched, accum)
+                done = self._step(it, autocast, "joint", nonfinite, self.sched, accum)
                 if done is None:
                     continue
                 loss_sum, r_loss_sum, gnorm = done.loss, done.retriever_loss, done.grad_norm
@@ -407,6 +408,7 @@ class Trainer:
                 if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
                     abandoned, _ = self._abandonable(self.refresh_index)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    nonfinite.flush()  # the device path's skipped steps: logged now, abort if too many
                     self.watch.at("all_reduce: training loss")
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
                     elapsed = time.perf_counter() - window_t

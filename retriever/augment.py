@@ -22,7 +22,10 @@ def random_views(images: torch.Tensor, generator: torch.Generator | None = None,
     (one affine warp, border pixels repeated), per-channel brightness and Gaussian noise, all in
     the normalised space (std units)."""
     N, dev = images.shape[0], images.device
-    u = lambda *s: torch.rand(*s, generator=generator).to(dev)  # noqa: E731  U[0, 1)
+    # drawn on the pictures' device (copying host draws to an accelerator waits for it every call);
+    # a given generator draws on its own device, as the same stream wherever the pictures are
+    gen_dev = dev if generator is None else generator.device
+    u = lambda *s: torch.rand(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731  U[0, 1)
     angle = (2 * u(N) - 1) * math.radians(max_rotation_deg)
     zoom = scale[0] + (scale[1] - scale[0]) * u(N)  # > 1 enlarges the content
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
@@ -31,4 +34,4 @@ def random_views(images: torch.Tensor, generator: torch.Generator | None = None,
     grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
     out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
     out = out + colour * (2 * u(N, 3, 1, 1) - 1)
-    return out + noise * torch.randn(out.shape, generator=generator).to(dev)
+    return out + noise * torch.randn(out.shape, generator=generator, device=gen_dev).to(dev)

@@ -27,16 +27,15 @@ VOCAB = 49408  # CLIP BPE vocabulary size
 
 def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -> torch.Tensor:
     """Right-padded ids without markers (N, L) -> open_clip text input [SOT, ids..., EOT, 0...] (N, ctx)."""
-    N = ids.shape[0]
     body = min(ids.shape[1], context_length - 2)
-    out = torch.zeros(N, context_length, dtype=torch.long, device=ids.device)
-    out[:, 0] = SOT
-    out[:, 1 : 1 + body] = ids[:, :body]
-    n = lengths.clamp(max=body)
-    pos = torch.arange(context_length, device=ids.device)
-    out = out.masked_fill(pos[None] > n[:, None], 0)  # drop padding that sat inside the body
-    out[torch.arange(N, device=ids.device), 1 + n] = EOT  # open_clip pools at the EOT (argmax id)
-    return out
+    # masked_fill with Python numbers throughout: a number assigned into a CUDA tensor by index
+    # (out[:, 0] = SOT) becomes a CPU tensor first, on every call
+    out = F.pad(ids[:, :body].long(), (1, context_length - 1 - body))  # (N, ctx): [0, ids..., 0...]
+    n = lengths.clamp(max=body)[:, None]  # (N, 1)
+    pos = torch.arange(context_length, device=ids.device)[None]  # (1, ctx)
+    out = out.masked_fill(pos > n, 0)  # drop padding that sat inside the body
+    out = out.masked_fill(pos == 0, SOT)
+    return out.masked_fill(pos == 1 + n, EOT)  # open_clip pools at the EOT (argmax id)
 
 
 def _vision_cfg(cfg: RetrieverConfig, image_size: int) -> CLIPVisionCfg:

@@ -5,6 +5,11 @@
 
 Steps (``--only`` picks some):
 
+* ``cuda_build``: ``scripts/cuda_build.py --cuda-home auto``: every CUDA source of csrc/ compiled
+  with the machine's own nvcc for its GPU, loaded, its ops listed -> ``cuda_build.json``. Later
+  steps reuse that build (same ``--ext-cache``). A machine without nvcc fails this step, saying
+  so; the steps after it still run, on the PyTorch fallbacks (the fused-kernel tests then fail).
+  The dry run only resolves the toolkit and lists what would be built (``--plan-only``).
 * ``pytest``: ``pytest -m gpu`` over the test files that use the ``gpu`` marker (found by scanning
   tests/, so collection needs only their imports) -> ``pytest_gpu.xml`` (JUnit).
 * ``attention``: ``scripts/bench/attention.py --device cuda`` (``--backward`` unless ``--quick``)
@@ -13,15 +18,18 @@ Steps (``--only`` picks some):
   batch 32 -> ``mfu_demo.json`` (MFU against the datasheet's dense bf16 peak).
 * ``mfu_1b``: the same on the ~1B Hugging Face reader preset (``model=llama3_2_1b``, 2 documents
   per query, batch 8, block checkpointing; ``--compile`` compiles each block) -> ``mfu_1b.json``.
-* ``demo``: ``torchrun --nproc_per_node=1 -m rag_mm.train +experiment=demo device=cuda
-  parallel.backend=nccl``: the demo trained in one process through a NCCL process group (its data
-  generated first unless ``make demo``'s is there; the run under runs/gpu_check_work) ->
-  ``demo_metrics.json``.
+* ``demo``: ``python -m torch.distributed.run --nproc_per_node=1 -m rag_mm.train +experiment=demo
+  device=cuda launch.backend=nccl``: the demo trained in one process through a NCCL process
+  group (its data generated first unless ``make demo``'s is there; the run under
+  runs/gpu_check_work) -> ``demo_metrics.json``.
+
+Every step runs this interpreter (``sys.executable``; torchrun as ``-m torch.distributed.run``):
+nothing is looked up on PATH, where a venv's scripts are missing unless it is activated.
 
 A bench under scripts/bench that gains a ``--device`` option is reported as not run until it is
 added to ``BENCHES`` and given a step.
 
-Outputs under ``--out`` (at most 7 files): the five above, ``gpu_check.log`` (every step's output)
+Outputs under ``--out`` (at most 8 files, what the device tool brings back): the six above, ``gpu_check.log`` (every step's output)
 and ``gpu_check.json``: the machine (device, capability, torch, CUDA, nvcc, ninja, missing
 modules) and per step its command, exit status, wall seconds and parsed figures (JUnit counts,
 failures and skip reasons; the bench's own JSON).
@@ -34,10 +42,11 @@ working tree, and exits 0, or 1 naming what is missing or too large. ``--dry-run
 
 No step can hang: each runs in its own process group, killed after ``--timeout`` seconds or
 whatever is left of ``--budget``. The lent machine runs a command for at most 10 minutes, pip
-install included; if the checks need longer, run them in two calls (``--only pytest``, then
-``--only attention``): CUDA extensions are cached under ``--ext-cache``, inside the repository,
-which a warm machine keeps between calls. All steps take longer than one call: e.g. ``--only
-pytest,attention``, then ``--only mfu_demo,mfu_1b``, then ``--only demo``.
+install included; if the checks need longer, run them in several calls: CUDA extensions are
+cached under ``--ext-cache``, inside the repository, which a warm machine keeps between calls
+(a fresh one rebuilds them in the ``cuda_build`` step, or on first use). All steps take longer
+than one call: ``--only cuda_build,pytest,attention``, then ``--only mfu_demo,mfu_1b``, then
+``--only demo`` (the README's "On a GPU" commands).
 """
 
 from __future__ import annotations
@@ -69,7 +78,7 @@ MODULES = ("numpy", "faiss", "pytest", "yaml", "omegaconf", "hydra", "webdataset
            "safetensors", "tokenizers", "huggingface_hub", "transformers", "timm", "open_clip",
            "torchvision", "PIL", "matplotlib")
 BENCHES = ("attention", "train_throughput")  # scripts/bench/*.py run with --device; each has a Step in plan()
-STEPS = ("pytest", "attention", "mfu_demo", "mfu_1b", "demo")
+STEPS = ("cuda_build", "pytest", "attention", "mfu_demo", "mfu_1b", "demo")
 KILL_GRACE_S = 10
 
 
@@ -118,6 +127,16 @@ def attention_headline(f: dict[str, Any]) -> str:
     return f"CPU: {len(f['results'])} points; median fused / SDPA time: {ratios}"
 
 
+def cuda_build_headline(f: dict[str, Any]) -> str:
+    if f.get("plan_only"):
+        return (f"plan: {len(f['extensions'])} extensions, CUDA sources {', '.join(f['cuda_sources'])}, "
+                f"toolkit {f.get('nvcc') or 'none'}")
+    bad = [e["name"] for e in f["extensions"] if not e["ok"]]
+    cuda = sorted(op for op, keys in f["ops"].items() if "CUDA" in keys)
+    return (f"nvcc {f['nvcc']}, sm_{', sm_'.join(f['archs'])}: {len(f['extensions']) - len(bad)}/{len(f['extensions'])} "
+            f"built{' (FAILED: ' + ', '.join(bad) + ')' if bad else ''}; CUDA ops: {', '.join(cuda)}")
+
+
 def mfu_headline(f: dict[str, Any]) -> str:
     return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {f['mfu']:.1%} of {f['peak_TFLOPs']} TFLOP/s "
             f"({f['peak_source']}), {f['samples_per_s']} samples/s, {f['step_s_median']} s/step")
@@ -136,22 +155,39 @@ def demo_headline(f: dict[str, Any]) -> str:
 def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
     """The demo in one process through a NCCL process group (torchrun, one rank): the demo's data
     (``make demo``'s when present, else generated under the work folder), the run there, and its
-    metrics.json copied to ``out``. The dry run: gloo, CPU, a few steps."""
+    metrics.json copied to ``out``. The dry run: gloo, CPU, two steps on a small world.
+
+    Every program is this interpreter (``python -m torch.distributed.run`` is torchrun): the
+    command assumes nothing about PATH, where a venv's ``torchrun`` is missing unless the venv is
+    activated. The three actions run in one small Python program, one step for the timeout."""
     work = ROOT / "runs" / "gpu_check_work"
     data = ROOT / "data" / "knowledge_world"
-    if not (data / "corpus").is_dir():
+    world: list[str] = []
+    if args.dry_run:  # the plumbing only: a small world (its generation and final evaluation take seconds)
+        data = work / "data_small"
+        world = ["num_entities=32", "train_queries_per_entity=4", "val_queries_per_entity=1",
+                 "test_queries_per_entity=1"]
+    elif not (data / "corpus").is_dir():
         data = work / "data"
-    train = ["torchrun", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train", "+experiment=demo",
-             f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
+    py = sys.executable
+    train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train",
+             "+experiment=demo", f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
     if args.dry_run:
-        train += ["device=cpu", "parallel.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
-                  "eval_every=0", "ckpt_every=0"]
+        train += ["device=cpu", "launch.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
+                  "eval_every=0", "ckpt_every=0", "data.train=train/train-000000.tar"]  # the one shard
     else:
-        train += ["device=cuda", "parallel.backend=nccl"]
-    gen = f"[ -d {shlex.quote(str(data / 'corpus'))} ] || {shlex.quote(sys.executable)} -m " \
-          f"rag_mm.data.knowledge_world out={shlex.quote(str(data))}"
-    copy = f"cp {shlex.quote(str(work / 'demo' / 'metrics.json'))} {shlex.quote(str(out / 'demo_metrics.json'))}"
-    return ["bash", "-c", f"set -e; {gen}; {shlex.join(train)}; {copy}"]
+        train += ["device=cuda", "launch.backend=nccl"]
+    gen = [py, "-m", "rag_mm.data.knowledge_world", f"out={data}", *world]
+    program = "\n".join([
+        "import pathlib, shutil, subprocess, sys",
+        f"if not pathlib.Path({str(data / 'corpus')!r}).is_dir():",
+        f"    rc = subprocess.run({gen!r}).returncode",
+        "    if rc: sys.exit(rc)",
+        f"rc = subprocess.run({train!r}).returncode",
+        "if rc: sys.exit(rc)",
+        f"shutil.copy({str(work / 'demo' / 'metrics.json')!r}, {str(out / 'demo_metrics.json')!r})",
+    ])
+    return [py, "-c", program]
 
 
 def gpu_test_files() -> list[str]:
@@ -182,7 +218,10 @@ def plan(args: argparse.Namespace, out: Path) -> list[Step]:
         mfu_demo = ["--device", "cuda", "--precision", "bf16", "--steps", "20", "--batch", "32"]
         mfu_1b = ["--device", "cuda", "--precision", "bf16", "--steps", "10", "--batch", "8", "--checkpointing",
                   *(["--compile"] if args.compile else []), "model=llama3_2_1b", "retriever.top_k=2"]
+    cuda_build = [py, str(ROOT / "scripts" / "cuda_build.py"), "--cuda-home", "auto", "--quiet",
+                  "--json", str(out / "cuda_build.json"), *(["--plan-only"] if args.dry_run else [])]
     steps = [
+        Step("cuda_build", cuda_build, "cuda_build.json", json_figures, cuda_build_headline),
         Step("pytest", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                         f"--junitxml={out / 'pytest_gpu.xml'}", *gpu_test_files()],
              "pytest_gpu.xml", junit_figures, junit_headline),

@@ -9,10 +9,16 @@ The ops themselves are declared in ``csrc/attention/attention.cpp``:
 This module builds the extension on first use (cached under ``_build.cache_dir()``), then gives
 the ops a fake kernel (shapes only, for torch.compile / FakeTensor) and an autograd formula that
 calls ``bwd`` with the saved log-sum-exp (FlashAttention-2 recomputation).
+
+The CPU kernels' vector ISA is process-wide state of the extension (``cpu_set_isa``).
+``cpu_isa_pinned`` sets it around one call and restores it; a forward inside such a block records
+the pinned ISA and its backward runs at the same one, so a call that ``auto`` pinned to an ISA is
+differentiated by that ISA's kernels whatever the process default is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,8 +32,8 @@ log = logging.getLogger(__name__)
 EXT_NAME = "rag_mm_attention"
 CPU_SOURCES = ["attention/attention.cpp", "attention/cpu/attention_cpu.cpp"]
 CUDA_SOURCES = ["attention/cuda/attention_cuda.cu"]
-CUDA_FLAGS = ["--expt-relaxed-constexpr", "-gencode=arch=compute_80,code=sm_80",
-              "-gencode=arch=compute_90,code=sm_90"]  # sm80+ (A100, H100)
+# The architectures (sm_80 and up) are chosen by _build.cuda_archs, for every extension alike.
+CUDA_FLAGS = ["--expt-relaxed-constexpr"]
 DISABLE_ENV = "RAG_MM_DISABLE_FUSED_ATTENTION"
 
 _lock = threading.Lock()
@@ -52,6 +58,39 @@ def load() -> BuildResult:
         if _result.ok:
             _register_python_side()
         return _result
+
+
+def _eager_cpu(t: torch.Tensor) -> bool:
+    """A real CPU tensor outside tracing: where the ISA may be read and set (no fake / functional
+    tensors, no torch.compile graph)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and not torch.compiler.is_compiling() and hasattr(torch.ops.rag_attn, "cpu_isa"))
+
+
+_pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
+
+
+@contextlib.contextmanager
+def cpu_isa_pinned(isa: str | None):
+    """Run the CPU kernels at ``isa`` inside the block, then restore the ISA in force; no effect for
+    None or under torch.compile. One op call when ``isa`` is already in force, three otherwise."""
+    if isa is None or torch.compiler.is_compiling() or not hasattr(torch.ops, "rag_attn") \
+            or not hasattr(torch.ops.rag_attn, "cpu_isa"):
+        yield
+        return
+    before = torch.ops.rag_attn.cpu_isa(False)
+    outer, _pinned.isa = getattr(_pinned, "isa", None), isa
+    try:
+        if before == isa:
+            yield
+            return
+        torch.ops.rag_attn.cpu_set_isa(isa)
+        try:
+            yield
+        finally:
+            torch.ops.rag_attn.cpu_set_isa(before)
+    finally:
+        _pinned.isa = outer
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -80,13 +119,15 @@ def _register_python_side() -> None:
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, seg_offsets, cu_seqlens)
         ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
+        ctx.isa = getattr(_pinned, "isa", None)  # the forward's pinned ISA (None: the process's)
         ctx.mark_non_differentiable(lse)
 
     def _backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, seg_offsets, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = torch.ops.rag_attn.bwd(
-            grad_out, q, k, v, out, lse, seg_offsets, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale
-        )
+        with cpu_isa_pinned(ctx.isa if _eager_cpu(q) else None):
+            dq, dk, dv = torch.ops.rag_attn.bwd(
+                grad_out, q, k, v, out, lse, seg_offsets, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale
+            )
         return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd("rag_attn::fwd", _backward, setup_context=_setup_context)
@@ -96,41 +137,3 @@ def fused_forward(q, k, v, *, seg_offsets=None, cu_seqlens=None, max_seqlen=0, c
     """Differentiable call of ``rag_attn::fwd``; returns the output only."""
     out, _ = torch.ops.rag_attn.fwd(q, k, v, seg_offsets, cu_seqlens, int(max_seqlen), bool(causal), float(scale))
     return out
-
-
-def compile_cuda_check(out_dir: str, arch: str = "80") -> tuple[bool, str]:
-    """Compile ``csrc/attention/cuda/*.cu`` to an object file with nvcc (no GPU needed).
-
-    Machines without a GPU never build the CUDA kernels at run time; this keeps them honest.
-    Returns (ok, compiler output).
-    """
-    import subprocess
-    import sysconfig
-    from pathlib import Path
-
-    from torch.utils import cpp_extension
-
-    from parallel.kernels._build import CSRC
-
-    nvcc = Path(cpp_extension.CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc"
-    try:  # torch >= 2.6 names the device type; older versions take cuda=True
-        incs = cpp_extension.include_paths(device_type="cuda")
-    except TypeError:
-        incs = cpp_extension.include_paths(cuda=True)
-    major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    std = "c++20" if (major, minor) >= (2, 10) else "c++17"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    outs = []
-    for src in CUDA_SOURCES:
-        cmd = [str(nvcc), "-c", str(CSRC / src), "-o", str(Path(out_dir) / (Path(src).stem + ".o")),
-               f"-std={std}", "-O3", "--use_fast_math", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-               "-Xcompiler", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-               "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-DTORCH_EXTENSION_NAME=rag_mm_attention",
-               "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}"]
-        cmd += [f"-I{p}" for p in incs]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        outs.append(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            return False, "\n".join(outs)
-    return True, "\n".join(outs)

@@ -13,17 +13,34 @@ Layouts (all tensors ``(B, H, S, D)`` unless said otherwise):
 
 The fused C++/CUDA kernels live in ``csrc/attention``; this module is their only Python face.
 ``flex`` is ``torch.nn.attention.flex_attention`` with a block mask per layout (``flex.py``).
-``auto`` picks per device, layout and CPU capability (``select_backend``) and logs the choice and
-its reason once per (layout, dtype).
+``auto`` is chosen by measurement (``select_backend``, ``autotune.py``): on the first call of a key
+(op, layout, dtype, head size, length bucket, threads) the candidates (the fused CPU kernel at
+every vector ISA, SDPA; on CUDA also the fused kernel and, for masked layouts, flex) are checked
+against ``reference_attention`` and timed for a bounded few milliseconds on the machine in use,
+and the fastest correct one is cached on disk per machine. ``RAG_MM_ATTN_AUTOTUNE=0``, and calls
+where nothing may be timed (torch.compile, fake / meta tensors, CUDA graph capture) without a
+cached choice, take the fixed rule: per device, layout and CPU capability (``CPU_AUTO_TABLE``,
+``_auto_cuda``). The choice and its reason are logged once per key.
+
+Under torch.distributed nothing is measured at a call: ranks reach the first call of a key at
+different moments (a pipeline stage may never reach it), so a collective there could deadlock and
+ranks timing alone could choose different kernels, which round differently. Instead every rank
+calls ``autotune(specs)`` at one well-defined point before the first step (a collective: rank 0
+measures or reads its cache, broadcasts, every rank installs rank 0's choices); keys it did not
+cover take the fixed rule on every rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 
 import torch
 import torch.nn.functional as F
+
+from parallel.kernels import autotune as _tune
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +200,8 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
 #   kernel skips masked blocks where SDPA takes a dense mask and computes every score).
 # * avx512: the fused kernel on every layout (AVX-512 micro-kernels, 1.5-4x SDPA on an AVX-512
 #   host; BENCHMARKS.md, "Attention kernels").
-# ISAs without a row use the generic row.
+# ISAs without a row use the generic row. The table is the fallback of ``auto``: measurement
+# (``_tuned``) decides unless RAG_MM_ATTN_AUTOTUNE=0 or nothing may be timed.
 CPU_AUTO_TABLE = {
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
     "avx2": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
@@ -260,12 +278,15 @@ def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> 
     return "sdpa", f"{layout} on CUDA: flex unavailable ({why}), fused unavailable ({fused_why})"
 
 
-def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tuple[str, str]:
+def select_backend(requested: str, q: torch.Tensor, layout: str = "dense", *, grad: bool = False) -> tuple[str, str]:
     """Resolve ``requested`` to a concrete backend and a human-readable reason.
 
-    ``layout`` (one of ``LAYOUTS``) matters for ``auto``: on the CPU the choice follows
-    ``CPU_AUTO_TABLE`` for ``cpu_capability()`` (the fused kernels' ISA; the generic row where
-    q's dtype / head size take the generic kernels), on CUDA the rule of ``_auto_cuda``.
+    ``auto`` is measured (``_tuned``: the fastest correct candidate for the call's key, cached on
+    disk) unless ``RAG_MM_ATTN_AUTOTUNE=0`` or nothing can be timed here; then the fixed rule
+    decides: on the CPU ``CPU_AUTO_TABLE`` for ``cpu_capability()`` (the fused kernels' ISA; the
+    generic row where q's dtype / head size take the generic kernels), on CUDA ``_auto_cuda``.
+    ``grad``: the inputs require grad (forward and backward are timed together). A measured
+    choice may be ``"fused:<isa>"``: the fused CPU kernel run at that vector ISA.
     """
     if requested not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {requested!r}")
@@ -286,12 +307,20 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
         if not ok:
             raise RuntimeError(f"attention backend 'fused' requested but unavailable: {why}")
         return "fused", "requested"
-    if q.device.type == "cuda":
-        return _auto_cuda(q, layout, ok, why)
-    if not ok:
-        return "sdpa", f"fused unavailable: {why}"
-    if q.device.type != "cpu":
-        return "fused", why
+
+    def fixed() -> tuple[str, str]:
+        if q.device.type == "cuda":
+            return _auto_cuda(q, layout, ok, why)
+        if not ok:
+            return "sdpa", f"fused unavailable: {why}"
+        if q.device.type != "cpu":
+            return "fused", why
+        return _cpu_fixed_rule(q, layout)
+
+    return _tuned(q, layout, grad, fixed, ok)
+
+
+def _cpu_fixed_rule(q: torch.Tensor, layout: str) -> tuple[str, str]:
     cap = cpu_capability()
     if cap != "generic" and hasattr(torch.ops.rag_attn, "cpu_kernel"):
         # head sizes / dtypes the vector kernels do not take run the generic ones
@@ -304,15 +333,177 @@ def select_backend(requested: str, q: torch.Tensor, layout: str = "dense") -> tu
     return choice, f"{layout} {str(q.dtype).removeprefix('torch.')} on a {table} CPU: {faster}"
 
 
+# ----------------------------------------------------------------------------- measured auto
+# heads are dim 1 in every layout: (B, H, S, D) and packed (T, H, D)
+ISAS = ("generic", "avx2", "avx512")  # the fused CPU kernels' vector ISAs, lowest first
+_machines: dict[str, tuple[str, dict]] = {}
+_names_memo: dict[tuple, tuple[str, ...]] = {}
+
+
+def _isa_cap() -> str | None:
+    """The highest ISA auto may run: ``RAG_ATTN_ISA`` if set, else the CPU's best."""
+    if kernel_isa() is None:
+        return None
+    return os.environ.get("RAG_ATTN_ISA") or kernel_isa(best=True)
+
+
+def _candidate_names(q: torch.Tensor, layout: str, fused_ok: bool) -> tuple[str, ...]:
+    """What ``auto`` chooses among for q's device, dtype and head size.
+
+    CPU: SDPA and the fused kernel at every ISA up to ``_isa_cap`` that runs a kernel of its own for
+    this dtype / head size (``cpu_kernel``: e.g. head size 40 runs the AVX2 kernel under avx512).
+    Flex is left out on the CPU: its first call per shape compiles through Inductor (seconds to
+    minutes), past any timing bound, and its CPU backward is the dense PyTorch formula.
+    CUDA: SDPA, the fused kernel, and flex for the masked layouts (sm80+ with Triton).
+    """
+    memo = (q.device.type, q.dtype, q.shape[-1], layout, fused_ok, os.environ.get("RAG_ATTN_ISA"))
+    if memo in _names_memo:
+        return _names_memo[memo]
+    names = ["sdpa"]
+    if q.device.type == "cpu" and fused_ok:
+        cap = _isa_cap()
+        kernels = {}
+        for isa in ISAS[: ISAS.index(cap) + 1] if cap in ISAS else ():
+            with pinned_isa(isa):
+                kernels.setdefault(torch.ops.rag_attn.cpu_kernel(q.dtype, q.shape[-1]), isa)
+        names += [f"fused:{isa}" for isa in kernels.values()]
+    elif q.device.type == "cuda":
+        names += ["fused"] if fused_ok else []
+        names += ["flex"] if layout in ("packed", "retrieval") and _flex_gate(q)[0] else []
+    _names_memo[memo] = tuple(names)
+    return _names_memo[memo]
+
+
+def _machine(device: str) -> tuple[str, dict]:
+    if device not in _machines:
+        _machines[device] = _tune.machine(device, _isa_cap() if device == "cpu" else None)
+    return _machines[device]
+
+
+def _tune_key(q: torch.Tensor, layout: str, grad: bool) -> _tune.Key:
+    S = q.shape[0] if layout == "packed" else q.shape[-2]  # packed: (T, H, D), T tokens; else (B, H, S, D)
+    return _tune.Key("fwd+bwd" if grad else "fwd", layout, str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
+                     _tune.seq_bucket(S), torch.get_num_threads(), q.device.type)
+
+
+def _tuned(q: torch.Tensor, layout: str, grad: bool, fixed, fused_ok: bool) -> tuple[str, str]:
+    """``auto``'s measured choice for q's key (cached, else measured now when ``can_time``), or
+    ``fixed()`` (the fixed rule) with the reason no measurement decides. A decided key is memoised
+    per process (a dict lookup: no op call on the hot path)."""
+    if not _tune.enabled():
+        return fixed()
+    names = _candidate_names(q, layout, fused_ok)
+    if len(names) < 2:
+        return fixed()
+    key = _tune_key(q, layout, grad)
+    memo = _resolved.get((key, names))
+    if memo is not None and memo[0] == _tune.generation():
+        return memo[1]
+    rule = fixed()
+    rec, why = _record(q, key, names, force=False)
+    if rec is None:
+        return rule[0], f"{rule[1]}; not measured: {why}"
+    if rec["choice"] is None:
+        out = rule[0], f"{rule[1]}; no candidate agreed with the reference ({rec['rejected']})"
+    else:
+        ms = ", ".join(f"{n} {t:.3g}" for n, t in sorted(rec["ms"].items(), key=lambda kv: kv[1]))
+        out = rec["choice"], f"measured fastest for {key} (ms: {ms})"
+    _resolved[(key, names)] = (_tune.generation(), out)
+    return out
+
+
+_resolved: dict[tuple, tuple] = {}  # (key, candidates) -> (autotune generation, (choice, reason))
+
+
+def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict | None, str]:
+    """The record deciding ``key``: the pinned or cached one if its choice is still a candidate,
+    else a new measurement when allowed (``force``: also under torch.distributed, for rank 0 in
+    ``autotune``); (None, why not) when nothing decides."""
+    mid, desc = _machine(q.device.type)
+    rec = _tune.lookup(key, mid, distributed=not force)
+    if rec is not None and (rec["choice"] is None or rec["choice"] in names):
+        return rec, "cached"
+    ok, why = _tune.can_time(q)
+    if not ok and not (force and why.startswith("torch.distributed")):
+        return None, why
+    with torch.autocast(q.device.type, enabled=False):
+        return _tune.tune(key, mid, desc, *_tune.attention_case(key, names, _run_named)), "measured"
+
+
+@contextlib.contextmanager
+def pinned_isa(isa: str | None):
+    """Run the fused CPU kernels at ``isa`` inside the block (forward, and the backward of what the
+    block's forward recorded); no effect for None, under torch.compile, or without the extension."""
+    from parallel.kernels._attention_ops import cpu_isa_pinned
+
+    with cpu_isa_pinned(isa):
+        yield
+
+
+TuneSpec = _tune.TuneSpec
+
+
+def autotune(specs: list[TuneSpec], group=None) -> dict[str, str]:
+    """Measure ``auto``'s choice for every spec before the first step; key -> choice.
+
+    Under torch.distributed a collective: every rank of ``group`` calls it at the same point with
+    the same specs; rank 0 measures (or reads its cache) and broadcasts, and every rank runs rank
+    0's choices (see ``autotune.py``). Without a process group it measures locally. Keys that
+    ``RAG_MM_ATTN_AUTOTUNE=0`` or a missing candidate leave unmeasured keep the fixed rule.
+    """
+
+    def local() -> dict[str, dict]:
+        recs = {}
+        for s in specs:
+            if not _tune.enabled():
+                break
+            q = torch.empty((1, 1, s.seq_len, s.head_dim), dtype=s.dtype, device=s.device)
+            if s.layout == "packed":
+                q = q[0].transpose(0, 1)  # (T, 1, D)
+            ok, _ = fused_available()
+            names = _candidate_names(q, s.layout, ok and _fused_supports(q)[0])
+            if len(names) < 2:
+                continue
+            key = _tune_key(q, s.layout, s.grad)
+            rec, _ = _record(q, key, names, force=True)
+            if rec is not None:
+                recs[key.shape_id()] = rec
+        return recs
+
+    return {k: r["choice"] for k, r in _tune.share(local, group).items()}
+
+
 def _scale(q, scale):
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _run_named(name: str, q, k, v, kw: dict):
+    """Backend ``name`` on one tuning case (``autotune.attention_case``'s keyword arguments)."""
+    if "cu_seqlens" in kw:
+        return _varlen_with(name, q, k, v, kw["cu_seqlens"], kw["max_seqlen"], False, None)
+    return _attention_with(name, q, k, v, kw.get("causal", False), kw.get("seg_offsets"), None)
+
+
+def _split(chosen: str) -> tuple[str, str | None]:
+    """"fused:avx2" -> ("fused", "avx2"); a plain backend -> (backend, None)."""
+    name, _, isa = chosen.partition(":")
+    return name, isa or None
 
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
     layout = _layout(causal, seg_offsets)
-    chosen, reason = select_backend(backend, q, layout)
+    chosen, reason = select_backend(backend, q, layout, grad=_needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
+    return _attention_with(chosen, q, k, v, causal, seg_offsets, scale)
+
+
+def _attention_with(chosen: str, q, k, v, causal, seg_offsets, scale):
+    chosen, isa = _split(chosen)
     if chosen == "flex":
         from parallel.kernels.flex import flex_attention
 
@@ -324,8 +515,9 @@ def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str =
 
         if seg_offsets is not None:
             seg_offsets = seg_offsets.to(device=q.device, dtype=torch.int32)
-        return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
-                             scale=_scale(q, scale))
+        with pinned_isa(isa):
+            return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
+                                 scale=_scale(q, scale))
     return sdpa_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
 
 
@@ -336,8 +528,13 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
     sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
     """
-    chosen, reason = select_backend(backend, q, "packed")
+    chosen, reason = select_backend(backend, q, "packed", grad=_needs_grad(q, k, v))
     _log_once("packed", q.dtype, chosen, reason)
+    return _varlen_with(chosen, q, k, v, cu_seqlens, max_seqlen, causal, scale)
+
+
+def _varlen_with(chosen: str, q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    chosen, isa = _split(chosen)
     if chosen == "flex":
         from parallel.kernels.flex import flex_varlen_attention
 
@@ -348,6 +545,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
         from parallel.kernels._attention_ops import fused_forward
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
-                             scale=_scale(q, scale))
+        with pinned_isa(isa):
+            return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
+                                 scale=_scale(q, scale))
     return sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)

@@ -5,7 +5,10 @@ checkpointing, bf16, CPU offload) to run on a cluster, and whether the model fit
 (``trace.py``: on the CPU, or on the meta device where FLOPs stand in for time), enumerates every
 factorisation of the world into ``pp x dp_replicate x dp_shard x tp`` (mesh order outermost first,
 as ``mesh.py`` builds it; tp inside a node) with every schedule, microbatch count and option, and
-estimates each layout's memory per device and step time. Pipeline stages come from the
+estimates each layout's memory per device and step time. Each candidate is an ``Estimate``: the
+runtime's ``ParallelConfig`` that runs it (checked by the config's own ``problems``, as
+``parallelize`` checks it), the compute dtype and accumulation steps it assumes, and its costs;
+a caller turns the config into its own launch line. Pipeline stages come from the
 partitioner (``partition.py`` / ``cost.py``, min-max balanced on the trace's FLOPs), cached per
 stage count: with the time objective the split does not depend on the schedule.
 
@@ -74,9 +77,10 @@ import torch
 from torch import nn
 
 from ..cluster import Cluster
+from ..config import ParallelConfig
 from ..trace import EXTERNAL, TraceResult, trace_model
 from .estimate import SCHEDULE_COST, SCHEDULES, Planner, bubble_slots
-from .report import Layout, Plan
+from .report import Estimate, Plan
 from .stats import TP_TYPES, ModelStats, tp_plan_facts
 
 log = logging.getLogger(__name__)
@@ -119,6 +123,7 @@ def plan_layout(
     partition: str = "auto",
     overhead_s: float = 0.0,
     trace: TraceResult | None = None,
+    base: ParallelConfig | None = None,
 ) -> Plan:
     """Rank every layout of ``model_or_trace`` on ``cluster`` (a ``Cluster`` or a preset name)
     for ``global_batch`` samples per step.
@@ -132,8 +137,10 @@ def plan_layout(
     FULL_SEARCH_MODULES modules). ``overhead_s``: fixed seconds of one forward + backward of the
     whole model that do not grow with the batch (``cluster.measure_model``; 0 on GPU presets),
     charged per microbatch by each stage's share of the module calls. ``trace``: the model's trace
-    when it was already taken. The result's
-    ``estimate(...)`` models any other layout."""
+    when it was already taken. The result's ``estimate(...)`` models any other layout; each
+    candidate's ``config`` is the ``ParallelConfig`` that runs it: ``base`` (default: the
+    runtime's defaults) with the degrees and options the planner chose, so the fields it does not
+    choose (grad_reduce, p2p, partition, ...) are the caller's and are checked with the layout."""
     t0 = time.perf_counter()
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
@@ -151,7 +158,7 @@ def plan_layout(
             log.info("planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded", e)
     samples = trace_samples or _samples(example_inputs, trace)
     planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded,
-                      tp_whole_input)
+                      tp_whole_input, base)
     layouts = planner.enumerate(schedules, precisions, checkpointing, offload, tp_across_nodes)
     layouts.sort(key=lambda lay: (not lay.fits, lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf))
     numel = sum(n for _, n in trace.param_sizes.values())
@@ -159,5 +166,5 @@ def plan_layout(
                 time.perf_counter() - t0)
 
 
-__all__ = ["Cluster", "Layout", "ModelStats", "Plan", "SCHEDULE_COST", "SCHEDULES", "TP_TYPES", "bubble_slots", "plan_layout"]
+__all__ = ["Cluster", "Estimate", "ModelStats", "Plan", "SCHEDULE_COST", "SCHEDULES", "TP_TYPES", "bubble_slots", "plan_layout"]
 

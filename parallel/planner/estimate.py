@@ -10,11 +10,12 @@ from typing import Any
 
 from ..balance import InfeasiblePartition
 from ..cluster import Cluster
+from ..config import CHOICES, ParallelConfig
 from ..cost import CostConfig, inflight, rank_of_stage
 from ..partition import baseline_partition, partition_trace
 from ..pipeline.schedule import DRAIN_DEPTH
 from ..trace import TraceResult
-from .report import GiB, Layout, overrides
+from .report import Estimate, GiB
 from .stats import ModelStats, PartStats
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")  # parallel.config names, enumerated
@@ -56,7 +57,9 @@ def bubble_slots(schedule: str, p: int, v: int) -> float:
 class Planner:
     def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
                  tp_divisor: int | None, partition: str, overhead_s: float = 0.0,
-                 tp_sharded: set[str] | None = None, tp_whole_input: set[str] = frozenset()):
+                 tp_sharded: set[str] | None = None, tp_whole_input: set[str] = frozenset(),
+                 base: ParallelConfig | None = None):
+        self.base = base or ParallelConfig()  # each candidate's fields the planner does not choose
         self.stats = ModelStats(trace, samples, tp_sharded, tp_whole_input)
         self.overhead_s = overhead_s  # fixed seconds per microbatch forward+backward of the whole model
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
@@ -113,20 +116,28 @@ class Planner:
 
     # --- one layout
     def estimate(self, pp: int, tp: int, dp_replicate: int, dp_shard: int, microbatches: int = 1,
-                 schedule: str = "1f1b", activation_checkpointing: bool = False, mixed_precision: str = "bf16",
-                 cpu_offload: bool = False, stages_per_rank: int | None = None, **_: Any) -> Layout:
+                 schedule: str = "1f1b", activation_checkpointing: bool = False, precision: str = "bf16",
+                 cpu_offload: bool = False, stages_per_rank: int | None = None, **_: Any) -> Estimate:
+        """Model one layout. ``microbatches``: the pipeline's (pp > 1) or, without a pipeline, the
+        gradient-accumulation steps; ``precision``: the compute dtype (bf16: autocast)."""
         c, st = self.cluster, self.stats
         if pp == 1:
             schedule = "-"  # microbatches are gradient-accumulation steps
         cost_sched, v = SCHEDULE_COST.get(schedule, ("1f1b", 1))
         v = (stages_per_rank or v) if pp > 1 else 1
-        lay = Layout(pp, tp, dp_replicate, dp_shard, microbatches, schedule, v, activation_checkpointing,
-                     mixed_precision, cpu_offload)
+        b = self.base
+        config = dataclasses.replace(
+            b, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, microbatches=microbatches if pp > 1 else 1,
+            schedule=schedule if pp > 1 else b.schedule, stages_per_rank=v,
+            activation_checkpointing=(b.activation_checkpointing if b.activation_checkpointing != "none" else "full")
+            if activation_checkpointing else "none", cpu_offload=cpu_offload)
+        lay = Estimate(config, precision, grad_accum=microbatches if pp == 1 else 1)
         dp = dp_replicate * dp_shard
         world = pp * dp * tp
         why = lay.reasons
-        if world != c.world:
-            why.append(f"pp*dp_replicate*dp_shard*tp = {world} != {c.world} devices")
+        why += config.problems(c.world)  # the runtime's own rules: degrees x world, schedule, offload
+        if precision not in CHOICES["mixed_precision"]:
+            why.append(f"precision must be one of {CHOICES['mixed_precision']} (got {precision!r})")
         if self.global_batch % (dp * microbatches):
             why.append(f"global batch {self.global_batch} does not split into {dp} replicas x {microbatches} "
                        "microbatches")
@@ -138,12 +149,10 @@ class Planner:
             why.append("checkpointing needs repeated blocks to checkpoint")
         if pp > 1 and st.blocks and pp * v > len(st.blocks):
             why.append(f"{pp * v} pipeline stages > {len(st.blocks)} blocks")
-        if cpu_offload and pp > 1:
-            why.append("cpu_offload with pp > 1: a pipeline rank keeps its stage gathered for the whole step")
         if cpu_offload and c.host_bandwidth <= 0:
             why.append(f"no CPU offload on {c.name}: the devices are the host")
         if pp > 1 and schedule not in SCHEDULE_COST:
-            why.append(f"unknown schedule {schedule!r}")
+            why.append(f"the planner has no cost model of schedule {schedule!r}")
         if why:
             return lay
         parts = self.stages(pp * v)
@@ -152,7 +161,7 @@ class Planner:
             return lay
         lay.microbatch_size = self.global_batch // (dp * microbatches)
         scale = lay.microbatch_size / st.samples  # trace batch -> one microbatch
-        bf16 = mixed_precision == "bf16"
+        bf16 = precision == "bf16"
         cdt = 2.0 / st.elt if bf16 else 1.0  # compute-dtype bytes per trace-dtype byte
         rate = c.flops_per_s("bf16" if bf16 else "fp32")
         ccfg = CostConfig(schedule=cost_sched, microbatches=microbatches, stages_per_rank=v)
@@ -294,12 +303,11 @@ class Planner:
             _, _, crosses = c.group_link(tp, 1)
             if tp > 1 and crosses:
                 why.append("TP all-reduces cross nodes")
-        lay.overrides, lay.runtime = overrides(lay)
         return lay
 
     # --- every layout
     def enumerate(self, schedules: Sequence[str], precisions: Sequence[str], checkpointing: Sequence[bool],
-                  offload: Sequence[bool], tp_across_nodes: bool) -> list[Layout]:
+                  offload: Sequence[bool], tp_across_nodes: bool) -> list[Estimate]:
         c = self.cluster
         out = []
         for pp, dpr, dps, tp in _factorisations(c.world):

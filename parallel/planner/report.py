@@ -1,5 +1,5 @@
-"""The planner's results: one modelled ``Layout``, the ranked ``Plan`` with its table and JSON
-form, and the rag_mm overrides that run a layout."""
+"""The planner's results: one modelled candidate (``Estimate``: the ``ParallelConfig`` that runs
+it, and what it costs), and the ranked ``Plan`` with its table and JSON form."""
 
 from __future__ import annotations
 
@@ -10,23 +10,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cluster import Cluster
+from ..config import ParallelConfig
 
 GiB = float(2**30)
+# the degrees and options of a candidate, as its JSON form and table show them (besides ``config``)
+LAYOUT_KEYS = ("pp", "tp", "dp_replicate", "dp_shard", "microbatches", "schedule", "stages_per_rank",
+               "activation_checkpointing", "cpu_offload")
 
 @dataclass
-class Layout:
-    """One candidate layout and what the model says about it."""
+class Estimate:
+    """One candidate layout (the runtime's ``ParallelConfig`` that runs it, the compute dtype and
+    the gradient-accumulation steps it assumes) and what the cost model says about it."""
 
-    pp: int  # pipeline ranks
-    tp: int  # tensor-parallel degree (inside a node)
-    dp_replicate: int  # data-parallel replicas
-    dp_shard: int  # FSDP shard degree
-    microbatches: int  # pipeline microbatches per step; without a pipeline, gradient-accumulation steps
-    schedule: str  # pipeline schedule (parallel.config name); "-" without a pipeline
-    stages_per_rank: int  # virtual stages per pipeline rank
-    activation_checkpointing: bool  # every block checkpointed (recomputed in backward)
-    mixed_precision: str  # fp32 | bf16 (compute dtype; master weights and Adam stay fp32)
-    cpu_offload: bool  # FSDP2 keeps params, grads and Adam state on the host
+    config: ParallelConfig  # what ``parallel.parallelize`` runs; validated against the cluster's world
+    # compute dtype the estimate assumes: fp32 | bf16. bf16 is the step under torch.autocast (fp32
+    # master weights and Adam); ``config.mixed_precision`` (FSDP2's bf16 parameters) stays fp32, and
+    # a caller may turn it on where pp == 1
+    precision: str = "fp32"
+    grad_accum: int = 1  # gradient-accumulation steps per optimizer step (pp == 1; a pipeline's are config.microbatches)
     microbatch_size: int = 0  # samples per microbatch on one data-parallel replica
     fits: bool = False  # True if memory (device and host) and every constraint allow it
     memory_bytes_per_device: float = 0.0  # modelled peak on the fullest device
@@ -39,8 +40,45 @@ class Layout:
     breakdown: dict[str, float] = field(default_factory=dict)  # step seconds by where they go
     mfu: float = 0.0  # model FLOPs (no recompute) / (step time x world x peak of the dtype)
     reasons: list[str] = field(default_factory=list)  # why it was rejected, or what dominates it
-    overrides: list[str] = field(default_factory=list)  # rag_mm Hydra overrides that run it
-    runtime: dict[str, Any] = field(default_factory=dict)  # parallel.ParallelConfig fields rag_mm lacks
+
+    # the layout's degrees and options, read off ``config`` (the one place they are kept)
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @property
+    def tp(self) -> int:
+        return self.config.tp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.config.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.config.dp_shard
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per optimizer step: the pipeline's, or the accumulation steps without one."""
+        return self.config.microbatches if self.config.pp > 1 else self.grad_accum
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule; "-" without a pipeline."""
+        return self.config.schedule if self.config.pp > 1 else "-"
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.config.stages_per_rank
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.config.activation_checkpointing != "none"
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.config.cpu_offload
 
     @property
     def key(self) -> str:
@@ -49,7 +87,7 @@ class Layout:
             s += f" m{self.microbatches} {self.schedule}"
         elif self.microbatches > 1:
             s += f" accum{self.microbatches}"
-        return s + (" ac" if self.activation_checkpointing else "") + (" " + self.mixed_precision) + \
+        return s + (" ac" if self.activation_checkpointing else "") + (" " + self.precision) + \
             (" offload" if self.cpu_offload else "")
 
 
@@ -61,20 +99,21 @@ class Plan:
     parameters: int  # parameter count of the model
     param_bytes: float  # their bytes in the trace's dtype
     global_batch: int  # samples per optimizer step
-    layouts: list[Layout]  # ranked
+    layouts: list[Estimate]  # ranked
     planner: Any = field(default=None, repr=False)  # the _Planner, for estimate()
     seconds: float = 0.0  # time the planning took
 
     @property
-    def best(self) -> Layout | None:
+    def best(self) -> Estimate | None:
         return self.layouts[0] if self.layouts and self.layouts[0].fits else None
 
     @property
-    def fitting(self) -> list[Layout]:
+    def fitting(self) -> list[Estimate]:
         return [lay for lay in self.layouts if lay.fits]
 
-    def estimate(self, **layout: Any) -> Layout:
-        """Model one layout (any degrees, tp across nodes included): keyword fields of ``Layout``."""
+    def estimate(self, **layout: Any) -> Estimate:
+        """Model one layout (any degrees, tp across nodes included): the keywords of
+        ``Planner.estimate`` (pp, tp, dp_replicate, dp_shard, microbatches, schedule, ...)."""
         return self.planner.estimate(**layout)
 
     def to_dict(self, top: int | None = 20) -> dict[str, Any]:
@@ -102,7 +141,7 @@ class Plan:
             lines.append(
                 f"{i + 1 if lay.fits else 'x':>3} {lay.pp:>3} {lay.tp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} "
                 f"{lay.microbatches:>4} {lay.schedule:<16} {'y' if lay.activation_checkpointing else 'n':>3} "
-                f"{lay.mixed_precision:>5} {'y' if lay.cpu_offload else 'n':>4} "
+                f"{lay.precision:>5} {'y' if lay.cpu_offload else 'n':>4} "
                 f"{lay.memory_bytes_per_device / GiB:>6.1f} {1e3 * lay.step_time_s:>8.4g} {lay.mfu:>5.2f} "
                 f"{1e3 * b.get('compute', 0):>8.4g} {1e3 * b.get('bubble', 0):>7.4g} {1e3 * b.get('tp_comm', 0):>7.4g} "
                 f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  {'; '.join(lay.reasons)}")
@@ -112,33 +151,6 @@ class Plan:
         return self.table()
 
 
-def _layout_dict(lay: Layout) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(lay).items()}
-
-
-def overrides(lay: Layout) -> tuple[list[str], dict[str, Any]]:
-    """rag_mm overrides (``parallel.dp`` counts every data-parallel rank, of which ``dp_shard``
-    shard; ``data.batch_size`` is per data-parallel rank) and the runtime fields rag_mm has no key
-    for (``parallel.ParallelConfig``'s activation_checkpointing, cpu_offload, mixed_precision)."""
-    dp = lay.dp_replicate * lay.dp_shard
-    per_rank = lay.microbatch_size * lay.microbatches
-    o = [f"parallel.pp={lay.pp}", f"parallel.tp={lay.tp}", f"parallel.dp={dp}", f"parallel.dp_shard={lay.dp_shard}"]
-    if lay.pp > 1:
-        o += [f"parallel.microbatches={lay.microbatches}", f"parallel.schedule={lay.schedule}"]
-    else:  # without a pipeline, microbatches are accumulation steps of microbatch_size samples
-        o += ["parallel.microbatches=1", f"optim.grad_accum={lay.microbatches}"]
-        per_rank = lay.microbatch_size
-    if per_rank:
-        # the eval batch must split into the microbatches too: the training batch per rank does
-        o += [f"data.batch_size={per_rank}", f"data.eval_batch_size={per_rank}"]
-    o.append(f"optim.precision={lay.mixed_precision}")
-    rt: dict[str, Any] = {"activation_checkpointing": "full" if lay.activation_checkpointing else "none",
-                          "cpu_offload": lay.cpu_offload}
-    # the runtime's own bf16 casts FSDP's parameters, which a pipeline cannot carry; under a
-    # pipeline bf16 is autocast, which is what optim.precision=bf16 selects
-    rt["mixed_precision"] = lay.mixed_precision if lay.pp == 1 else "fp32"
-    if lay.pp > 1:
-        rt["stages_per_rank"] = lay.stages_per_rank
-    return o, rt
-
-
+def _layout_dict(lay: Estimate) -> dict[str, Any]:
+    d = dataclasses.asdict(lay)
+    return {**{k: getattr(lay, k) for k in LAYOUT_KEYS}, **d}

@@ -5,6 +5,12 @@ Sequence of one example (packed left, padded right to the batch's longest)::
     [doc_1 patches, doc_1 text] ... [doc_k patches, doc_k text] [query patches, question, answer]
      └──────── segment 0 ───────┘     └──────── segment k-1 ──┘  └────────── segment k ─────────┘
 
+On an accelerator the slots are not trimmed: every example is padded to the batch's slot count,
+known from the shapes, and the answer positions are picked into a fixed number of rows with a
+validity mask, so the step reads nothing back from the device (sizing the packed sequence to the
+longest example would cost a host sync per forward). Padding attends to nothing and carries no
+label, so the loss and the scores are the packed sequence's.
+
 Documents attend within themselves; the query segment attends to all documents and causally to
 itself (``parallel.kernels.attention`` layout). Positions restart in every segment, so documents
 form an unordered set. The loss is next-token cross-entropy on the answer tokens only.
@@ -38,11 +44,15 @@ class ReaderOutput:
     labels: torch.Tensor  # (M,) their targets
     example: torch.Tensor  # (M,) example index of each prediction position
     doc_attention: torch.Tensor | None = None  # (B, k) copy-attention mass of the answer positions on each document
+    # (M,) bool: which prediction rows are real; None: all of them. On an accelerator M is
+    # B * max_predictions, the real rows first, then fill rows (example 0, position 0, target IGNORE)
+    valid: torch.Tensor | None = None
 
 
 @dataclass
 class Assembled:
-    """One batch laid out for the transformer (S: the longest packed example)."""
+    """One batch laid out for the transformer (S: the longest packed example on the CPU, every slot
+    elsewhere)."""
 
     x: torch.Tensor  # (B, S, D) token and patch embeddings (plus rank offsets), no positions
     labels: torch.Tensor  # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
@@ -58,6 +68,9 @@ class ReaderBase(nn.Module):
 
     max_answer: int  # generated tokens at most, EOT included
     copy: nn.Module | None  # the copy head, or None
+    # device types on which a batch is trimmed to its longest example and its answer rows counted:
+    # the host, where reading a length back is free. Elsewhere the shapes are static (module doc).
+    packed_devices: tuple[str, ...] = ("cpu",)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # (..., L) -> (..., L, D)
         raise NotImplementedError
@@ -107,21 +120,26 @@ class ReaderBase(nn.Module):
         if La > 0:
             nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1:La + 1], IGNORE)  # (B, La)
             labels[:, n_before + Lq:] = nxt
+        # the largest position any slot can hold, from the shapes alone (documents: P + Lt - 1,
+        # the query: P + Lq + La - 1); the longest real segment is at most this + 1
+        bound = P + max(Lq + La, doc_ids.shape[2] if k else 0)
         return (torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(pos, 1), torch.cat(typ, 1),
-                torch.cat(seg, 1), labels, torch.cat(toks, 1), k)
+                torch.cat(seg, 1), labels, torch.cat(toks, 1), k, bound)
 
     def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> Assembled:
         """Pack each example's valid tokens to the left (see ``Assembled``)."""
-        emb, valid, pos, typ, seg, labels, toks, k = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
+        emb, valid, pos, typ, seg, labels, toks, k, bound = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image,
+                                                                         doc_ids, doc_len)
         if k > self.max_docs:
             raise ValueError(f"{k} documents per query > model.max_docs={self.max_docs}")
-        if emb.is_meta:  # shapes only (planning on the meta device): every slot is kept
-            S = valid.shape[1]
-        else:
+        # trimmed to the longest example on the CPU (reading it back is free there); shapes only
+        # (planning on the meta device) and accelerators keep every slot (see the module doc)
+        trim = emb.device.type in self.packed_devices
+        if trim or (bound > self.max_segment_len and not emb.is_meta):  # else every segment fits, whatever the lengths
             longest = int(pos.max()) + 1
             if longest > self.max_segment_len:
                 raise ValueError(f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}")
-            S = int(valid.sum(1).max())
+        S = int(valid.sum(1).max()) if trim else valid.shape[1]
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid slots first, in order
         order = order[:, :S]
         take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
@@ -139,12 +157,19 @@ class ReaderBase(nn.Module):
         loss and the per-example scores."""
         labels, seg_offsets = a.labels, a.seg_offsets
         B = h_all.shape[0]
+        valid = None
         if h_all.is_meta:  # shapes only: as many predictions as answer slots (full-length examples)
             rows = torch.empty(B * a.max_predictions, 2, dtype=torch.long, device="meta")
-        else:
+        elif h_all.device.type in self.packed_devices:
             rows = (labels != IGNORE).nonzero()  # (M, 2): example, position
+        else:  # no read-back: B * max_predictions rows, the real ones first (an example predicts at most that many)
+            rows = torch.nonzero_static(labels != IGNORE, size=B * a.max_predictions, fill_value=-1)  # (M, 2)
+            valid = rows[:, 0] >= 0  # (M,)
+            rows = rows.clamp_min(0)  # fill rows read example 0, position 0: target IGNORE, weight 0 below
         example = rows[:, 0]
         target = labels[rows[:, 0], rows[:, 1]]  # (M,)
+        if valid is not None:
+            target = target.masked_fill(~valid, IGNORE)
         h = h_all[rows[:, 0], rows[:, 1]]  # (M, D): only answer positions need the vocabulary projection
         gen_logp = F.log_softmax(lm_head(h).float(), -1)  # (M, V)
         if self.copy is None:
@@ -152,22 +177,26 @@ class ReaderBase(nn.Module):
         else:
             seg_id = segment_ids(seg_offsets, h_all.shape[1])
             logp, attn = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION, gen_logp, doc_prior)
-            doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2)
-        tok_nll = F.nll_loss(logp, target, reduction="none")  # (M,)
-        count = torch.zeros(B, device=h_all.device).index_add_(0, example, torch.ones_like(tok_nll))
+            doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid)
+        tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)  # (M,), 0 on fill rows
+        real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)
+        loss = tok_nll.mean() if valid is None else tok_nll.sum() / real.sum().clamp_min(1)
+        count = torch.zeros(B, device=h_all.device).index_add_(0, example, real)
         nll = torch.zeros(B, device=h_all.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
-        wrong = torch.zeros(B, device=h_all.device).index_add_(0, example, (logp.argmax(-1) != target).float())
-        return ReaderOutput(tok_nll.mean(), nll, wrong == 0, logp, target, example, doc_attention)
+        wrong = torch.zeros(B, device=h_all.device).index_add_(0, example, (logp.argmax(-1) != target).float() * real)
+        return ReaderOutput(loss, nll, wrong == 0, logp, target, example, doc_attention, valid)
 
     @staticmethod
-    def _doc_mass(attn, example, seg_id, B, k):
-        """Copy-attention mass on each of the k document segments, averaged over an example's answer positions: (B, k)."""
+    def _doc_mass(attn, example, seg_id, B, k, valid=None):
+        """Copy-attention mass on each of the k document segments, averaged over an example's answer
+        positions: (B, k); ``valid`` (M,) the real prediction rows (None: all)."""
         if k == 0:
             return None
         seg = seg_id[example]  # (M, S)
         per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(1, seg.clamp(max=k), attn)[:, :k]
-        count = torch.zeros(B, device=attn.device).index_add_(0, example, torch.ones(len(example), device=attn.device))
-        return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc) / count.clamp_min(1)[:, None]
+        real = torch.ones(len(example), device=attn.device) if valid is None else valid.to(per_doc.dtype)  # (M,)
+        count = torch.zeros(B, device=attn.device).index_add_(0, example, real)
+        return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc * real[:, None]) / count.clamp_min(1)[:, None]
 
     @torch.no_grad()
     def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407,
@@ -181,8 +210,11 @@ class ReaderBase(nn.Module):
             a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)  # placeholder target at the end
             a_len = torch.full((B,), a_ids.shape[1], device=dev)
             res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
-            last = torch.zeros(B, dtype=torch.long, device=dev)
-            last[res.example] = torch.arange(len(res.example), device=dev)  # the last prediction of each example
+            # the last prediction of each example (rows are in order; fill rows, if any, take no part)
+            rows = torch.arange(len(res.example), device=dev)
+            if res.valid is not None:
+                rows = rows.masked_fill(~res.valid, -1)
+            last = torch.full((B,), -1, dtype=torch.long, device=dev).scatter_reduce_(0, res.example, rows, "amax")
             nxt = res.logits[last].argmax(-1).masked_fill(done, eot_id)
             out = torch.cat([out, nxt[:, None]], 1)
             done |= nxt == eot_id

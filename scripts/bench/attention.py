@@ -4,9 +4,16 @@ ratios and the ``auto`` choice, and peak extra memory.
     python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick] [--backward]
         [--dtypes float32,bfloat16] [--head-dims 64,128] [--no-flex]
 
-Every point times ``fused``, ``sdpa``, ``flex`` (compiled flex_attention with a cached block mask;
-compilation happens in the warm-up) and ``auto`` (whatever ``backend="auto"`` picks here) and
-reports each one's time over SDPA's (``ratios``: below 1 is faster than SDPA).
+Every point times ``fused`` at each vector ISA the CPU has (``fused:avx512``, ``fused:avx2``,
+``fused:generic``, capped by ``RAG_ATTN_ISA``; ``fused`` is the one the process runs by default),
+``sdpa``, ``flex`` (compiled flex_attention with a cached block mask; compilation happens in the
+warm-up) and ``auto`` (``backend="auto"``: measured on its first call, in the warm-up, into a fresh
+cache unless ``--autotune-cache`` names one) and reports each one's time over SDPA's (``ratios``:
+below 1 is faster than SDPA) and ``auto_vs_best``: the fastest of auto's candidates (the fused
+ISAs and SDPA) over auto's time (1 = auto took the fastest; the goal is >= 0.95).
+
+    python scripts/bench/attention.py --quick --dtypes float32 --head-dims 64 --no-flex \
+        --cases dense,causal,retrieval    # the autotune table of BENCHMARKS.md
 
 Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
 
@@ -34,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,6 +60,12 @@ H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implemen
 
 def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fused"):
     """Returns (backend_fn, sdpa_fn, useful_flops); ``backend`` is any of ``A.BACKENDS``."""
+    fns, sdpa, flops = make_fns(case, S, D, dtype, (backend,))
+    return fns[backend], sdpa, flops
+
+
+def make_fns(case: str, S: int, D: int, dtype: torch.dtype, backends):
+    """({backend: fn}, sdpa_fn, useful_flops), every fn on the same inputs (equally warm in cache)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     scale = D**-0.5
@@ -61,7 +73,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         c = case == "causal"
         flops = 4 * S * S * H * D / (2 if c else 1)
-        return (lambda: A.attention(q, k, v, causal=c, backend=backend),
+        return ({b: (lambda b=b: A.attention(q, k, v, causal=c, backend=b)) for b in backends},
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale), flops)
     if case == "packed":
         lens = [S, S // 2, S // 4, S // 4]  # mean S/2: 50% padding when padded to S
@@ -69,7 +81,7 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         T = int(cu[-1])
         q, k, v = (rnd(T, H, D) for _ in range(3))
         flops = sum(4 * L * L * H * D for L in lens)
-        return (lambda: A.varlen_attention(q, k, v, cu, S, backend=backend),
+        return ({b: (lambda b=b: A.varlen_attention(q, k, v, cu, S, backend=b)) for b in backends},
                 lambda: A.sdpa_varlen_attention(q, k, v, cu, S), flops)
     if case == "retrieval":
         doc, n_docs = S // 10, 8
@@ -77,9 +89,34 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
         seg = torch.tensor([bounds], dtype=torch.int32)
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         pairs = int(A.layout_mask(seg, S).sum())
-        return (lambda: A.attention(q, k, v, seg_offsets=seg, backend=backend),
+        return ({b: (lambda b=b: A.attention(q, k, v, seg_offsets=seg, backend=b)) for b in backends},
                 lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
     raise ValueError(case)
+
+
+def at_isa(fn, isa: str):
+    """``fn`` with the fused CPU kernels pinned to ``isa`` for the call."""
+
+    def run():
+        with A.pinned_isa(isa):
+            return fn()
+
+    return run
+
+
+def auto_probe(case: str, S: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of q's shape for ``A.select_backend`` (its key: packed takes (T, H, D))."""
+    if case == "packed":
+        return torch.empty(2 * S, H, D, dtype=dtype)  # lengths S, S/2, S/4, S/4: T = 2S
+    return torch.empty(1, H, S, D, dtype=dtype)
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
@@ -98,20 +135,26 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
     return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
 
 
-def time_many(fns, reps: int, grad: bool = False) -> list[float]:
-    """Median seconds per call of each fn, calls interleaved (a load spike hits all alike)."""
+def time_many(fns, reps: int, grad: bool = False, stat=statistics.median, clock=time.perf_counter) -> list[float]:
+    """Seconds per call of each fn (``stat`` of the timed calls: median, or ``min`` for the fastest
+    call, which other load on a shared machine can only lengthen; ``clock``: wall time, or
+    ``time.thread_time`` for one thread's CPU time), calls interleaved (a load spike hits all alike)
+    in an order rotated every round."""
     ctx = torch.enable_grad if grad else torch.no_grad
     with ctx():
         for fn in fns:  # warm-up: builds, compiles, block masks
             fn()
     times = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, acc in zip(fns, times):
-            t = time.perf_counter()
+    order = list(zip(fns, times))
+    for r in range(reps):
+        # rotated each round: what runs right after another implementation (its allocations, its
+        # cache footprint) differs by position, so every fn takes every position in turn
+        for fn, acc in order[r % len(order):] + order[: r % len(order)]:
+            t = clock()
             with ctx():
                 fn()
-            acc.append(time.perf_counter() - t)
-    return [statistics.median(t) for t in times]
+            acc.append(clock() - t)
+    return [stat(t) for t in times]
 
 
 def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: int) -> float:
@@ -206,11 +249,32 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--no-flex", action="store_true", help="skip flex (its first call per shape compiles)")
+    ap.add_argument("--cases", default="dense,causal,packed,retrieval", help="forward cases to time")
+    ap.add_argument("--stat", default="median", choices=["median", "min"],
+                    help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the calling thread's CPU time, not wall time (needs --threads 1; what "
+                         "auto's measurement uses with one thread): other processes' load does not count")
+    ap.add_argument("--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)")
     args = ap.parse_args()
+    from parallel.kernels import autotune
+
+    tmp_cache = None
+    if args.autotune_cache:
+        os.environ[autotune.CACHE_ENV] = args.autotune_cache
+    else:
+        import tempfile
+
+        tmp_cache = tempfile.mkdtemp(prefix="attn_autotune_")
+        os.environ[autotune.CACHE_ENV] = os.path.join(tmp_cache, "attn_autotune.json")
     if args.device == "cuda":
         return cuda_main(args)
 
     torch.set_num_threads(args.threads)
+    stat = min if args.stat == "min" else statistics.median
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU time)")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     ok, why = A.fused_available()
     if not ok:
         sys.exit(f"fused attention unavailable: {why}")
@@ -221,9 +285,11 @@ def main() -> None:
     results = []
     if args.memory_only:
         seqs = []
+    default_isa = A.kernel_isa()
+    isas = list(A.ISAS[: A.ISAS.index(A._isa_cap()) + 1])
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for D in (int(d) for d in args.head_dims.split(",")):
-            cases = ["dense", "causal", "packed", "retrieval"] + (["dense+bwd", "causal+bwd"] if args.backward else [])
+            cases = args.cases.split(",") + (["dense+bwd", "causal+bwd"] if args.backward else [])
             for case in cases:
                 for S in seqs:
                     bwd = case.endswith("+bwd")
@@ -232,25 +298,31 @@ def main() -> None:
                         fused, sdpa, flops = make_train_case(case.removesuffix("+bwd"), S, D, dtype)
                         fns = {"fused": fused, "sdpa": sdpa}
                     else:
-                        fused, sdpa, flops = make_case(case, S, D, dtype)
-                        fns = {"fused": fused, "sdpa": sdpa}
+                        names = ("fused", "auto") + (("flex",) if flex_ok else ())
+                        by, sdpa, flops = make_fns(case, S, D, dtype, names)
+                        fns = {f"fused:{isa}": at_isa(by["fused"], isa) for isa in isas}
+                        fns["sdpa"] = sdpa
                         if flex_ok:
-                            fns["flex"] = make_case(case, S, D, dtype, "flex")[0]
-                        fns["auto"] = make_case(case, S, D, dtype, "auto")[0]
-                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd)))
+                            fns["flex"] = by["flex"]
+                        fns["auto"] = by["auto"]
+                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd, stat=stat, clock=clock)))
+                    if not bwd:
+                        times["fused"] = times[f"fused:{default_isa}"]
                     layout = case.removesuffix("+bwd")
-                    q = torch.empty(1, 1, 1, D, dtype=dtype)
                     row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
                                fused_tflops=flops / times["fused"] / 1e12, sdpa_tflops=flops / times["sdpa"] / 1e12,
                                speedup=times["sdpa"] / times["fused"],
                                **{f"{k}_ms": t * 1e3 for k, t in times.items()},
                                ratios={k: t / times["sdpa"] for k, t in times.items() if k != "sdpa"})
                     if not bwd:
-                        row["auto_picks"] = A.select_backend("auto", q, layout)[0]
+                        row["auto_picks"] = A.select_backend("auto", auto_probe(case, S, D, dtype), layout)[0]
+                        best = min(t for k, t in times.items() if k.startswith("fused:") or k == "sdpa")
+                        row["auto_vs_best"] = best / times["auto"]
                     results.append(row)
                     print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa']*1e3:7.2f} ms  "
                           + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
-                          + (f"  (auto -> {row['auto_picks']})" if not bwd else ""), flush=True)
+                          + (f"  (auto -> {row['auto_picks']}, best/auto {row['auto_vs_best']:.2f})"
+                             if not bwd else ""), flush=True)
     memory = []
     if not args.quick:
         for case in ("dense", "retrieval"):
@@ -272,20 +344,26 @@ def main() -> None:
             return None
         out = {k: statistics.median(r["ratios"][k] for r in rows) for k in rows[0]["ratios"]}
         out["auto_max"] = max(r["ratios"]["auto"] for r in rows) if "auto" in out else None
+        out["auto_vs_best_min"] = min((r["auto_vs_best"] for r in rows if "auto_vs_best" in r), default=None)
         out["auto_picks"] = sorted({r.get("auto_picks") for r in rows} - {None})
         return out
 
     cases = ("dense", "causal", "packed", "retrieval", "dense+bwd", "causal+bwd")
     dtypes = ("float32", "bfloat16")
+    model, flags = autotune._cpu_description()
     report = dict(
-        machine=dict(cpu=platform.processor() or platform.machine(), cpu_capability=A.cpu_capability(),
-                     threads=args.threads, torch=torch.__version__,
+        machine=dict(cpu=model, isa_flags=sorted(f for f in flags.split() if f.startswith(("avx", "fma"))),
+                     kernel_isa=default_isa, isa_cap=A._isa_cap(), threads=args.threads, torch=torch.__version__,
+                     commit=_commit(),
                      cores=os.cpu_count(), note="compare ratios within one run (other load shifts absolute times)"),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
+        stat=f"{args.stat} of {args.reps} interleaved timed calls per point, "
+             + ("the thread's CPU time" if args.cpu_time else "wall time"), command=" ".join(sys.argv),
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
-        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point",
+        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
+                   "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",
         ratio_summary={f"{c}/{d}": ratio_summary(c, d) for c in cases for d in dtypes
                        if ratio_summary(c, d) is not None},
         results=results, memory=memory,
@@ -295,6 +373,10 @@ def main() -> None:
         report["memory"] = memory
     Path(args.out).write_text(strict_dumps(report, indent=1))
     print(strict_dumps(report.get("ratio_summary"), indent=1))
+    if tmp_cache:
+        import shutil
+
+        shutil.rmtree(tmp_cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -506,7 +506,7 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     log(f"{kind}: {numel / 1e6:.2f} M parameters, planned in {plan_s:.1f} s")
     preds, parts, skipped = {}, {}, {}
     for n, s in specs.items():
-        lay = plan.estimate(mixed_precision="fp32", schedule="1f1b", **s)
+        lay = plan.estimate(precision="fp32", schedule="1f1b", **s)
         preds[n] = lay
         if s["pp"] > 1 and a.partition == "planner":
             try:

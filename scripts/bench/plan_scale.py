@@ -16,6 +16,7 @@ Prints JSON on stdout (tables on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,8 @@ def brief(lay) -> dict:
             "memory_gib": round(lay.memory_bytes_per_device / 2**30, 2),
             "memory_gib_by_kind": {k: round(v / 2**30, 2) for k, v in lay.memory.items()},
             "breakdown_s": {k: round(v, 4) for k, v in lay.breakdown.items()}, "reasons": lay.reasons,
-            "overrides": lay.overrides, "runtime": lay.runtime}
+            "precision": lay.precision, "grad_accum": lay.grad_accum,
+            "config": dataclasses.asdict(lay.config)}  # the runtime's ParallelConfig that runs it
 
 
 def best_of(plan: Plan, candidates: list[dict]) -> object:
@@ -118,7 +120,7 @@ def compare_tp_vs_pipeline(plan: Plan, cluster: Cluster) -> dict:
     dp = cluster.world // (2 * dpn)
     splits = [(dp // s, s) for s in (1, 2, 4, 8, 16, 32, 64, 128) if dp % s == 0]
     accum = (1, 2, 4, 8, 16, 32)
-    common = [dict(mixed_precision="bf16", activation_checkpointing=ac, dp_replicate=r, dp_shard=s)
+    common = [dict(precision="bf16", activation_checkpointing=ac, dp_replicate=r, dp_shard=s)
               for ac in (False, True) for r, s in splits]
     tp_across = best_of(plan, [dict(pp=1, tp=2 * dpn, microbatches=a, **c) for a in accum for c in common])
     pipe = {}

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from parallel.kernels import _attention_ops, _build
+from parallel.kernels import _attention_ops, _build, autotune
 from parallel.kernels import attention as A
 
 
@@ -227,7 +227,8 @@ def test_sdpa_baselines_match_reference(layout):
     torch.testing.assert_close(run("sdpa", q, k, v, extra), run("reference", q, k, v, extra), atol=2e-5, rtol=1e-4)
 
 
-def test_auto_picks_fused_with_reason(fused, caplog):
+def test_auto_picks_fused_with_reason(fused, caplog, monkeypatch):
+    monkeypatch.setenv(autotune.ENV, "0")  # the fixed rule (measuring is test_autotune.py)
     q = torch.randn(1, 1, 4, 8)
     assert A.select_backend("auto", q, "retrieval")[0] == "fused"  # fused on every CPU row
     assert A.select_backend("auto", q.half())[0] == "sdpa"  # no fp16 CPU kernel: says why
@@ -336,7 +337,7 @@ def test_isa_env_override_and_auto_reason(fused):
     code = ("import torch; from parallel.kernels import attention as A; A.fused_available(); "
             "print(torch.ops.rag_attn.cpu_isa(), A.cpu_capability(), "
             "A.select_backend('auto', torch.randn(1, 1, 8, 64), 'retrieval')[1])")
-    env = dict(os.environ, RAG_ATTN_ISA="generic")
+    env = dict(os.environ, RAG_ATTN_ISA="generic", **{autotune.ENV: "0"})
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert res.returncode == 0, res.stderr[-2000:]

@@ -1,5 +1,5 @@
 """The layout planner: its memory model against exact counts, its ranking on clear-cut cases, its
-overrides against rag_mm's config, and its speed on a 1000-module model over 128 devices."""
+candidates as runtime configs, and its speed on a 1000-module model over 128 devices."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def exact_local_bytes(model: nn.Module, tp: int) -> tuple[float, float]:
 def test_memory_matches_exact_counts(toy, tp, dp_shard):
     model, ids, tr = toy
     plan = plan_layout(tr, (ids,), cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,))
-    lay = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32")
+    lay = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, precision="fp32")
     params, adam = exact_local_bytes(model, tp)
     assert lay.memory["params"] == pytest.approx(params / dp_shard)
     assert lay.memory["grads"] == pytest.approx(params / dp_shard)
@@ -97,14 +97,14 @@ def test_memory_matches_exact_counts(toy, tp, dp_shard):
     m = lay.memory
     static = m["params"] + m["optimizer"] + m["gathered"]
     assert lay.memory_bytes_per_device == pytest.approx(static + max(m["grads"], m["activations"]))
-    acc = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, microbatches=2, mixed_precision="fp32")
+    acc = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, microbatches=2, precision="fp32")
     a = acc.memory  # accumulating: the first microbatch's gradients are there when the second's activations peak
     assert acc.memory_bytes_per_device == pytest.approx(sum(a.values()))
     # checkpointing keeps less, and offload moves the state off the device
-    ac = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32",
+    ac = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, precision="fp32",
                        activation_checkpointing=True)
     assert ac.memory["activations"] < lay.memory["activations"]
-    off = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, mixed_precision="fp32", cpu_offload=True)
+    off = plan.estimate(pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, precision="fp32", cpu_offload=True)
     assert off.memory["optimizer"] == 0 and off.memory_bytes_per_device < lay.memory_bytes_per_device
 
 
@@ -119,7 +119,7 @@ def test_pure_data_parallel_ranks_first_on_fast_links():
     best = plan.best
     print("\n" + plan.table(5, 2))
     assert best is not None and (best.pp, best.tp, best.dp_replicate * best.dp_shard) == (1, 1, 8)
-    assert not best.activation_checkpointing and not best.cpu_offload and best.mixed_precision == "bf16"
+    assert not best.activation_checkpointing and not best.cpu_offload and best.precision == "bf16"
     ddp = min((lay for lay in plan.fitting if lay.dp_replicate == 8), key=lambda lay: lay.step_time_s)
     assert ddp.step_time_s <= 1.02 * best.step_time_s
     others = [lay for lay in plan.fitting if lay.pp > 1 or lay.tp > 1]
@@ -141,7 +141,7 @@ def test_model_too_big_for_one_device_needs_sharding(toy):
 def test_bubble_and_schedules(toy):
     model, ids, tr = toy
     plan = plan_layout(tr, (ids,), cluster(), global_batch=16, precisions=("fp32",), checkpointing=(False,))
-    kw = dict(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=8, mixed_precision="fp32")
+    kw = dict(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=8, precision="fp32")
     one = plan.estimate(schedule="1f1b", **kw)
     b = one.breakdown
     slot = (b["compute"] + b["tp_comm"] + b["pp_comm"]) / 8
@@ -173,7 +173,7 @@ def test_data_parallel_traffic_hides_only_where_the_cluster_overlaps(toy):
     import dataclasses
 
     model, ids, tr = toy
-    kw = dict(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, mixed_precision="fp32")
+    kw = dict(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, precision="fp32")
     slow_links = cluster(intra=2e9)
     gpu = plan_layout(tr, (ids,), slow_links, global_batch=16, precisions=("fp32",), checkpointing=(False,))
     cpu = plan_layout(tr, (ids,), dataclasses.replace(slow_links, comm_overlap=0.0), global_batch=16,
@@ -192,31 +192,29 @@ def test_collectives_alpha_beta():
     assert c.group_link(8, 1)[2] is False and c.group_link(2, 8)[2] is True
 
 
-def test_overrides_are_valid_rag_mm_overrides(toy):
-    from rag_mm.config import compose, validate
-
+def test_each_candidate_is_a_runtime_config_that_validates(toy):
+    """The planner hands back the runtime's own ``ParallelConfig`` for every candidate: a fitting
+    one validates for the cluster's world as ``parallelize`` will validate it, a candidate the
+    runtime rejects is rejected with the runtime's own reason, and the fields the planner does
+    not choose are the caller's (``base``)."""
     model, ids, tr = toy
     world = 8
-    plan = plan_layout(tr, (ids,), cluster(dpn=8, mem=2**34), global_batch=64, tp_divisor=4)
-    seen, checked = set(), 0
+    base = ParallelConfig(grad_reduce="shm", p2p="gloo", split_drain=False)
+    plan = plan_layout(tr, (ids,), cluster(dpn=8, mem=2**34), global_batch=64, tp_divisor=4, base=base)
+    kinds = set()
     for lay in plan.fitting:
-        kind = (lay.pp > 1, lay.tp, lay.dp_shard > 1, lay.microbatches > 1, lay.schedule)
-        if kind in seen:
-            continue
-        seen.add(kind)
-        cfg = compose(lay.overrides)
-        validate(cfg, world)
-        dp = cfg.parallel.dp
-        assert (cfg.parallel.pp, cfg.parallel.tp, dp, cfg.parallel.dp_shard) == \
-            (lay.pp, lay.tp, lay.dp_replicate * lay.dp_shard, lay.dp_shard)
-        assert cfg.data.batch_size * cfg.optim.grad_accum * dp == 64
-        ParallelConfig(pp=lay.pp, tp=lay.tp, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard,
-                       microbatches=lay.microbatches if lay.pp > 1 else 1,
-                       schedule=lay.schedule if lay.pp > 1 else "1f1b", **lay.runtime).validate(world)
-        checked += 1
-        if checked == 6:  # each compose takes about a second
-            break
-    assert checked == 6
+        c = lay.config
+        assert isinstance(c, ParallelConfig) and c.validate(world) is c and c.world_size == world
+        assert (c.grad_reduce, c.p2p, c.split_drain) == ("shm", "gloo", False)
+        assert c.microbatches == (lay.microbatches if c.pp_enabled else 1)
+        assert lay.grad_accum == (1 if c.pp_enabled else lay.microbatches)
+        assert lay.microbatch_size * lay.microbatches * c.dp == 64  # the global batch is kept
+        kinds.add((c.pp_enabled, c.tp_enabled, c.dp_shard_enabled, lay.grad_accum > 1))
+    assert len(kinds) >= 6, kinds  # pipelines, tensor parallel, FSDP and accumulation among them
+    bad = plan.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=2, microbatches=4, cpu_offload=True)
+    assert not bad.fits and any("cpu_offload with pp=2" in r for r in bad.reasons), bad.reasons
+    off = plan.estimate(pp=1, tp=1, dp_replicate=2, dp_shard=2)
+    assert any("does not match the world size 8" in r for r in off.reasons), off.reasons
 
 
 class Wide(nn.Module):
@@ -263,7 +261,7 @@ def test_tp_memory_follows_the_tp_plan_not_module_types():
     assert got == want, sorted(got ^ want)
     plan = plan_layout(model, inputs, cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,),
                        offload=(False,), trace=tr)
-    lay = plan.estimate(pp=1, tp=2, dp_replicate=2, dp_shard=1, mixed_precision="fp32")
+    lay = plan.estimate(pp=1, tp=2, dp_replicate=2, dp_shard=1, precision="fp32")
     params = dict(model.named_parameters())
     total = sum(p.numel() * 4 for p in params.values())
     assert lay.memory["params"] == pytest.approx(total - sum(params[n].numel() * 4 for n in want) / 2)
@@ -295,8 +293,8 @@ def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(
     slow = plan_layout(tr, (ids,), cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,),
                        overhead_s=0.01)
     for tp, m in ((1, 1), (2, 2), (4, 4)):
-        a = plain.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
-        b = slow.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, mixed_precision="fp32")
+        a = plain.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, precision="fp32")
+        b = slow.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, precision="fp32")
         assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.01 * m)  # not divided by tp
     # ranks time-sharing the cores run their host work at their share of a core, as their FLOPs
     import dataclasses
@@ -304,11 +302,11 @@ def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(
     shared = dataclasses.replace(cluster(), rank_share=0.5)
     a, b = (plan_layout(tr, (ids,), shared, global_batch=8, precisions=("fp32",), checkpointing=(False,),
                         overhead_s=o).estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1,
-                                               mixed_precision="fp32") for o in (0.0, 0.01))
+                                               precision="fp32") for o in (0.0, 0.01))
     assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.02)
     # a pipeline stage pays its share of the model's module calls
-    a = plain.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
-    b = slow.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, mixed_precision="fp32")
+    a = plain.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, precision="fp32")
+    b = slow.estimate(pp=2, tp=1, dp_replicate=2, dp_shard=1, microbatches=2, precision="fp32")
     assert 0.01 * 2 * 0.3 < b.breakdown["compute"] - a.breakdown["compute"] < 0.01 * 2 * 0.8
 
 
@@ -321,9 +319,9 @@ def test_fsdp_pays_one_collective_latency_per_unit(toy):
     model, ids, tr = toy
     slow = dataclasses.replace(cluster(intra=1e18), intra_latency_s=1e-3, comm_overlap=0.0)
     plan = plan_layout(tr, (ids,), slow, global_batch=8, precisions=("fp32",), checkpointing=(False,))
-    lay = plan.estimate(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, mixed_precision="fp32")
+    lay = plan.estimate(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, precision="fp32")
     assert lay.breakdown["dp_comm"] == pytest.approx(15 * 3 * 1e-3, rel=1e-6)
-    ddp = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1, mixed_precision="fp32")
+    ddp = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1, precision="fp32")
     assert ddp.breakdown["dp_comm"] == pytest.approx(2 * math.ceil(math.log2(4)) * 1e-3, rel=1e-6)  # one tree all-reduce
     # 2 accumulation steps: gathers in each one's forward and backward (20), the gradients
     # reduce-scattered once per optimizer step (5), as the runtime's train_step(sync=...) does
@@ -361,7 +359,7 @@ def test_runtime_host_work_is_charged_per_sharded_call_and_fsdp_unit(toy):
              for c in (base, busy)]
 
     def extra(**layout) -> float:
-        a, b = (p.estimate(mixed_precision="fp32", **layout) for p in plans)
+        a, b = (p.estimate(precision="fp32", **layout) for p in plans)
         return b.breakdown["compute"] - a.breakdown["compute"]
 
     assert extra(pp=1, tp=2, dp_replicate=2, dp_shard=1, microbatches=2) == pytest.approx(2 * 18e-3)

@@ -14,7 +14,7 @@ import pytest
 
 from parallel.cluster import Cluster
 from rag_mm import plan as rplan
-from rag_mm.config import ConfigError, compose, validate
+from rag_mm.config import ConfigError, compose, parallel_config, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 # the demo config with plain-PyTorch attention: the default backend may first JIT-build the fused
@@ -37,11 +37,11 @@ def test_cli_table_and_json_layouts_run_in_rag_mm(capsys):
     assert plan["world"] == 16 and plan["global_batch"] == 512
     best = plan["layouts"][0]
     assert best["fits"]
-    # the planner's overrides of its best layout compose and validate for the planned world
+    # the command line of its best layout composes and validates for the planned world
     cfg = compose([DEMO, REF, *best["overrides"]])
     validate(cfg, 16)
-    p = cfg.parallel
-    assert p.pp * p.tp * p.dp == 16
+    p = parallel_config(cfg, 16)
+    assert (p.pp, p.tp, p.dp_replicate, p.dp_shard) == tuple(best[k] for k in ("pp", "tp", "dp_replicate", "dp_shard"))
     assert cfg.data.batch_size * p.dp * cfg.optim.grad_accum == 512  # the global batch is kept
 
 
@@ -69,20 +69,20 @@ def test_bad_input_exits_2_without_traceback(capsys):
 
 def test_auto_resolves_single_process_layout_and_logs_it(caplog):
     cfg = compose([DEMO])
-    assert rplan.resolve_auto(cfg, 1) is None  # parallel.auto off: the config is left as it is
+    assert rplan.resolve_auto(cfg, 1) is None  # launch.auto_layout off: the config is left as it is
     cfg = compose([DEMO, REF, "parallel=auto"])
-    assert cfg.parallel.auto
+    assert cfg.launch.auto_layout
     with caplog.at_level(logging.INFO, logger="rag_mm.plan"):
         lay = rplan.resolve_auto(cfg, 1)
     assert (lay.pp, lay.tp, lay.dp_replicate, lay.dp_shard) == (1, 1, 1, 1) and lay.fits
     p = cfg.parallel
-    assert (p.pp, p.tp, p.dp, p.dp_shard) == (1, 1, 1, 1)
+    assert (p.pp, p.tp, p.dp_replicate, p.dp_shard) == (1, 1, 1, 1)
     assert cfg.data.batch_size * cfg.optim.grad_accum == 32 and cfg.optim.precision == "fp32"
     assert cfg.data.eval_batch_size == 128  # divisible by the microbatches: the run's own stays
     validate(cfg, 1)
     text = caplog.text
     assert "parallel=auto: pp1 tp1 dpr1 dps1" in text and "1 x 1 devices" in text
-    assert "parallel=auto overrides: parallel.pp=1 parallel.tp=1 parallel.dp=1 parallel.dp_shard=1" in text
+    assert "parallel=auto overrides: parallel.pp=1 parallel.dp_replicate=1 parallel.dp_shard=1 parallel.tp=1" in text
 
 
 def _local(memory: float):
@@ -100,7 +100,7 @@ def test_auto_takes_only_fitting_layouts_and_ranks_agree(monkeypatch):
     lay = rplan.resolve_auto(cfg, 2)
     assert lay.fits and lay.microbatches > 1 and lay.memory_bytes_per_device <= 0.4 * 2**30
     assert cfg.optim.grad_accum == lay.microbatches  # accumulation, not a pipeline, at pp = 1
-    assert cfg.data.batch_size * cfg.optim.grad_accum * cfg.parallel.dp == 64
+    assert cfg.data.batch_size * cfg.optim.grad_accum * parallel_config(cfg, 2).dp == 64
     validate(cfg, 2)
     # every rank plans on its own: a second plan (another "rank") picks the same layout
     again = compose([DEMO, REF, "parallel=auto", per_rank])
@@ -144,3 +144,32 @@ def test_global_batch_size_sets_the_per_replica_batch():
     resolve_batch(cfg, 4)
     with pytest.raises(ConfigError, match=r"data.global_batch_size \(30\) must be divisible by the 4 data-parallel"):
         validate(cfg, 4)
+
+
+def test_planned_configs_become_command_lines_that_reach_the_runtime():
+    """The planner returns runtime configs; ``layout_overrides`` turns each into rag_mm's command
+    line, which composes, validates and gives back the very config planned (the run's own
+    fields, here grad_reduce, kept), with the global batch kept."""
+    from parallel.cluster import Cluster
+
+    world = 8
+    cfg = compose([DEMO, REF, "parallel.grad_reduce=shm"])
+    p = rplan.plan(cfg, Cluster.preset("p4d"), 64)
+    seen, checked = set(), 0
+    for est in p.fitting:
+        c = est.config
+        kind = (c.pp > 1, c.tp > 1, c.dp_shard > 1, est.grad_accum > 1)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        overrides = rplan.layout_overrides(cfg, est)
+        assert not any(o.startswith(("parallel.dp=", "parallel.backend", "parallel.auto")) for o in overrides)
+        run = compose([DEMO, REF, "parallel.grad_reduce=shm", *overrides])
+        validate(run, world)
+        assert parallel_config(run, world) == c, (overrides, c)
+        assert c.grad_reduce == "shm"
+        assert run.data.batch_size * run.optim.grad_accum * c.dp == 64, overrides
+        checked += 1
+        if checked == 4:  # each compose takes about a second
+            break
+    assert checked == 4, seen

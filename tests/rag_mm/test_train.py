@@ -33,7 +33,7 @@ def test_bad_config_is_rejected_before_work(tmp_path):
         "model.layers=0": "model.layers must be positive",
         "model.heads=3": "model.heads (3) must divide model.dim (128)",
         "retriever.mode=psychic": "retriever.mode must be one of",
-        "parallel.dp=3": "does not match the world size 1",
+        "parallel.dp_replicate=3": "does not match the world size 1",
         "optim.precision=fp8": "optim.precision must be one of",
     }
     res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", *bad])

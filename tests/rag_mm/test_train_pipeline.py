@@ -227,7 +227,7 @@ def test_torchrun_fsdp_under_pipeline_matches_replicated(tiny_world, tmp_path):
     stages between training steps). The sharded run's checkpoint (FSDP's DTensor shards, written
     by DCP), evaluated in one process, reads as the replicated run's."""
     learned = [*LEARNED, "retriever.loss=pdist", "parallel.pp=2", "parallel.microbatches=2"]
-    runs = {"sharded": ["parallel.dp_shard=2"], "replicated": ["parallel.dp=2"]}
+    runs = {"sharded": ["parallel.dp_shard=2"], "replicated": ["parallel.dp_replicate=2"]}
     for name, extra in runs.items():
         args = ["-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
                 "-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / name, *learned, *extra)]

@@ -1,0 +1,87 @@
+"""The ``parallel`` group is the runtime's own ``ParallelConfig``: every field of it is a command-
+line key that reaches ``parallel.parallelize`` (through ``rag_mm.config.parallel_config``, which
+``SpreadRag`` hands it), the app's own keys live under ``launch``, and a key of the earlier layout
+(``parallel.dp``, ``parallel.backend``, ...) is answered with the key that replaced it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf
+
+from parallel.config import ParallelConfig
+from rag_mm.config import (
+    RENAMED,
+    ConfigError,
+    TrainConfig,
+    compose,
+    parallel_config,
+    upgrade_saved,
+    validate,
+)
+from tests.rag_mm.test_train import run_module
+
+DEFAULT = ParallelConfig()
+# a value unlike the default for every field, in two layouts the runtime accepts together:
+# a pipeline with tp and FSDP on 8 ranks, and HSDP with bf16 parameters and CPU offload on 4
+PIPELINE = {
+    "pp": 2, "tp": 2, "dp_shard": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "stages_per_rank": 2,
+    "partition": "uniform", "objective": "memory", "memory_cap_bytes": 123456789, "sequence_parallel": True,
+    "activation_checkpointing": "every_n", "ac_every": 2, "activation_offload": True, "grad_reduce": "shm",
+    "p2p": "gloo", "gc_pause": False, "steady_malloc": False, "split_drain": False, "bind_cores": True,
+}
+HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True, "stage_path": "graph"}
+
+
+def _line(values: dict) -> list[str]:
+    return [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+def test_every_runtime_field_is_a_command_line_key_that_reaches_the_runtime():
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert set(PIPELINE) | set(HSDP) == fields  # a new runtime field needs a value here
+    for layout, world in ((PIPELINE, 8), (HSDP, 4)):
+        assert all(v != getattr(DEFAULT, k) for k, v in layout.items() if k != "dp_replicate")
+        cfg = compose(_line(layout))
+        validate(cfg, world)
+        runtime = parallel_config(cfg, world)  # what SpreadRag passes to parallel.parallelize
+        assert type(runtime) is ParallelConfig
+        assert {k: getattr(runtime, k) for k in layout} == layout
+        assert runtime.world_size == world
+    # the questions the one check answers
+    pipe = parallel_config(compose(_line(PIPELINE)), 8)
+    assert pipe.pp_enabled and pipe.tp_enabled and pipe.dp_shard_enabled and not pipe.dp_replicate_enabled
+    assert pipe.dp == 2 and not pipe.whole_model
+
+
+def test_the_default_layout_replicates_over_the_world_and_launch_keys_are_apart():
+    cfg = compose(["launch.backend=gloo", "launch.timeout_s=30"])
+    assert (cfg.launch.backend, cfg.launch.timeout_s, cfg.launch.auto_layout) == ("gloo", 30, False)
+    runtime = parallel_config(cfg, 4)
+    assert (runtime.dp_replicate, runtime.dp_shard, runtime.dp) == (4, 1, 4)
+    assert cfg.parallel.dp_replicate == -1  # the config node keeps its -1: the copy is resolved
+    assert compose(["parallel=auto"]).launch.auto_layout
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["parallel.dp_shard=-1", "launch.backend=mpi", "parallel.p2p=tcp"]), 4)
+    msg = str(err.value)
+    assert "parallel.dp_replicate and dp_shard are both -1" in msg
+    assert "launch.backend must be one of" in msg and "parallel.p2p must be one of" in msg
+
+
+def test_old_keys_name_the_key_that_replaced_them():
+    for old, new in RENAMED.items():
+        with pytest.raises(ConfigError, match=f"{old} is no longer a key: use {new.split(' ')[0]}"):
+            compose([f"{old}=2"])
+    res = run_module(["-m", "rag_mm.train", "parallel.backend=gloo", "parallel.dp=2"], timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "use launch.backend" in res.stderr and "use parallel.dp_replicate" in res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_a_run_saved_with_the_old_keys_still_loads():
+    saved = OmegaConf.create({"parallel": {"dp": 4, "pp": 2, "tp": 1, "dp_shard": 2, "backend": "gloo",
+                                           "timeout_s": 30, "auto": False, "grad_reduce": "pg"}})
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), upgrade_saved(saved))
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard) == (2, 2)
+    assert (cfg.launch.backend, cfg.launch.timeout_s, cfg.launch.auto_layout) == ("gloo", 30, False)
