@@ -21,7 +21,7 @@ The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama``
 4. ``spmd.parallelize_spmd`` on this rank's part (the whole model when pp == 1): tensor parallel
    -> activation checkpointing -> compile -> FSDP2, on the non-pipeline dimensions of the mesh;
 5. data parallel for what FSDP does not shard: parameters broadcast from dp rank 0 now,
-   gradients averaged over the data-parallel ranks after every step.
+   gradients averaged over the data-parallel ranks once per optimizer step (``train_step(sync=...)``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -42,14 +43,14 @@ from .fsdp import StepSync
 from .host_malloc import steady_malloc
 from .inputs import _as_call, _batch, _microbatch_of, split_microbatches
 from .mesh import layout_of
-from .model import ParallelModel, _local, _loss_group
+from .model import ParallelModel, Parts, _local, _loss_group
 from .partition import Partition, auto_partition, baseline_partition
 from .pipeline.eager import EagerStage, Plan, Replayer, build_plan
 from .pipeline.graph import GraphPathError, GraphPlan, GraphStage, build_graph_plan
 from .pipeline.lanes import open_lanes
 from .pipeline.p2p import PipelineError, Transport
 from .pipeline.schedule import pipeline_order, stage_rank, stages_per_rank
-from .spmd import StagePart, discover_tp_plan, parallelize_spmd, stage_plan
+from .spmd import Sharded, StagePart, discover_tp_plan, parallelize_spmd, stage_plan
 from .tp.verify import capture_inputs, verify_plan
 
 log = logging.getLogger(__name__)
@@ -134,12 +135,12 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     v = stages_per_rank(cfg.schedule, cfg.stages_per_rank)
     k = cfg.pp * v
     if cfg.pp == 1:
-        pm = ParallelModel(model, cfg, layout, None, None, {}, None, None, set(), [], [0])
-        pm.structure_names = set(structures)
         # 4. TP -> AC -> compile -> FSDP on the whole model
-        _shard(pm, example_inputs, None)
-        _broadcast_dp(pm)
-        return pm
+        shard = _shard(model, cfg, layout, example_inputs, None, [])
+        parts = Parts(module=model, cfg=cfg, layout=layout, device=_device_of(shard.named_held),
+                      **shard.fields(), grad_reducer=_grad_reducer(cfg, layout), structure_names=frozenset(structures))
+        _broadcast_dp(parts)
+        return ParallelModel(parts)
     # 2. partition
     if partition is None:
         partition = make_partition(model, cfg, example_inputs, k, v, trace_loss_fn)
@@ -211,14 +212,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         stages = {s: GraphStage(s, gplan, model, transport, local_params, device) for s in local}
     else:
         stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
-    order = orders[layout.pp_rank]
-    pm = ParallelModel(model, cfg, layout, partition, plan, stages, order, transport, held, replicated, local)
-    pm.structure_names = set(structures)
-    pm.plans = extra_plans
-    pm.structures = {name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
-                     for name, p in extra_plans.items()}
-    pm._numel = numel
-    pm.loss_group = loss_group
+    extra_stages = {name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
+                    for name, p in extra_plans.items()}
     # 4. TP -> AC -> compile -> FSDP on this rank's part
     for msg in tp_notes:
         log.info("tp under pp: %s", msg)
@@ -228,26 +223,49 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if replayer is not None:  # the replay intercepts whatever forwards sharding leaves
         replayer.unwrap()
     params = dict(model.named_parameters(remove_duplicate=False))
-    _shard(pm, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}), tp_plan)
+    all_stages = [*stages.values(), *(st for by in extra_stages.values() for st in by.values())]
+    shard = _shard(model, cfg, layout, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}),
+                   all_stages, tp_plan)
     if replayer is not None:
         replayer.rewrap()
+    parts = Parts(module=model, cfg=cfg, layout=layout, device=device, **shard.fields(),
+                  grad_reducer=_grad_reducer(cfg, layout), partition=partition, plan=plan, stages=stages,
+                  order=tuple(orders[layout.pp_rank]), transport=transport, local_stages=tuple(local),
+                  replicated=tuple(replicated), replicated_numel={n: numel[n] for n in replicated},
+                  loss_group=loss_group, structures=extra_stages, structure_names=frozenset(structures),
+                  plans=extra_plans)
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
-    _broadcast_replicated(pm)
-    _broadcast_dp(pm)
+    _broadcast_replicated(parts)
+    _broadcast_dp(parts)
     log.info("pipeline rank %d: stages %s, %d parameters\n%s", layout.pp_rank, local,
-             sum(p.numel() for p in pm.parameters()), plan.describe())
-    return pm
+             sum(p.numel() for p in shard.trainable), plan.describe())
+    return ParallelModel(parts)
 
 
-def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_plan: Any = None) -> None:
+@dataclass(frozen=True)
+class _Sharding:
+    """This rank's parameters after step 4 (TP and FSDP replace them by DTensors)."""
+
+    sharded: Sharded  # what parallelize_spmd applied
+    named_held: tuple[tuple[str, nn.Parameter], ...]  # this rank's parameters by name, after the swap
+    trainable: tuple[nn.Parameter, ...]  # the distinct ones that take gradients
+    fsdp_ids: frozenset[int]  # those whose gradients FSDP reduces
+    step_sync: StepSync | None  # FSDP units that run several microbatches per call, driven once per call
+
+    def fields(self) -> dict[str, Any]:
+        """These, as ``Parts``' keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, part: StagePart | None,
+           stages: list, tp_plan: Any = None) -> _Sharding:
     """Step 4 of ``parallelize`` on this rank's part, then the bookkeeping that follows it: TP and
-    FSDP replace parameters by DTensors, so the rank's parameter set and its stages' lists are
+    FSDP replace parameters by DTensors, so the rank's parameter set and its ``stages``' lists are
     rebuilt, and FSDP units that run several microbatches per step are driven by ``StepSync``."""
-    cfg, model = pm.cfg, pm.module
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if part is None or id(p) in part.held]
-    mesh = pm.layout.mesh
-    if mesh is not None:
-        pm.sharded = parallelize_spmd(model, cfg, mesh, example_inputs, plan=tp_plan, part=part)
+    sharded = Sharded()
+    if layout.mesh is not None:
+        sharded = parallelize_spmd(model, cfg, layout.mesh, example_inputs, plan=tp_plan, part=part)
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload:  # one process: savers only
         from .memory import apply_activation_checkpointing, apply_activation_offload
         from .spmd import find_blocks
@@ -257,16 +275,29 @@ def _shard(pm: ParallelModel, example_inputs: Any, part: StagePart | None, tp_pl
         if cfg.activation_offload:
             apply_activation_offload(blocks)
     new = dict(model.named_parameters(remove_duplicate=False))
-    pm._held = {id(new[n]) for n in names}
-    pm._named_held = [(n, new[n]) for n in names]
-    local = list({id(p): p for n in names if (p := new[n]).requires_grad}.values())
-    for st in pm.all_stages():
-        st.params = local
-    pm._trainable = local  # (while FSDP holds a unit gathered, the module shows its unsharded parameters)
-    units = pm.sharded.fsdp_units
-    pm._fsdp_ids = {id(p) for u in units for p in u.parameters()}
-    if units and (part is not None or cfg.microbatches > 1):
-        pm.step_sync = StepSync(units)
+    # (while FSDP holds a unit gathered, the module shows its unsharded parameters)
+    trainable = tuple({id(p): p for n in names if (p := new[n]).requires_grad}.values())
+    for st in stages:
+        st.params = list(trainable)
+    units = sharded.fsdp_units
+    step_sync = StepSync(units) if units and (part is not None or cfg.microbatches > 1) else None
+    return _Sharding(sharded, tuple((n, new[n]) for n in names), trainable,
+                     frozenset(id(p) for u in units for p in u.parameters()), step_sync)
+
+
+def _device_of(named: tuple[tuple[str, nn.Parameter], ...]) -> torch.device:
+    """Where this rank's parameters live (the first held one's device; CPU when it holds none)."""
+    return next((p.device for _, p in named), torch.device("cpu"))
+
+
+def _grad_reducer(cfg: ParallelConfig, layout) -> Callable | None:
+    """The data-parallel gradient average of what FSDP does not shard (``cfg.grad_reduce``); None
+    without data parallel. A collective: every rank builds it."""
+    if not dist.is_initialized() or layout.dp_size == 1:
+        return None
+    from .comm_hooks import make_grad_reducer
+
+    return make_grad_reducer(cfg.grad_reduce, layout.dp_group)
 
 
 def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: int, args: tuple,
@@ -305,39 +336,40 @@ def _held_stages(model: nn.Module, part: Partition, k: int) -> dict[str, set[int
     return out
 
 
-def _broadcast_replicated(pm: ParallelModel) -> None:
-    if not dist.is_initialized() or not pm._replicated:
+def _broadcast_replicated(parts: Parts) -> None:
+    """Parameters held by several pipeline ranks start as their first holder's."""
+    if not dist.is_initialized() or not parts.replicated:
         return
-    params = dict(pm.module.named_parameters(remove_duplicate=False))
-    held_stages = _held_stages(pm.module, pm.partition, pm.partition.num_stages)
+    model, layout = parts.module, parts.layout
+    params = dict(model.named_parameters(remove_duplicate=False))
+    held = {id(p) for _, p in parts.named_held}
+    held_stages = _held_stages(model, parts.partition, parts.partition.num_stages)
     flat = []
-    for n in pm._replicated:
-        first = min(stage_rank(s, pm.layout.pp_size, pm.cfg.schedule) for s in held_stages[n])
+    for n in parts.replicated:
+        first = min(stage_rank(s, layout.pp_size, parts.cfg.schedule) for s in held_stages[n])
         p = params[n]
-        flat.append(p.detach().reshape(-1) if first == pm.layout.pp_rank else
-                    torch.zeros(pm._numel[n], dtype=p.dtype, device=pm._device()))
-    summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=pm.layout.pp_group), write_back=False)
-    for n, value in zip(pm._replicated, summed, strict=True):
+        flat.append(p.detach().reshape(-1) if first == layout.pp_rank else
+                    torch.zeros(parts.replicated_numel[n], dtype=p.dtype, device=parts.device))
+    summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=layout.pp_group), write_back=False)
+    for n, value in zip(parts.replicated, summed, strict=True):
         p = params[n]
-        if id(p) in pm._held:
+        if id(p) in held:
             with torch.no_grad():
                 p.copy_(value.view_as(p))
 
 
 @torch.no_grad()
-def _broadcast_dp(pm: ParallelModel) -> None:
-    """What FSDP does not shard starts equal on every data-parallel rank: dp rank 0's copy; and
-    the reducer that averages its gradients there."""
-    if not dist.is_initialized() or pm.layout.dp_size == 1:
+def _broadcast_dp(parts: Parts) -> None:
+    """What FSDP does not shard starts equal on every data-parallel rank: dp rank 0's copy."""
+    if not dist.is_initialized() or parts.layout.dp_size == 1:
         return
-    from .comm_hooks import make_grad_reducer
-
-    pm.grad_mean_ = make_grad_reducer(pm.cfg.grad_reduce, pm.layout.dp_group)
-    src = dist.get_global_rank(pm.layout.dp_group, 0)
-    for p in pm.parameters():
-        if id(p) not in pm._fsdp_ids:
-            dist.broadcast(_local(p.data), src=src, group=pm.layout.dp_group)
-
+    group = parts.layout.dp_group
+    src = dist.get_global_rank(group, 0)
+    seen: set[int] = set()
+    for _, p in parts.named_held:
+        if id(p) not in parts.fsdp_ids and id(p) not in seen:
+            seen.add(id(p))
+            dist.broadcast(_local(p.data), src=src, group=group)
 
 
 __all__ = ["ParallelConfig", "ParallelModel", "parallelize", "split_microbatches", "PipelineError"]

@@ -16,8 +16,10 @@ on another dimension, so its ``full_tensor()`` keeps the single-device layout.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -97,22 +99,55 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module] | Non
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for a mix of DTensor (TP / FSDP shards) and plain
-    gradients: each DTensor's norm is reduced over its mesh, so every rank sees the norm of the
-    whole model's gradient. Returns that total norm (a plain tensor)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, group=None,
+                    copies: dict[int, int] | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model spread over ranks; the one clipper of the
+    runtime and the app. Each DTensor gradient's norm (a TP / FSDP shard) is reduced over its
+    mesh; with ``group`` (a pipeline's ranks, each holding other parameters) the sum of the
+    norms' ``norm_type``-th powers is all-reduced over it, and ``copies[id(p)]`` (default 1)
+    divides the share of a parameter whose gradient that many ranks of ``group`` hold alike (a
+    tied weight, a module held whole on every rank), so it counts once. Every rank then sees the
+    norm of the whole model's gradient, and returns it (before clipping, a tensor on the
+    gradients' device). No host sync: the clip coefficient stays a tensor; ``max_norm`` inf
+    only measures."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads and group is None:
         return torch.tensor(0.0)
-    norms = []
-    for g in grads:
+    # a rank without gradients still joins the group's reduction, with nothing of its own
+    dev = _local_tensor(grads[0]).device if grads else _collective_device(group)
+    copies = copies or {}
+    norms = [torch.zeros((), dtype=torch.float64, device=dev)]
+    for p, g in zip(params, grads):
         n = torch.linalg.vector_norm(g, norm_type)
-        norms.append((n.full_tensor() if isinstance(n, DTensor) else n).float().cpu())
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device))
-    return total
+        n = (n.full_tensor() if isinstance(n, DTensor) else n).to(dev, torch.float64)
+        norms.append(n if math.isinf(norm_type) else n.pow(norm_type) / copies.get(id(p), 1))
+    stacked = torch.stack(norms)
+    if math.isinf(norm_type):
+        total = stacked.max()
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        total = stacked.sum()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        total = total.pow(1.0 / norm_type)
+    if not math.isinf(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+    return total.float()
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _collective_device(group) -> torch.device:
+    """Where a tensor must be for ``group``'s collectives: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def fsdp_units(model: nn.Module, held: set[int], blocks: list[nn.Module], container: set[str]) -> list[nn.Module]:
@@ -149,7 +184,8 @@ def fsdp_units(model: nn.Module, held: set[int], blocks: list[nn.Module], contai
 class StepSync:
     """One training step of FSDP units that run many forwards and backwards (microbatches): no
     reduce-scatter and no resharding until ``finish``, which reduce-scatters each unit's
-    accumulated gradient once and reshards. ``unsharded_params`` are what autograd sees during
+    accumulated gradient once and reshards (or, for an earlier accumulation micro-step, leaves
+    both to a later ``finish``). ``unsharded_params`` are what autograd sees during
     the step (the split backward's weight step needs them, not the sharded parameters)."""
 
     def __init__(self, units: list[nn.Module]):
@@ -176,11 +212,14 @@ class StepSync:
         for u in self.units:
             u.reshard()
 
-    def finish(self) -> None:
+    def finish(self, reduce: bool = True) -> None:
+        """End of the call's backwards. ``reduce``: reduce-scatter the gradients accumulated so far
+        and reshard; else (an earlier micro-step of gradient accumulation) they stay unsharded and
+        accumulate into the next call's, the parameters stay gathered, and nothing is sent."""
         for u in self.units:
             u.set_is_last_backward(True)
-            u.set_reshard_after_backward(True, recurse=False)
-            u.set_requires_gradient_sync(True, recurse=False)
+            u.set_reshard_after_backward(reduce, recurse=False)
+            u.set_requires_gradient_sync(reduce, recurse=False)
         roots = []
         for u in self.units:
             state = fully_shard.state(u)

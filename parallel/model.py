@@ -1,7 +1,9 @@
 """``ParallelModel``: what ``parallelize`` returns. This rank's part of the model (its pipeline
 stages, sharded by TP / FSDP where configured) and the step that drives it: microbatches through
 the pipeline schedule, the loss shared by every rank, gradients averaged over the data-parallel
-ranks for what FSDP does not shard, and forward-only prediction. Built by ``parallel.api``.
+ranks for what FSDP does not shard (once per optimizer step under gradient accumulation), the
+global-norm clipper, and forward-only prediction. Built by ``parallel.api`` from the frozen
+``Parts`` it made; nothing outside sets its attributes.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import flat_collective
 from .config import ParallelConfig
-from .fsdp import StepSync
+from .fsdp import StepSync, clip_grad_norm_
 from .inputs import _as_call, _default_loss, split_microbatches
 from .mesh import Layout
 from .partition import Partition
@@ -30,42 +33,68 @@ from .pipeline.schedule import Action, forward_only, stage_rank
 from .spmd import Sharded
 from .timeline import Event
 
+if TYPE_CHECKING:  # the reducers load the shared-memory extension: imported where used
+    from .comm_hooks import CommStats
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What ``parallelize`` made of the model on this rank, handed whole to ``ParallelModel``
+    (which sets nothing from outside after it is built). Mappings are built once and not changed."""
+
+    module: nn.Module  # the model: this rank's parameters (other stages' freed), sharded in place
+    cfg: ParallelConfig  # the layout and step settings it was parallelized with
+    layout: Layout  # this rank's place in the mesh and its process groups
+    device: torch.device  # where this rank's parameters live (they do not move after parallelize)
+    named_held: tuple[tuple[str, nn.Parameter], ...]  # this rank's parameters by name (a tied one under each name)
+    trainable: tuple[nn.Parameter, ...]  # the distinct held parameters that take gradients
+    sharded: Sharded = field(default_factory=Sharded)  # what parallelize_spmd applied (TP plan, FSDP units)
+    fsdp_ids: frozenset[int] = frozenset()  # ids of the parameters whose gradients FSDP reduces
+    step_sync: StepSync | None = None  # FSDP units driven once per call (microbatches, pipeline)
+    # averages a flat gradient of what FSDP does not reduce over the data-parallel ranks, in place
+    # (``cfg.grad_reduce``: the process group, or the shared-memory / int8 reducers); None: dp == 1
+    grad_reducer: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    partition: Partition | None = None  # the pipeline's stage assignment (None: pp == 1)
+    plan: Plan | None = None  # the replay plan of the example's input structure (pp > 1)
+    stages: Mapping[int, EagerStage] = field(default_factory=dict)  # this rank's stages (empty: pp == 1)
+    order: tuple[Action, ...] | None = None  # this rank's schedule actions, in order
+    transport: Transport | None = None  # the pipeline's point-to-point sends and receives
+    local_stages: tuple[int, ...] = (0,)  # the stage indices this rank runs
+    replicated: tuple[str, ...] = ()  # canonical names held by more than one pipeline rank (tied weights)
+    replicated_numel: Mapping[str, int] = field(default_factory=dict)  # their sizes (a rank not holding one sends zeros)
+    loss_group: Any = None  # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
+    # further input structures (``parallelize(structures=...)``): name -> this rank's stages, each
+    # replaying the model on its own plan (``plans[name]``); names without a pipeline map to nothing
+    structures: Mapping[str, Mapping[int, EagerStage]] = field(default_factory=dict)
+    structure_names: frozenset[str] = frozenset()
+    plans: Mapping[str, Plan] = field(default_factory=dict)
 
 
 class ParallelModel(nn.Module):
     """This rank's part of a parallelized model, with ``train_step`` over the pipeline."""
 
-    def __init__(self, model: nn.Module, cfg: ParallelConfig, layout: Layout, partition: Partition | None,
-                 plan: Plan | None, stages: dict[int, EagerStage], order: list[Action] | None,
-                 transport: Transport | None, held: set[int], replicated: list[str], local_stages: list[int]):
+    def __init__(self, parts: Parts):
         super().__init__()
-        self.module = model
-        self.cfg = cfg
-        self.layout = layout
-        self.partition = partition
-        self.plan = plan
-        self.stages = stages
-        self.order = order
-        self.transport = transport
-        self._held = held
-        self._named_held = [(n, p) for n, p in model.named_parameters(remove_duplicate=False) if id(p) in held]
-        self._replicated = replicated  # canonical names held by more than one pipeline rank
-        self.local_stages = local_stages
+        self.module = parts.module
+        self.cfg = parts.cfg
+        self.layout = parts.layout
+        self.partition = parts.partition
+        self.plan = parts.plan
+        self.stages = parts.stages
+        self.order = parts.order
+        self.transport = parts.transport
+        self.local_stages = parts.local_stages
+        self.sharded = parts.sharded
+        self.step_sync = parts.step_sync
+        self.structures = parts.structures
+        self.structure_names = parts.structure_names
+        self.plans = parts.plans
+        self._parts = parts
+        self._held = {id(p) for _, p in parts.named_held}
         self.events: list[Event] = []  # timeline of the last step
-        self.record_timeline = True  # train_step records ``events`` (off: they stay empty)
-        self.sharded = Sharded()  # what parallelize_spmd applied to this rank's part
-        self.step_sync: StepSync | None = None  # FSDP units driven once per step (microbatches)
-        self._fsdp_ids: set[int] = set()  # parameters whose gradients FSDP reduces
-        # averages the flat gradient of what FSDP does not reduce over the data-parallel ranks
-        # (``cfg.grad_reduce``: the process group, or the shared-memory / int8 reducers)
-        self.grad_mean_: Callable[[torch.Tensor, int], torch.Tensor] | None = None
-        self.loss_group = None  # shared-memory collectives for the step loss (_loss_group), or gloo
-        # further input structures (``parallelize(structures=...)``): name -> this rank's stages,
-        # each replaying the model on its own plan (``plans[name]``)
-        self.structures: dict[str, dict[int, EagerStage]] = {}
-        self.structure_names: set[str] = set()
-        self.plans: dict[str, Plan] = {}
+        self._record = True  # train_step records ``events`` (``set_record_timeline``)
 
     # --- identity
     @property
@@ -89,7 +118,7 @@ class ParallelModel(nn.Module):
                          ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters (FSDP's sharded ones, also while a unit is gathered)."""
         seen: set[int] = set()
-        for name, p in self._named_held:
+        for name, p in self._parts.named_held:
             if id(p) in seen and remove_duplicate:
                 continue
             seen.add(id(p))
@@ -100,7 +129,7 @@ class ParallelModel(nn.Module):
             yield p
 
     def _local_keys(self) -> set[str]:
-        keys = {name for name, _ in self._named_held}
+        keys = {name for name, _ in self._parts.named_held}
         mods = self.partition.module_stages if self.partition is not None else None
         for name, _ in self.module.named_buffers(remove_duplicate=False):
             owner = name.rsplit(".", 1)[0] if "." in name else ""
@@ -133,8 +162,8 @@ class ParallelModel(nn.Module):
 
     # --- training
     def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None, structure: str | None = None
-                   ) -> torch.Tensor:
+                   weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None, structure: str | None = None,
+                   sync: bool = True) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
 
         ``inputs``: tuple of positional or dict of keyword arguments; dim 0 of every tensor is
@@ -145,6 +174,13 @@ class ParallelModel(nn.Module):
         caught); gradients are those of that loss. A per-token mean loss gives the full-batch
         mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
         ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
+
+        ``sync``: whether this call ends an optimizer step's gradient accumulation. Only then are
+        gradients synchronised, once, over everything accumulated since the last synced call:
+        the data-parallel average, FSDP's reduce-scatter and the pipeline's sum of tied
+        parameters. Earlier calls (``sync=False``) only accumulate locally, as DDP's ``no_sync``,
+        nanoGPT's ``require_backward_grad_sync`` and FSDP2's ``set_requires_gradient_sync(False)``
+        do: one reduce per bucket per optimizer step, not one per accumulation micro-step.
 
         Mixed precision: call it inside ``torch.autocast(...)`` as one wraps a forward. The
         forwards and ``loss_fn`` run under the caller's autocast, the backwards with autocast off,
@@ -161,16 +197,19 @@ class ParallelModel(nn.Module):
             raise ValueError("microbatch weights sum to zero")
         self.events = []
         losses: dict[int, torch.Tensor] = {}
-        rec = self.events.append if self.record_timeline else None
+        rec = self.events.append if self._record else None
         rank = self.layout.rank
         no_cast = _autocast_off(self._device().type)
-        if self.step_sync is not None:  # FSDP: gather once, reduce-scatter once, per step
+        if self.step_sync is not None:  # FSDP: gather once, reduce-scatter once (if sync), per call
             self.step_sync.begin()
             if stages:  # the split backward's weight step works on what autograd sees
                 unsharded = self.step_sync.unsharded_params()
-                params = [unsharded.get(id(p), p) for p in self._trainable]
+                params = [unsharded.get(id(p), p) for p in self._parts.trainable]
                 for st in self.all_stages():
                     st.params = params
+        elif self.sharded.fsdp_units:  # FSDP's own hooks run the step: they reduce-scatter only if sync
+            for u in self.sharded.fsdp_units:
+                u.set_requires_gradient_sync(sync, recurse=False)
         if not stages:  # no pipeline: gradient accumulation over the microbatches
             for i in range(m):
                 t0 = time.perf_counter()
@@ -188,8 +227,9 @@ class ParallelModel(nn.Module):
             self.transport.flush()
         t0 = time.perf_counter()
         if self.step_sync is not None:
-            self.step_sync.finish()
-        self._sync_grads()
+            self.step_sync.finish(reduce=sync)
+        if sync:
+            self._sync_grads()
         if self.is_last_stage and losses[0].device.type == "cpu" and not isinstance(total_w, torch.Tensor):
             # four ops, not 3m: on a CPU rank each costs microseconds on the step's critical path
             lw = torch.tensor(w, dtype=torch.float32, device=losses[0].device)
@@ -265,48 +305,73 @@ class ParallelModel(nn.Module):
         if self.partition is None or self.partition.num_stages == 1 or not self.stages:
             dist.all_reduce(t)  # every rank is a last stage
             return (t / dist.get_world_size())[0]
-        if self.loss_group is not None:
-            self.loss_group.all_reduce_(t)
+        if self._parts.loss_group is not None:
+            self._parts.loss_group.all_reduce_(t)
         else:
             dist.all_reduce(t)  # one last stage per pipeline: sum over its dp x tp ranks
         return (t / (self.layout.dp_size * self.layout.tp_size))[0]
 
     def _device(self) -> torch.device:
-        dev = self.__dict__.get("_device_cache")
-        if dev is None:  # parameters do not move after parallelize; finding the first held one walks them all
-            p = next(self.parameters(), None)
-            dev = self.__dict__["_device_cache"] = p.device if p is not None else torch.device("cpu")
-        return dev
+        return self._parts.device
 
     @torch.no_grad()
     def _sync_grads(self) -> None:
         if not dist.is_initialized():
             return
+        parts = self._parts
         # 1. parameters replicated over pipeline ranks (tied embeddings, container-owned
         #    parameters): sum their gradients over the pipeline, as Megatron does for tied embeddings
-        if self._replicated and self.layout.pp_size > 1:
+        if parts.replicated and self.layout.pp_size > 1:
             params = dict(self.module.named_parameters(remove_duplicate=False))
             flat = []
-            for n in self._replicated:
+            for n in parts.replicated:
                 p = params[n]
                 mine = id(p) in self._held
                 flat.append(_local(p.grad).reshape(-1) if mine and p.grad is not None else
-                            torch.zeros(self._numel[n], dtype=p.dtype, device=self._device()))
+                            torch.zeros(parts.replicated_numel[n], dtype=p.dtype, device=self._device()))
             summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=self.layout.pp_group),
                                      write_back=False)
-            for n, g in zip(self._replicated, summed, strict=True):
+            for n, g in zip(parts.replicated, summed, strict=True):
                 p = params[n]
                 if id(p) in self._held:
                     p.grad = g.view_as(p).clone()
         # 2. data parallel: average what FSDP does not reduce (everything without FSDP; under a
         #    pipeline with FSDP, the container-owned and tied parameters) over the ranks holding
         #    the same part; a TP shard is averaged as its local tensor (same shard on each)
-        if self.layout.dp_size > 1:
-            ps = [p for p in self.parameters() if p.requires_grad and id(p) not in self._fsdp_ids]
+        if parts.grad_reducer is not None:
+            ps = [p for p in self.parameters() if p.requires_grad and id(p) not in parts.fsdp_ids]
             for p in ps:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            flat_collective([_local(p.grad) for p in ps], lambda buf: self.grad_mean_(buf, 0))
+            flat_collective([_local(p.grad) for p in ps], lambda buf: parts.grad_reducer(buf, 0))
+
+    @property
+    def grad_reduce_stats(self) -> CommStats | None:
+        """Bytes and calls of the data-parallel gradient reduction between hosts, where a
+        hierarchical reducer runs it (``cfg.grad_reduce``); None for the process group or dp == 1."""
+        state = getattr(self._parts.grad_reducer, "state", None)
+        return state.stats if state is not None else None
+
+    def set_record_timeline(self, on: bool) -> None:
+        """Whether the following ``train_step`` calls record their per-action ``events``."""
+        self._record = on
+
+    def clip_grad_norm_(self, max_norm: float, also: Iterable[nn.Parameter] = ()) -> torch.Tensor:
+        """Clip the gradients of the whole model (every pipeline rank's part, each TP / FSDP shard
+        once) and of ``also`` (parameters outside the model, whole and equal on every rank of the
+        pipeline) to a global 2-norm of ``max_norm``; returns that norm (before clipping), the
+        same on every rank. A tied parameter held by several pipeline ranks counts once."""
+        copies: dict[int, int] = {}
+        if self.partition is not None:
+            stage_rank = self.partition.stage_rank
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            for n in self._parts.replicated:
+                copies[id(params[n])] = len({stage_rank[s] for s in self.partition.param_stages.get(n, [0])})
+        also = list(also)
+        pp = self.layout.pp_size if dist.is_initialized() else 1
+        copies.update({id(q): pp for q in also})  # every pipeline rank holds them alike
+        return clip_grad_norm_([*self.parameters(), *also], max_norm, group=self.layout.pp_group if pp > 1 else None,
+                               copies=copies)
 
     # --- evaluation
     @torch.no_grad()

@@ -5,6 +5,10 @@ A checkpoint is a directory ``step_XXXXXXXX`` holding DCP's files, ``trainer_sta
 only after every rank finished and the manifest is on disk, so a crash never leaves a directory
 that looks complete. ``latest_valid`` re-checks the manifest and skips (with a warning) a
 checkpoint whose files are missing, truncated or altered.
+
+``savable`` turns this rank's model and optimizer state into what DCP writes (optimizer state by
+parameter name, tensor-parallel strided shards whole); ``scatter_strided`` puts a restored whole
+tensor back into its shards.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rag_mm import checkpoint_safety, disk, faults
 from rag_mm.checkpoint_safety import one_process_quiet
@@ -170,3 +176,49 @@ def load(ckpt: Path, state: dict) -> dict:
         raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
     checkpoint_safety.load(state, ckpt)  # DCP unpickles .metadata and non-tensor entries: plain data only
     return json.loads((ckpt / STATE).read_text())
+
+
+# ------------------------------------------------------------------ the state DCP writes
+def savable(model_state: dict, opt: torch.optim.Optimizer, named_parameters) -> tuple[dict, dict]:
+    """(state, strided): this rank's part of the model state (under the model's names) and of
+    ``opt``'s state (per parameter name, from ``named_parameters``), as DCP writes and loads them;
+    ``strided`` maps where each whole-written strided tensor sits to the shard it came from.
+
+    The optimizer's state is created now if it has not stepped yet, so a restore has tensors to
+    load into; its param groups come from the config. DCP cannot plan TP's strided shards (fused
+    q|k|v blocks split per block on a 1-D mesh: its chunk offsets overlap), so those tensors go
+    to the checkpoint whole (gathered over their mesh, then written once like any replicated
+    tensor); ``scatter_strided`` puts a restored one back into the shards."""
+    names = {id(q): n for n, q in named_parameters}
+    if not opt.state:
+        for group in opt.param_groups:
+            for q in group["params"]:
+                opt.state[q] = {"step": torch.zeros((), dtype=torch.float32),
+                                "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+    optim = {names[id(q)]: st for q, st in opt.state.items()}
+    strided: dict[tuple, DTensor] = {}
+    state = {"model": _whole(model_state, ("model",), strided), "optim": _whole(optim, ("optim",), strided)}
+    return state, strided
+
+
+def _whole(tree: dict, path: tuple, strided: dict) -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out[k] = _whole(v, (*path, k), strided)
+        elif isinstance(v, DTensor) and any(type(pl).__name__ == "_StridedShard" for pl in v.placements):
+            strided[(*path, k)] = v
+            out[k] = v.full_tensor()
+        else:
+            out[k] = v
+    return out
+
+
+@torch.no_grad()
+def scatter_strided(state: dict, strided: dict) -> None:
+    """After ``load`` into ``state``: copy each whole tensor ``savable`` wrote into its shards."""
+    for path, dt in strided.items():
+        full = state
+        for k in path:
+            full = full[k]
+        dt.copy_(distribute_tensor(full.to(dt.dtype), dt.device_mesh, dt.placements))

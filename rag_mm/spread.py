@@ -23,29 +23,41 @@ Step loss convention: the reader's loss is a mean over answer tokens, so microba
 weighted by their answer-token count: the step loss and gradients equal the full batch's. The
 reader's gradients are reduced over its data-parallel ranks by ``ParallelModel`` (FSDP's
 reduce-scatter, or an all-reduce of what FSDP does not shard, ``parallel.grad_reduce`` choosing
-how); the retriever's here, over every rank (see ``_average_retriever_grads``). The reader loss
-takes no gradient path into the retriever (the retrieval prior is detached), so the two
-backwards give the gradients of the joint loss.
+how); the retriever's over every rank (``retriever.sync``); both once per optimizer step, on the
+last accumulated micro-step (``train_step(sync=True)``). The reader loss takes no gradient path
+into the retriever (the retrieval prior is detached), so the two backwards give the gradients of
+the joint loss. ``train_step(loss="retriever")`` is the retriever warm-up's step: the
+retriever's contrastive loss alone, no reader pass.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import parallel
-from parallel.collectives import all_reduce_mean_, flat_collective
 from parallel.timeline import write_run_timeline
 from rag_mm.config import parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
+from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
 
 log = logging.getLogger(__name__)
+STEP_LOSSES = ("joint", "retriever")  # train_step's choice of loss: joint training, the retriever warm-up
+
+
+@dataclass(frozen=True)
+class StepOut:
+    """What one ``train_step`` call hands back (detached, on every rank)."""
+
+    loss: torch.Tensor  # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
+    retriever_loss: torch.Tensor | None  # () the retriever's loss, before its weight (None: no learned retriever)
+    hit: torch.Tensor | None  # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
 
 
 def _answer_tokens(inputs: dict, _target=None) -> float:
@@ -167,10 +179,22 @@ class SpreadRag:
         return torch.cat(res).view(B, k).to(self.device)
 
     # ------------------------------------------------------------------ training
-    def train_step(self, inputs: dict, scale: float = 1.0) -> RagOutput:
-        """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad);
-        a RagOutput of detached values, the reader loss being the batch's (every rank)."""
-        self._broadcast_retriever_buffers()
+    def train_step(self, inputs: dict, scale: float = 1.0, sync: bool = True, loss: str = "joint") -> StepOut:
+        """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad).
+        ``sync``: this is the optimizer step's last micro-step: gradients are synchronised over
+        the ranks now, once for everything accumulated (``ParallelModel.train_step``). ``loss``:
+        ``joint`` (the reader's NLL and the retriever's loss) or ``retriever`` (the warm-up's
+        contrastive loss alone; ``inputs`` may hold no queries when pseudo-queries make it)."""
+        if loss not in STEP_LOSSES:
+            raise ValueError(f"loss must be one of {STEP_LOSSES} (got {loss!r})")
+        retriever_sync.broadcast_buffers(self.rag.retriever)
+        if loss == "retriever":
+            r_loss, hit = self.rag.retriever_warmup(**inputs)
+            with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
+                (scale * r_loss).backward()
+            if sync:
+                retriever_sync.average_grads(self.rag.retriever)
+            return StepOut(r_loss.detach(), r_loss.detach(), hit)
         x, ids, ret = self._reader_inputs(inputs, train=True)
         attention = self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
         rows = torch.arange(x["image"].shape[0])  # the target: which batch rows a microbatch holds
@@ -181,93 +205,30 @@ class SpreadRag:
                 doc_att[mb_rows] = out.doc_attention.detach().float().cpu()
             return out.loss * scale
 
-        loss = self.pmodel.train_step(x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens) / scale
-        r_det = None
-        if ret is not None:
-            q, q_emb, top, docs, _ = ret
-            gold = inputs.get("gold")
-            att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
-            nll = self._per_document_nll if self.per_document else None
-            r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att)
-            with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
-                (self.rcfg.loss_weight * scale * r_loss).backward()
-            self._average_retriever_grads()
-            r_det = r_loss.detach()
-        total = loss + (self.rcfg.loss_weight * r_det if r_det is not None else 0.0)
-        return RagOutput(total, SimpleNamespace(loss=loss), r_det, ids, None)
-
-    def _average_retriever_grads(self) -> None:
-        """Mean over every rank, as the retriever warm-up does: the retriever is replicated on all.
-        Ranks of one replica read the same batch, but need not make the same random draws
-        (pseudo-queries, bank negatives): each stage draws from the global generator for its own
-        blocks (dropout), so the streams part once the model uses randomness. Averaged, every copy
-        takes the same step and every rank of a pipeline retrieves the same documents, which its
-        stages need (``check_retriever_copies``). The contrastive term is the global batch's on
-        every replica, and its gather's backward sums each replica's share into the rows it
-        embedded, so this mean is one process's gradient of it (``retriever/replicas.py``).
-        Linear, so calling it after every accumulated micro-step is exact."""
-        if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        flat_collective([q.grad for q in self.rag.retriever.parameters() if q.grad is not None], all_reduce_mean_)
-
-    @torch.no_grad()
-    def _broadcast_retriever_buffers(self) -> None:
-        """The retriever's buffers from rank 0 to every rank, before each use, as DDP's
-        ``broadcast_buffers`` does for the one-process model. BatchNorm's running statistics (the
-        ResNet tower) move in every train-mode forward, the index refresh's too, and there each
-        rank embeds its own share of the memory: left alone, the copies' statistics drift apart
-        and evaluation, which reads them, retrieves different documents on the stages."""
-        bufs = [b for b in self.rag.retriever.buffers() if b.is_floating_point()] if self.rag.retriever else []
-        if not bufs or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        flat_collective(bufs, lambda flat: dist.broadcast(flat, src=0))
-
-    @torch.no_grad()
-    def check_retriever_copies(self) -> None:
-        """Raise unless every rank holds the same retriever parameters, bit for bit (buffers are
-        broadcast before each use). Stages of one pipeline each run their own search; with
-        diverged retrievers they would read different documents and the cut tensors would no
-        longer fit the receiving stage's own batch (a shape error at best, a silently wrong step
-        at worst). A collective; the checksum is an integer sum of the parameters' bits, exact
-        whatever the summation order."""
-        if self.rag.retriever is None or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        bits = [q.detach().reshape(-1).contiguous().view(torch.int32).long().sum() for q in self.rag.retriever.parameters()
-                if q.dtype == torch.float32]
-        mine = torch.stack(bits).sum().reshape(1)
-        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        sums = [int(t) for t in every]
-        if len(set(sums)) > 1:
-            raise RuntimeError(f"the retriever copies differ between ranks (parameter checksums {sums}): the ranks of "
-                               "a pipeline would retrieve different documents")
+        reader_loss = self.pmodel.train_step(x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens, sync=sync) / scale
+        if ret is None:
+            if sync:  # the retriever's gradients, if any, are the one reduce's too
+                retriever_sync.average_grads(self.rag.retriever)
+            return StepOut(reader_loss, None, None)
+        q, q_emb, top, docs, _ = ret
+        gold = inputs.get("gold")
+        att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
+        nll = self._per_document_nll if self.per_document else None
+        r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att)
+        with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
+            (self.rcfg.loss_weight * scale * r_loss).backward()
+        if sync:
+            retriever_sync.average_grads(self.rag.retriever)
+        hit = None
+        if gold is not None and ids is not None:  # recall of the queries naming their gold document
+            g = gold.cpu()
+            hit = (ids[:, :self.rcfg.top_k] == g[:, None]).any(1)[g >= 0]
+        return StepOut(reader_loss, r_loss.detach(), hit)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global-norm clipping over the whole model: the reader's squared norms are summed over
-        the pipeline (a replicated tied weight counted once), the retriever's counted once."""
-        pm = self.pmodel
-        sq = torch.zeros((), dtype=torch.float64)
-        copies = {n: len({pm.partition.stage_rank[s] for s in pm.partition.param_stages.get(n, [0])})
-                  for n in pm._replicated}
-        for n, q in pm.named_parameters():
-            if q.grad is not None:
-                g2 = q.grad.detach().double().pow(2).sum()
-                if isinstance(g2, DTensor):  # a TP / FSDP shard: the sum over its mesh (a collective)
-                    g2 = g2.full_tensor()
-                sq += g2.cpu() / copies.get(n, 1)
-        if dist.is_initialized() and pm.layout.pp_size > 1:
-            dist.all_reduce(sq, group=pm.layout.pp_group)
-        if self.rag.retriever is not None:
-            for q in self.rag.retriever.parameters():
-                if q.grad is not None:
-                    sq += q.grad.detach().double().pow(2).sum().cpu()
-        norm = sq.sqrt().float()
-        if math.isfinite(max_norm) and float(norm) > max_norm:
-            coef = max_norm / (float(norm) + 1e-6)
-            for q in self.parameters():
-                if q.grad is not None:
-                    q.grad.mul_(coef)
-        return norm
+        """Global-norm clipping over the whole model, reader and retriever (``ParallelModel.clip_grad_norm_``)."""
+        retriever = self.rag.retriever.parameters() if self.rag.retriever is not None else ()
+        return self.pmodel.clip_grad_norm_(max_norm, also=retriever)
 
     # ------------------------------------------------------------------ pipeline timeline
     @property
@@ -276,7 +237,7 @@ class SpreadRag:
 
     def record_timeline(self, on: bool) -> None:
         """Whether the next ``train_step`` records the pipeline's per-action events."""
-        self.pmodel.record_timeline = on
+        self.pmodel.set_record_timeline(on)
 
     def write_timeline(self, run_dir) -> dict | None:
         """The recorded step of the pipeline that holds global rank 0, its ranks' events merged
@@ -296,7 +257,7 @@ class SpreadRag:
         """Forward-only over the spread reader (what ``evaluate`` needs: per-example correct and
         NLL, the retrieved ids and their scores)."""
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
-        self._broadcast_retriever_buffers()
+        retriever_sync.broadcast_buffers(self.rag.retriever)
         x, ids, ret = self._reader_inputs(inputs, train=False, search_k=search_k)
         res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
         correct = torch.cat([c for c, _ in res])
@@ -310,49 +271,8 @@ class SpreadRag:
     # ------------------------------------------------------------------ checkpoints
     def model_state(self) -> dict:
         """This rank's part of the RagModel's state under its original names (DCP writes each key
-        once; together the ranks hold every key)."""
+        once; together the ranks hold every key); ``rag_mm.checkpoint.savable`` makes it DCP's."""
         sd = {f"reader.{k}": v for k, v in self.pmodel.state_dict().items()}
         if self.rag.retriever is not None:
             sd.update({f"retriever.{k}": v for k, v in self.rag.retriever.state_dict().items()})
-        return self._savable(sd, "model")
-
-    def _savable(self, sd: dict, part: str) -> dict:
-        """DCP cannot plan TP's strided shards (fused q|k|v blocks split per block on a 1-D mesh:
-        its chunk offsets overlap), so those tensors go to the checkpoint whole (gathered over
-        their mesh, then written once like any replicated tensor); ``load_done`` scatters a
-        restored one back into the shards."""
-        if not hasattr(self, "_strided"):
-            self._strided: dict[tuple, DTensor] = {}
-        out = {}
-        for k, v in sd.items():
-            if isinstance(v, dict):
-                out[k] = {j: self._gathered(w, (part, k, j)) for j, w in v.items()}
-            else:
-                out[k] = self._gathered(v, (part, k))
-        return out
-
-    def _gathered(self, v, key: tuple):
-        if isinstance(v, DTensor) and any(type(pl).__name__ == "_StridedShard" for pl in v.placements):
-            self._strided[key] = v
-            return v.full_tensor()
-        return v
-
-    @torch.no_grad()
-    def load_done(self, state: dict) -> None:
-        """After a restore: copy the whole tensors ``_savable`` handed to DCP into the shards."""
-        from torch.distributed.tensor import distribute_tensor
-
-        for key, dt in getattr(self, "_strided", {}).items():
-            full = state[key[0]][key[1]] if len(key) == 2 else state[key[0]][key[1]][key[2]]
-            dt.copy_(distribute_tensor(full.to(dt.dtype), dt.device_mesh, dt.placements))
-
-    def optim_state(self, opt: torch.optim.Optimizer) -> dict:
-        """Optimizer state per parameter name (created now if the optimizer has not stepped yet,
-        so a restore has tensors to load into); param groups come from the config."""
-        names = {id(q): n for n, q in self.named_parameters()}
-        if not opt.state:
-            for group in opt.param_groups:
-                for q in group["params"]:
-                    opt.state[q] = {"step": torch.zeros((), dtype=torch.float32),
-                                    "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
-        return self._savable({names[id(q)]: st for q, st in opt.state.items()}, "optim")
+        return sd

@@ -14,12 +14,12 @@ import json
 import logging
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from parallel.collectives import all_reduce_mean_, flat_collective
 from rag_mm import checkpoint, disk, faults, gold, preemption
 from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
@@ -37,10 +37,22 @@ from rag_mm.nonfinite import NonFiniteGuard
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.spread import SpreadRag
 from rag_mm.watchdog import Watchdog
+from retriever import sync as retriever_sync
 from retriever.errors import RefreshInterrupted
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One optimizer step's detached sums (``Trainer._step``)."""
+
+    loss: torch.Tensor  # () the logged loss, mean over the micro-steps
+    retriever_loss: torch.Tensor  # () the retriever's loss, mean over the micro-steps (0: none)
+    grad_norm: torch.Tensor  # () the global gradient norm before clipping
+    hits: torch.Tensor  # () CPU: queries naming their gold document whose top-k holds it
+    n_hit: int  # queries naming their gold document
 
 
 def accuracy_line(m: dict) -> str:
@@ -76,9 +88,6 @@ class Trainer:
         retriever = parts.retriever
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
-        reducer = self.spread.pmodel.grad_mean_
-        # bytes a hierarchical gradient reduction sent between hosts, if one runs
-        self.grad_reduce_stats = reducer.state.stats if reducer is not None else None
         self.opt = build_optimizer(self.spread, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
@@ -119,7 +128,7 @@ class Trainer:
         r = self.cfg.retriever
         # every rank searches for itself: the retriever copies must be one
         self.watch.at("index refresh (retriever copies check)", self.step)
-        self.spread.check_retriever_copies()
+        retriever_sync.check_copies(self.rag.retriever)
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
         asked = itertools.count()
 
@@ -190,9 +199,10 @@ class Trainer:
                         split=split if final else "", stop=stop, name=f"evaluation of {split} at step {self.step}")
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _state(self) -> dict:
-        # each rank its part (its stages', its shards), under the RagModel's names
-        return {"model": self.spread.model_state(), "optim": self.spread.optim_state(self.opt)}
+    def _state(self) -> tuple[dict, dict]:
+        """(state, strided) as ``checkpoint.savable`` makes them: each rank its part (its stages',
+        its shards), under the RagModel's names."""
+        return checkpoint.savable(self.spread.model_state(), self.opt, self.spread.named_parameters())
 
     def save(self) -> Path:
         trainer_state = {
@@ -203,7 +213,8 @@ class Trainer:
             "skipped": self.skipped,
         }
         self.watch.at("checkpoint save (DCP write + barriers)")
-        path = checkpoint.save(self.ckpt_dir, self.step, self._state(), trainer_state, self.cfg.keep_checkpoints, self.env.is_main)
+        path = checkpoint.save(self.ckpt_dir, self.step, self._state()[0], trainer_state, self.cfg.keep_checkpoints,
+                               self.env.is_main)
         self._saved_step = self.step
         log.info("checkpoint saved: %s", path)
         return path
@@ -218,9 +229,9 @@ class Trainer:
         if path is None:
             log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
             return
-        state = self._state()
+        state, strided = self._state()
         ts = checkpoint.load(path, state)
-        self.spread.load_done(state)  # loaded in place; gathered TP blocks scattered back
+        checkpoint.scatter_strided(state, strided)  # loaded in place; gathered TP blocks scattered back
         self.sched.load_state_dict(ts["scheduler"])
         # the optimizer's state is saved per parameter, its groups come from the config: their
         # learning rate is the schedule's at the restored step (a scheduler's load sets none)
@@ -260,39 +271,76 @@ class Trainer:
                 total[k] = total.get(k, 0) + v
         return total
 
+    def _next_inputs(self, it) -> dict:
+        """The next training batch as the model's inputs (its skipped-sample counts noted)."""
+        batch = next(it)
+        self.consumed += 1
+        wid, counts = batch["skipped"]
+        if counts:
+            self.skipped[wid] = counts
+        return batch_inputs(batch, self.device)
+
+    def _no_queries(self) -> dict:
+        """Inputs without queries: the warm-up's step when pseudo-queries alone make its loss."""
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        return {"image": torch.zeros(0, device=self.device), "q_ids": none, "q_len": none, "gold": none}
+
+    def _step(self, it, autocast, loss: str, guard: NonFiniteGuard, sched=None, accum: int = 1) -> _Step | None:
+        """One optimizer step: the training step of every phase. ``accum`` micro-steps, each the
+        forward and backward of one batch (gradients synchronised over the ranks once, on the last:
+        ``SpreadRag.train_step(sync=...)``), the one gradient clipper, the non-finite check every
+        rank agrees on (``guard``, which holds the phase's optimizer), then the optimizer and
+        ``sched``. ``loss``: ``joint`` (reader and retriever) or
+        ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss).
+        Returns the step's detached sums, or None when the step was skipped (non-finite)."""
+        c = self.cfg
+        reads = loss == "joint" or self.rag.gold_queries
+        loss_sum = torch.zeros((), device=self.device)
+        r_loss_sum = torch.zeros((), device=self.device)
+        hits, n_hit = torch.zeros((), dtype=torch.long), 0  # CPU: the search's ids are on the host
+        for i in range(accum):
+            inputs = self._next_inputs(it) if reads else self._no_queries()
+            with autocast:  # train_step keeps it on the forwards only
+                out = self.spread.train_step(inputs, scale=1 / accum, sync=i == accum - 1, loss=loss)
+            loss_sum += out.loss / accum
+            if out.retriever_loss is not None:
+                r_loss_sum += out.retriever_loss / accum
+            if out.hit is not None:
+                hits, n_hit = hits + out.hit.sum(), n_hit + out.hit.numel()
+        gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
+        # every rank must take the same decision, so agree on finiteness
+        self.watch.at("all_reduce: non-finite check")
+        opt = guard.opt
+        if not guard.check(self.step, loss_sum, gnorm):  # skipped on the host: not counted
+            opt.zero_grad(set_to_none=True)
+            return None
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        return _Step(loss_sum, r_loss_sum, gnorm, hits, n_hit)
+
     def _warmup_retriever(self, it, autocast) -> None:
         """Retriever-only contrastive steps before joint training (DPR-style warm-up): a random
-        retriever hands the reader random documents, from which it learns nothing. Its own
-        optimizer at a constant ``retriever.warmup_lr``; gradients averaged over every rank (the
-        retriever is whole on each). Not checkpointed: a run stopped during the warm-up restarts it."""
+        retriever hands the reader random documents, from which it learns nothing. The same step
+        as joint training with the retriever's loss (``_step(loss="retriever")``), one batch per
+        step, its own optimizer at a constant ``retriever.warmup_lr`` (fresh Adam moments for
+        the retriever alone). Not checkpointed: a run stopped during the warm-up restarts it."""
         c, r = self.cfg, self.cfg.retriever
         params = [p for p in self.rag.retriever.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
+        guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         t0 = window_t = time.perf_counter()
         refresh_before = sum(self.memory.refresh_seconds)
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
-        loss_sum, hits, n, n_hit = 0.0, 0, 0, 0
+        window: list[_Step] = []
         log.info("retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s", r.warmup_steps, r.warmup_lr,
                  r.bank_negatives, "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)")
         for i in range(1, r.warmup_steps + 1):
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
-            if labelled:
-                batch = next(it)
-                self.consumed += 1
-                inputs = batch_inputs(batch, self.device)
-            else:
-                none = torch.zeros(0, dtype=torch.long, device=self.device)
-                inputs = {"image": torch.zeros(0, device=self.device), "q_ids": none, "q_len": none, "gold": none}
-            with autocast:
-                loss, hit = self.rag.retriever_warmup(**inputs)
-            loss.backward()
-            if self.env.world_size > 1:
-                flat_collective([p.grad for p in params if p.grad is not None], all_reduce_mean_)
-            if c.optim.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, c.optim.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss_sum, hits, n, n_hit = loss_sum + loss.item(), hits + int(hit.sum()), n + 1, n_hit + len(hit)
+            done = self._step(it, autocast, "retriever", guard)
+            if done is not None:
+                window.append(done)
             faults.inject("warmup", i, self.env.rank)
             if self._stop_agreed():
                 raise preemption.Stopped(f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "
@@ -300,14 +348,17 @@ class Trainer:
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
             if i % c.log_every == 0 or i == r.warmup_steps:
-                recall = hits / n_hit if n_hit else None  # over the queries naming their gold document
+                guard.flush()  # the device path's skipped steps: logged now, abort if too many
+            if (i % c.log_every == 0 or i == r.warmup_steps) and window:
+                n_hit = sum(s.n_hit for s in window)
+                recall = float(sum(s.hits for s in window)) / n_hit if n_hit else None  # queries naming their gold document
                 per_step = c.data.batch_size * self.data_size if labelled else r.pseudo_queries
-                rec = {"step": i, "loss": loss_sum / n, f"train_recall@{r.top_k}": recall,
-                       "samples_per_s": n * per_step / (time.perf_counter() - window_t)}
+                rec = {"step": i, "loss": float(sum(s.loss for s in window)) / len(window), f"train_recall@{r.top_k}": recall,
+                       "samples_per_s": len(window) * per_step / (time.perf_counter() - window_t)}
                 self.metrics.log(rec, prefix="warmup")
                 log.info("retriever warm-up %d/%d: loss %.3f, train recall@%d %s", i, r.warmup_steps, rec["loss"],
                          r.top_k, "n/a (no gold documents)" if recall is None else f"{recall:.3f}")
-                loss_sum, hits, n, n_hit, window_t = 0.0, 0, 0, 0, time.perf_counter()
+                window, window_t = [], time.perf_counter()
         refreshed = sum(self.memory.refresh_seconds) - refresh_before  # counted as refresh time, not warm-up
         self.warmup_time = time.perf_counter() - t0 - refreshed
 
@@ -343,31 +394,10 @@ class Trainer:
                 self.spread.record_timeline(self.step + 1 == timeline_step)
                 self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
-                loss_sum = torch.zeros((), device=self.device)
-                r_loss_sum, hits, n_hit = torch.zeros((), device=self.device), 0, 0
-                for _ in range(accum):
-                    batch = next(it)
-                    self.consumed += 1
-                    wid, counts = batch["skipped"]
-                    if counts:
-                        self.skipped[wid] = counts
-                    with autocast:  # train_step keeps it on the forwards only
-                        out = self.spread.train_step(batch_inputs(batch, self.device), scale=1 / accum)
-                    loss_sum += out.reader.loss.detach() / accum
-                    if out.retriever_loss is not None:
-                        r_loss_sum += out.retriever_loss / accum
-                        labelled = batch["doc_id"] >= 0  # recall of the queries naming their gold document
-                        hits += int(((out.doc_ids == batch["doc_id"][:, None]).any(1) & labelled).sum())
-                        n_hit += int(labelled.sum())
-                gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
-                # every rank must take the same decision, so agree on finiteness
-                self.watch.at("all_reduce: non-finite check")
-                if not nonfinite.check(self.step, loss_sum, gnorm):  # skipped on the host: not counted
-                    self.opt.zero_grad(set_to_none=True)
+                done = self._step(it, autocast, "joint", nonfinite, self.sched, accum)
+                if done is None:
                     continue
-                self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
+                loss_sum, r_loss_sum, gnorm = done.loss, done.retriever_loss, done.grad_norm
                 self.step += 1
                 dt = time.perf_counter() - t0
                 self.train_time += dt
@@ -389,7 +419,7 @@ class Trainer:
                     }
                     if self.memory is not None:
                         rec["retriever_loss"] = float(r_loss_sum)
-                        rec[f"train_recall@{r.top_k}"] = hits / n_hit if n_hit else None
+                        rec[f"train_recall@{r.top_k}"] = float(done.hits) / done.n_hit if done.n_hit else None
                     self.metrics.log(rec)
                     self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
                     window_t, window_steps = time.perf_counter(), 0
@@ -463,9 +493,10 @@ class Trainer:
         }
         if self.pipeline is not None:
             summary["pipeline"] = self.pipeline
-        if self.grad_reduce_stats is not None:  # bytes this rank sent between hosts (nccl-tests bus factors)
-            summary["grad_reduce"] = {"kind": self.cfg.parallel.grad_reduce, "inter_host_bytes": self.grad_reduce_stats.inter_bytes,
-                                      "inter_host_calls": self.grad_reduce_stats.inter_calls}
+        stats = self.spread.pmodel.grad_reduce_stats
+        if stats is not None:  # bytes this rank sent between hosts (nccl-tests bus factors)
+            summary["grad_reduce"] = {"kind": self.cfg.parallel.grad_reduce, "inter_host_bytes": stats.inter_bytes,
+                                      "inter_host_calls": stats.inter_calls}
         summary = json_safe(summary)  # strict JSON: null, not NaN, for a mean over no queries
         if self.env.is_main:
             self.metrics.log({"step": self.step, **summary["test"]}, prefix="test")

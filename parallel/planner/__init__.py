@@ -32,7 +32,9 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   the deferred weight gradients of its last 2 microbatches keep; under a pipeline, the hand-over
   buffers (a received activation, the gradient packed to send back, the activation packed to
   send on); with CPU offload params, grads
-  and Adam state live on the host (they must fit there). Gradients are allocated as backward
+  and Adam state live on the host (they must fit there); FSDP's gradients stay unsharded
+  while they accumulate (a pipeline's microbatches, or accumulation steps: they are
+  reduce-scattered once per optimizer step). Gradients are allocated as backward
   frees activations, so the two count together only where an earlier microbatch's backward made
   the gradients before the activations peak (gradient accumulation, or a pipeline rank with more
   microbatches than it holds in flight); otherwise the larger of the two.

@@ -199,12 +199,16 @@ class Planner:
             act *= scale * cdt
             m = {"params": P / dp_shard, "grads": P / dp_shard, "optimizer": 2.0 * P / dp_shard,
                  "gathered": 0.0, "activations": act}
+            # FSDP reduce-scatters once per optimizer step: accumulated gradients stay unsharded
+            accumulating = dp_shard > 1 and (pp > 1 or microbatches > 1)
             if pp > 1 and dp_shard > 1:  # the stage stays gathered, gradients accumulate unsharded
                 m["gathered"], m["grads"] = P * cdt, P
             elif dp_shard > 1 or cpu_offload:
                 # the running and the prefetched block, and the root unit (everything outside the
                 # blocks: fsdp.apply_fsdp keeps it gathered from its forward to its backward)
                 m["gathered"] = (2.0 * blockP + rootP) * cdt
+                if accumulating:  # accumulation steps without a pipeline: unsharded until the last one
+                    m["grads"] = P
             elif bf16:
                 m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
             # Gradients are allocated as backward frees activations. When the activations peak (the
@@ -212,9 +216,10 @@ class Planner:
             # made them: gradient accumulation, or a pipeline rank with more microbatches than in flight.
             grads_early = microbatches > 1 if pp == 1 else microbatches > max(infl[s] for s in mine)
             host = 0.0
-            if cpu_offload:
-                host = m["params"] + m["grads"] + m["optimizer"]
-                m["params"] = m["grads"] = m["optimizer"] = 0.0
+            if cpu_offload:  # the sharded state on the host; gradients accumulating unsharded stay on the device
+                host = m["params"] + P / dp_shard + m["optimizer"]
+                m["params"] = m["optimizer"] = 0.0
+                m["grads"] = m["grads"] if accumulating else 0.0
             total = sum(m.values()) - (0.0 if grads_early else min(m["grads"], m["activations"]))
             lay.memory_by_rank.append(total)
             lay.memory_kinds_by_rank.append(m)
@@ -259,15 +264,16 @@ class Planner:
         slot, t_c, t_tp, t_pp, P, blockP, units, fsdp_host = max(slots)
         m = microbatches
         bub = bubble_slots(schedule, pp, v) * slot
-        # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype
-        # FSDP without a pipeline reshards after each forward and reduce-scatters every
-        # accumulation step (sharded gradients accumulate); under a pipeline the stage stays gathered
-        # and reduces once. DDP reduces once per step (no_sync while accumulating).
+        # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype.
+        # Gradients are reduced once per optimizer step, on the last accumulation step (the runtime's
+        # ``train_step(sync=...)``: DDP's no_sync, FSDP2's set_requires_gradient_sync(False)).
+        # FSDP without a pipeline gathers again in every accumulation step's forward and backward;
+        # under a pipeline the stage stays gathered.
         sh, rp = dp_shard, dp_replicate
-        rounds = m if pp == 1 and sh > 1 else 1
+        rounds = m if pp == 1 and sh > 1 else 1  # accumulation steps whose compute hides the gathers
         if sh > 1:
             # one collective per FSDP unit: each pays the latency, together they move P
-            grad = rounds * units * c.reduce_scatter(P / units, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
+            grad = units * c.reduce_scatter(P / units, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
             last = c.reduce_scatter(blockP, sh, tp) + c.all_reduce(blockP / sh, rp, tp * sh)
         else:
             grad = c.all_reduce(P, rp, tp)

@@ -323,6 +323,12 @@ def test_fsdp_pays_one_collective_latency_per_unit(toy):
     assert lay.breakdown["dp_comm"] == pytest.approx(15 * 3 * 1e-3, rel=1e-6)
     ddp = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1, precision="fp32")
     assert ddp.breakdown["dp_comm"] == pytest.approx(2 * math.ceil(math.log2(4)) * 1e-3, rel=1e-6)  # one tree all-reduce
+    # 2 accumulation steps: gathers in each one's forward and backward (20), the gradients
+    # reduce-scattered once per optimizer step (5), as the runtime's train_step(sync=...) does
+    acc = plan.estimate(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=2, mixed_precision="fp32")
+    assert acc.breakdown["dp_comm"] == pytest.approx((20 + 5) * 3 * 1e-3, rel=1e-6), acc.reasons
+    ddp2 = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=2, mixed_precision="fp32")
+    assert ddp2.breakdown["dp_comm"] == pytest.approx(ddp.breakdown["dp_comm"], rel=1e-6)  # once per step
 
 
 def test_tp_memory_of_a_module_rule_counts_its_weight_matrices():
