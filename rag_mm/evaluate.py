@@ -382,7 +382,13 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
-    from rag_mm.config import ConfigError, TrainConfig, renamed_key_problems, upgrade_saved, validate
+    from rag_mm.config import (
+        ConfigError,
+        TrainConfig,
+        renamed_key_problems,
+        upgrade_saved,
+        validate,
+    )
     from rag_mm.paths import dir_problem, file_problem, path_problems, writable_dir_problem
 
     if not run_dir.exists():

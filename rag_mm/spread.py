@@ -60,9 +60,10 @@ class StepOut:
     hit: torch.Tensor | None  # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
 
 
-def _answer_tokens(inputs: dict, _target=None) -> float:
-    """Tokens in the reader's loss: every answer token after the first (a_len - 1 per example)."""
-    return float((inputs["a_len"] - 1).clamp_min(0).sum())
+def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:
+    """Tokens in the reader's loss: every answer token after the first (a_len - 1 per example), a
+    () tensor on the inputs' device (an accelerator's is not read back: that would be a host sync)."""
+    return (inputs["a_len"] - 1).clamp_min(0).sum()
 
 
 class SpreadRag:
@@ -197,7 +198,9 @@ class SpreadRag:
             return StepOut(r_loss.detach(), r_loss.detach(), hit)
         x, ids, ret = self._reader_inputs(inputs, train=True)
         attention = self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
-        rows = torch.arange(x["image"].shape[0])  # the target: which batch rows a microbatch holds
+        # the target: which batch rows a microbatch holds; on the host only when they index adist's
+        # host-side target (elsewhere a host tensor in the step would be copied to the device)
+        rows = torch.arange(x["image"].shape[0], device="cpu" if attention else self.device)
         doc_att = torch.zeros(len(rows), self.rcfg.top_k) if attention else None
 
         def loss_fn(out, mb_rows):

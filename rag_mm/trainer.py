@@ -33,6 +33,7 @@ from rag_mm.distributed import (
 )
 from rag_mm.evaluate import evaluate
 from rag_mm.metrics import MetricsLogger, json_safe
+from rag_mm.model.attention_tuning import tune_reader_attention
 from rag_mm.nonfinite import NonFiniteGuard
 from rag_mm.optim import build_optimizer, build_scheduler
 from rag_mm.spread import SpreadRag
@@ -88,6 +89,10 @@ class Trainer:
         retriever = parts.retriever
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
+        # backend=auto's attention kernels, chosen by measurement before the first step: a collective
+        # (rank 0 times the candidates or reads its cache, every rank runs its choices)
+        self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
+        tune_reader_attention(cfg, self.device)
         self.opt = build_optimizer(self.spread, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
