@@ -42,14 +42,14 @@ from types import SimpleNamespace
 import torch
 from PIL import UnidentifiedImageError
 
-from rag_mm import checkpoint
 from rag_mm.build import batch_inputs
+from rag_mm.checks.paths import file_problem, short_error
+from rag_mm.components import checkpoint
+from rag_mm.components.metrics import json_safe
 from rag_mm.config import reader_tokenizer
 from rag_mm.data.pipeline import QueryStream, SkipCounter, StreamSpec, collate, decode_image
 from rag_mm.data.urls import expand_urls
 from rag_mm.evaluate import EvalError, _greedy, load_config, load_run
-from rag_mm.metrics import json_safe
-from rag_mm.paths import file_problem, short_error
 
 log = logging.getLogger(__name__)
 

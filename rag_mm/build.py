@@ -1,6 +1,6 @@
 """The model's parts and data streams from a config: what training and evaluation both build.
 
-Single-device and parallelism-free: the trainer spreads the reader (``rag_mm.spread``) and adds
+Single-device and parallelism-free: the trainer spreads the reader (``rag_mm.distributed.spread``) and adds
 the optimizer; evaluation loads a checkpoint into it. Imports neither of them.
 """
 

@@ -7,11 +7,11 @@ VQA accuracy where queries carry their human answers.
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
-(``rag_mm.vqa_metric``) scores the greedy answer itself against the human answers, so queries whose
+(``rag_mm.eval.vqa_metric``) scores the greedy answer itself against the human answers, so queries whose
 json has ``answers`` (VQA shards from ``scripts/convert.py``) are also decoded token by token.
 
 Whether the reader uses the picture at all is measured three ways: the blind prior (the score of
-answering each question with its text's most frequent training answer, ``rag_mm.blind_prior``),
+answering each question with its text's most frequent training answer, ``rag_mm.eval.blind_prior``),
 accuracy per VQA answer type (yes/no, number, other: question-only priors differ most between them),
 and an ablation that blanks every query picture to the batch's mean pixel and evaluates again
 (``image_drop``). A reader within two points of the blind prior, or one that loses under two points
@@ -37,18 +37,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rag_mm import checkpoint
-from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import SPLITS, RagParts, batch_inputs, build_rag, make_stream
+from rag_mm.checks.paths import data_key, output_file_problems, writable_dir_problem
+from rag_mm.components import checkpoint
+from rag_mm.components.metrics import json_safe, strict_dumps
 from rag_mm.data.pipeline import DataError
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
-from rag_mm.distributed import all_reduce_sum
-from rag_mm.metrics import json_safe, strict_dumps
-from rag_mm.paths import data_key, output_file_problems, writable_dir_problem
-from rag_mm.predictions import PredictionError, write_predictions
-from rag_mm.preemption import Stopped
-from rag_mm.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
+from rag_mm.distributed.env import all_reduce_sum
+from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
+from rag_mm.eval.predictions import PredictionError, write_predictions
+from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
+from rag_mm.ft.preemption import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     Whether the reader uses the picture:
 
     * ``blind_prior``: the score of answering each question with its text's most frequent training
-      answer (``prior``, ``rag_mm.blind_prior``; None without one), scored per query as the reader
+      answer (``prior``, ``rag_mm.eval.blind_prior``; None without one), scored per query as the reader
       is (VQA accuracy against the human answers where there are some, else exact match);
-    * ``by_type``: per VQA answer type (``rag_mm.vqa_metric.answer_type``: the query's json
+    * ``by_type``: per VQA answer type (``rag_mm.eval.vqa_metric.answer_type``: the query's json
       ``answer_type``, else inferred from its gold answer) n, acc, vqa_acc, the blind prior and the
       ablation's numbers;
     * ``ablation``: the same forward (retrieval included) with every query picture replaced by the
@@ -82,14 +82,14 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
       forward per batch; the trainer's periodic validation passes turn it off.
 
     ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy answer
-    text) for every query, in loader order: the VQA results file (``rag_mm.predictions``).
+    text) for every query, in loader order: the VQA results file (``rag_mm.eval.predictions``).
 
     ``split`` names the split in one INFO line of these numbers and a warning when the reader does
     not beat the blind prior or barely needs the picture (every rank must pass the same arguments:
     the ablation's forwards are collective under a spread reader).
 
     ``stop()`` (a preemption flag) is asked before each batch; when it is set on any rank, every
-    rank leaves after the same batch with ``rag_mm.preemption.Stopped`` (``name`` says what stopped).
+    rank leaves after the same batch with ``rag_mm.ft.preemption.Stopped`` (``name`` says what stopped).
     """
     was_training = rag.training
     rag.eval()
@@ -382,6 +382,7 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     from omegaconf.errors import OmegaConfBaseException
     from yaml import YAMLError
 
+    from rag_mm.checks.paths import dir_problem, file_problem, path_problems, writable_dir_problem
     from rag_mm.config import (
         ConfigError,
         TrainConfig,
@@ -389,7 +390,6 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
         upgrade_saved,
         validate,
     )
-    from rag_mm.paths import dir_problem, file_problem, path_problems, writable_dir_problem
 
     if not run_dir.exists():
         raise EvalError(f"run directory {run_dir} not found")
@@ -486,7 +486,7 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
         raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     cfg = load_config(run_dir, overrides)
     if cfg.retriever.mode == "oracle":  # it reads each query's gold document: checked before any work
-        from rag_mm.gold import oracle_problem
+        from rag_mm.checks.gold import oracle_problem
 
         why = oracle_problem(cfg, split)
         if why:

@@ -48,8 +48,8 @@ def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
 
 
 def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
-    from rag_mm import checkpoint
     from rag_mm.build import build_rag
+    from rag_mm.components import checkpoint
     from rag_mm.evaluate import EvalError, load_config, load_model_state
 
     cfg = load_config(run_dir, overrides)

@@ -11,7 +11,7 @@ Arguments of the command line: ``cluster=<preset>`` (``conf/cluster/<preset>.yam
 plain data parallel would train with, ``x optim.grad_accum``), ``format=table|json``, ``top=<rows>``. Every other argument is a
 training override, composed as ``python -m rag_mm.train`` composes it.
 
-What is planned: only the reader (``rag_mm.spread`` spreads the reader alone; the retriever stays
+What is planned: only the reader (``rag_mm.distributed.spread`` spreads the reader alone; the retriever stays
 whole on every rank), traced on the meta device (no weights: any preset plans on any machine) on
 an example batch shaped like the run's: ``retriever.top_k``
 documents per query, ``model.image_size`` pictures, ``model.max_*`` text lengths (the longest, so

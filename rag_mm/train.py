@@ -15,9 +15,9 @@ from typing import NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from rag_mm.checks.paths import check_paths, data_key, run_dir_problems
+from rag_mm.components.metrics import strict_dumps
 from rag_mm.config import ConfigError, register_configs, resolve_batch, validate
-from rag_mm.metrics import strict_dumps
-from rag_mm.paths import check_paths, data_key, run_dir_problems
 
 register_configs()
 
@@ -90,11 +90,11 @@ def _setup_logging() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from rag_mm import preemption
+    from rag_mm.ft import preemption
 
     preemption.from_submitit()  # SLURM tasks started by submitit: set torchrun's RANK, WORLD_SIZE, ...
     _setup_logging()
-    from rag_mm.distributed import world_size_from_env
+    from rag_mm.distributed.env import world_size_from_env
 
     try:  # reject bad values and paths before any heavy import or work
         if cfg.launch.auto_layout:  # plan the layout for this world and set it on cfg (every rank picks the same)
@@ -122,7 +122,7 @@ def main(cfg: DictConfig) -> None:
         trainer.watch.close()
         _fail(exc, cfg)
     except Exception as exc:
-        from rag_mm import disk
+        from rag_mm.ft import disk
 
         found = disk.fault(exc)
         if found is not None:  # a full or read-only disk: one message, no traceback
@@ -131,7 +131,7 @@ def main(cfg: DictConfig) -> None:
                 print(f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",
                       file=sys.stderr, flush=True)
             if isinstance(exc, disk.WriteFailed):  # raised on every rank: wait for rank 0's message and clean-up
-                from rag_mm.distributed import barrier
+                from rag_mm.distributed.env import barrier
 
                 barrier()  # (a launcher stops the other ranks as soon as one exits)
             sys.exit(1)

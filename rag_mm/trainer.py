@@ -20,24 +20,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rag_mm import checkpoint, disk, faults, gold, preemption
-from rag_mm.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.build import batch_inputs, build_rag, make_stream
+from rag_mm.checks import gold
+from rag_mm.components import checkpoint
+from rag_mm.components.metrics import MetricsLogger, json_safe
+from rag_mm.components.nonfinite import NonFiniteGuard
+from rag_mm.components.optim import build_optimizer, build_scheduler
 from rag_mm.config import ConfigError
 from rag_mm.data.urls import expand_urls
-from rag_mm.distributed import (
+from rag_mm.distributed.env import (
     all_reduce_sum,
     broadcast_object,
     cleanup,
     init_distributed,
 )
+from rag_mm.distributed.spread import SpreadRag
+from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
 from rag_mm.evaluate import evaluate
-from rag_mm.metrics import MetricsLogger, json_safe
+from rag_mm.ft import disk, faults, preemption
+from rag_mm.ft.watchdog import Watchdog
 from rag_mm.model.attention_tuning import tune_reader_attention
-from rag_mm.nonfinite import NonFiniteGuard
-from rag_mm.optim import build_optimizer, build_scheduler
-from rag_mm.spread import SpreadRag
-from rag_mm.watchdog import Watchdog
 from retriever import sync as retriever_sync
 from retriever.errors import RefreshInterrupted
 
@@ -159,7 +161,7 @@ class Trainer:
         return make_stream(self.cfg, split, train, self.data_rank, self.data_size, skip_batches)
 
     def blind_prior(self) -> BlindPrior | None:
-        """The blind prior's table (``rag_mm.blind_prior``): read from the training shards once per
+        """The blind prior's table (``rag_mm.eval.blind_prior``): read from the training shards once per
         run on the main rank (cached in the run directory, so a resumed run or the command-line
         evaluation reuses it) and sent to the other ranks. None when no training sample is usable."""
         if not self._prior_ready:

@@ -27,8 +27,8 @@ from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rag_mm import checkpoint as ckpt  # noqa: E402
-from rag_mm import paths  # noqa: E402
+from rag_mm.checks import paths  # noqa: E402
+from rag_mm.components import checkpoint as ckpt  # noqa: E402
 from rag_mm.data.documents import DocumentStore  # noqa: E402
 from rag_mm.data.pipeline import DataError  # noqa: E402
 from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards  # noqa: E402

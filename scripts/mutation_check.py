@@ -116,8 +116,8 @@ MUTATIONS = (
         ("tests/rag_mm/test_train_pipeline.py::test_torchrun_pipeline_matches_one_process",)),
     Mutation(
         "ckpt-verify", "checkpoint verification off: a truncated checkpoint is resumed from",
-        (("rag_mm/checkpoint.py", "def verify(", "def _verify_unused("),
-         ("rag_mm/checkpoint.py", "\ndef load(", "\ndef verify(path):\n    return None\n\n\ndef load(")),
+        (("rag_mm/components/checkpoint.py", "def verify(", "def _verify_unused("),
+         ("rag_mm/components/checkpoint.py", "\ndef load(", "\ndef verify(path):\n    return None\n\n\ndef load(")),
         ("tests/ops/test_fault_tolerance.py::test_truncated_newest_checkpoint_is_skipped_for_the_previous_one",)),
     Mutation(
         "hf-layout", "Hugging Face reader: rag_mm's attention ignores the retrieval layout (plain causal)",
@@ -143,7 +143,7 @@ MUTATIONS = (
         ("tests/rag_mm/test_reader_sees.py",)),
     Mutation(
         "prior-cache", "blind prior: a cached table is reused after the training shards changed",
-        (("rag_mm/blind_prior.py", 'data.get("fingerprint") == fp', "True"),),
+        (("rag_mm/eval/blind_prior.py", 'data.get("fingerprint") == fp', "True"),),
         ("tests/rag_mm/test_blind_prior.py::test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change",)),
     Mutation(
         "answer-type", "accuracy by answer type ignores the annotation's answer_type (always inferred)",
@@ -151,7 +151,7 @@ MUTATIONS = (
         ("tests/rag_mm/test_blind_prior.py::test_accuracy_by_answer_type_takes_the_annotated_type_first",)),
     Mutation(
         "gold-check", "settings that need gold documents are not checked against the data (oracle fails mid-run)",
-        (("rag_mm/gold.py", "    train = peek(expand_urls(cfg.data.root, cfg.data.train))", "    train = None"),),
+        (("rag_mm/checks/gold.py", "    train = peek(expand_urls(cfg.data.root, cfg.data.train))", "    train = None"),),
         ("tests/rag_mm/test_gold.py::test_oracle_on_queries_without_gold_documents_is_refused_before_work",)),
     Mutation(
         "pseudo-warmup", "without gold documents the warm-up embeds the queries instead of pseudo-queries alone",
@@ -160,7 +160,7 @@ MUTATIONS = (
         ("tests/rag_mm/test_gold.py::test_warmup_trains_on_pseudo_queries_alone_without_gold_documents",)),
     Mutation(
         "strict-jsonl", "metrics.jsonl written with Python's NaN for a mean over no queries",
-        (("rag_mm/metrics.py", "self._jsonl.write(strict_dumps(record)", "self._jsonl.write(json.dumps(record)"),),
+        (("rag_mm/components/metrics.py", "self._jsonl.write(strict_dumps(record)", "self._jsonl.write(json.dumps(record)"),),
         ("tests/rag_mm/test_strict_json.py::test_every_json_of_a_run_is_strict",)),
     Mutation(
         "cuda-note", "torch's 'No CUDA runtime is found' note printed by every CPU run",
@@ -169,12 +169,12 @@ MUTATIONS = (
         ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
     Mutation(
         "dcp-note", "DCP's 'assuming the intent is to save in a single process' printed at every checkpoint",
-        (("rag_mm/checkpoint_safety.py", "        if not dist.is_initialized():\n            warnings.filterwarnings",
+        (("rag_mm/components/checkpoint_safety.py", "        if not dist.is_initialized():\n            warnings.filterwarnings",
           "        if False:\n            warnings.filterwarnings"),),
         ("tests/rag_mm/test_quiet.py::test_one_process_run_prints_no_third_party_warning",)),
     Mutation(
         "partial-ckpt", "a checkpoint write that fails for space leaves its partial .tmp directory",
-        (("rag_mm/checkpoint.py", "removed = _remove(tmp) if is_main else None", "removed = None"),),
+        (("rag_mm/components/checkpoint.py", "removed = _remove(tmp) if is_main else None", "removed = None"),),
         ("tests/ops/test_disk.py::test_full_disk_stops_with_one_message_and_resume_goes_on",)),
     Mutation(
         "disk-message", "a full or read-only disk ends in a traceback instead of one message",
@@ -182,7 +182,7 @@ MUTATIONS = (
         ("tests/ops/test_disk.py::test_read_only_run_directory_mid_run_stops_with_one_message_and_resume_goes_on",)),
     Mutation(
         "ckpt-estimate", "one checkpoint's bytes estimated without the optimizer's second moment",
-        (("rag_mm/disk.py", "def checkpoint_bytes(model, optimizer_moments: int = 2)",
+        (("rag_mm/ft/disk.py", "def checkpoint_bytes(model, optimizer_moments: int = 2)",
           "def checkpoint_bytes(model, optimizer_moments: int = 1)"),),
         ("tests/ops/test_disk.py::test_estimate_matches_a_written_checkpoint",)),
     Mutation(

@@ -290,7 +290,7 @@ def _summary(kind: str, sink: ShardSink, out: Path, key: str, read: int, skipped
 def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
     """The ``n``-th query sample of a conversion: ``q``'s picture (member ``ext``), question and json."""
     meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id}
-    # the evaluation reports accuracy per VQA answer type (rag_mm.vqa_metric.answer_type)
+    # the evaluation reports accuracy per VQA answer type (rag_mm.eval.vqa_metric.answer_type)
     meta.update({k: v for k, v in (("image_id", q.image_id), ("answer_type", q.answer_type),
                                    ("question_type", q.question_type)) if v is not None})
     return {"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)}

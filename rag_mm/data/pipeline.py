@@ -181,7 +181,7 @@ class QueryStream(torch.utils.data.IterableDataset):
             if "answer" not in meta:
                 raise KeyError("json has no 'answer'")
             doc_id = int(meta.get("doc_id", -1))
-            answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.vqa_metric
+            answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.eval.vqa_metric
             if answers is not None and not (isinstance(answers, list) and all(isinstance(a, str) for a in answers)):
                 raise ValueError("json 'answers' is not a list of strings")
             answer_type = meta.get("answer_type")  # optional VQA answer type ("yes/no", "number", "other")

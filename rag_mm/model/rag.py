@@ -45,7 +45,7 @@ class RagModel(nn.Module):
         self.memory = memory
         self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
         # whether the training queries name their gold documents (json doc_id; set by the trainer
-        # from the data, rag_mm.gold): without them the contrastive terms use pseudo-queries alone
+        # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries alone
         self.gold_queries = True
         self.replicas = Replicas()  # the data-parallel replicas the contrastive loss spans (set by the trainer)
 
@@ -103,7 +103,7 @@ class RagModel(nn.Module):
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
         (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
         with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the reader's copy
-        attention per document, for adist. The spread reader (rag_mm/spread.py) calls this too,
+        attention per document, for adist. The spread reader (rag_mm/distributed/spread.py) calls this too,
         with both read over its stages."""
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pipeline import _tight_barrier, spawn  # noqa: E402 - the same launcher and step clock
 from train_throughput import synthetic_batch  # noqa: E402
 
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 def paired(rank: int, accum: int, batch: int, steps: int, grad_reduce: str, overrides: list[str]) -> dict:

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from parallel.kernels import attention as A  # noqa: E402
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 H = 4  # heads (B = 1): B*H = 4 work groups keep 2 threads busy in both implementations
 

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
        "reduce_scatter": lambda n: (n - 1) / n}

@@ -73,10 +73,10 @@ def _backward(loss, params):
 
 
 def _checker(opt):
-    """The trainer's non-finite check: ``rag_mm.nonfinite`` where it exists, else the per-step
+    """The trainer's non-finite check: ``rag_mm.components.nonfinite`` where it exists, else the per-step
     expression the trainer had before it."""
     try:
-        from rag_mm.nonfinite import NonFiniteGuard
+        from rag_mm.components.nonfinite import NonFiniteGuard
     except ImportError:
         return lambda step, loss, gnorm: torch.tensor([float(torch.isfinite(loss) and torch.isfinite(gnorm))]).item() >= 1
     return NonFiniteGuard(opt, CUDA, limit=10, window=20).check
@@ -91,7 +91,7 @@ def _steps(step_fn, n=2):
 
 
 def reader_step(overrides=()):
-    from rag_mm.optim import build_optimizer
+    from rag_mm.components.optim import build_optimizer
 
     cfg = _cfg(*overrides)
     mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
@@ -158,10 +158,10 @@ def parallel_model_step():
 
 def spread_step():
     """The trainer's step path over the closed-book demo reader (no faiss, no document store)."""
+    from rag_mm.components.optim import build_optimizer
     from rag_mm.data.documents import DocumentStore
+    from rag_mm.distributed.spread import SpreadRag
     from rag_mm.model.rag import RagModel
-    from rag_mm.optim import build_optimizer
-    from rag_mm.spread import SpreadRag
 
     cfg = _cfg("retriever=none", "data.batch_size=4")
     mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)

@@ -30,7 +30,7 @@ import faiss
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from retriever.index import FaissIndex, default_factory, default_search_params, ivf_nlist  # noqa: E402
 
 K = 10  # recall@10

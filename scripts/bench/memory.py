@@ -39,7 +39,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 # freed tensors' pages go back to the OS at once (glibc otherwise raises its mmap threshold after
 # the first large free and keeps later blocks in the heap), so RSS follows the live bytes

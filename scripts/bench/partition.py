@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import parallel  # noqa: E402
 from parallel.trace import trace_model  # noqa: E402
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 class Block(nn.Module):

@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rag_mm import checkpoint  # noqa: E402
 from rag_mm.build import batch_inputs, build_rag, make_stream  # noqa: E402
+from rag_mm.components import checkpoint  # noqa: E402
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from rag_mm.evaluate import load_config, load_model_state  # noqa: E402
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from rag_mm.model.layout import IGNORE, QUERY_IMAGE  # noqa: E402
 
 TRAIN_SHARE = 0.7  # queries the probe is fitted on; the rest score it

@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 D, BATCH, BLOCKS = 512, 256, 8  # the reference setting: an 8-block MLP, batch 256
 

@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 # name -> layout (degrees; pp > 1 layouts take --microbatches); the world is their product
 LAYOUTS = {

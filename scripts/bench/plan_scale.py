@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from parallel.cluster import Cluster  # noqa: E402
 from parallel.planner import Plan, plan_layout  # noqa: E402
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 class FlashLikeAttention(torch.autograd.Function):

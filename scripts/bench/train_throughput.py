@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from parallel.memory import apply_activation_checkpointing  # noqa: E402
 from parallel.spmd import find_blocks  # noqa: E402
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.optim import build_optimizer  # noqa: E402
 from rag_mm.config import compose, reader_tokenizer  # noqa: E402
 from rag_mm.data.tokenizer import get_tokenizer  # noqa: E402
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 from rag_mm.model.factory import build_reader, count_parameters, materialize  # noqa: E402
-from rag_mm.optim import build_optimizer  # noqa: E402
 
 # dense tensor-core peak FLOP/s per device, from the vendors' datasheets (SXM parts; no sparsity)
 GPU_PEAK = {  # name substring -> {dtype: FLOP/s}

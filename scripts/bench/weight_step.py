@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline import BATCH, D, _tight_barrier, mlp, mse, spawn  # noqa: E402 - the same model, loss, launcher
 
-from rag_mm.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
+from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
 def paired(rank, m, steps, schedule):

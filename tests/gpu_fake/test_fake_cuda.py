@@ -18,10 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import parallel
 from parallel.config import ParallelConfig
+from rag_mm.components.nonfinite import NonFiniteGuard
+from rag_mm.components.optim import build_optimizer
 from rag_mm.config import compose
 from rag_mm.model.factory import build_reader, materialize
-from rag_mm.nonfinite import NonFiniteGuard
-from rag_mm.optim import build_optimizer
 from retriever import losses
 from retriever.augment import random_views
 from retriever.encoders import DualEncoder
@@ -202,8 +202,8 @@ def test_trainer_step_path_on_fake_cuda(monkeypatch):
     """The trainer's step over the closed-book demo reader: ``SpreadRag.train_step``, its
     ``clip_grad_norm_``, the non-finite check and the optimizer (no data loader, no faiss)."""
     from rag_mm.data.documents import DocumentStore
+    from rag_mm.distributed.spread import SpreadRag
     from rag_mm.model.rag import RagModel
-    from rag_mm.spread import SpreadRag
 
     cfg = _cfg("retriever=none", f"data.batch_size={B}")
     mode = FakeTensorMode(allow_non_fake_inputs=False)

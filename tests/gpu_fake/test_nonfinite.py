@@ -1,4 +1,4 @@
-"""The non-finite check's accelerator path (``rag_mm.nonfinite``) on real numbers: the decision
+"""The non-finite check's accelerator path (``rag_mm.components.nonfinite``) on real numbers: the decision
 stays on the device, the fused AdamW update skips itself, and the skipped steps are logged and
 counted at the next flush as the host path counts them. Run on the CPU (fused AdamW has a CPU
 kernel) with the guard put on its device path by hand."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from rag_mm.nonfinite import NonFiniteGuard, skips_on_device
+from rag_mm.components.nonfinite import NonFiniteGuard, skips_on_device
 
 
 def _setup(limit: int = 10, window: int = 4):
@@ -42,7 +42,7 @@ def test_a_non_finite_step_leaves_weights_and_moments_untouched(caplog):
     lin, opt, guard = _setup()
     _step(lin, opt, guard, 0, poison=False)
     before = _state(lin, opt)
-    with caplog.at_level(logging.WARNING, logger="rag_mm.nonfinite"):
+    with caplog.at_level(logging.WARNING, logger="rag_mm.components.nonfinite"):
         _step(lin, opt, guard, 1, poison=True)
         after = _state(lin, opt)
         assert all(torch.equal(a, b) for a, b in zip(before, after)), "the fused update did not skip itself"
@@ -65,7 +65,7 @@ def test_too_many_in_a_row_abort_at_the_flush():
 
 def test_a_full_window_is_read_before_it_overflows(caplog):
     lin, opt, guard = _setup(window=2)
-    with caplog.at_level(logging.WARNING, logger="rag_mm.nonfinite"):
+    with caplog.at_level(logging.WARNING, logger="rag_mm.components.nonfinite"):
         for step, poison in enumerate([True, False, True]):  # the third check flushes the first two
             _step(lin, opt, guard, step, poison)
         assert "at step 0" in caplog.text and "at step 2" not in caplog.text

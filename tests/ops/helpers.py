@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rag_mm import checkpoint
+from rag_mm.components import checkpoint
 from rag_mm.config import compose
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides

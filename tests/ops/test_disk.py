@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag_mm import disk
 from rag_mm.build import build_rag
 from rag_mm.config import ConfigError, compose
+from rag_mm.ft import disk
 from rag_mm.trainer import Trainer
 from tests.ops.helpers import REPO, env, valid_checkpoints
 from tests.rag_mm.conftest import tiny_overrides

@@ -1,7 +1,7 @@
 """Fault tolerance of the real job: SIGKILL + torchrun restarts, SIGTERM, damaged checkpoints,
 non-finite losses, stuck ranks.
 
-Kill points are injected with ``RAG_MM_FAULT`` (rag_mm/faults.py): a real SIGKILL of one rank
+Kill points are injected with ``RAG_MM_FAULT`` (rag_mm/ft/faults.py): a real SIGKILL of one rank
 process at an exact step, or inside a checkpoint save. The default suite draws one point with a
 seeded generator (RAG_MM_TEST_KILL_SEED picks another draw, RAG_MM_TEST_KILL names a point to
 replay); the slow suite walks through all of them.
@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-from rag_mm import checkpoint
 from rag_mm import trainer as trainer_mod
+from rag_mm.components import checkpoint
 from rag_mm.config import compose
 from rag_mm.trainer import Trainer
 from tests.ops.helpers import (
@@ -141,7 +141,7 @@ def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tiny_world,
     newest = run_dir / "checkpoints" / "step_00000006"
     shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a write cut short
-    with caplog.at_level(logging.WARNING, logger="rag_mm.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rag_mm.components.checkpoint"):
         assert checkpoint.latest_valid(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000003"
     assert "skipping damaged checkpoint" in caplog.text and "truncated" in caplog.text
     with pytest.raises(RuntimeError, match="failed verification"):  # an explicit path is refused too

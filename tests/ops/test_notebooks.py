@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rag_mm import runs
 from rag_mm.config import compose
+from rag_mm.eval import runs
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train_pipeline import check_run_timeline, pp2_run

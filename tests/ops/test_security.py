@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 import webdataset as wds
 from PIL import Image
 
-from rag_mm import checkpoint
-from rag_mm.checkpoint_safety import UnsafeCheckpointError
+from rag_mm.components import checkpoint
+from rag_mm.components.checkpoint_safety import UnsafeCheckpointError
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 import webdataset as wds
 
-from rag_mm import ask, checkpoint
+from rag_mm import ask
 from rag_mm.build import batch_inputs, make_stream
+from rag_mm.components import checkpoint
 from rag_mm.evaluate import _greedy, load_config, load_run
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import run_module

@@ -13,12 +13,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rag_mm import checkpoint, evaluate
+from rag_mm import evaluate
+from rag_mm.checks.paths import path_problems, run_dir_problems
+from rag_mm.components import checkpoint
 from rag_mm.config import compose
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import DataError, StreamSpec, make_loader
 from rag_mm.data.urls import expand_urls
-from rag_mm.paths import path_problems, run_dir_problems
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import REPO, _corrupt_copy, run_module

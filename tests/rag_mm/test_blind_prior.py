@@ -16,13 +16,13 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from rag_mm import blind_prior
-from rag_mm.blind_prior import BlindPrior, load_or_build, question_key
+from rag_mm.components.metrics import json_safe
 from rag_mm.data.pipeline import StreamSpec, collate, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.eval import blind_prior
+from rag_mm.eval.blind_prior import BlindPrior, load_or_build, question_key
+from rag_mm.eval.vqa_metric import answer_type
 from rag_mm.evaluate import evaluate
-from rag_mm.metrics import json_safe
-from rag_mm.vqa_metric import answer_type
 
 CPU = torch.device("cpu")
 

@@ -22,9 +22,9 @@ from rag_mm.data.convert import convert_corpus, convert_vqa
 from rag_mm.data.convert_cli import main
 from rag_mm.data.convert_hf import convert_hf
 from rag_mm.data.tokenizer import get_tokenizer
+from rag_mm.eval.vqa_metric import normalize_answer, vqa_accuracy
 from rag_mm.evaluate import _answer_text, evaluate
 from rag_mm.trainer import Trainer
-from rag_mm.vqa_metric import normalize_answer, vqa_accuracy
 from tests.rag_mm.conftest import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[2]

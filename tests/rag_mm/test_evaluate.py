@@ -10,8 +10,8 @@ import webdataset as wds
 
 from rag_mm import evaluate
 from rag_mm.data.convert import convert_vqa
-from rag_mm.predictions import PredictionError, write_predictions
-from rag_mm.vqa_metric import vqa_accuracy
+from rag_mm.eval.predictions import PredictionError, write_predictions
+from rag_mm.eval.vqa_metric import vqa_accuracy
 from tests.rag_mm.conftest import TINY_MODEL, tiny_overrides
 from tests.rag_mm.test_convert import _vqa_v2
 from tests.rag_mm.test_train import run_module

@@ -12,8 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from rag_mm import evaluate
+from rag_mm.components.metrics import strict_dumps
 from rag_mm.config import compose
-from rag_mm.metrics import strict_dumps
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import rewrite_queries, tiny_overrides
 from tests.rag_mm.test_train import WARMUP

@@ -24,7 +24,7 @@ import signal
 
 import torch
 
-from rag_mm.distributed import all_reduce_sum
+from rag_mm.distributed.env import all_reduce_sum
 
 log = logging.getLogger(__name__)
 SUBMITIT_PORT_BASE = 20000  # MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash

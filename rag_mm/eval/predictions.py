@@ -18,7 +18,7 @@ from pathlib import Path
 
 import webdataset as wds
 
-from rag_mm.metrics import strict_dumps
+from rag_mm.components.metrics import strict_dumps
 
 QuestionId = int | str
 

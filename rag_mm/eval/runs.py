@@ -2,7 +2,7 @@
 
 A run directory (``run_dir``) holds ``metrics.jsonl`` (one record per log / evaluation, ``kind`` =
 train | val | test), ``metrics.json`` (the final summary), ``.hydra/config.yaml``,
-``checkpoints/``, ``blind_prior.json`` (the blind prior's table, ``rag_mm.blind_prior``), and, when
+``checkpoints/``, ``blind_prior.json`` (the blind prior's table, ``rag_mm.eval.blind_prior``), and, when
 they were produced, ``retrieved_examples.json`` (queries with the documents the retriever returned)
 and, from runs with ``parallel.pp > 1``, ``timeline.json`` and ``timeline.png`` (the pipeline's
 Chrome trace of the last step and its chart; the step's bubble fraction is in metrics.json under
@@ -70,7 +70,7 @@ def load_run(path: str | Path, verify_checkpoints: bool = True) -> Run:
     trace = _json("timeline.json")
     ckpts = {}
     if verify_checkpoints and (path / "checkpoints").is_dir():
-        from rag_mm.checkpoint import verify
+        from rag_mm.components.checkpoint import verify
 
         for c in sorted((path / "checkpoints").glob("step_*")):
             ckpts[c.name] = "unfinished save" if c.name.endswith(".tmp") else verify(c)

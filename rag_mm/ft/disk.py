@@ -62,7 +62,7 @@ def free_bytes(path: str | os.PathLike) -> int:
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The complete checkpoints under ``root``, oldest first: ``step_*`` directories with their
-    manifest (written last; its checksums are left to ``rag_mm.checkpoint.verify``)."""
+    manifest (written last; its checksums are left to ``rag_mm.components.checkpoint.verify``)."""
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "manifest.json").is_file())

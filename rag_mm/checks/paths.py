@@ -21,7 +21,7 @@ from typing import Any
 
 from rag_mm.config import ConfigError, data_splits, shard_problems
 
-CHECKPOINT_FILES = ("manifest.json", ".metadata", "trainer_state.json")  # what rag_mm.checkpoint.save writes
+CHECKPOINT_FILES = ("manifest.json", ".metadata", "trainer_state.json")  # what rag_mm.components.checkpoint.save writes
 
 
 def short_error(exc: BaseException) -> str:
@@ -99,7 +99,7 @@ def run_dir_problems(key: str, path: str) -> list[str]:
 
 
 def checkpoint_dir_problems(key: str, path: str | os.PathLike) -> list[str]:
-    """A complete, unaltered checkpoint directory as ``rag_mm.checkpoint.save`` writes it: its
+    """A complete, unaltered checkpoint directory as ``rag_mm.components.checkpoint.save`` writes it: its
     manifest, DCP's ``.metadata`` and the trainer state present, every file the manifest lists
     with the size and SHA-256 it records."""
     why = dir_problem(key, path)
@@ -123,7 +123,7 @@ def checkpoint_dir_problems(key: str, path: str | os.PathLike) -> list[str]:
         return [f"{key}: unreadable manifest in checkpoint {path} ({short_error(exc)})"]
     if not ok:
         return [f"{key}: the manifest of checkpoint {path} is not a file list with sizes and checksums"]
-    from rag_mm.checkpoint import verify
+    from rag_mm.components.checkpoint import verify
 
     try:
         why = verify(p)

@@ -20,7 +20,7 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
             decay.append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # fused on CUDA (torchtitan's default): one kernel per update, and it skips itself on a
-    # device-side non-finite flag without a host sync (rag_mm.nonfinite); the CPU keeps torch's default
+    # device-side non-finite flag without a host sync (rag_mm.components.nonfinite); the CPU keeps torch's default
     fused = True if decay + no_decay and all(p.is_cuda for p in decay + no_decay) else None
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 

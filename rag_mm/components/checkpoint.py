@@ -25,10 +25,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rag_mm import checkpoint_safety, disk, faults
-from rag_mm.checkpoint_safety import one_process_quiet
-from rag_mm.distributed import barrier, broadcast_object
-from rag_mm.metrics import strict_dumps
+from rag_mm.components import checkpoint_safety
+from rag_mm.components.checkpoint_safety import one_process_quiet
+from rag_mm.components.metrics import strict_dumps
+from rag_mm.distributed.env import barrier, broadcast_object
+from rag_mm.ft import disk, faults
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -54,7 +55,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_main: bool) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory. A write that fails
-    for space or permission (``rag_mm.disk.fault``) raises ``disk.WriteFailed`` on every rank, its
+    for space or permission (``rag_mm.ft.disk.fault``) raises ``disk.WriteFailed`` on every rank, its
     partial ``.tmp`` directory removed where the file system still allows it."""
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"

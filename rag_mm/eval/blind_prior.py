@@ -37,10 +37,10 @@ from pathlib import Path
 from webdataset import gopen
 from webdataset.tariterators import base_plus_ext
 
+from rag_mm.components.metrics import strict_dumps
 from rag_mm.data.pipeline import IMAGE_KEYS
 from rag_mm.data.urls import REMOTE
-from rag_mm.metrics import strict_dumps
-from rag_mm.vqa_metric import normalize_answer, vqa_accuracy
+from rag_mm.eval.vqa_metric import normalize_answer, vqa_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +167,13 @@ def _pair(sample: dict) -> tuple[str, str] | None:
 def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior | None:
     """The table of the training shards ``urls``; None when no usable sample was read. An
     unreadable shard is skipped with a warning, as the training stream skips it. ``stop()`` is
-    asked before each shard: when True, ``rag_mm.preemption.Stopped`` ends the read."""
+    asked before each shard: when True, ``rag_mm.ft.preemption.Stopped`` ends the read."""
     per_question: dict[str, Counter[str]] = {}
     overall: Counter[str] = Counter()
     n = skipped = 0
     for i, url in enumerate(urls):
         if stop is not None and stop():
-            from rag_mm.preemption import Stopped
+            from rag_mm.ft.preemption import Stopped
 
             raise Stopped(f"the blind prior's table stopped after {i} of {len(urls)} training shards")
         try:

@@ -274,7 +274,7 @@ class SpreadRag:
     # ------------------------------------------------------------------ checkpoints
     def model_state(self) -> dict:
         """This rank's part of the RagModel's state under its original names (DCP writes each key
-        once; together the ranks hold every key); ``rag_mm.checkpoint.savable`` makes it DCP's."""
+        once; together the ranks hold every key); ``rag_mm.components.checkpoint.savable`` makes it DCP's."""
         sd = {f"reader.{k}": v for k, v in self.pmodel.state_dict().items()}
         if self.rag.retriever is not None:
             sd.update({f"retriever.{k}": v for k, v in self.rag.retriever.state_dict().items()})

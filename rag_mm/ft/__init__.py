@@ -1,0 +1,1 @@
+"""Fault tolerance: disk space, injected faults, preemption (SIGTERM), the collective watchdog."""
