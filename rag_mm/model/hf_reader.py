@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from rag_mm.config import known_model_type, transformers_version
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.hf_attention import check_dispatch, implementation
-from rag_mm.model.layout import ReaderBase, ReaderOutput
+from rag_mm.model.hf_base import HFReaderBase
 from rag_mm.model.reader import build_vision_tower
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def build_lm(cfg, meta: bool = False) -> nn.Module:
     return lm
 
 
-class HFReader(ReaderBase):
+class HFReader(HFReaderBase):
     def __init__(self, cfg, lm: nn.Module, vocab_size: int) -> None:
         """``lm``: a causal LM from ``build_lm``; ``vocab_size``: the tokenizer's, at most the
         LM's embedding rows."""
@@ -151,38 +151,18 @@ class HFReader(ReaderBase):
                              f"model.max_docs and the LM width must match the exported run's): {wrong[:4]}")
         self.load_state_dict(state, strict=False)
 
+    @property
+    def hf_model(self) -> nn.Module:
+        return self.lm
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.lm.base_model
+
     def init_own_weights(self) -> None:
         """Initialise what the LM and the vision tower do not bring: projector, ranks, copy head."""
-        if self.rank_emb.weight.is_meta:
-            return
-        nn.init.zeros_(self.rank_emb.weight)
-        nn.init.zeros_(self.type_emb.weight)
-        std = getattr(self.lm.config.get_text_config(), "initializer_range", 0.02)
-        for m in [*self.projector.modules(), *(self.copy.modules() if self.copy is not None else [])]:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm.get_input_embeddings()(ids)
+        super().init_own_weights([self.projector])
 
     def encode_images(self, pics: torch.Tensor) -> torch.Tensor:
         _, patches = self.vision(pics)  # (N, P, Wv)
         return self.projector(patches)  # (N, P, D)
-
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """(M, D) final hidden states -> (M, V) logits, as the LM's own forward computes them."""
-        logits = self.lm.get_output_embeddings()(h)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None,
-                doc_prior=None) -> ReaderOutput:
-        """As ``Reader.forward``: image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT;
-        doc_* (B,k,...) or None; doc_prior (B,k) log retrieval probabilities (copy head) or None."""
-        a = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
-        x = a.x + self.type_emb(a.typ.clamp_min(0))  # padding (-1) takes type 0: it is attended by nothing
-        out = self.lm.base_model(inputs_embeds=x, position_ids=a.pos, seg_offsets=a.seg_offsets, use_cache=False)
-        return self.read_out(out.last_hidden_state, a, self.lm_head, doc_prior)

@@ -38,7 +38,7 @@ from rag_mm.data.pipeline import STD as DATA_STD
 from rag_mm.model import vlm_presets
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.hf_attention import check_dispatch, implementation
-from rag_mm.model.layout import ReaderBase, ReaderOutput
+from rag_mm.model.hf_base import HFReaderBase
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def tp_divisor(cfg, vocab_size: int = 49408) -> int:
     return math.gcd(math.gcd(heads, getattr(text, "num_key_value_heads", None) or heads), vision.num_attention_heads)
 
 
-class HFVLMReader(ReaderBase):
+class HFVLMReader(HFReaderBase):
     def __init__(self, cfg, vlm: nn.Module, vocab_size: int, processor=None) -> None:
         """``vlm``: from ``build_vlm``; ``vocab_size``: the tokenizer's, at most the VLM's
         embedding rows; ``processor``: its image processor (``image_processor``)."""
@@ -199,18 +199,9 @@ class HFVLMReader(ReaderBase):
         if not meta:
             self._check_pictures()
 
-    def init_own_weights(self) -> None:
-        """Initialise what the VLM does not bring: retrieval ranks, token types, copy head."""
-        if self.rank_emb.weight.is_meta:
-            return
-        nn.init.zeros_(self.rank_emb.weight)
-        nn.init.zeros_(self.type_emb.weight)
-        std = getattr(self.vlm.config.get_text_config(), "initializer_range", 0.02)
-        for m in self.copy.modules() if self.copy is not None else []:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+    @property
+    def hf_model(self) -> nn.Module:
+        return self.vlm
 
     def _check_pictures(self) -> None:
         """One picture through the tower at build: a family whose features need more than the
@@ -242,31 +233,12 @@ class HFVLMReader(ReaderBase):
         out = self.processor(images=raw, do_rescale=False, return_tensors="pt").pixel_values
         return out.to(pics.device)
 
-    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.vlm.get_input_embeddings()(ids)
-
     def encode_images(self, pics: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) -> (N, P, D): the VLM's own picture features (tower, layer, projector)."""
         dtype = next(self.vlm.parameters()).dtype
         out = self.vlm.get_image_features(pixel_values=self.pixel_values(pics).to(dtype))
         feats = getattr(out, "pooler_output", out)  # transformers 5: per-picture features in pooler_output
         return torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
-
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """(M, D) final hidden states -> (M, V) logits, as the VLM's own forward computes them."""
-        logits = self.vlm.get_output_embeddings()(h)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None,
-                doc_prior=None) -> ReaderOutput:
-        """As ``Reader.forward``: image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT;
-        doc_* (B,k,...) or None; doc_prior (B,k) log retrieval probabilities (copy head) or None."""
-        a = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
-        x = a.x + self.type_emb(a.typ.clamp_min(0))  # padding (-1) takes type 0: it is attended by nothing
-        out = self.decoder(inputs_embeds=x, position_ids=a.pos, seg_offsets=a.seg_offsets, use_cache=False)
-        return self.read_out(out.last_hidden_state, a, self.lm_head, doc_prior)
 
 
 def build_vlm_reader(cfg, vocab_size: int, meta: bool = False) -> HFVLMReader:
