@@ -145,7 +145,7 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _collective_device(group) -> torch.device:
     """Where a tensor must be for ``group``'s collectives: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
+    if "nccl" in dist.get_backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

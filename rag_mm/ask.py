@@ -223,7 +223,7 @@ class Asker:
             _, ids, ret = rag.reader_inputs(q, search_k=show if learned else 0, grad=False)
             sims = ret[3] if ret is not None else None  # (B, max(k, show)) nearest first
             # what evaluate()'s forward hands its greedy decoding: the ids and the scaled scores of the k read
-            scores = rag.retriever.scale() * sims[:, :rag.rcfg.top_k] if sims is not None else None
+            scores = rag.retriever.scale().to(sims.device) * sims[:, :rag.rcfg.top_k] if sims is not None else None
             out = SimpleNamespace(doc_ids=ids, scores=scores)
             answers = _greedy(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
             for i, (query, answer) in enumerate(zip(chunk, answers)):

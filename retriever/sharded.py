@@ -106,7 +106,7 @@ class ShardedIndex:
         self.group = group
 
     def _comm_device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
+        if "nccl" in dist.get_backend(self.group):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -179,7 +179,7 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
     if q.dtype not in _FUSED_DTYPES[dev]:
         return False, f"no fused {dev} kernel for dtype {q.dtype}"
     if dev == "cuda":
-        if not torch.ops.rag_attn.fwd.has_kernel_for_dispatch_key("CUDA"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("rag_attn::fwd", "CUDA"):
             return False, "extension was built without CUDA kernels"
         if q.shape[-1] > 256:
             return False, f"head size {q.shape[-1]} > 256"

@@ -45,8 +45,11 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: int
     asked = backend != "auto" and "MASTER_ADDR" in os.environ
     if (world > 1 or asked) and not dist.is_initialized():
         be = ("nccl" if use_cuda else "gloo") if backend == "auto" else backend
-        dist.init_process_group(be, timeout=timedelta(seconds=timeout_s), device_id=dev if be == "nccl" else None,
-                                **_restart_safe_store(rank, world, timeout_s))
+        # Under NCCL, host tensors (stop flags, counts, object broadcasts) go through a gloo
+        # backend of the same group: NCCL alone refuses a CPU tensor.
+        pg_backend = "cpu:gloo,cuda:nccl" if be == "nccl" else be
+        dist.init_process_group(pg_backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if be == "nccl" else None, **_restart_safe_store(rank, world, timeout_s))
         log.info("rank %d/%d joined the %s process group (device %s)", rank, world, be, dev)
     return DistEnv(rank, world, local_rank, dev)
 

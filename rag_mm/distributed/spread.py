@@ -268,7 +268,7 @@ class SpreadRag:
         reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
         scores = None
         if ret is not None:  # the index's similarities, scaled as the retriever scores
-            scores = self.rag.retriever.scale().detach() * ret[-1][:, :self.rcfg.top_k]
+            scores = self.rag.retriever.scale().detach().to(ret[-1].device) * ret[-1][:, :self.rcfg.top_k]
         return RagOutput(reader.loss, reader, None, ids, scores)
 
     # ------------------------------------------------------------------ checkpoints

@@ -62,7 +62,7 @@ class RagModel(nn.Module):
             return RagOutput(out.loss, out, None, ids, None)
         q_emb, top, docs, sims = ret
         if not retriever_loss:  # scores: the index's, scaled as the retriever scores
-            return RagOutput(out.loss, out, None, ids, self.retriever.scale().detach() * sims[:, :top.shape[1]])
+            return RagOutput(out.loss, out, None, ids, self.retriever.scale().detach().to(sims.device) * sims[:, :top.shape[1]])
         r_loss, scores = self.retriever_loss(q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention)
         return RagOutput(out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
 

@@ -87,10 +87,11 @@ __global__ void fwd_kernel(Layout ly, const T* __restrict__ q, const T* __restri
   __shared__ float ks[kTile][DMAX], vs[kTile][DMAX];
   for (int t0 = s_lo; t0 < s_hi; t0 += kTile) {
     __syncthreads();
-    for (int x = threadIdx.x; x < kTile * D; x += blockDim.x) {
-      const int r = x / D, d = x % D, j = t0 + r;
-      ks[r][d] = j < s_hi ? to_f(k[base + j * rs + d]) : 0.f;
-      vs[r][d] = j < s_hi ? to_f(v[base + j * rs + d]) : 0.f;
+    for (int x = threadIdx.x; x < kTile * DMAX; x += blockDim.x) {  // columns >= D zeroed: the
+      const int r = x / DMAX, d = x % DMAX, j = t0 + r;           // dot products run to DMAX
+      const bool in = j < s_hi && d < D;
+      ks[r][d] = in ? to_f(k[base + j * rs + d]) : 0.f;
+      vs[r][d] = in ? to_f(v[base + j * rs + d]) : 0.f;
     }
     __syncthreads();
     for (int r = 0; r < kTile; ++r) {
@@ -152,10 +153,11 @@ __global__ void bwd_dq_kernel(Layout ly, const T* __restrict__ dout, const T* __
   __shared__ float ks[kTile][DMAX], vs[kTile][DMAX];
   for (int t0 = s_lo; t0 < s_hi; t0 += kTile) {
     __syncthreads();
-    for (int x = threadIdx.x; x < kTile * D; x += blockDim.x) {
-      const int r = x / D, d = x % D, j = t0 + r;
-      ks[r][d] = j < s_hi ? to_f(k[base + j * rs + d]) : 0.f;
-      vs[r][d] = j < s_hi ? to_f(v[base + j * rs + d]) : 0.f;
+    for (int x = threadIdx.x; x < kTile * DMAX; x += blockDim.x) {  // columns >= D zeroed: the
+      const int r = x / DMAX, d = x % DMAX, j = t0 + r;           // dot products run to DMAX
+      const bool in = j < s_hi && d < D;
+      ks[r][d] = in ? to_f(k[base + j * rs + d]) : 0.f;
+      vs[r][d] = in ? to_f(v[base + j * rs + d]) : 0.f;
     }
     __syncthreads();
     for (int r = 0; r < kTile; ++r) {
@@ -197,10 +199,11 @@ __global__ void bwd_dkdv_kernel(Layout ly, const T* __restrict__ dout, const T* 
   __shared__ int los[kTile], his[kTile];
   for (int t0 = 0; t0 < L; t0 += kTile) {
     __syncthreads();
-    for (int x = threadIdx.x; x < kTile * D; x += blockDim.x) {
-      const int r = x / D, d = x % D, i = t0 + r;
-      qs[r][d] = i < L ? to_f(q[base + i * rs + d]) * scale : 0.f;
-      gs[r][d] = i < L ? to_f(dout[base + i * rs + d]) : 0.f;
+    for (int x = threadIdx.x; x < kTile * DMAX; x += blockDim.x) {  // columns >= D zeroed (as above)
+      const int r = x / DMAX, d = x % DMAX, i = t0 + r;
+      const bool in = i < L && d < D;
+      qs[r][d] = in ? to_f(q[base + i * rs + d]) * scale : 0.f;
+      gs[r][d] = in ? to_f(dout[base + i * rs + d]) : 0.f;
     }
     for (int r = threadIdx.x; r < kTile; r += blockDim.x) {
       const int i = t0 + r;
