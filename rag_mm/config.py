@@ -68,6 +68,13 @@ class ModelConfig:
     patch_size: int = 8  # 32 px pictures -> 4 x 4 = 16 patch tokens per image
     image_size: int = 32  # must match the data's pictures
     vision_checkpoint: str | None = None  # local path of pretrained open_clip visual weights
+    # SimCLR steps of the vision tower on the training split's pictures alone before the reader
+    # trains (rag_mm.model.vision_ssl; a fresh run only, not checkpointed). Trained on question-
+    # answer pairs alone, a reader can tell its training pictures apart by colour, size and place
+    # and memorise the rest per picture; two views differing in those share only the thing's form.
+    # 0: off (the demo's facts come from documents, not from form)
+    vision_ssl_steps: int = 0
+    vision_ssl_lr: float = 1e-3  # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
     max_doc_text: int = 40  # document text tokens kept per document (the demo's passages are ~21)
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included
@@ -199,6 +206,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if m.vision_width > 0 and m.vision_head_width > 0 and m.vision_width % m.vision_head_width:
         e.append(f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})")
     e += _model_family_problems(cfg)
+    if m.vision_ssl_steps < 0:
+        e.append(f"model.vision_ssl_steps must be >= 0 (got {m.vision_ssl_steps})")
+    if m.vision_ssl_steps and m.vision_ssl_lr <= 0:
+        e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
+    if m.vision_ssl_steps and m.family == "hf_vlm":
+        e.append("model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a VLM's "
+                 "tower is inside its transformers model: set it to 0")
     if m.attention_backend not in ATTENTION_BACKENDS:
         e.append(f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})")
     if m.max_answer < 2:

@@ -26,6 +26,7 @@ from rag_mm.components import checkpoint
 from rag_mm.components.metrics import MetricsLogger, json_safe
 from rag_mm.components.nonfinite import NonFiniteGuard
 from rag_mm.components.optim import build_optimizer, build_scheduler
+from rag_mm.components.vision_warmup import starts_fresh, warm_up_vision
 from rag_mm.config import ConfigError
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import (
@@ -89,6 +90,10 @@ class Trainer:
         self.ckpt_bytes = disk.checkpoint_bytes(self.rag)  # the whole model, before it is spread over ranks
         self._check_disk()
         retriever = parts.retriever
+        vision_records = []
+        if cfg.model.vision_ssl_steps and starts_fresh(cfg, self.ckpt_dir):  # before the reader is spread
+            self.watch.at("vision warm-up (gradient all_reduce)", 0)
+            vision_records = warm_up_vision(cfg, self.model.vision, self.env.rank, self.env.world_size, self.device)
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
         # backend=auto's attention kernels, chosen by measurement before the first step: a collective
@@ -104,6 +109,8 @@ class Trainer:
         self.warmup_time = 0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
         self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
+        for rec in vision_records:
+            self.metrics.log(rec, prefix="vision_warmup")
         self._stop_signal = False
         self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
         self._prior: BlindPrior | None = None  # the blind prior's table, read at the first evaluation

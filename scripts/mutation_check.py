@@ -52,6 +52,15 @@ MUTATIONS = (
         (("rag_mm/trainer.py", '        if r == "never":\n            return', "        if True:\n            return"),),
         ("tests/rag_mm/test_train.py::test_resume_after_checkpoint_matches_uninterrupted_run",)),
     Mutation(
+        "vision-ssl-sync", "vision warm-up: gradients not averaged over the ranks (towers drift apart)",
+        (("rag_mm/components/vision_warmup.py", "grad_sync=_mean_over_ranks if distributed else None",
+          "grad_sync=None"),),
+        ("tests/rag_mm/test_vision_ssl.py::test_warmup_keeps_ranks_identical",)),
+    Mutation(
+        "vision-ssl-colour", "vision warm-up: the views keep each picture's colours (colour is memorisable)",
+        (("rag_mm/model/vision_ssl.py", "    x = x.gather(1, perm[:, :, None, None].expand_as(x))\n", ""),),
+        ("tests/rag_mm/test_vision_ssl.py::test_views_keep_the_background_and_move_and_recolour_the_thing",)),
+    Mutation(
         "skip-count", "skipped samples not counted (undecodable pictures dropped silently)",
         (("rag_mm/data/pipeline.py", 'counter.counts["bad_image"] += 1', 'counter.counts["bad_image"] += 0'),),
         ("tests/rag_mm/test_train.py::test_corrupt_shards_are_skipped_and_counted",)),

@@ -1,0 +1,64 @@
+"""The vision tower's self-supervised warm-up (``model.vision_ssl_steps``): SimCLR on the training
+split's pictures before the reader trains, run on the plain reader before it is spread over the
+ranks. Every rank trains on its own share of the pictures and averages the gradients (all-reduce),
+so from the same initial tower (the run's seed) every rank takes the same steps and the copies stay
+equal to the bit. Not checkpointed: it runs on a fresh start only (a resumed run restores the tower)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from rag_mm.build import make_stream
+from rag_mm.components import checkpoint
+from rag_mm.model.vision_ssl import pretrain_tower
+
+log = logging.getLogger(__name__)
+
+
+def starts_fresh(cfg, ckpt_dir) -> bool:
+    """Whether ``restore`` will find nothing to resume from (``resume``: never | auto | a path)."""
+    return cfg.resume == "never" or (cfg.resume == "auto" and checkpoint.latest_valid(ckpt_dir) is None)
+
+
+def _pictures(cfg, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
+    """This rank's training pictures, batch after batch, epoch after epoch."""
+    while True:
+        n = 0
+        for b in make_stream(cfg, "train", True, rank=rank, world_size=world):
+            n += 1
+            yield b["image"].to(device, non_blocking=True)
+        if n == 0:
+            raise RuntimeError("the vision warm-up read no training batch")
+
+
+def _mean_over_ranks(grads: list[torch.Tensor]) -> None:
+    flat = torch._utils._flatten_dense_tensors(grads)  # one collective for the whole tower
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(f)
+
+
+def warm_up_vision(cfg, tower: nn.Module, rank: int, world: int, device: torch.device) -> list[dict]:
+    """Run the warm-up on ``tower`` in place; returns its log records ({step, loss, seconds})."""
+    steps, lr = cfg.model.vision_ssl_steps, cfg.model.vision_ssl_lr
+    distributed = dist.is_initialized() and world > 1
+    records: list[dict] = []
+    t0 = time.perf_counter()
+
+    def on_log(step: int, loss: float) -> None:
+        records.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
+        log.info("vision warm-up %d/%d: SimCLR loss %.3f", step, steps, loss)
+
+    log.info("vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s", steps, lr,
+             cfg.data.batch_size, f" per rank over {world} ranks" if distributed else "")
+    pretrain_tower(tower, _pictures(cfg, rank, world, device), steps, lr,
+                   grad_sync=_mean_over_ranks if distributed else None, on_log=on_log, log_every=cfg.log_every)
+    log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
+    return records

@@ -1,0 +1,98 @@
+"""Self-supervision of the reader's vision tower from the pictures alone (SimCLR).
+
+Two random views of each picture are pulled together and pushed away from the other pictures of
+the batch (NT-Xent, Chen et al. 2020). The views change what a thing's *form* does not depend on:
+rotation, mirror image, size and place (one affine warp) and colour (a random permutation of the
+channels, or grey), so what two views share, and what the tower must encode to match them, is the
+form. A reader trained on question-answer pairs alone can instead tell its training pictures
+apart by colour, size and place and memorise per picture what it was asked about them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rag_mm.data.pipeline import MEAN, STD
+
+PROJECTION = 64  # SimCLR's projection width: the loss is computed there, the tower keeps the rest
+
+
+def picture_views(images: torch.Tensor, *, scale: tuple[float, float] = (0.7, 1.2), max_shift: float = 0.15,
+                  grey: float = 0.2) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures -> (N, 3, H, W) random views: any rotation, a mirror image
+    half the time, zoom ``scale`` (> 1 enlarges), shift up to ``max_shift`` of the side (border
+    pixels repeated), the colour channels permuted at random and, with probability ``grey``, grey."""
+    N, dev, dt = images.shape[0], images.device, images.dtype
+    mean, std = MEAN.to(dev, dt), STD.to(dev, dt)
+    x = images * std + mean  # back to [0, 1] pixels: a channel permutation must keep white white
+    u = lambda *s: torch.rand(*s, device=dev)  # noqa: E731  U[0, 1)
+    angle = 2 * math.pi * u(N)
+    zoom = scale[0] + (scale[1] - scale[0]) * u(N)
+    flip = torch.where(u(N) < 0.5, -1.0, 1.0)
+    shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
+    cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
+    theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1),
+                         torch.stack([sin * flip, cos, shift[:, 1]], 1)], 1)  # (N, 2, 3)
+    grid = F.affine_grid(theta.to(dt), list(x.shape), align_corners=False)
+    x = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    perm = torch.rand(N, 3, device=dev).argsort(1)  # (N, 3) a channel order per picture
+    x = x.gather(1, perm[:, :, None, None].expand_as(x))
+    x = torch.where(u(N, 1, 1, 1) < grey, x.mean(1, keepdim=True).expand_as(x), x)
+    return (x - mean) / std
+
+
+def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """SimCLR's loss over (2N, E) projections whose rows i and i + N are two views of one picture."""
+    n = z.shape[0] // 2
+    z = F.normalize(z, dim=-1)
+    sim = z @ z.T / temperature  # (2N, 2N)
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device), float("-inf"))
+    target = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device)
+    return F.cross_entropy(sim, target)
+
+
+def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: int, lr: float, *,
+                   temperature: float = 0.2, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
+                   on_log: Callable[[int, float], None] | None = None, log_every: int = 50) -> float:
+    """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
+    AdamW steps at ``lr`` (50 warm-up steps, then cosine to a tenth), each on two views of the
+    next batch of ``pictures`` (N, 3, H, W). The projection MLP lives only here. ``grad_sync``
+    averages the gradients over data-parallel ranks (every rank then takes the same step);
+    ``on_log(step, mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
+    tower.train()
+    dev = next(tower.parameters()).device
+    first = next(pictures)
+    with torch.no_grad():
+        pooled, toks = tower(first[:1])
+    width = pooled.shape[-1] + toks.shape[-1]
+    head = nn.Sequential(nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)).to(dev)
+    params = [p for p in (*tower.parameters(), *head.parameters()) if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
+    batches = itertools.chain([first], pictures)
+    window = torch.zeros((), device=dev)  # losses summed on the device: read back at log steps only
+    mean = float("nan")
+    for step in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
+        x = next(batches)
+        pooled, toks = tower(torch.cat([picture_views(x), picture_views(x)]))  # (2N, W), (2N, P, W)
+        loss = nt_xent(head(torch.cat([pooled, toks.mean(1)], 1)), temperature)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_sync is not None:
+            grad_sync([p.grad for p in params if p.grad is not None])
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        window += loss.detach()
+        if step % log_every == 0 or step == steps:
+            mean = window.item() / (log_every if step % log_every == 0 else step % log_every)
+            window.zero_()
+            if on_log is not None:
+                on_log(step, mean)
+    return mean

@@ -1,0 +1,97 @@
+"""The vision tower's SimCLR warm-up (rag_mm.model.vision_ssl, rag_mm.components.vision_warmup):
+what the views change and keep, the loss, and the trainer's phase on one and two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rag_mm.config import compose
+from rag_mm.data.pipeline import MEAN, STD
+from rag_mm.model.vision_ssl import nt_xent, picture_views
+from rag_mm.trainer import Trainer
+from tests.rag_mm.conftest import tiny_overrides
+
+SSL = ["retriever=none", "data.corpus=null", "model.vision_ssl_steps=4", "max_steps=2", "ckpt_every=2"]
+
+
+def _square(n: int = 64) -> torch.Tensor:
+    """(n, 3, 32, 32) white pictures with a red 8 x 8 square near the top left corner, normalised."""
+    x = torch.ones(n, 3, 32, 32)
+    x[:, 1:, 4:12, 4:12] = 0.0
+    return (x - MEAN) / STD
+
+
+def test_views_keep_the_background_and_move_and_recolour_the_thing():
+    torch.manual_seed(0)
+    pics = _square()
+    views = picture_views(pics) * STD + MEAN  # back to pixels
+    assert views.shape == pics.shape and torch.isfinite(views).all()
+    # the background stays white under every warp and channel order (border pixels repeated)
+    assert torch.allclose(views[:, :, 0, -1], torch.ones(64, 3), atol=1e-4)
+    dark = views.min(1).values < 0.5  # (n, H, W) where the thing is
+    # its place changes: the centre of mass moves between views
+    ys = torch.arange(32.0)[None, :, None]
+    cy = (dark * ys).sum((1, 2)) / dark.sum((1, 2)).clamp_min(1)
+    assert cy.std() > 2.0
+    # its colour changes: the brightest channel inside it is not always red
+    inside = [views[i][:, dark[i]].mean(1) for i in range(64) if dark[i].any()]
+    assert len({int(c.argmax()) for c in inside}) >= 2
+
+
+def test_nt_xent_is_low_for_matching_views_and_high_for_mismatched():
+    torch.manual_seed(0)
+    z = torch.randn(16, 32)
+    matched = nt_xent(torch.cat([z, z + 0.01 * torch.randn_like(z)]), 0.2)
+    mismatched = nt_xent(torch.cat([z, z[torch.randperm(16)]]), 0.2)
+    assert matched < 0.5 < 2.0 < mismatched
+
+
+def _tower(t: Trainer) -> dict:
+    return {n: p.detach().clone() for n, p in t.model.vision.named_parameters()}
+
+
+def test_warmup_trains_the_tower_on_a_fresh_start_only(tiny_world, tmp_path):
+    over = tiny_overrides(tiny_world, tmp_path / "run", *SSL)
+    torch.manual_seed(0)
+    plain = Trainer(compose([*over[:-len(SSL)], *SSL, "model.vision_ssl_steps=0", f"run_dir={tmp_path / 'plain'}"]),
+                    log_metrics=False)
+    before = _tower(plain)
+    plain.close()
+    t = Trainer(compose(over))
+    after = _tower(t)
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the warm-up moved the tower
+    t.restore()
+    t.fit()
+    t.close()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    warm = [r for r in records if r["kind"] == "vision_warmup"]
+    assert [r["step"] for r in warm] == [2, 4] and all(np.isfinite(r["loss"]) for r in warm)
+    # resumed from its checkpoint: no second warm-up (the tower comes from the checkpoint)
+    t2 = Trainer(compose([*over, "max_steps=4"]))
+    t2.close()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if r["kind"] == "vision_warmup"]) == 2
+
+
+def _warm_rank(rank, world, overrides):
+    from rag_mm.components.vision_warmup import warm_up_vision
+    from rag_mm.model.reader import build_vision_tower
+
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    tower = build_vision_tower(cfg.model)
+    warm_up_vision(cfg, tower, rank, world, torch.device("cpu"))
+    return {n: p.detach().numpy().copy() for n, p in tower.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_warmup_keeps_ranks_identical(tiny_world, tmp_path):
+    """Two gloo ranks warm up on different pictures; the averaged gradients keep their towers equal."""
+    from tests.distributed import run_ranks
+
+    p0, p1 = run_ranks(_warm_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *SSL), timeout_s=300)
+    assert all(np.array_equal(p0[n], p1[n]) for n in p0)
