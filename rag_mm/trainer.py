@@ -94,6 +94,8 @@ class Trainer:
         if cfg.model.vision_ssl_steps and starts_fresh(cfg, self.ckpt_dir):  # before the reader is spread
             self.watch.at("vision warm-up (gradient all_reduce)", 0)
             vision_records = warm_up_vision(cfg, self.model.vision, self.env.rank, self.env.world_size, self.device)
+        if cfg.optim.vision_lr_scale == 0:  # frozen before the reader is spread: no gradient, no optimizer state
+            self.model.vision.requires_grad_(False)
         self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
         # backend=auto's attention kernels, chosen by measurement before the first step: a collective

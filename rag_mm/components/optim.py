@@ -7,22 +7,36 @@ import math
 import torch
 
 
+def is_vision_tower(name: str) -> bool:
+    """Whether parameter ``name`` (as ``named_parameters`` gives it, wrappers' prefixes included)
+    belongs to the reader's open_clip tower, the module ``vision`` of either reader family."""
+    return name.startswith("vision.") or ".vision." in name
+
+
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    decay, no_decay, seen = [], [], set()
+    """AdamW over ``model``'s trainable parameters: matrices decayed, norms, biases and embeddings
+    not; the vision tower's groups at ``cfg.vision_lr_scale`` times the rate (the scheduler scales
+    every group's own base rate)."""
+    # (decayed, scaled) -> parameters; the first two groups always, in the order checkpoints hold them
+    groups: dict[tuple[bool, bool], list] = {(True, False): [], (False, False): []}
+    seen = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:  # tied weights appear once
             continue
         seen.add(id(p))
         # norms, biases and embeddings are not decayed (GPT-2 / nanoGPT convention)
-        if p.dim() < 2 or "emb" in name.split(".")[-2:][0] or name.endswith(("class_embedding", "positional_embedding")):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decayed = not (p.dim() < 2 or "emb" in name.split(".")[-2:][0]
+                       or name.endswith(("class_embedding", "positional_embedding")))
+        scaled = cfg.vision_lr_scale != 1 and is_vision_tower(name)
+        groups.setdefault((decayed, scaled), []).append(p)
+    params = [p for ps in groups.values() for p in ps]
+    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decayed else 0.0,
+                     "lr": cfg.lr * (cfg.vision_lr_scale if scaled else 1.0)}
+                    for (decayed, scaled), ps in groups.items()]
     # fused on CUDA (torchtitan's default): one kernel per update, and it skips itself on a
     # device-side non-finite flag without a host sync (rag_mm.components.nonfinite); the CPU keeps torch's default
-    fused = True if decay + no_decay and all(p.is_cuda for p in decay + no_decay) else None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    fused = True if params and all(p.is_cuda for p in params) else None
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

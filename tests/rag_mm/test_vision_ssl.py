@@ -95,3 +95,21 @@ def test_warmup_keeps_ranks_identical(tiny_world, tmp_path):
 
     p0, p1 = run_ranks(_warm_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *SSL), timeout_s=300)
     assert all(np.array_equal(p0[n], p1[n]) for n in p0)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.25])
+def test_vision_lr_scale_sets_the_towers_rate_or_freezes_it(tiny_world, tmp_path, scale):
+    over = tiny_overrides(tiny_world, tmp_path / "run", "retriever=none", "data.corpus=null",
+                          f"optim.vision_lr_scale={scale}")
+    t = Trainer(compose(over), log_metrics=False)
+    t.close()
+    tower = {id(p) for p in t.model.vision.parameters()}
+    lr = t.cfg.optim.lr
+    in_opt = {id(p): g["initial_lr"] for g in t.opt.param_groups for p in g["params"]}
+    if scale == 0:
+        assert not any(p.requires_grad for p in t.model.vision.parameters())
+        assert not tower & set(in_opt)
+    else:
+        assert tower <= set(in_opt)
+        assert {in_opt[i] for i in tower} == {scale * lr}
+        assert {v for i, v in in_opt.items() if i not in tower} == {lr}
