@@ -65,6 +65,8 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
     next batch of ``pictures`` (N, 3, H, W). The projection MLP lives only here. ``grad_sync``
     averages the gradients over data-parallel ranks (every rank then takes the same step);
     ``on_log(step, mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
+    if steps < 1:
+        raise ValueError(f"pretrain_tower needs at least one step (got {steps})")
     tower.train()
     dev = next(tower.parameters()).device
     first = next(pictures)
@@ -76,7 +78,7 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
     batches = itertools.chain([first], pictures)
     window = torch.zeros((), device=dev)  # losses summed on the device: read back at log steps only
-    mean = float("nan")
+    mean = 0.0  # set at the last step's log, which always runs
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
