@@ -100,6 +100,32 @@ def test_wrong_candidate_is_never_chosen(tuner, monkeypatch):
     assert "fused:generic" in entry["rejected"] and "fused:generic" not in entry["ms"]
 
 
+def test_close_candidates_get_a_run_off(monkeypatch):
+    """Two kernels a few percent apart are ranked by more calls than the first rounds: ``late``
+    runs 2.15 ms in its check call and first MIN_REPS timed calls (a busy neighbour, a cold cache)
+    and 1.9 ms after, ``steady`` always 2.0 ms; the first rounds alone would pick ``steady``. A
+    candidate twice as slow is not timed past the first rounds."""
+    monkeypatch.setattr(T, "BUDGET_S", 0.0)  # the first phase: exactly MIN_REPS rounds
+    ref = [torch.zeros(1)]
+    calls = {"steady": 0, "late": 0, "slow": 0}
+
+    def cand(name, ms):
+        def run():
+            calls[name] += 1
+            _burn(ms(calls[name]) / 1e3)
+            return ref
+        return run
+
+    cands = {"steady": cand("steady", lambda n: 2.0),
+             "late": cand("late", lambda n: 2.15 if n <= 1 + T.MIN_REPS else 1.9),
+             "slow": cand("slow", lambda n: 4.0)}
+    key = T.Key("fwd", "dense", "float32", 64, 64, 1, "cpu")
+    rec = T.measure(key, cands, ref, 1e-3)
+    assert rec["choice"] == "late", rec
+    assert calls["slow"] == 1 + T.MIN_REPS  # check call + the first rounds only
+    assert calls["late"] >= 1 + T.MIN_REPS + T.RUNOFF_MIN_REPS
+
+
 def test_fused_isa_choice_matches_reference_and_restores_isa(tuner):
     """A measured ``fused:<isa>`` choice runs forward and backward at that ISA and restores the
     process ISA afterwards."""
