@@ -18,7 +18,6 @@ differentiated by that ISA's kernels whatever the process default is.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -70,27 +69,47 @@ def _eager_cpu(t: torch.Tensor) -> bool:
 _pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
 
 
-@contextlib.contextmanager
-def cpu_isa_pinned(isa: str | None):
+_isa_ops: tuple | None = None  # (cpu_isa, cpu_set_isa) overloads, resolved once (the packet lookup costs ~1 us)
+
+
+def _isa_op_pair():
+    global _isa_ops
+    if _isa_ops is None:
+        if not hasattr(torch.ops, "rag_attn") or not hasattr(torch.ops.rag_attn, "cpu_isa"):
+            return None
+        _isa_ops = (torch.ops.rag_attn.cpu_isa.default, torch.ops.rag_attn.cpu_set_isa.default)
+    return _isa_ops
+
+
+class cpu_isa_pinned:  # noqa: N801  (used as a context manager, like contextlib's)
     """Run the CPU kernels at ``isa`` inside the block, then restore the ISA in force; no effect for
-    None or under torch.compile. One op call when ``isa`` is already in force, three otherwise."""
-    if isa is None or torch.compiler.is_compiling() or not hasattr(torch.ops, "rag_attn") \
-            or not hasattr(torch.ops.rag_attn, "cpu_isa"):
-        yield
-        return
-    before = torch.ops.rag_attn.cpu_isa(False)
-    outer, _pinned.isa = getattr(_pinned, "isa", None), isa
-    try:
-        if before == isa:
-            yield
-            return
-        torch.ops.rag_attn.cpu_set_isa(isa)
-        try:
-            yield
-        finally:
-            torch.ops.rag_attn.cpu_set_isa(before)
-    finally:
-        _pinned.isa = outer
+    None or under torch.compile. One op call when ``isa`` is already in force, three otherwise.
+
+    A class rather than a ``contextlib.contextmanager`` generator: it wraps every ``auto`` call that
+    runs a pinned kernel, and the generator's machinery costs a few microseconds per call."""
+
+    __slots__ = ("isa", "before", "outer")
+
+    def __init__(self, isa: str | None):
+        self.isa, self.before, self.outer = isa, None, None
+
+    def __enter__(self):
+        ops = None if self.isa is None or torch.compiler.is_compiling() else _isa_op_pair()
+        if ops is None:
+            self.isa = None
+            return self
+        self.before = ops[0](False)
+        self.outer, _pinned.isa = getattr(_pinned, "isa", None), self.isa
+        if self.before != self.isa:
+            ops[1](self.isa)
+        return self
+
+    def __exit__(self, *exc):
+        if self.isa is not None:
+            if self.before != self.isa:
+                _isa_ops[1](self.before)
+            _pinned.isa = self.outer
+        return False
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
