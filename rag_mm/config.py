@@ -75,6 +75,9 @@ class ModelConfig:
     # 0: off (the demo's facts come from documents, not from form)
     vision_ssl_steps: int = 0
     vision_ssl_lr: float = 1e-3  # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
+    # pictures per SimCLR step on each rank (0: data.batch_size): every other picture of the batch
+    # is a negative, and SimCLR's features improve with more of them
+    vision_ssl_batch: int = 0
     max_doc_text: int = 40  # document text tokens kept per document (the demo's passages are ~21)
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included
@@ -213,6 +216,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     e += _model_family_problems(cfg)
     if m.vision_ssl_steps < 0:
         e.append(f"model.vision_ssl_steps must be >= 0 (got {m.vision_ssl_steps})")
+    if m.vision_ssl_batch < 0 or m.vision_ssl_batch == 1:
+        e.append(f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
+                 "SimCLR needs other pictures as negatives")
     if m.vision_ssl_steps and m.vision_ssl_lr <= 0:
         e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
     if o.vision_lr_scale < 0:

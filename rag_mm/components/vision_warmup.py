@@ -6,6 +6,7 @@ equal to the bit. Not checkpointed: it runs on a fresh start only (a resumed run
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterator
@@ -27,7 +28,11 @@ def starts_fresh(cfg, ckpt_dir) -> bool:
 
 
 def _pictures(cfg, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
-    """This rank's training pictures, batch after batch, epoch after epoch."""
+    """This rank's training pictures, ``model.vision_ssl_batch`` at a time (0: ``data.batch_size``),
+    epoch after epoch."""
+    if cfg.model.vision_ssl_batch:
+        cfg = copy.deepcopy(cfg)
+        cfg.data.batch_size = cfg.model.vision_ssl_batch
     while True:
         n = 0
         for b in make_stream(cfg, "train", True, rank=rank, world_size=world):
@@ -57,7 +62,7 @@ def warm_up_vision(cfg, tower: nn.Module, rank: int, world: int, device: torch.d
         log.info("vision warm-up %d/%d: SimCLR loss %.3f", step, steps, loss)
 
     log.info("vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s", steps, lr,
-             cfg.data.batch_size, f" per rank over {world} ranks" if distributed else "")
+             cfg.model.vision_ssl_batch or cfg.data.batch_size, f" per rank over {world} ranks" if distributed else "")
     pretrain_tower(tower, _pictures(cfg, rank, world, device), steps, lr,
                    grad_sync=_mean_over_ranks if distributed else None, on_log=on_log, log_every=cfg.log_every)
     log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)

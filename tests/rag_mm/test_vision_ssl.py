@@ -50,6 +50,19 @@ def test_nt_xent_is_low_for_matching_views_and_high_for_mismatched():
     assert matched < 0.5 < 2.0 < mismatched
 
 
+def test_warmup_batch_is_its_own(tiny_world, tmp_path):
+    """``model.vision_ssl_batch`` sets the pictures per SimCLR step (more negatives) apart from the
+    reader's batch; 0 keeps data.batch_size; 1 (no negative) is refused before anything runs."""
+    from rag_mm.components.vision_warmup import _pictures
+    from rag_mm.config import ConfigError, validate
+
+    over = tiny_overrides(tiny_world, tmp_path / "run", *SSL, "data.batch_size=4")
+    assert next(_pictures(compose([*over, "model.vision_ssl_batch=6"]), 0, 1, torch.device("cpu"))).shape[0] == 6
+    assert next(_pictures(compose(over), 0, 1, torch.device("cpu"))).shape[0] == 4
+    with pytest.raises(ConfigError, match="vision_ssl_batch"):
+        validate(compose([*over, "model.vision_ssl_batch=1"]))
+
+
 def _tower(t: Trainer) -> dict:
     return {n: p.detach().clone() for n, p in t.model.vision.named_parameters()}
 
