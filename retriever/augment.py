@@ -10,6 +10,7 @@ including those no training query mentions (held-out entities), which labelled q
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,3 +36,81 @@ def random_views(images: torch.Tensor, generator: torch.Generator | None = None,
     out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
     out = out + colour * (2 * u(N, 3, 1, 1) - 1)
     return out + noise * torch.randn(out.shape, generator=generator, device=gen_dev).to(dev)
+
+
+@dataclass(frozen=True)
+class ViewStyle:
+    """How far a pseudo-query strays from its document's picture (``retriever.pseudo_view``)."""
+
+    max_rotation_deg: float  # turn, either way
+    scale: tuple[float, float]  # zoom range; < 1 shrinks the content inside the frame
+    max_shift: float  # offset, as a fraction of the side
+    colour: float  # per-channel brightness change, std units
+    noise: float  # Gaussian pixel noise, std units
+    background: float  # probability of putting the content on a random textured background
+    blur: float  # largest Gaussian blur sigma, pixels
+
+
+VIEW_STYLES = {
+    # small pose and colour changes: queries that are renderings of the memory's own pictures
+    "jitter": ViewStyle(15.0, (0.75, 1.1), 0.12, 0.25, 0.1, 0.0, 0.0),
+    # photo-like: the object smaller and turned on a busy background, blurred, as a photo of the
+    # thing looks next to a clean reference picture (InfoSeek / Encyclopedic-VQA queries)
+    "photo": ViewStyle(25.0, (0.55, 1.0), 0.2, 0.3, 0.1, 0.9, 1.0),
+}
+
+
+def _smooth_texture(N: int, H: int, W: int, u, randn) -> torch.Tensor:
+    """(N, 3, H, W) random backgrounds in std units: a colour gradient plus low-frequency blotches
+    and a little grain."""
+    a, b = 2 * u(N, 3, 1, 1) - 1, 2 * u(N, 3, 1, 1) - 1  # end colours, about +-1 std
+    t = torch.linspace(0, 1, H, device=a.device).view(1, 1, H, 1).expand(N, 1, H, W)
+    blotch = F.interpolate(randn(N, 3, 4, 4) * 0.5, size=(H, W), mode="bilinear", align_corners=False)
+    return a + (b - a) * t + blotch + 0.1 * randn(N, 3, H, W)
+
+
+def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) blurred by a separable Gaussian of per-picture ``sigma`` (N,) pixels (5 taps)."""
+    taps = torch.arange(-2, 3, device=x.device, dtype=x.dtype)  # (5,)
+    w = torch.exp(-0.5 * (taps[None] / sigma.clamp_min(1e-3)[:, None].to(x.dtype)) ** 2)  # (N, 5)
+    w = w / w.sum(1, keepdim=True)
+    N, C, H, W = x.shape
+    y = x.reshape(1, N * C, H, W)
+    k = w.repeat_interleave(C, 0)  # (N*C, 5): one kernel per picture, shared by its channels
+    y = F.conv2d(F.pad(y, (2, 2, 0, 0), mode="replicate"), k[:, None, None, :], groups=N * C)
+    y = F.conv2d(F.pad(y, (0, 0, 2, 2), mode="replicate"), k[:, None, :, None], groups=N * C)
+    return y.view(N, C, H, W)
+
+
+def photo_views(images: torch.Tensor, style: ViewStyle, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(N, 3, H, W) normalised memory pictures -> (N, 3, H, W) views in ``style``: the warp of
+    ``random_views``, then (with probability ``style.background``) the plain background swapped
+    for a random texture, then a blur. The background is what matches the picture's border
+    colour (the median of its outermost pixels, within 0.35 std) and connects to the frame:
+    memory pictures show one thing on a plain ground, as reference pictures (a knowledge base's, a
+    catalogue's) do."""
+    N, dev = images.shape[0], images.device
+    gen_dev = dev if generator is None else generator.device
+    u = lambda *s: torch.rand(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731
+    randn = lambda *s: torch.randn(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731
+    H, W = images.shape[-2:]
+    out = random_views(images, generator, max_rotation_deg=style.max_rotation_deg, scale=style.scale,
+                       max_shift=style.max_shift, colour=0.0, noise=0.0)
+    if style.background > 0:
+        ring = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
+        ground = ring.median(-1).values[..., None, None]  # (N, 3, 1, 1) the plain background's colour
+        # the warp repeats border pixels, so a shrunken picture is framed by its background colour
+        near = ((out - ground).abs().amax(1, keepdim=True) < 0.35).to(out.dtype)  # (N, 1, H, W)
+        # the ground is what of it connects to the frame (a white heart inside a white-framed
+        # picture stays): grow the frame's near pixels through near pixels, 2 px per round
+        edge = torch.ones_like(near)
+        edge[..., 1:-1, 1:-1] = 0
+        is_ground = near * edge
+        for _ in range((max(H, W) + 3) // 4):
+            is_ground = F.max_pool2d(is_ground, 5, stride=1, padding=2) * near
+        is_ground = is_ground * (u(N, 1, 1, 1) < style.background).to(out.dtype)
+        out = out * (1 - is_ground) + _smooth_texture(N, H, W, u, randn).to(out.dtype) * is_ground
+    if style.blur > 0:
+        out = _blur(out, style.blur * u(N))
+    out = out + style.colour * (2 * u(N, 3, 1, 1) - 1)
+    return out + style.noise * randn(*out.shape).to(out.dtype)

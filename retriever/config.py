@@ -8,6 +8,7 @@ MODES = ("oracle", "none", "learned")
 LOSSES = ("contrastive", "pdist", "emdr", "adist")
 FUSIONS = ("sum", "image", "text")
 VISION_TOWERS = ("vit", "resnet")
+PSEUDO_VIEWS = ("jitter", "photo")  # retriever/augment.py VIEW_STYLES
 
 
 @dataclass
@@ -38,6 +39,10 @@ class RetrieverConfig:
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
     bank_negatives: int = 1024  # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0: none)
     pseudo_queries: int = 0  # random views of memory pictures added as queries to each contrastive term (retriever/augment.py)
+    # how those views stray from the memory's picture (retriever/augment.py VIEW_STYLES): jitter
+    # (pose and colour; queries are renderings like the memory's) | photo (smaller, turned, on a
+    # busy background, blurred; queries are photos of what the memory shows on a plain ground)
+    pseudo_view: str = "jitter"
     warmup_steps: int = 0  # retriever-only contrastive steps before joint training: the reader learns nothing from a random retriever
     warmup_lr: float = 2e-3  # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
     gold_temperature: float = 0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
@@ -59,6 +64,8 @@ def validate(cfg) -> list[str]:
         e.append(f"retriever.loss must be one of {LOSSES} (got {cfg.loss!r})")
     if cfg.vision_tower not in VISION_TOWERS:
         e.append(f"retriever.vision_tower must be one of {VISION_TOWERS} (got {cfg.vision_tower!r})")
+    if cfg.pseudo_view not in PSEUDO_VIEWS:
+        e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:
         e.append(f"retriever.fusion must be one of {FUSIONS} (got {cfg.fusion!r})")
     if cfg.mode == "oracle" and cfg.top_k != 1:

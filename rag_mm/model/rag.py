@@ -19,7 +19,7 @@ import torch.nn as nn
 from rag_mm.data.documents import DocumentStore
 from rag_mm.model.reader import Reader, ReaderOutput
 from retriever import losses
-from retriever.augment import random_views
+from retriever.augment import VIEW_STYLES, photo_views, random_views
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
 from retriever.replicas import Replicas
@@ -190,7 +190,10 @@ class RagModel(nn.Module):
         if self.rcfg.pseudo_queries > 0:  # random views of memory pictures, each querying its own document
             # one draw of the configured count, alike on replicas whose generators agree; each embeds its share
             rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
-            views = random_views(self.store.images[rows].to(dev)).to(q_emb.dtype)
+            pics = self.store.images[rows].to(dev)
+            style = self.rcfg.pseudo_view
+            views = random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
+            views = views.to(q_emb.dtype)
             part = rep.share(len(rows))
             rows, views = rows[part], views[part]
             n = len(rows)  # an empty question: the picture is the whole query

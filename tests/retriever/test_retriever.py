@@ -155,3 +155,19 @@ def test_random_views_are_seeded_warps_of_the_picture():
     a = random_views(x, torch.Generator().manual_seed(3))
     b = random_views(x, torch.Generator().manual_seed(3))
     assert a.shape == x.shape and torch.equal(a, b) and not torch.allclose(a, x, atol=0.1)
+
+
+def test_photo_views_put_the_thing_on_a_new_background():
+    from retriever.augment import VIEW_STYLES, ViewStyle, photo_views
+
+    x = torch.full((4, 3, 32, 32), 1.5)  # a plain, bright ground ...
+    x[:, :, 8:24, 8:24] = -1.0  # ... with a dark square on it
+    x[:, :, 14:18, 14:18] = 1.5  # whose hole has the ground's colour but is no ground
+    keep = ViewStyle(0.0, (1.0, 1.0), 0.0, 0.0, 0.0, 1.0, 0.0)  # no warp, no blur: only the ground changes
+    v = photo_views(x, keep, torch.Generator().manual_seed(0))
+    assert torch.equal(v[:, :, 8:24, 8:24], x[:, :, 8:24, 8:24])  # the thing, hole included, is untouched
+    ground = v[:, :, :8]
+    assert (ground - 1.5).abs().mean() > 0.3 and ground.std() > 0.2  # a textured ground, not the plain one
+    a = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
+    b = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
+    assert a.shape == x.shape and torch.equal(a, b) and torch.isfinite(a).all()
