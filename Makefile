@@ -21,14 +21,9 @@ demo: install
 	$(PY) -m rag_mm.data.knowledge_world out=$(DATA)
 	$(PY) -m rag_mm.train +experiment=demo data.root=$(DATA)
 
-# The GPU check's CPU paths: the wheels a lent GPU machine would get are all there and fit the
-# transfer limit (it exits 0 with no GPU; on a GPU machine it runs every GPU check), and every step
-# of the check run on the CPU (gpu-check-dry); then the tests, last, so that their summary closes
-# the output (the dry run's `pytest -m gpu` skips everything here). The CUDA build is not part of
-# it (minutes when its cache is cold): `make cuda-build`, which CI runs too.
-test: install gpu-wheels
-	$(PY) scripts/gpu_check.py --out runs/gpu_check
-	$(MAKE) --no-print-directory gpu-check-dry
+# The tests of the default selection (CPU; gloo ranks for the distributed parts), after the
+# install when it is not done yet. `make test-all` adds the slow ones.
+test: install
 	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
 
 # Every CUDA source of csrc/ compiled for sm_80, sm_90 (and sm_100 when the toolkit has it) with
@@ -51,28 +46,17 @@ lint: install
 clean:
 	rm -rf outputs runs build data .pytest_cache
 
-# GPU checks on a lent GPU machine (torch there, no network). Here: `make gpu-wheels` fills
-# $(GPU_WHEELS) (ignored by git: carry it); there: `make gpu-check` installs from it what is
-# missing and runs scripts/gpu_check.py (results in $$OUT). `make gpu-check-dry`: the same steps on
-# this machine's CPU. GPU_PYVER=3.12 downloads for another python; GPU_ARGS="--only pytest" etc.
-# GPU_PY is the one program looked up on PATH (give its full path to avoid even that): every
-# step runs through it (torchrun as `$(GPU_PY) -m torch.distributed.run`).
-GPU_WHEELS  ?= .gpu_wheels
-GPU_PYVER   ?=
-GPU_PY      ?= python3
-GPU_OUT     ?= $(or $(OUT),runs/gpu_check)
-GPU_ARGS    ?=
-GPU_MODULES := numpy faiss pytest ninja yaml omegaconf hydra webdataset ftfy regex safetensors \
-	tokenizers huggingface_hub transformers timm open_clip
+# The GPU checks on your own GPU machine (docs/development.md): scripts/gpu_check.py run by
+# GPU_PY, the python that holds the machine's CUDA build of torch and the project's packages (the
+# steps run from this tree: no install); results as JSON under GPU_OUT. GPU_ARGS="--only pytest"
+# etc. picks steps. `make gpu-check-dry`: the same steps on this machine's CPU, a smoke test.
+GPU_PY   ?= python3
+GPU_OUT  ?= runs/gpu_check
+GPU_ARGS ?=
 
-.PHONY: gpu-wheels gpu-check gpu-check-dry
-
-gpu-wheels: install
-	PY=$(PY) bash scripts/gpu_wheels.sh download $(GPU_WHEELS) $(GPU_PYVER)
+.PHONY: gpu-check gpu-check-dry
 
 gpu-check:
-	$(GPU_PY) -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))' \
-		$(GPU_MODULES) || bash scripts/gpu_wheels.sh install $(GPU_WHEELS) $(GPU_PY)
 	$(GPU_PY) scripts/gpu_check.py --out $(GPU_OUT) $(GPU_ARGS)
 
 gpu-check-dry: install

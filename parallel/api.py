@@ -68,7 +68,7 @@ def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, n
     in the cost model, and they are not linear in the batch (the reader's copy head works on
     (tokens, vocabulary) tensors that stay in cache at a microbatch of 8 and not at 32: traced on
     the batch it looked 1.3x too expensive next to the blocks and drew the cut after lm_head,
-    ~10 MB per microbatch across it, BENCHMARKS.md Pipeline)."""
+    ~10 MB per microbatch across it, benchmarks/pipeline_cpu_*.md)."""
     obj: list[Any] = [None]
     rank = dist.get_rank() if dist.is_initialized() else 0
     if _batch(example_inputs) >= cfg.microbatches > 1:

@@ -5,7 +5,7 @@ Why: with every rank free to run on every core, the scheduler may move a rank to
 weights and activations in the old core's caches. This is what ``numactl --physcpubind`` or
 ``taskset`` at launch do, and what DeepSpeed's ``--bind_cores_to_rank`` does; doing it here means
 a launch line does not have to know. What it gains depends on the host: the pipeline
-benchmark's ``+bind`` rows measure it (figures: BENCHMARKS.md, "Pipeline").
+benchmark's ``+bind`` rows measure it (figures: benchmarks/pipeline_cpu_*.md).
 
 Opt-in (off by default): binding is only right when this job owns the cores it was started on.
 Two jobs started side by side on one machine would each bind their local rank 0 to the same

@@ -4,7 +4,7 @@ Why: glibc moves its mmap threshold up and its trim threshold to twice that as l
 freed. A training step on CPU allocates and frees the same megabyte-sized buffers (a Linear's
 weight gradient, activations) every microbatch; with the dynamic thresholds glibc hands the top
 of the heap back to the OS after a free and the next allocation faults every page in again. On
-the pipeline benchmark's 8-block MLP (BENCHMARKS.md, Pipeline) a pipeline rank took 1.6-3.8
+the pipeline benchmark's 8-block MLP (benchmarks/pipeline_cpu_*.md) a pipeline rank took 1.6-3.8
 thousand page faults per step, as many as the one-process run doing twice its work, and its
 matrix products' output scaling (first touch of fresh pages) took twice as long. With the
 thresholds fixed, ~230 faults per step remain.

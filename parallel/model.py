@@ -411,7 +411,7 @@ def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
     """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them (CPU
     tensors, every rank on one host), else None (the process group). After a pipelined step
     gloo's threads have gone idle, and waking them costs its all-reduce of one number several times
-    what the shared-memory one takes (BENCHMARKS.md, Pipeline). A collective: every rank learns
+    what the shared-memory one takes (benchmarks/pipeline_cpu_*.md). A collective: every rank learns
     every rank's answer, so all take the same path."""
     if cfg.p2p == "gloo" or not dist.is_initialized() or dist.get_world_size() == 1:
         return None

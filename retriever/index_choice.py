@@ -1,8 +1,8 @@
 """Which faiss index to build for a memory of a given size, and the search parameters that go with it.
 
 ``default_factory`` picks the ``index_factory`` string and ``default_search_params`` its nprobe /
-efSearch / re-ranking factor. The thresholds come from ``scripts/bench/index.py`` (numbers in
-BENCHMARKS.md, "Retrieval index").
+efSearch / re-ranking factor. The thresholds come from ``scripts/bench/index.py`` (figures in
+benchmarks/index_cpu_2026-11-21.md).
 """
 
 from __future__ import annotations
@@ -11,21 +11,15 @@ import math
 import re
 
 # Below this many documents exact search is the default: Flat needs no training, loses nothing,
-# and costs 2*N*d FLOPs per query -- 51 MFLOP at 100k x 256, thousands of queries/s on a CPU
-# (BENCHMARKS.md, "Retrieval index") -- more than a training step asks for. Above it, the
-# approximate index pays for itself.
+# and costs 2*N*d FLOPs per query (51 MFLOP at 100k x 256), which a CPU answers faster than a
+# training step asks. Above it, the approximate index pays for itself.
 FLAT_MAX_DOCS = 100_000
-# Fraction of the lists probed by default. 1M x 256 benchmark (BENCHMARKS.md, "Retrieval index"):
-# IVF4096,Flat reached recall@10 0.994 / 0.998 / 0.9994 at nprobe 8 / 32 / 64, i.e. 128x / 43x /
-# 23x Flat's queries/s (a repeat run: 295x / 64x / 36x). We take nprobe = nlist/128 (32 at 1M):
-# recall stays far above 0.95, and it scans ~12k vectors per query (32 lists of ~244 plus 4096
-# centroids), 84x fewer dot products than Flat, so it keeps > 10x even on an idle machine where
-# Flat's BLAS runs at full speed (the benchmark machine was loaded). Memories whose clusters
-# overlap more need more probes (at 100k, ~50 vectors per cluster, the same generator needed
-# 1/32 of the lists for 0.96): measure yours with `scripts/bench/index.py --embeddings`. HNSW32
-# was slower at equal recall (0.973 at 54x, 0.987 at 35x), took 3.3x longer to build (318 s vs
-# 97 s), has no GPU version and is rebuilt from scratch on refresh, whereas IVF keeps its
-# centroids (DocumentIndex.rebuild(retrain=False)). So IVF-Flat is the default above Flat.
+# Fraction of the lists probed by default: nprobe = nlist/128 (32 at 1M) scans ~12k vectors per
+# query (32 lists of ~244 plus 4096 centroids), 84x fewer dot products than Flat, at a recall@10
+# far above 0.95 on the 1M x 256 benchmark. Memories whose clusters overlap more need more probes:
+# measure yours with `scripts/bench/index.py --embeddings`. IVF-Flat rather than HNSW above Flat:
+# HNSW has no GPU version and is rebuilt from scratch on refresh, where IVF keeps its centroids
+# (DocumentIndex.rebuild(retrain=False)); it was also slower at equal recall on the benchmark.
 NPROBE_FRACTION = 1 / 128
 # Above this many documents the coarse quantizer itself (nlist x d) becomes slow to scan, so it is
 # replaced by an HNSW graph over the centroids (faiss "IVFx_HNSW32" tier for 1M-10M+).

@@ -1,7 +1,10 @@
-"""Every GPU check of the project in one command, for a lent GPU machine (or a CPU dry run).
+"""Every GPU check of the project in one command, on a machine with a CUDA GPU (or a CPU dry run).
 
-    python scripts/gpu_check.py --out $OUT                  # on the GPU machine (`make gpu-check`)
+    python scripts/gpu_check.py --out runs/gpu_check        # on a GPU machine (`make gpu-check`)
     python scripts/gpu_check.py --dry-run --out runs/gpu_check_dry   # anywhere: same steps, CPU
+
+Run it with the python that holds the machine's CUDA build of torch and the project's other
+packages (``make gpu-check GPU_PY=...``). ``scripts/gpu_verify.py`` verifies the figures.
 
 Steps (``--only`` picks some):
 
@@ -29,24 +32,19 @@ nothing is looked up on PATH, where a venv's scripts are missing unless it is ac
 A bench under scripts/bench that gains a ``--device`` option is reported as not run until it is
 added to ``BENCHES`` and given a step.
 
-Outputs under ``--out`` (at most 8 files, what the device tool brings back): the six above, ``gpu_check.log`` (every step's output)
+Outputs under ``--out`` (8 files): the six above, ``gpu_check.log`` (every step's output)
 and ``gpu_check.json``: the machine (device, capability, torch, CUDA, nvcc, ninja, missing
 modules) and per step its command, exit status, wall seconds and parsed figures (JUnit counts,
 failures and skip reasons; the bench's own JSON).
 
-Exit status: 0 when every step passed, 1 when one failed, timed out or had no time left. With no
-CUDA device and no ``--dry-run`` (``make test`` runs this path) it says so, checks that the wheels
-it would carry (``--wheels``) are all there and fit the device tool's 64 MiB together with the
-working tree, and exits 0, or 1 naming what is missing or too large. ``--dry-run`` runs the same steps with
-``--device cpu`` and the bench's smallest settings: a smoke test of the plumbing.
+Exit status: 0 when every step passed, 1 when one failed, timed out or had no time left, 2 when
+there is no CUDA device and no ``--dry-run`` (nothing is run; it says so). ``--dry-run`` runs the
+same steps with ``--device cpu`` and the bench's smallest settings: a smoke test of the plumbing.
 
 No step can hang: each runs in its own process group, killed after ``--timeout`` seconds or
-whatever is left of ``--budget``. The lent machine runs a command for at most 10 minutes, pip
-install included; if the checks need longer, run them in several calls: CUDA extensions are
-cached under ``--ext-cache``, inside the repository, which a warm machine keeps between calls
-(a fresh one rebuilds them in the ``cuda_build`` step, or on first use). All steps take longer
-than one call: ``--only cuda_build,pytest,attention``, then ``--only mfu_demo,mfu_1b``, then
-``--only demo`` (the README's "On a GPU" commands).
+whatever is left of ``--budget``. The steps can be split over several calls with ``--only``: CUDA
+extensions are cached under ``--ext-cache``, inside the repository, so a later call reuses the
+``cuda_build`` step's build.
 """
 
 from __future__ import annotations
@@ -329,32 +327,6 @@ def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO
     return res
 
 
-TRANSFER_LIMIT = 64 * 2**20  # bytes the device tool carries: working tree plus carried folders
-# distribution name stems (PEP 427, lower case) that must be among the carried wheels
-REQUIRED_WHEELS = ("numpy", "faiss_cpu", "pytest", "ninja", "hydra_core", "omegaconf", "antlr4_python3_runtime",
-                   "webdataset", "braceexpand", "open_clip_torch", "ftfy", "regex", "safetensors", "tokenizers",
-                   "huggingface_hub", "transformers", "timm", "pyyaml", "rich")
-
-
-def wheel_problems(folder: Path) -> tuple[list[str], dict[str, int]]:
-    """What keeps ``folder``'s wheels from reaching a GPU machine: missing ones, or too many bytes
-    together with the working tree (git's tracked and untracked-not-ignored files)."""
-    wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
-    have = {w.name.split("-")[0].lower() for w in wheels}
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True)
-    tree = sum((ROOT / f).stat().st_size for f in listed.stdout.decode().split("\0") if f and (ROOT / f).is_file())
-    sizes = dict(wheels=len(wheels), wheel_bytes=sum(w.stat().st_size for w in wheels), tree_bytes=tree)
-    problems = []
-    if not wheels:
-        problems.append(f"no wheels in {folder}: run `make gpu-wheels`")
-    elif missing := [r for r in REQUIRED_WHEELS if r not in have]:
-        problems.append(f"{folder} lacks wheels for {', '.join(missing)}: run `make gpu-wheels`")
-    if sizes["wheel_bytes"] + tree > TRANSFER_LIMIT:
-        problems.append(f"wheels {sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree {tree / 2**20:.1f} MiB exceed "
-                        f"the {TRANSFER_LIMIT / 2**20:.0f} MiB the device tool carries")
-    return problems, sizes
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check"),
@@ -368,8 +340,6 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=540, help="seconds per step before it is killed")
     ap.add_argument("--budget", type=float, default=560,
                     help="seconds for all steps together; a step gets at most what is left")
-    ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels",
-                    help="the wheels carried to the GPU machine (make gpu-wheels); checked on a machine without CUDA")
     ap.add_argument("--ext-cache", type=Path, default=ROOT / "build" / "gpu_ext",
                     help="where C++/CUDA extensions are built (RAG_MM_EXT_CACHE, unless already set)")
     args = ap.parse_args()
@@ -396,17 +366,11 @@ def main() -> int:
                                    benches_not_run=unregistered, steps=[])
 
     if not info["cuda_available"] and not args.dry_run:
-        # what can be checked here: the wheels a GPU machine would get are all present, and they
-        # travel with the working tree within the device tool's transfer limit
-        problems, sizes = wheel_problems(args.wheels)
-        summary |= dict(error="no CUDA device: the GPU checks were not run", wheels=sizes, wheel_problems=problems)
+        summary |= dict(error="no CUDA device: the GPU checks were not run")
         (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-        print(f"gpu_check: no CUDA device: the GPU checks were not run (use --dry-run for a CPU smoke test). "
-              f"Carried wheels: {sizes['wheels']} in {args.wheels}, {sizes['wheel_bytes'] / 2**20:.1f} MiB + "
-              f"working tree {sizes['tree_bytes'] / 2**20:.1f} MiB of {TRANSFER_LIMIT / 2**20:.0f} MiB")
-        for line in problems:
-            print(f"gpu_check: {line}", file=sys.stderr)
-        return 1 if problems else 0
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False): the GPU checks were "
+              "not run; --dry-run runs the same steps on the CPU", file=sys.stderr)
+        return 2
 
     env = child_env(args.ext_cache.resolve())
     with open(out / "gpu_check.log", "w") as log:

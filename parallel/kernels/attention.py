@@ -100,22 +100,14 @@ def _fused_supports(q: torch.Tensor) -> tuple[bool, str]:
     return True, "supported"
 
 
-# Fastest CPU backend per layout, by the vector kernels the fused op runs (``kernel_isa``: picked
-# at run time from the CPU's features, csrc/attention/cpu/isa.h). Measured with
-# scripts/bench/attention.py --quick --head-dims 64 (2 threads, S 512 and 1024, median fused time /
-# SDPA time, fp32 | bf16; BENCHMARKS.md, "Attention kernels") on an AVX2-only EPYC:
-# * avx2 (AVX2/FMA micro-kernels; 2026-11-23, with --backward): dense 0.93 | 0.81, causal
-#   0.56 | 0.54, packed 0.23 | 0.23, retrieval 0.18 | 0.16, forward + backward dense 0.84 | 0.18 and
-#   causal 0.62 | 0.12. Dense is the narrow win (0.79-1.05 over the day's runs, outside points
-#   bound by scheduler ticks), the rest clear: the fused kernel on every layout.
-# * generic (BLAS per tile + loops; CPUs without AVX2, other architectures, head sizes not a
-#   multiple of 8): dense 1.46 | 1.64, causal 0.90 | 0.91 (a tie within the shared machine's noise;
-#   SDPA's flash CPU kernel is kept), packed 0.19 | 0.21 and retrieval 0.08 | 0.08 (the fused
-#   kernel skips masked blocks where SDPA takes a dense mask and computes every score).
-# * avx512: the fused kernel on every layout (AVX-512 micro-kernels, 1.5-4x SDPA on an AVX-512
-#   host; BENCHMARKS.md, "Attention kernels").
-# ISAs without a row use the generic row. The table is the fallback of ``auto``: measurement
-# (``_tuned``) decides unless RAG_MM_ATTN_AUTOTUNE=0 or nothing may be timed.
+# Fixed CPU backend per layout, by the vector kernels the fused op runs (``kernel_isa``: picked at
+# run time from the CPU's features, csrc/attention/cpu/isa.h). With the AVX2 or AVX-512
+# micro-kernels the fused op is taken on every layout. The generic kernels (BLAS per tile + loops:
+# CPUs without AVX2, other architectures, head sizes not a multiple of 8) keep SDPA's flash CPU
+# kernel for dense and causal, and take the fused op for packed and retrieval, where it skips the
+# masked blocks that SDPA's dense mask computes. ISAs without a row use the generic row. The table
+# is the fallback of ``auto``: measurement (``_tuned``) decides unless RAG_MM_ATTN_AUTOTUNE=0 or
+# nothing may be timed. Measurements: benchmarks/attention_cpu_*.md.
 CPU_AUTO_TABLE = {
     "avx512": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
     "avx2": {"dense": "fused", "causal": "fused", "packed": "fused", "retrieval": "fused"},
@@ -176,7 +168,7 @@ def _flex_gate(q: torch.Tensor) -> tuple[bool, str]:
 
 
 def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> tuple[str, str]:
-    """CUDA rule (from published figures; no GPU row in BENCHMARKS.md): dense and causal -> SDPA, whose flash / cuDNN kernels
+    """CUDA rule (from published figures; benchmarks/gpu_check_*.md): dense and causal -> SDPA, whose flash / cuDNN kernels
     are the fastest published ones for unmasked attention (FlexAttention reaches ~90% of
     FlashAttention-2 there, the fused kernel targets >= 0.7x). Masked layouts (packed, retrieval)
     -> flex on sm80+ with Triton: it skips masked 128 x 128 blocks where SDPA must take a dense

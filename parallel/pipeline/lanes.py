@@ -3,7 +3,7 @@
 Why: gloo's tagged ``isend`` / ``irecv`` is a rendezvous over loopback TCP - the sender announces,
 the receiver's posted buffer is announced back, gloo's I/O threads move the bytes - so every
 message costs several thread wake-ups: with the ranks on busy cores, more than the compute of a
-microbatch of the 8-block MLP (BENCHMARKS.md, Pipeline). A
+microbatch of the 8-block MLP (benchmarks/pipeline_cpu_*.md). A
 ``ShmChannel`` (``parallel.kernels.comm``) is a ring of slots in ``/dev/shm``: a send is a memcpy into the ring, a
 receive a memcpy out, no other thread involved.
 
@@ -14,7 +14,7 @@ schedule and for the forward-only one; both orders are known on every rank, so e
 reaches the same decision without communicating. (One ring per rank pair served 1F1B, but under
 ZB-V rank 0 sends stage 0's activations and stage 3's gradients to rank 1 in one order and rank 1
 takes them in another: that pair fell back to gloo, ~2 ms a message here, and ZB-V ran 49-109%
-over the pipeline ideal; BENCHMARKS.md, Pipeline.) Each message goes through the ring
+over the pipeline ideal; benchmarks/pipeline_cpu_*.md.) Each message goes through the ring
 when it is small enough (``limit`` bytes; the receiver knows every size before it receives: from
 the header, or from the gradient specs), else over tagged gloo - a deterministic per-message
 choice both sides make alike.

@@ -111,7 +111,7 @@ class Transport:
         # send copies at once and a received header is read at once, so the buffer can be reused;
         # written and read through its numpy view. Why: a step has m headers each way, and every
         # torch call after a microbatch's compute is slow (its code and data left the cache),
-        # several times a numpy access (BENCHMARKS.md, Pipeline)
+        # several times a numpy access (benchmarks/pipeline_cpu_*.md)
         self._headers: dict[tuple, tuple[torch.Tensor, Any]] = {}
 
     def _header(self, edge: tuple) -> tuple[torch.Tensor, Any] | None:

@@ -68,8 +68,7 @@ def one_f_one_b(rank: int, p: int, m: int, eager: bool = False) -> list[Action]:
     wait for them. With one extra warm-up forward per downstream rank, rank r + 1 has a whole
     F + B of other work queued while the gradient and the next activation travel. Cost: rank r
     holds 2 (p - r) - 1 microbatches' activations instead of p - r; the bubble is unchanged.
-    Measured on 2 CPU ranks (BENCHMARKS.md): better than 1F1B in 9 of 14 paired cells (by 1-10
-    points), within a point in 3, ~2 points worse in 2."""
+    Measured on 2 CPU ranks: benchmarks/pipeline_cpu_*.md."""
     warm = min(m, (2 if eager else 1) * (p - rank - 1))
     out = [Action("F", rank, i) for i in range(warm)]
     f, b = warm, 0

@@ -176,7 +176,7 @@ def _linear_weight_grads(node: Node, kept: tuple | None, params: list[torch.nn.P
     transposed) or ``MmBackward0`` (a Linear without bias, as in Llama). ``weight.grad += G^T X``
     (or ``X^T G``) is one GEMM that accumulates in place, ``bias.grad += sum_rows(G)``. The engine
     path computes the same numbers with a GEMM, a separate add and an engine start per group, which
-    made I + W cost 1.4x a fused backward on the CPU ranks measured (BENCHMARKS.md, Pipeline).
+    made I + W cost 1.4x a fused backward on the CPU ranks measured (benchmarks/pipeline_cpu_*.md).
     Returns False, having done nothing, for any other graph: a cast of the weight
     (autocast), tensor subclasses (DTensor), gradient hooks on the parameters, alpha / beta != 1;
     the engine runs those."""

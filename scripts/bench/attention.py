@@ -13,7 +13,7 @@ below 1 is faster than SDPA) and ``auto_vs_best``: the fastest of auto's candida
 ISAs and SDPA) over auto's time (1 = auto took the fastest; the goal is >= 0.95).
 
     python scripts/bench/attention.py --quick --dtypes float32 --head-dims 64 --no-flex \
-        --cases dense,causal,retrieval    # the autotune table of BENCHMARKS.md
+        --cases dense,causal,retrieval    # benchmarks/attention_cpu_auto_*.md
 
 Cases (forward pass, B*H = 4, head size 64 and 128, fp32 and bf16, sequence 512..4096):
 

@@ -188,7 +188,7 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
     rounds of ``steps`` steps each (the machine is shared: load drifts within seconds, so what is
     compared is timed side by side). ``steps=1``: every round is one step of each, so T1, the
     floor and the pipeline are paired step by step (after one warm-up round of 3 steps each): on a
-    shared host speed drifts over tens of seconds (BENCHMARKS.md, Pipeline).
+    shared host speed drifts over tens of seconds (benchmarks/pipeline_cpu_*.md).
     T1 runs on rank 0 while rank 1 blocks in a gloo barrier (no spinning).
 
     ``NAME+bind`` times pipeline NAME with every thread of both ranks bound to the cores

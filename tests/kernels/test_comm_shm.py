@@ -121,7 +121,7 @@ def test_channel_send_recv(cross_host):
 def _rewind(rank, world, receiver_first):
     """Steps of 3 one-slot messages on a 5-slot ring, each side rewinding after its last message
     of the step (in either order): nothing is lost or reordered across the jump. (That the jump
-    keeps the slots warm is a speed property: BENCHMARKS.md, Pipeline.)"""
+    keeps the slots warm is a speed property: benchmarks/pipeline_cpu_*.md.)"""
     ch = K.ShmChannel(0, 1, slot_bytes=4096, slots=5)
     got = []
     for step in range(4):

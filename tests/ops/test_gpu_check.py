@@ -1,9 +1,13 @@
-"""scripts/gpu_check.py on a machine without a GPU: it checks the wheels it would carry."""
+"""scripts/gpu_check.py's plumbing, on a machine without a GPU: the steps it plans, how it runs
+one (figures read back, a step past its timeout killed), and the refusal when there is no GPU."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,24 +23,41 @@ def _module():
     return mod
 
 
-def test_wheel_check_names_missing_and_oversized_wheels(tmp_path):
+def test_run_step_reads_figures_and_kills_a_step_past_its_timeout(tmp_path):
+    """A step's figures come from the file it wrote; a step that outlives its timeout is killed
+    (its whole process group) and reported, so no step can hang the check."""
     gc = _module()
-    problems, sizes = gc.wheel_problems(tmp_path / "none")
-    assert sizes["wheels"] == 0 and any("make gpu-wheels" in p for p in problems)
+    log = open(tmp_path / "log", "w")
+    write = ("import json, sys; print('hello'); "
+             f"json.dump({{'x': 3}}, open({str(tmp_path / 'a.json')!r}, 'w'))")
+    step = gc.Step("a", [sys.executable, "-c", write], "a.json", gc.json_figures,
+                   lambda f: f"x={f['x']}")
+    res = gc.run_step(step, dict(os.environ), 60, tmp_path, log)
+    assert res["ok"] and res["figures"] == {"x": 3} and res["headline"] == "x=3", res
+    sleeper = ("import subprocess, sys; "
+               "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])")
+    step = gc.Step("b", [sys.executable, "-c", sleeper], "b.json", gc.json_figures, str)
+    t0 = time.monotonic()
+    res = gc.run_step(step, dict(os.environ), 2, tmp_path, log)
+    log.close()
+    assert res["timed_out"] and not res["ok"] and res["figures"] is None, res
+    # the sleeping grandchild holds the output pipe: only a group kill ends the step this soon
+    assert res["rc"] is not None and time.monotonic() - t0 < 9
+    assert "hello" in (tmp_path / "log").read_text()
 
-    folder = tmp_path / "wheels"
-    folder.mkdir()
-    for stem in gc.REQUIRED_WHEELS:
-        (folder / f"{stem}-1.0-py3-none-any.whl").write_bytes(b"x" * 1000)
-    problems, sizes = gc.wheel_problems(folder)
-    assert problems == [] and sizes["wheels"] == len(gc.REQUIRED_WHEELS) and sizes["tree_bytes"] > 0
 
-    (folder / "transformers-1.0-py3-none-any.whl").unlink()
-    with open(folder / "faiss_cpu-1.0-py3-none-any.whl", "wb") as f:  # sparse: no disk used
-        f.truncate(gc.TRANSFER_LIMIT)
-    problems, _ = gc.wheel_problems(folder)
-    assert any("lacks wheels for transformers" in p for p in problems)
-    assert any("exceed the 64 MiB" in p for p in problems)
+def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
+    """With no CUDA device and no --dry-run: one message, exit status 2, no traceback."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "gpu_check.log").exists()
 
 
 def test_steps_cover_every_gpu_check(tmp_path):
@@ -85,11 +106,8 @@ def test_no_step_looks_a_program_up_on_path(tmp_path):
 def test_dry_demo_runs_without_the_venv_on_path(tmp_path):
     """The dry check's demo step with a PATH that lacks the venv's bin and whose only torchrun
     records that it was called: it must pass without calling it. Slow (the demo's data and two
-    training steps, about a minute); `make test` runs the whole dry check anyway, from make,
+    training steps, about a minute); `make gpu-check-dry` runs the whole dry check, from make,
     where the venv is not activated either."""
-    import os
-    import subprocess
-
     fake = tmp_path / "bin"
     fake.mkdir()
     called = tmp_path / "bare_torchrun_called"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Wheels for a lent GPU machine (torch installed, no network): download them here, install there.
 #
-#   scripts/gpu_wheels.sh download [DIR] [PYVER]   # here (`make gpu-wheels`): DIR defaults to .gpu_wheels
-#   scripts/gpu_wheels.sh install  [DIR] [PYTHON]  # there (`make gpu-check`): offline, --no-deps
+#   scripts/dev/gpu_wheels.sh download [DIR] [PYVER]   # here: DIR defaults to .gpu_wheels
+#   scripts/dev/gpu_wheels.sh install  [DIR] [PYTHON]  # there: offline, --no-deps
+#
+# (`make -f scripts/dev/Makefile gpu-wheels` / `gpu-check` run these; scripts/dev/README.md)
 #
 # download: every package the project imports at run time except torch/torchvision, pinned to the
 # version installed in $PY's environment (default .venv/bin/python), as binary wheels for CPython
@@ -81,7 +83,7 @@ download() {
 install() {
     local dir=${1:-.gpu_wheels} py=${2:-python3} names name failed=()
     if [[ ! -d $dir ]]; then
-        echo "gpu_wheels: $dir is missing: run 'make gpu-wheels' on the dev machine and carry $dir" >&2
+        echo "gpu_wheels: $dir is missing: run 'make -f scripts/dev/Makefile gpu-wheels' on the dev machine and carry $dir" >&2
         return 2
     fi
     # A lent machine is throw-away: allow installing into an "externally managed" system python.
