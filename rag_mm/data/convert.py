@@ -18,6 +18,10 @@ Question layouts, told apart by the questions file's shape:
 * A-OKVQA: one list ``[{"question_id", "image_id", "question", "direct_answers" (10), "choices",
   "correct_choice_idx", "rationales", ...}]``; the training answer is the most frequent direct answer.
 
+Human answers, and so the training answer, are normalised as the VQA release normalised its
+annotations (``rag_mm.data.convert_answers``: "Seven" -> "7", "Eiffel Tower" -> "eiffel tower"),
+so that exact match and the VQA accuracy agree; ``--keep-answers`` stores them as given.
+
 Questions without answers (a test split) are skipped, as are those whose picture is not under
 ``--images``, which is searched recursively for COCO's names: ``COCO_train2014_000000000042.jpg``
 (2014/2015) or ``000000000042.jpg`` (2017; A-OKVQA's images), any of jpg/jpeg/png/webp. Both
