@@ -4,7 +4,7 @@ VQA accuracy where queries carry their human answers.
     python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
     python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
     python -m rag_mm.evaluate runs/vqa split=test predictions=runs/vqa/test_results.json   # VQA results file
-    python -m rag_mm.evaluate runs/kvqa modes=all   # closed book / learned retrieval / oracle side by side
+    python -m rag_mm.evaluate runs/kvqa modes=all   # closed book / learned / oracle side by side
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
@@ -83,11 +83,11 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
       accuracy minus blanked accuracy (VQA accuracy when reported, else exact match). One extra
       forward per batch; the trainer's periodic validation passes turn it off.
 
-    What retrieval adds (``rag_mm.eval.knowledge``): queries with knowledge-VQA fields (json ``kvqa``,
-    from ``scripts/convert.py infoseek`` / ``evqa``) are decoded greedily and scored by their
-    source's rule (``kvqa_acc``, seen and held out; ``infoseek_score`` on InfoSeek's two unseen
-    splits), and ``pseudo_recall@k`` counts the queries whose answer appears in a retrieved passage
-    (``pseudo_recall_gold`` in the gold passage, oracle mode), beside recall@k against gold.
+    What retrieval adds (``rag_mm.eval.knowledge``): queries with knowledge-VQA fields (json
+    ``kvqa``, from ``scripts/convert.py infoseek`` / ``evqa``) are decoded greedily and scored by
+    their source's rule (``kvqa_acc``, seen and held out; ``infoseek_score`` on InfoSeek's two
+    unseen splits), and ``pseudo_recall@k`` counts the queries whose answer appears in a retrieved
+    passage (``pseudo_recall_gold`` in the gold passage, oracle mode), beside recall@k against gold.
 
     ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy answer
     text) for every query, in loader order: the VQA results file (``rag_mm.eval.predictions``).
@@ -159,15 +159,18 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
                         "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate")
         kvqas = batch.get("kvqa") or [None] * B
         krows = [r for r, kv in enumerate(kvqas) if kv]
-        if krows and whole:  # knowledge-VQA queries: their greedy answers, scored by the source's rule
-            kp = [preds[r] for r in krows] if preds is not None else _greedy(rag, batch, out, device,
-                                                                             torch.tensor(krows), tok)
+        if krows and whole:  # knowledge-VQA queries: greedy answers, scored by the source's rule
+            if preds is not None:
+                kp = [preds[r] for r in krows]
+            else:
+                kp = _greedy(rag, batch, out, device, torch.tensor(krows), tok)
             max_answer = rag.reader.cfg.max_answer
             know.add_answers(batch, krows, [_answer_text(ids, kvqas[r]["aliases"], tok, max_answer)
                                             for r, ids in zip(krows, kp)])
         if out.doc_ids is not None and store is not None and len(store):
             oracle = rag.rcfg.mode == "oracle"
-            know.add_passages(batch, out.doc_ids[:, :1] if oracle else out.doc_ids, store, gold=oracle)
+            read = out.doc_ids[:, :1] if oracle else out.doc_ids
+            know.add_passages(batch, read, store, gold=oracle)
         if ablation:
             blank = _blank(batch)
             out_blank = rag(**batch_inputs(blank, device), retriever_loss=False, search_k=search_k)
@@ -176,8 +179,8 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
                 _add_vqa(typed, "_blank", rag, blank, out_blank, device, rows, types, tok)
         if examples_path is not None and len(examples) < n_examples:
             examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
-    acc, typed, ksums = (all_reduce_sum(torch.cat([acc, typed.flatten(), know.sums])) / replicas).split(
-        [2 * width, typed.numel(), know.sums.numel()])
+    sums = all_reduce_sum(torch.cat([acc, typed.flatten(), know.sums])) / replicas
+    acc, typed, ksums = sums.split([2 * width, typed.numel(), know.sums.numel()])
     typed = typed.view(len(ANSWER_TYPES), len(TYPED))
     rag.train(was_training)
     seen, held = acc[:width].tolist(), acc[width:].tolist()
@@ -336,13 +339,15 @@ def _report(split: str, res: dict) -> None:
 def retrieval_line(res: dict) -> str:
     """Seen / held-out accuracy, recall@k against gold, pseudo-recall and the InfoSeek score of a
     split's metrics, in words ('' when it has none of them)."""
-    parts = [f"exact match seen {_fmt(res.get('acc_seen'))} / held out {_fmt(res.get('acc_heldout'))}"]
+    parts = [f"exact match seen {_fmt(res.get('acc_seen'))} / "
+             f"held out {_fmt(res.get('acc_heldout'))}"]
     if "kvqa_acc" in res:
         parts.append(f"answer match seen {_fmt(res.get('kvqa_acc_seen'))} / held out "
                      f"{_fmt(res.get('kvqa_acc_heldout'))}")
     if "infoseek_score" in res:
-        parts.append(f"InfoSeek score {100 * res['infoseek_score']:.2f} (unseen question "
-                     f"{100 * res['infoseek_unseen_question']:.2f}, unseen entity {100 * res['infoseek_unseen_entity']:.2f})")
+        parts.append(f"InfoSeek score {100 * res['infoseek_score']:.2f} "
+                     f"(unseen question {100 * res['infoseek_unseen_question']:.2f}, "
+                     f"unseen entity {100 * res['infoseek_unseen_entity']:.2f})")
     for name in ("recall", "pseudo_recall"):
         ks = [k for k in RECALL_AT if f"{name}@{k}" in res]
         if ks:
@@ -418,7 +423,7 @@ class EvalError(Exception):
 
 USAGE = ("usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] "
          "[modes=all|closed_book,learned,oracle] [key=value ...]")
-OWN = ("split", "predictions", "modes")  # the command's own arguments; the rest are config overrides
+OWN = ("split", "predictions", "modes")  # the command's own arguments; the rest: config overrides
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a dotted config key, then its value
 
 
@@ -562,7 +567,8 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
                            n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split,
                            predictions=answered)
         if wanted:
-            metrics["modes"] = _compare(parts.rag, cfg, split, device, parts.tok, prior, metrics, wanted, run_dir)
+            metrics["modes"] = _compare(parts.rag, cfg, split, device, parts.tok, prior, metrics,
+                                        wanted, run_dir)
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
@@ -592,7 +598,8 @@ def _modes(cfg, split: str, text: str) -> list[str]:
         raise EvalError(str(exc)) from None
 
 
-def _compare(rag, cfg, split: str, device, tok, prior, trained: dict, names: list[str], run_dir: Path) -> dict:
+def _compare(rag, cfg, split: str, device, tok, prior, trained: dict, names: list[str],
+             run_dir: Path) -> dict:
     """Evaluate ``split`` in each mode of ``names`` (the trained mode's ``trained`` metrics reused;
     the others without the picture ablation, to stay fast); log the table and put it into the
     run's metrics.json when there is one. Returns {"table": ..., "<mode>": full metrics}."""
@@ -604,7 +611,8 @@ def _compare(rag, cfg, split: str, device, tok, prior, trained: dict, names: lis
             results[name] = {k: v for k, v in trained.items() if k != "modes"}
             continue
         with retrieval_mode(rag, name):
-            results[name] = evaluate(rag, make_stream(cfg, split, train=False), device, tokenizer=tok, prior=prior,
+            stream = make_stream(cfg, split, train=False)
+            results[name] = evaluate(rag, stream, device, tokenizer=tok, prior=prior,
                                      ablation=False)
     table = json_safe(side_by_side(results))
     for line in lines(split, table):

@@ -64,8 +64,8 @@ import webdataset as wds
 from PIL import Image, ImageOps
 
 from rag_mm.data.convert_answers import Normaliser
-from rag_mm.eval.vqa_metric import normalize_answer
 from rag_mm.data.urls import expand_urls, missing_local_shards
+from rag_mm.eval.vqa_metric import normalize_answer
 
 SPLITS = ("train", "val", "test")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # what rag_mm.data.pipeline decodes
@@ -353,7 +353,8 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             continue
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
-    return _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout,
+    read = len(qs) + skipped["no_answers"]
+    return _summary("question", sink, out, split, read, skipped, examples, layout=layout,
                     normalised=norm.report())
 
 

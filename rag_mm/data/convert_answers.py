@@ -16,7 +16,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rag_mm.eval.vqa_metric import ARTICLES, CONTRACTIONS, NUMBER_WORDS, normalize_answer, process_punctuation
+from rag_mm.eval.vqa_metric import (
+    ARTICLES,
+    CONTRACTIONS,
+    NUMBER_WORDS,
+    normalize_answer,
+    process_punctuation,
+)
 
 EXAMPLES = 5  # (before, after) pairs kept in the report
 
@@ -75,9 +81,14 @@ class Normaliser:
 
     def report(self) -> dict:
         """What was normalised: answers seen and changed, changes by rule, a few examples."""
-        return {"enabled": self.enabled, "answers": self.seen, "changed": self.changed,
-                "by_rule": dict(sorted(self.by_rule.items())), "examples": self.examples,
-                "kept_empty": self.emptied}
+        return {
+            "enabled": self.enabled,
+            "answers": self.seen,
+            "changed": self.changed,
+            "by_rule": dict(sorted(self.by_rule.items())),
+            "examples": self.examples,
+            "kept_empty": self.emptied,
+        }
 
     @staticmethod
     def describe(report: dict) -> str:
@@ -86,5 +97,8 @@ class Normaliser:
             return f"answers kept as given ({report['answers']}; --keep-answers)"
         rules = ", ".join(f"{k} {v}" for k, v in report["by_rule"].items()) or "none"
         ex = "; ".join(f"{a!r} -> {b!r}" for a, b in report["examples"][:3])
-        return (f"answers normalised as the VQA release: {report['changed']} of {report['answers']} changed "
-                f"(by rule: {rules})" + (f", e.g. {ex}" if ex else ""))
+        return (
+            "answers normalised as the VQA release: "
+            f"{report['changed']} of {report['answers']} changed "
+            f"(by rule: {rules})" + (f", e.g. {ex}" if ex else "")
+        )

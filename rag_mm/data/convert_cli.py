@@ -58,37 +58,49 @@ def parser() -> argparse.ArgumentParser:
 
 def _kvqa_parsers(sub, common) -> None:
     """``kb``, ``infoseek`` and ``evqa``: knowledge-VQA data with its gold links."""
-    k = sub.add_parser("kb", parents=[common], help="a knowledge base -> corpus shards + doc-id map")
+    k = sub.add_parser("kb", parents=[common],
+                       help="a knowledge base -> corpus shards + doc-id map")
     src = k.add_mutually_exclusive_group(required=True)
     src.add_argument("--jsonl", type=Path, help="plain JSONL: doc_id, title, text, image (a path)")
     src.add_argument("--infoseek", type=Path, help="InfoSeek's (OVEN's) Wiki6M_ver_1_0.jsonl")
-    src.add_argument("--evqa", type=Path, help="Encyclopedic-VQA's encyclopedic_kb_wiki.json (one doc per section)")
-    k.add_argument("--images", type=Path, help="folder with the documents' pictures (searched recursively)")
+    src.add_argument("--evqa", type=Path,
+                     help="Encyclopedic-VQA's encyclopedic_kb_wiki.json (one doc per section)")
+    k.add_argument("--images", type=Path,
+                   help="folder with the documents' pictures (searched recursively)")
     k.add_argument("--linked", type=Path, nargs="+",
-                   help="keep only the entities these question files name (InfoSeek _withkb JSONL, E-VQA CSV)")
+                   help="keep only the entities these question files name "
+                   "(InfoSeek _withkb JSONL, E-VQA CSV)")
     answers = argparse.ArgumentParser(add_help=False)
-    answers.add_argument("--images", type=Path, required=True, help="folder with the query pictures (searched recursively)")
-    answers.add_argument("--split", choices=SPLITS, required=True, help="which query split the shards are")
+    answers.add_argument("--images", type=Path, required=True,
+                         help="folder with the query pictures (searched recursively)")
+    answers.add_argument("--split", choices=SPLITS, required=True,
+                         help="which query split the shards are")
     answers.add_argument("--keep-answers", action="store_true",
                          help="store the answers as given (default: normalised as the VQA release)")
-    i = sub.add_parser("infoseek", parents=[common, answers], help="InfoSeek questions -> query shards with gold")
-    i.add_argument("--questions", type=Path, required=True, help="infoseek_<split>.jsonl (or its _withkb variant)")
-    i.add_argument("--withkb", type=Path, help="infoseek_<split>_withkb.jsonl: each question's entity_id")
-    i.add_argument("--qtype", type=Path, help="infoseek_<split>_qtype.jsonl: STRING / TIME / NUMERICAL")
-    e = sub.add_parser("evqa", parents=[common, answers], help="Encyclopedic-VQA CSV -> query shards with gold")
+    i = sub.add_parser("infoseek", parents=[common, answers],
+                       help="InfoSeek questions -> query shards with gold")
+    i.add_argument("--questions", type=Path, required=True,
+                   help="infoseek_<split>.jsonl (or its _withkb variant)")
+    i.add_argument("--withkb", type=Path,
+                   help="infoseek_<split>_withkb.jsonl: each question's entity_id")
+    i.add_argument("--qtype", type=Path,
+                   help="infoseek_<split>_qtype.jsonl: STRING / TIME / NUMERICAL")
+    e = sub.add_parser("evqa", parents=[common, answers],
+                       help="Encyclopedic-VQA CSV -> query shards with gold")
     e.add_argument("--csv", type=Path, required=True, help="train.csv / val.csv / test.csv")
 
 
 def _run_kvqa(args) -> dict:
-    if args.kind == "kb":
-        layout, source = next((n, getattr(args, n)) for n in ("jsonl", "infoseek", "evqa") if getattr(args, n))
-        return convert_kb(layout, source, args.out, args.images, args.linked, args.shard_size, args.image_size,
-                          args.overwrite)
-    if args.kind == "infoseek":
-        return convert_infoseek(args.questions, args.images, args.out, args.split, args.withkb, args.qtype,
-                                args.shard_size, args.image_size, args.overwrite, not args.keep_answers)
-    return convert_evqa(args.csv, args.images, args.out, args.split, args.shard_size, args.image_size,
-                        args.overwrite, not args.keep_answers)
+    a = args
+    if a.kind == "kb":
+        layout = next(n for n in ("jsonl", "infoseek", "evqa") if getattr(a, n))
+        return convert_kb(layout, getattr(a, layout), a.out, a.images, a.linked, a.shard_size,
+                          a.image_size, a.overwrite)
+    if a.kind == "infoseek":
+        return convert_infoseek(a.questions, a.images, a.out, a.split, a.withkb, a.qtype,
+                                a.shard_size, a.image_size, a.overwrite, not a.keep_answers)
+    return convert_evqa(a.csv, a.images, a.out, a.split, a.shard_size, a.image_size, a.overwrite,
+                        not a.keep_answers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.kind == "vqa":
             res = convert_vqa(args.questions, args.annotations, args.images, args.out, args.split,
-                              args.shard_size, args.image_size, args.overwrite, not args.keep_answers)
+                              args.shard_size, args.image_size, args.overwrite,
+                              not args.keep_answers)
         elif args.kind == "hf":
             res = convert_hf.run(args)
         elif args.kind in ("kb", "infoseek", "evqa"):

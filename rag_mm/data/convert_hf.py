@@ -247,7 +247,8 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
     if sink is None:
         raise ConvertError(f"no question of {path} was written ({n} rows): skipped {dict(skipped) or 'none'}")
     examples = {"bad_image": bad[:EXAMPLES]} if bad else {}
-    return _summary("question", sink, out, split, n, skipped, examples, layout="hf", normalised=norm.report())
+    return _summary("question", sink, out, split, n, skipped, examples, layout="hf",
+                    normalised=norm.report())
 
 
 def add_parser(sub, common) -> None:
@@ -267,5 +268,5 @@ def add_parser(sub, common) -> None:
 def run(args) -> dict:
     """``scripts/convert.py hf`` with parsed ``args``."""
     return convert_hf(args.path, args.out, args.split, args.image_column, args.question_column, args.answers_column,
-                      args.id_column, args.source_split, args.shard_size, args.image_size, args.overwrite,
-                      not args.keep_answers)
+                      args.id_column, args.source_split, args.shard_size, args.image_size,
+                      args.overwrite, not args.keep_answers)

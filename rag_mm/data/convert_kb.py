@@ -1,6 +1,6 @@
 """Knowledge bases as the corpus shards retrieval reads, with the map query converters link gold by.
 
-    python scripts/convert.py kb --jsonl kb.jsonl --out OUT                      # a plain knowledge base
+    python scripts/convert.py kb --jsonl kb.jsonl --out OUT             # a plain knowledge base
     python scripts/convert.py kb --infoseek Wiki6M_ver_1_0.jsonl --images WIKI_PICS --out OUT \\
         --linked infoseek_train_withkb.jsonl infoseek_val_withkb.jsonl
     python scripts/convert.py kb --evqa encyclopedic_kb_wiki.json --images KB_PICS --out OUT \\
@@ -79,7 +79,9 @@ def index_pictures(folder: Path | None, by: str = "stem") -> dict[str, Path]:
     if folder is None:
         return {}
     if not folder.is_dir():
-        raise ConvertError(f"images folder {folder} " + ("is not a directory" if folder.exists() else "not found"))
+        raise ConvertError(
+            f"images folder {folder} " + ("is not a directory" if folder.exists() else "not found")
+        )
     found: dict[str, Path] = {}
     for root, dirs, files in os.walk(folder):
         dirs.sort()
@@ -153,7 +155,9 @@ def _url_name(url: str) -> str:
 def evqa_docs(path: Path, images: dict[str, Path], keep: set[str] | None) -> Iterator[KbDoc]:
     kb = load_json(path, "Encyclopedic-VQA knowledge base")
     if not isinstance(kb, dict):
-        raise ConvertError(f"{path} is not an object {{wikipedia_url: article}} (the E-VQA knowledge base)")
+        raise ConvertError(
+            f"{path} is not an object {{wikipedia_url: article}} (the E-VQA knowledge base)"
+        )
     for url, art in kb.items():
         if keep is not None and url not in keep:
             continue
@@ -180,10 +184,15 @@ def linked_keys(files: list[Path]) -> set[str]:
             for row in csv_rows(f):
                 keys.update(u for u in (row.get("wikipedia_url") or "").split("|") if u)
         else:
-            keys.update(str(row["entity_id"]) for _, row in jsonl_rows(f, "linked questions file")
-                        if row.get("entity_id"))
+            keys.update(
+                str(row["entity_id"])
+                for _, row in jsonl_rows(f, "linked questions file")
+                if row.get("entity_id")
+            )
     if not keys:
-        raise ConvertError(f"--linked: no entity_id / wikipedia_url in {', '.join(map(str, files))}")
+        raise ConvertError(
+            f"--linked: no entity_id / wikipedia_url in {', '.join(map(str, files))}"
+        )
     return keys
 
 
@@ -205,12 +214,22 @@ def blank_picture() -> bytes:
     return buf.getvalue()
 
 
-def convert_kb(layout: str, source: Path, out: Path, images: Path | None = None, linked: list[Path] | None = None,
-               shard_size: int = 1000, image_size: int = 0, overwrite: bool = False) -> dict:
+def convert_kb(
+    layout: str,
+    source: Path,
+    out: Path,
+    images: Path | None = None,
+    linked: list[Path] | None = None,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+) -> dict:
     """Write the knowledge base ``source`` (``layout`` one of LAYOUTS) as corpus shards and the
     doc-id map; return the summary."""
     if layout not in LAYOUTS:
-        raise ConvertError(f"unknown knowledge base layout {layout!r} (one of {', '.join(LAYOUTS)})")
+        raise ConvertError(
+            f"unknown knowledge base layout {layout!r} (one of {', '.join(LAYOUTS)})"
+        )
     keep = linked_keys(linked) if linked else None
     if layout == "jsonl":
         docs = plain_docs(source, index_pictures(images), images)
@@ -221,7 +240,9 @@ def convert_kb(layout: str, source: Path, out: Path, images: Path | None = None,
     skipped: Counter[str] = Counter()
     first = next(docs, None)  # bad input is reported before any shard is created
     if first is None:
-        raise ConvertError(f"no document in {source}" + (" is linked by --linked" if keep is not None else ""))
+        raise ConvertError(
+            f"no document in {source}" + (" is linked by --linked" if keep is not None else "")
+        )
     sink = ShardSink(out, "corpus", shard_size, overwrite)
     blank = blank_picture()
     doc_ids: dict[str, int] = {}
@@ -237,7 +258,10 @@ def convert_kb(layout: str, source: Path, out: Path, images: Path | None = None,
                 ext, data = picture(d.picture.read_bytes(), image_size)
             except Exception as exc:  # an unreadable file, or bytes PIL cannot open (several types)
                 skipped["bad_picture"] += 1
-                print(f"convert: document {d.key}: picture {d.picture}: {exc}; a blank one is stored", file=sys.stderr)
+                print(
+                    f"convert: document {d.key}: picture {d.picture}: {exc}; a blank one is stored",
+                    file=sys.stderr,
+                )
         if data is None:
             skipped["blank_picture"] += 1
             ext, data = picture(blank, image_size)
@@ -246,16 +270,26 @@ def convert_kb(layout: str, source: Path, out: Path, images: Path | None = None,
             doc_id += 1
         used.add(doc_id)
         doc_ids[d.key] = doc_id
-        sink.write({"__key__": f"doc{doc_id:08d}", ext: data, "txt": passage(d.title, d.text),
-                    "json": json.dumps({"doc_id": doc_id, "source": d.key, "title": d.title})})
+        sink.write(
+            {
+                "__key__": f"doc{doc_id:08d}",
+                ext: data,
+                "txt": passage(d.title, d.text),
+                "json": json.dumps({"doc_id": doc_id, "source": d.key, "title": d.title}),
+            }
+        )
     blank_n = skipped.pop("blank_picture", 0)  # written, not skipped: reported apart
-    res = _summary("document", sink, out, "corpus", read, skipped, layout=layout, blank_picture=blank_n)
+    res = _summary(
+        "document", sink, out, "corpus", read, skipped, layout=layout, blank_picture=blank_n
+    )
     try:
         (sink.dir / DOC_MAP).write_text(json.dumps({"layout": layout, "doc_ids": doc_ids}))
     except OSError as exc:
         raise ConvertError(f"cannot write {sink.dir / DOC_MAP}: {exc}") from None
     if keep is not None:
-        res["linked_missing"] = len(keep - set(doc_ids))  # entities questions name that the KB lacks
+        res["linked_missing"] = len(
+            keep - set(doc_ids)
+        )  # entities questions name that the KB lacks
     return res
 
 
@@ -268,8 +302,10 @@ def load_doc_map(out: Path, layout: str) -> dict[str, int] | None:
     if not isinstance(data, dict) or not isinstance(data.get("doc_ids"), dict):
         raise ConvertError(f"{path} is not a doc-id map written by 'convert.py kb'")
     if data.get("layout") != layout:
-        raise ConvertError(f"{path} maps a {data.get('layout')!r} knowledge base, not {layout!r}: "
-                           f"convert the {layout} knowledge base into this --out first")
+        raise ConvertError(
+            f"{path} maps a {data.get('layout')!r} knowledge base, not {layout!r}: "
+            f"convert the {layout} knowledge base into this --out first"
+        )
     return data["doc_ids"]
 
 

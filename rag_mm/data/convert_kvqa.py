@@ -1,6 +1,7 @@
-"""Knowledge-VQA questions (InfoSeek, Encyclopedic-VQA) as query shards linked to their gold documents.
+"""Knowledge-VQA questions (InfoSeek, Encyclopedic-VQA) as query shards linked to gold documents.
 
-    python scripts/convert.py infoseek --questions infoseek_val.jsonl --withkb infoseek_val_withkb.jsonl \\
+    python scripts/convert.py infoseek --questions infoseek_val.jsonl \\
+        --withkb infoseek_val_withkb.jsonl \\
         --qtype infoseek_val_qtype.jsonl --images OVEN_PICS --out OUT --split val
     python scripts/convert.py evqa --csv val.csv --images INAT_AND_GLDV2_PICS --out OUT --split val
 
@@ -16,14 +17,15 @@ same ``--out``: its ``corpus/doc_ids.json`` gives each question its gold ``doc_i
 * Encyclopedic-VQA: CSV rows with ``question``, ``answer`` (``|`` between annotators' answers,
   ``&&`` between the parts of a multi_answer), ``dataset_image_ids`` (up to 5, ``|``-separated: one
   query per picture), ``question_type``, ``wikipedia_url`` and ``evidence_section_id`` (the gold
-  section; two-hop rows name two of each, the last holds the answer), ``wikipedia_url_used_in_train``
-  (False: the entity is unseen in training, the query held out). Pictures: ``<image id>.<ext>``.
+  section; two-hop rows name two of each, the last holds the answer),
+  ``wikipedia_url_used_in_train`` (False: the entity is unseen in training, the query held out).
+  Pictures: ``<image id>.<ext>``.
 
 Query json: ``answer`` (the training target), ``doc_id`` (gold, where the knowledge base has it),
 ``heldout``, ``question_id``, ``image_id`` and ``kvqa`` ``{"source", "aliases", "qtype", "range"?,
 "split"?}``: what ``rag_mm.eval.kvqa_metric`` scores the greedy answer with (InfoSeek's relaxed
-numeric match, E-VQA's multi-answer match). Answers are normalised as ``rag_mm.data.convert_answers``
-says (``--keep-answers``: as given); numeric ranges are kept as numbers.
+numeric match, E-VQA's multi-answer match). Answers are normalised as
+``rag_mm.data.convert_answers`` says (``--keep-answers``: as given); numeric ranges stay numbers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ FALSE = ("false", "0", "no")  # how a CSV spells a false wikipedia_url_used_in_t
 
 
 def _numeric_range(answer_eval) -> list[float] | None:
-    """InfoSeek's numeric answer range ``[lo, hi]`` from ``answer_eval``, or None (a string answer)."""
+    """InfoSeek's numeric answer range ``[lo, hi]`` from ``answer_eval`` (None: a string answer)."""
     items = answer_eval if isinstance(answer_eval, list) else [answer_eval]
     for a in items:
         if isinstance(a, dict) and isinstance(a.get("range"), list) and len(a["range"]) >= 2:
@@ -57,10 +59,19 @@ def _numeric_range(answer_eval) -> list[float] | None:
 class _Writer:
     """Query samples into the split's shards, the picture of each image id read once."""
 
-    def __init__(self, out: Path, split: str, shard_size: int, image_size: int, overwrite: bool,
-                 pictures: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        out: Path,
+        split: str,
+        shard_size: int,
+        image_size: int,
+        overwrite: bool,
+        pictures: dict[str, Path],
+    ) -> None:
         self.args = (out, split, shard_size, overwrite)
-        self.sink: ShardSink | None = None  # opened at the first good query: bad input leaves no shard
+        self.sink: ShardSink | None = (
+            None  # opened at the first good query: bad input leaves no shard
+        )
         self.image_size, self.pictures = image_size, pictures
         self.cache: tuple[str, tuple[str, bytes]] | None = None
         self.skipped: Counter[str] = Counter()
@@ -80,19 +91,41 @@ class _Writer:
             if self.cache is None or self.cache[0] != image_id:
                 self.cache = (image_id, picture(path.read_bytes(), self.image_size))
         except Exception as exc:  # an unreadable file, or bytes PIL cannot open (several types)
-            print(f"convert: skipping question {meta['question_id']}: picture {path}: {exc}", file=sys.stderr)
+            print(
+                f"convert: skipping question {meta['question_id']}: picture {path}: {exc}",
+                file=sys.stderr,
+            )
             return self.skip("bad_image", meta["question_id"])
         ext, data = self.cache[1]
         if self.sink is None:
             self.sink = ShardSink(*self.args)
-        self.sink.write({"__key__": f"q{self.sink.count:09d}", ext: data, "txt": question, "json": json.dumps(meta)})
+        self.sink.write(
+            {
+                "__key__": f"q{self.sink.count:09d}",
+                ext: data,
+                "txt": question,
+                "json": json.dumps(meta),
+            }
+        )
 
     def summary(self, layout: str, read: int, norm: Normaliser, **extra) -> dict:
         out, split = self.args[0], self.args[1]
         if self.sink is None:
-            raise ConvertError(f"no question was written ({read} read): skipped {dict(self.skipped) or 'none'}")
-        return _summary("question", self.sink, out, split, read, self.skipped, self.examples, layout=layout,
-                        normalised=norm.report(), **extra)
+            raise ConvertError(
+                f"no question was written ({read} read): skipped {dict(self.skipped) or 'none'}"
+            )
+        return _summary(
+            "question",
+            self.sink,
+            out,
+            split,
+            read,
+            self.skipped,
+            self.examples,
+            layout=layout,
+            normalised=norm.report(),
+            **extra,
+        )
 
 
 def _gold(doc_map: dict[str, int] | None, key: str | None, counts: Counter) -> dict:
@@ -108,16 +141,39 @@ def _gold(doc_map: dict[str, int] | None, key: str | None, counts: Counter) -> d
 
 
 # ------------------------------------------------------------------------------ InfoSeek
-def convert_infoseek(questions: Path, images: Path, out: Path, split: str, withkb: Path | None = None,
-                     qtype: Path | None = None, shard_size: int = 1000, image_size: int = 0,
-                     overwrite: bool = False, normalise: bool = True) -> dict:
+def convert_infoseek(
+    questions: Path,
+    images: Path,
+    out: Path,
+    split: str,
+    withkb: Path | None = None,
+    qtype: Path | None = None,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+    normalise: bool = True,
+) -> dict:
     """Write InfoSeek questions as the query shards of ``split``; return the summary."""
     if split not in SPLITS:
         raise ConvertError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
-    entity = {r["data_id"]: str(r["entity_id"]) for _, r in jsonl_rows(withkb, "--withkb file")
-              if "data_id" in r and r.get("entity_id")} if withkb else {}
-    qtypes = {r["data_id"]: str(r["question_type"]).lower() for _, r in jsonl_rows(qtype, "--qtype file")
-              if "data_id" in r and "question_type" in r} if qtype else {}
+    entity = (
+        {
+            r["data_id"]: str(r["entity_id"])
+            for _, r in jsonl_rows(withkb, "--withkb file")
+            if "data_id" in r and r.get("entity_id")
+        }
+        if withkb
+        else {}
+    )
+    qtypes = (
+        {
+            r["data_id"]: str(r["question_type"]).lower()
+            for _, r in jsonl_rows(qtype, "--qtype file")
+            if "data_id" in r and "question_type" in r
+        }
+        if qtype
+        else {}
+    )
     doc_map = load_doc_map(out, "infoseek")
     norm = Normaliser(normalise)
     w = _Writer(out, split, shard_size, image_size, overwrite, index_pictures(images))
@@ -128,7 +184,9 @@ def convert_infoseek(questions: Path, images: Path, out: Path, split: str, withk
         read += 1
         for k in ("data_id", "image_id", "question", "answer"):
             if k not in row:
-                raise ConvertError(f"{questions}:{n} has no {k!r} (keys: {', '.join(map(repr, row))})")
+                raise ConvertError(
+                    f"{questions}:{n} has no {k!r} (keys: {', '.join(map(repr, row))})"
+                )
         answers = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
         answers = [str(a) for a in answers if str(a).strip()]
         if not answers:
@@ -141,16 +199,30 @@ def convert_infoseek(questions: Path, images: Path, out: Path, split: str, withk
         answer = norm(answers[0])
         aliases = list(dict.fromkeys([answer, *norm.many(answers[1:] + evals)]))
         data_split = str(row.get("data_split") or "")
-        ent = entity.get(row["data_id"]) or (str(row["entity_id"]) if row.get("entity_id") else None)
+        ent = entity.get(row["data_id"]) or (
+            str(row["entity_id"]) if row.get("entity_id") else None
+        )
         kvqa = {"source": "infoseek", "aliases": aliases, "qtype": kind, "split": data_split}
         if rng is not None:
             kvqa["range"] = rng
-        meta = {"answer": answer, **_gold(doc_map, ent, gold), "heldout": data_split.endswith(UNSEEN_ENTITY),
-                "question_id": row["data_id"], "image_id": str(row["image_id"]), "kvqa": kvqa}
+        meta = {
+            "answer": answer,
+            **_gold(doc_map, ent, gold),
+            "heldout": data_split.endswith(UNSEEN_ENTITY),
+            "question_id": row["data_id"],
+            "image_id": str(row["image_id"]),
+            "kvqa": kvqa,
+        }
         if ent:
             meta["entity_id"] = ent
         w.write(str(row["image_id"]), str(row["question"]), meta)
-    return w.summary("infoseek", read, norm, gold=dict(sorted(gold.items())), question_types=dict(sorted(kinds.items())))
+    return w.summary(
+        "infoseek",
+        read,
+        norm,
+        gold=dict(sorted(gold.items())),
+        question_types=dict(sorted(kinds.items())),
+    )
 
 
 # ------------------------------------------------------------------------------ Encyclopedic-VQA
@@ -174,8 +246,16 @@ def evqa_answers(cell: str, norm: Normaliser) -> tuple[str, list[str]]:
     return (aliases[0].replace("&&", " and ") if aliases else ""), aliases
 
 
-def convert_evqa(csv_path: Path, images: Path, out: Path, split: str, shard_size: int = 1000,
-                 image_size: int = 0, overwrite: bool = False, normalise: bool = True) -> dict:
+def convert_evqa(
+    csv_path: Path,
+    images: Path,
+    out: Path,
+    split: str,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+    normalise: bool = True,
+) -> dict:
     """Write Encyclopedic-VQA questions (one query per picture) as the query shards of ``split``."""
     if split not in SPLITS:
         raise ConvertError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
@@ -195,18 +275,36 @@ def convert_evqa(csv_path: Path, images: Path, out: Path, split: str, shard_size
                 w.skip("no_answers", f"{i}:{image_id}")
             continue
         urls = [u for u in (row.get("wikipedia_url") or "").split("|") if u]
-        sections = [s.strip() for s in (row.get("evidence_section_id") or "").split("|") if s.strip()]
-        key = f"{urls[-1]}#{int(float(sections[-1]))}" if urls and sections else (f"{urls[-1]}#0" if urls else None)
+        sections = [
+            s.strip() for s in (row.get("evidence_section_id") or "").split("|") if s.strip()
+        ]
+        key = (
+            f"{urls[-1]}#{int(float(sections[-1]))}"
+            if urls and sections
+            else (f"{urls[-1]}#0" if urls else None)
+        )
         kind = (row.get("question_type") or "").strip() or "templated"
         unseen = str(row.get("wikipedia_url_used_in_train", "True")).strip().lower() in FALSE
         link = _gold(doc_map, key, gold)
         for image_id in ids:
             kinds[kind] += 1
-            meta = {"answer": answer, **link, "heldout": unseen, "question_id": f"{i}:{image_id}",
-                    "image_id": image_id, "kvqa": {"source": "evqa", "aliases": aliases, "qtype": kind}}
+            meta = {
+                "answer": answer,
+                **link,
+                "heldout": unseen,
+                "question_id": f"{i}:{image_id}",
+                "image_id": image_id,
+                "kvqa": {"source": "evqa", "aliases": aliases, "qtype": kind},
+            }
             w.write(image_id, row["question"], meta)
-    return w.summary("evqa", read, norm, rows=rows, gold=dict(sorted(gold.items())),
-                     question_types=dict(sorted(kinds.items())))
+    return w.summary(
+        "evqa",
+        read,
+        norm,
+        rows=rows,
+        gold=dict(sorted(gold.items())),
+        question_types=dict(sorted(kinds.items())),
+    )
 
 
 def _checked_rows(path: Path) -> Iterator[dict]:
@@ -215,7 +313,9 @@ def _checked_rows(path: Path) -> Iterator[dict]:
         if first:
             missing = [k for k in ("question", "answer", "dataset_image_ids") if k not in row]
             if missing:
-                raise ConvertError(f"{path} has no column {missing[0]!r} (columns: {', '.join(row)}): "
-                                   "expected Encyclopedic-VQA's CSV")
+                raise ConvertError(
+                    f"{path} has no column {missing[0]!r} (columns: {', '.join(row)}): "
+                    "expected Encyclopedic-VQA's CSV"
+                )
             first = False
         yield row

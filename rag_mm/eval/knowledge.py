@@ -1,5 +1,5 @@
-"""What retrieval adds, summed per batch by ``rag_mm.evaluate.evaluate``: knowledge-VQA scores of the
-greedy answers (seen vs unseen entities, InfoSeek's unseen-question / unseen-entity splits) and
+"""What retrieval adds, summed per batch by ``rag_mm.evaluate.evaluate``: knowledge-VQA scores of
+the greedy answers (seen vs unseen entities, InfoSeek's unseen-question / unseen-entity splits) and
 pseudo-recall@k of the documents the model read or retrieved.
 
 All sums live in one float64 tensor (``sums``), all-reduced with the evaluation's others;
@@ -23,8 +23,20 @@ from rag_mm.eval.kvqa_metric import PassageMatcher, answer_strings, correct, har
 # columns of the sums: knowledge-VQA queries and correct answers (seen, held out), InfoSeek's
 # unseen-question and unseen-entity splits, pseudo-recall queries (all, held out), gold passages
 # holding the answer (all, held out), then pseudo-recall hits per k (all, held out)
-BASE = ("kv_n_seen", "kv_c_seen", "kv_n_held", "kv_c_held", "uq_n", "uq_c", "ue_n", "ue_c",
-        "pr_n", "pr_n_held", "pr_gold", "pr_gold_held")
+BASE = (
+    "kv_n_seen",
+    "kv_c_seen",
+    "kv_n_held",
+    "kv_c_held",
+    "uq_n",
+    "uq_c",
+    "ue_n",
+    "ue_c",
+    "pr_n",
+    "pr_n_held",
+    "pr_gold",
+    "pr_gold_held",
+)
 
 
 class KnowledgeSums:
@@ -49,13 +61,15 @@ class KnowledgeSums:
             self._add("kv_n_held" if held else "kv_n_seen")
             self._add("kv_c_held" if held else "kv_c_seen", ok)
             split = str(kv.get("split") or "")
-            if kv.get("source") == "infoseek" and split.endswith(("unseen_question", "unseen_entity")):
+            if kv.get("source") == "infoseek" and split.endswith(
+                ("unseen_question", "unseen_entity")
+            ):
                 part = "ue" if split.endswith("unseen_entity") else "uq"
                 self._add(f"{part}_n")
                 self._add(f"{part}_c", ok)
 
     def add_passages(self, batch: dict, doc_ids: torch.Tensor, store, gold: bool) -> None:
-        """Pseudo-recall of the documents ``doc_ids`` (B, K) (the gold one when ``gold``: oracle)."""
+        """Pseudo-recall of the documents ``doc_ids`` (B, K) (``gold``: the oracle's gold one)."""
         ids = doc_ids.cpu()
         known = ids >= 0  # faiss pads short result lists with -1
         rows = store.rows(torch.where(known, ids, store.ids[0])).tolist()
@@ -90,7 +104,11 @@ class KnowledgeSums:
             res["kvqa_acc_heldout"] = s["kv_c_held"] / s["kv_n_held"] if s["kv_n_held"] else None
         if s["uq_n"] and s["ue_n"]:
             uq, ue = s["uq_c"] / s["uq_n"], s["ue_c"] / s["ue_n"]
-            res.update(infoseek_unseen_question=uq, infoseek_unseen_entity=ue, infoseek_score=harmonic_mean(uq, ue))
+            res.update(
+                infoseek_unseen_question=uq,
+                infoseek_unseen_entity=ue,
+                infoseek_score=harmonic_mean(uq, ue),
+            )
         if s["pr_n"]:
             held = s["pr_n_held"]
             if gold:

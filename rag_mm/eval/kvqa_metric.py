@@ -28,9 +28,24 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _EVQA_ARTICLES = re.compile(r"\b(the answer is|a|an|the)\b")
 _NUMBER = re.compile(r"[-+]?[.]?[\d]+(?:,\d\d\d)*[\.]?\d*(?:[eE][-+]?\d+)?")
 # E-VQA's digit and yes/no table (evaluation_utils._DIGIT_MAP)
-_EVQA_WORDS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
-               "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10", "entailment": "yes",
-               "true": "yes", "contradiction": "no", "false": "no"}
+_EVQA_WORDS = {
+    "none": "0",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
+    "entailment": "yes",
+    "true": "yes",
+    "contradiction": "no",
+    "false": "no",
+}
 
 
 # ------------------------------------------------------------------------------ InfoSeek
@@ -93,7 +108,10 @@ def evqa_normalize(text: str) -> str:
     """E-VQA's ``preprocess_answer``: lower case, punctuation, articles, digits, contractions."""
     from rag_mm.eval.vqa_metric import CONTRACTIONS
 
-    text = "".join("" if c in _EVQA_PUNCT else c for c in text.lower().replace("\n", " ").replace("\t", " ").strip())
+    text = "".join(
+        "" if c in _EVQA_PUNCT else c
+        for c in text.lower().replace("\n", " ").replace("\t", " ").strip()
+    )
     words = [_EVQA_WORDS.get(w, w) for w in _EVQA_ARTICLES.sub(" ", text).split()]
     return " ".join(CONTRACTIONS.get(w, w) for w in words)
 
@@ -122,9 +140,14 @@ def rejoin_digits(text: str) -> str:
 
 
 def correct(prediction: str, kvqa: dict) -> bool:
-    """Whether ``prediction`` answers a knowledge-VQA query (its json's ``kvqa``) by its source's rule."""
+    """Whether ``prediction`` answers a knowledge-VQA query (its json's ``kvqa``) by its source's
+    rule."""
     prediction = rejoin_digits(prediction)
-    return evqa_correct(prediction, kvqa) if kvqa.get("source") == "evqa" else infoseek_correct(prediction, kvqa)
+    return (
+        evqa_correct(prediction, kvqa)
+        if kvqa.get("source") == "evqa"
+        else infoseek_correct(prediction, kvqa)
+    )
 
 
 # ------------------------------------------------------------------------------ pseudo-recall

@@ -20,9 +20,26 @@ from contextlib import contextmanager
 MODES = {"closed_book": "none", "learned": "learned", "oracle": "oracle"}  # name -> retriever.mode
 NAMES = {v: k for k, v in MODES.items()}
 # the figures the table keeps per mode, where the metrics have them
-COLUMNS = ("n", "acc", "acc_seen", "acc_heldout", "vqa_acc", "kvqa_acc", "kvqa_acc_seen", "kvqa_acc_heldout",
-           "infoseek_score", "infoseek_unseen_question", "infoseek_unseen_entity", "recall@1", "recall@5",
-           "recall@1_heldout", "recall@5_heldout", "pseudo_recall@1", "pseudo_recall@5", "pseudo_recall_gold")
+COLUMNS = (
+    "n",
+    "acc",
+    "acc_seen",
+    "acc_heldout",
+    "vqa_acc",
+    "kvqa_acc",
+    "kvqa_acc_seen",
+    "kvqa_acc_heldout",
+    "infoseek_score",
+    "infoseek_unseen_question",
+    "infoseek_unseen_entity",
+    "recall@1",
+    "recall@5",
+    "recall@1_heldout",
+    "recall@5_heldout",
+    "pseudo_recall@1",
+    "pseudo_recall@5",
+    "pseudo_recall_gold",
+)
 
 
 class ModeError(ValueError):
@@ -33,16 +50,21 @@ def parse(text: str, trained: str, has_corpus: bool, gold_problem: str | None) -
     """The mode names ``text`` asks for ("all", or names separated by commas), checked: learned
     needs a run trained with retrieval (``trained`` its retriever.mode), oracle a corpus and gold
     documents (``gold_problem``: why the split cannot have them, None when it can)."""
-    possible = {"closed_book": None,
-                "learned": None if trained == "learned" else
-                "the run was not trained with a retriever (retriever.mode=learned)",
-                "oracle": gold_problem if has_corpus else "the run has no corpus (data.corpus)"}
+    possible = {
+        "closed_book": None,
+        "learned": None
+        if trained == "learned"
+        else "the run was not trained with a retriever (retriever.mode=learned)",
+        "oracle": gold_problem if has_corpus else "the run has no corpus (data.corpus)",
+    }
     if text == "all":
         return [m for m in MODES if possible[m] is None]
     names = [m.strip() for m in text.split(",") if m.strip()]
     for m in names:
         if m not in MODES:
-            raise ModeError(f"unknown mode {m!r} in modes={text} (all, or some of {', '.join(MODES)})")
+            raise ModeError(
+                f"unknown mode {m!r} in modes={text} (all, or some of {', '.join(MODES)})"
+            )
         if possible[m] is not None:
             raise ModeError(f"modes={text}: {m} cannot run: {possible[m]}")
     if not names:
@@ -64,7 +86,8 @@ def retrieval_mode(rag, name: str):
 def side_by_side(results: dict[str, dict]) -> dict[str, dict]:
     """{mode: {column: value}} of the COLUMNS each mode's metrics have, plus the gains:
     ``retrieval_gain`` (learned minus closed book) and ``oracle_gap`` (oracle minus learned) of the
-    headline accuracy (the knowledge-VQA match where there is one, else VQA accuracy, else exact match)."""
+    headline accuracy (the knowledge-VQA match where there is one, else VQA accuracy, else exact
+    match)."""
     table = {m: {c: r[c] for c in COLUMNS if c in r} for m, r in results.items()}
     head = {m: headline(r) for m, r in results.items()}
     gains = {}
@@ -86,6 +109,7 @@ def headline(res: dict) -> float:
 
 def lines(split: str, table: dict[str, dict]) -> list[str]:
     """One log line per mode, the gains last."""
+
     def f(x):
         return "n/a" if x is None else f"{x:.3f}"
 
@@ -94,9 +118,20 @@ def lines(split: str, table: dict[str, dict]) -> list[str]:
         if m == "gains":
             out.append(f"{split}: " + ", ".join(f"{k} {v:+.3f}" for k, v in row.items()))
             continue
-        parts = [f"acc {f(row.get('acc'))} (seen {f(row.get('acc_seen'))}, held out {f(row.get('acc_heldout'))})"]
-        for key in ("vqa_acc", "kvqa_acc", "infoseek_score", "recall@1", "recall@5", "pseudo_recall@1",
-                    "pseudo_recall@5", "pseudo_recall_gold"):
+        parts = [
+            f"acc {f(row.get('acc'))} (seen {f(row.get('acc_seen'))}, "
+            f"held out {f(row.get('acc_heldout'))})"
+        ]
+        for key in (
+            "vqa_acc",
+            "kvqa_acc",
+            "infoseek_score",
+            "recall@1",
+            "recall@5",
+            "pseudo_recall@1",
+            "pseudo_recall@5",
+            "pseudo_recall_gold",
+        ):
             if key in row:
                 parts.append(f"{key} {f(row[key])}")
         out.append(f"{split} [{m}]: " + ", ".join(parts))

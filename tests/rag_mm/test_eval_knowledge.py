@@ -29,11 +29,15 @@ def test_infoseek_matching_follows_its_official_script():
     # numbers: within the range, a single number +-10%, a predicted range by IoU >= 0.5
     assert parse_number("1,234.5 m") == 1234.5 and parse_number("9-11") == [9.0, 11.0]
     assert parse_number("no number") == [0.0, 0.0]
-    assert numeric_match("about 320 metres", [300.0, 330.0]) and not numeric_match("340", [300.0, 330.0])
+    assert numeric_match("about 320 metres", [300.0, 330.0]) and not numeric_match(
+        "340", [300.0, 330.0]
+    )
     assert numeric_match("108", [100.0, 100.0]) and not numeric_match("111", [100.0, 100.0])
     assert numeric_match("305-335", [300.0, 330.0]) and not numeric_match("320-400", [300.0, 330.0])
     assert correct("330", _infoseek(["330 metres"], "numerical", [300.0, 330.0]))
-    assert correct("3 2 0", _infoseek(["330"], "numerical", [300.0, 330.0]))  # CLIP's BPE decodes digits spaced
+    assert correct(
+        "3 2 0", _infoseek(["330"], "numerical", [300.0, 330.0])
+    )  # CLIP's BPE decodes digits spaced
     assert harmonic_mean(0.5, 0.25) == pytest.approx(1 / 3) and harmonic_mean(0.0, 1.0) < 1e-9
 
 
@@ -61,8 +65,11 @@ class _Store:
 
     def fetch(self, ids):
         B, k = ids.shape
-        return {"doc_image": torch.zeros(B, k, 3, 4, 4), "doc_ids": torch.ones(B, k, 2, dtype=torch.long),
-                "doc_len": torch.full((B, k), 2)}
+        return {
+            "doc_image": torch.zeros(B, k, 3, 4, 4),
+            "doc_ids": torch.ones(B, k, 2, dtype=torch.long),
+            "doc_len": torch.full((B, k), 2),
+        }
 
 
 class _Reader:
@@ -83,8 +90,13 @@ class _Rag:
     def __init__(self, texts, retrieved, mode="learned"):
         self.reader = _Reader(texts)
         self.retrieved = torch.tensor(retrieved)
-        self.store = _Store(["Joseph Strauss designed the Golden Gate Bridge.", "The tower is 330 m tall.",
-                             "Gustave Eiffel, engineer."])
+        self.store = _Store(
+            [
+                "Joseph Strauss designed the Golden Gate Bridge.",
+                "The tower is 330 m tall.",
+                "Gustave Eiffel, engineer.",
+            ]
+        )
         self.rcfg = SimpleNamespace(mode=mode, top_k=1, reader_prior=False)
 
     def eval(self):
@@ -95,38 +107,59 @@ class _Rag:
 
     def __call__(self, image, **kw):
         B = image.shape[0]
-        out = SimpleNamespace(correct=torch.tensor([True, False, False, True][:B]), nll=torch.ones(B))
+        out = SimpleNamespace(
+            correct=torch.tensor([True, False, False, True][:B]), nll=torch.ones(B)
+        )
         ids = self.retrieved if self.rcfg.mode == "learned" else kw["gold"][:, None]
         return SimpleNamespace(reader=out, doc_ids=ids, scores=None)
 
 
 def _batch():
-    kv = [_infoseek(["joseph strauss"], split="val_unseen_entity"), _infoseek(["330"], "numerical", [300.0, 330.0]),
-          _infoseek(["gustave eiffel"], split="val_unseen_entity"), _infoseek(["paris"])]
+    kv = [
+        _infoseek(["joseph strauss"], split="val_unseen_entity"),
+        _infoseek(["330"], "numerical", [300.0, 330.0]),
+        _infoseek(["gustave eiffel"], split="val_unseen_entity"),
+        _infoseek(["paris"]),
+    ]
     B = 4
-    return {"image": torch.zeros(B, 3, 4, 4), "q_ids": torch.ones(B, 2, dtype=torch.long), "q_len": torch.full((B,), 2),
-            "a_ids": torch.ones(B, 2, dtype=torch.long), "a_len": torch.full((B,), 2),
-            "doc_id": torch.tensor([10, 11, 12, 11]), "heldout": torch.tensor([True, False, True, False]),
-            "answer": ["joseph strauss", "330", "gustave eiffel", "paris"], "answers": [None] * B, "kvqa": kv,
-            "question": ["?"] * B}
+    return {
+        "image": torch.zeros(B, 3, 4, 4),
+        "q_ids": torch.ones(B, 2, dtype=torch.long),
+        "q_len": torch.full((B,), 2),
+        "a_ids": torch.ones(B, 2, dtype=torch.long),
+        "a_len": torch.full((B,), 2),
+        "doc_id": torch.tensor([10, 11, 12, 11]),
+        "heldout": torch.tensor([True, False, True, False]),
+        "answer": ["joseph strauss", "330", "gustave eiffel", "paris"],
+        "answers": [None] * B,
+        "kvqa": kv,
+        "question": ["?"] * B,
+    }
 
 
 def test_evaluate_reports_answer_match_infoseek_score_and_pseudo_recall():
-    # answers: right (held out), 320 inside the range (seen), wrong (held out), wrong (seen)
-    rag = _Rag(["joseph strauss", "320", "eiffel", "london"], [[10, 11, 12], [12, 10, 11], [10, 11, 12], [11, 10, 12]])
+    # answers: right (held out), 320 inside the range (seen), wrong (held out), right (seen)
+    rag = _Rag(
+        ["joseph strauss", "320", "eiffel", "Paris"],
+        [[10, 11, 12], [12, 10, 11], [10, 11, 12], [11, 10, 12]],
+    )
     res = evaluate(rag, [_batch()], torch.device("cpu"), ablation=False)
-    assert res["n_kvqa"] == 4 and res["kvqa_acc"] == 0.5
-    assert res["kvqa_acc_seen"] == 0.5 and res["kvqa_acc_heldout"] == 0.5
-    assert res["infoseek_unseen_question"] == 0.5 and res["infoseek_unseen_entity"] == 0.5
-    assert res["infoseek_score"] == pytest.approx(0.5)
+    assert res["n_kvqa"] == 4 and res["kvqa_acc"] == 0.75
+    assert res["kvqa_acc_seen"] == 1.0 and res["kvqa_acc_heldout"] == 0.5
+    assert res["infoseek_unseen_question"] == 1.0 and res["infoseek_unseen_entity"] == 0.5
+    assert res["infoseek_score"] == pytest.approx(2 / 3)  # the harmonic mean, not 0.75
     # recall against gold beside it: gold 10, 11, 12, 11 at ranks 1, 3, 3, 1
     assert res["recall@1"] == 0.5 and res["recall@5"] == 1.0
     # pseudo-recall: the answer in a passage, whatever its document (query 3's "gustave eiffel"
     # is in doc 12 at rank 3; "paris" is nowhere)
     assert res["pseudo_recall@1"] == 0.25 and res["pseudo_recall@5"] == 0.75
     assert res["pseudo_recall@1_heldout"] == 0.5 and res["pseudo_recall@5_heldout"] == 1.0
-    res = evaluate(_Rag(["x"] * 4, [[10]] * 4, mode="oracle"), [_batch()], torch.device("cpu"), ablation=False)
-    assert res["pseudo_recall_gold"] == 0.75 and "pseudo_recall@1" not in res and "recall@1" not in res
+    res = evaluate(
+        _Rag(["x"] * 4, [[10]] * 4, mode="oracle"), [_batch()], torch.device("cpu"), ablation=False
+    )
+    assert (
+        res["pseudo_recall_gold"] == 0.75 and "pseudo_recall@1" not in res and "recall@1" not in res
+    )
 
 
 def test_modes_are_checked_and_tabled():
@@ -136,16 +169,36 @@ def test_modes_are_checked_and_tabled():
         parse("learned", "none", True, None)
     with pytest.raises(ModeError, match="unknown mode 'closedbook'"):
         parse("closedbook", "learned", True, None)
-    table = side_by_side({"closed_book": {"acc": 0.1, "n": 4}, "learned": {"acc": 0.6, "recall@1": 0.5},
-                          "oracle": {"acc": 0.9}})
-    assert table["gains"] == {"retrieval_gain": pytest.approx(0.5), "oracle_gap": pytest.approx(0.3)}
+    table = side_by_side(
+        {
+            "closed_book": {"acc": 0.1, "n": 4},
+            "learned": {"acc": 0.6, "recall@1": 0.5},
+            "oracle": {"acc": 0.9},
+        }
+    )
+    assert table["gains"] == {
+        "retrieval_gain": pytest.approx(0.5),
+        "oracle_gap": pytest.approx(0.3),
+    }
     assert table["learned"] == {"acc": 0.6, "recall@1": 0.5}
 
 
 def test_evaluate_cli_runs_closed_book_learned_and_oracle_on_one_checkpoint(tiny_world, tmp_path):
     run = tmp_path / "run"
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, "retriever=learned", "retriever.top_k=2",
-                                                                    "max_steps=2", "ckpt_every=2")])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(
+                tiny_world,
+                run,
+                "retriever=learned",
+                "retriever.top_k=2",
+                "max_steps=2",
+                "ckpt_every=2",
+            ),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     res = run_module(["-m", "rag_mm.evaluate", str(run), "split=test", "modes=all"])
     assert res.returncode == 0, res.stderr[-3000:]
@@ -155,8 +208,12 @@ def test_evaluate_cli_runs_closed_book_learned_and_oracle_on_one_checkpoint(tiny
     assert out["modes"]["learned"]["acc"] == out["acc"]  # the trained mode: the main evaluation
     assert "recall@1" in table["learned"] and "recall@1" not in table["closed_book"]
     assert "pseudo_recall@1" in table["learned"] and "pseudo_recall_gold" in table["oracle"]
-    assert table["oracle"]["pseudo_recall_gold"] == 1.0  # the knowledge world's passages state every fact
-    assert table["gains"]["retrieval_gain"] == pytest.approx(table["learned"]["acc"] - table["closed_book"]["acc"])
+    assert (
+        table["oracle"]["pseudo_recall_gold"] == 1.0
+    )  # the knowledge world's passages state every fact
+    assert table["gains"]["retrieval_gain"] == pytest.approx(
+        table["learned"]["acc"] - table["closed_book"]["acc"]
+    )
     assert "test [oracle]: acc" in res.stderr and "retrieval_gain" in res.stderr
     summary = json.loads((run / "metrics.json").read_text())
     assert summary["modes"]["test"] == table and "test" in summary  # beside the trainer's figures
