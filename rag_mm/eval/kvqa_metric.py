@@ -98,9 +98,11 @@ def infoseek_correct(prediction: str, kvqa: dict) -> bool:
 
 
 def harmonic_mean(*values: float) -> float:
-    """InfoSeek's final score: the harmonic mean (a zero counts as 1e-12, as its script does)."""
-    safe = [v if v != 0 else 1e-12 for v in values]
-    return len(safe) / sum(1.0 / v for v in safe)
+    """InfoSeek's final score: the harmonic mean. Its script counts a zero as 1e-12 and rounds the
+    result to two decimals of a percentage, so a zero anywhere scores 0."""
+    if any(v <= 0 for v in values):
+        return 0.0
+    return len(values) / sum(1.0 / v for v in values)
 
 
 # ------------------------------------------------------------------------------ Encyclopedic-VQA

@@ -4,16 +4,21 @@ and closed book / learned / oracle side by side on one checkpoint."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from rag_mm.data.convert_kb import convert_kb
+from rag_mm.data.convert_kvqa import convert_infoseek
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.eval.kvqa_metric import correct, harmonic_mean, numeric_match, parse_number
 from rag_mm.eval.modes import ModeError, parse, side_by_side
 from rag_mm.evaluate import evaluate
-from tests.rag_mm.conftest import tiny_overrides
+from tests.rag_mm.conftest import TINY_MODEL
+from tests.rag_mm.test_convert import _picture
+from tests.rag_mm.test_convert_kvqa import _jsonl
 from tests.rag_mm.test_train import run_module
 
 
@@ -38,7 +43,7 @@ def test_infoseek_matching_follows_its_official_script():
     assert correct(
         "3 2 0", _infoseek(["330"], "numerical", [300.0, 330.0])
     )  # CLIP's BPE decodes digits spaced
-    assert harmonic_mean(0.5, 0.25) == pytest.approx(1 / 3) and harmonic_mean(0.0, 1.0) < 1e-9
+    assert harmonic_mean(0.5, 0.25) == pytest.approx(1 / 3) and harmonic_mean(0.0, 1.0) == 0.0
 
 
 def test_evqa_matching_follows_its_official_exact_match():
@@ -183,37 +188,76 @@ def test_modes_are_checked_and_tabled():
     assert table["learned"] == {"acc": 0.6, "recall@1": 0.5}
 
 
-def test_evaluate_cli_runs_closed_book_learned_and_oracle_on_one_checkpoint(tiny_world, tmp_path):
+def _infoseek_data(root: Path) -> list[str]:
+    """Six entities in InfoSeek's schema (Wiki6M KB, train and val questions with _withkb and
+    qtype files), converted; returns the data overrides. Entities 5 and 6 are asked about in
+    val only (val_unseen_entity)."""
+    wiki, pics = [], root / "wiki_pics"
+    questions = {"train": [], "val": []}
+    for k in range(1, 7):
+        qid = f"Q{k}0{k}"
+        wiki.append({"wikidata_id": qid, "wikipedia_title": f"Entity {k}",
+                     "wikipedia_summary": f"Entity {k} was built in 18{k}0 by Person {k}."})
+        _picture(pics / f"{qid}.jpg", k - 1)
+        splits = ["train", "train", "val"] if k <= 4 else ["val", "val"]
+        for j, split in enumerate(splits):
+            image_id = f"oven_{k:04d}{j:04d}"
+            _picture(root / "oven" / f"{image_id}.jpg", k - 1)
+            data_split = "train" if split == "train" else (
+                "val_unseen_question" if k <= 4 else "val_unseen_entity")
+            row = {"data_id": f"infoseek_{split}_{k}{j}", "image_id": image_id, "entity_id": qid,
+                   "data_split": data_split}
+            if j % 2:
+                row.update(question="Who built this?", answer=[f"Person {k}"],
+                           answer_eval=[f"Person {k}"], question_type="STRING")
+            else:
+                year = 1800 + 10 * k
+                row.update(question="When was this built?", answer=[str(year)],
+                           answer_eval=[{"wikidata": year, "range": [year, year]}],
+                           question_type="NUMERICAL")
+            questions[split].append(row)
+    _jsonl(root / "Wiki6M_ver_1_0.jsonl", wiki)
+    withkb = {s: _jsonl(root / f"infoseek_{s}_withkb.jsonl", q) for s, q in questions.items()}
+    for s, q in questions.items():
+        _jsonl(root / f"infoseek_{s}_qtype.jsonl",
+               [{"data_id": r["data_id"], "question_type": r["question_type"]} for r in q])
+    data = root / "data"
+    overrides = convert_kb("infoseek", root / "Wiki6M_ver_1_0.jsonl", data, images=pics,
+                           linked=list(withkb.values()))["overrides"]
+    for split, source in (("train", "train"), ("val", "val"), ("test", "val")):
+        res = convert_infoseek(withkb[source], root / "oven", data, split,
+                               qtype=root / f"infoseek_{source}_qtype.jsonl", shard_size=4)
+        overrides.append(res["overrides"][1])
+    return overrides
+
+
+def test_infoseek_converted_trains_and_evaluates_closed_book_learned_and_oracle(tmp_path):
+    """Converted InfoSeek data trains with its gold links (warm-up, recall), and one checkpoint is
+    evaluated three ways: the table in the JSON line, the log and the run's metrics.json."""
+    overrides = _infoseek_data(tmp_path)
     run = tmp_path / "run"
-    res = run_module(
-        [
-            "-m",
-            "rag_mm.train",
-            *tiny_overrides(
-                tiny_world,
-                run,
-                "retriever=learned",
-                "retriever.top_k=2",
-                "max_steps=2",
-                "ckpt_every=2",
-            ),
-        ]
-    )
+    res = run_module(["-m", "rag_mm.train", *overrides, f"run_dir={run}", "retriever=learned",
+                      "retriever.top_k=2", "data.batch_size=4", "data.eval_batch_size=8",
+                      "data.num_workers=0", "data.shuffle_buffer=4", "max_steps=2", "log_every=1",
+                      "eval_every=0", "ckpt_every=2", "progress=false", "optim.warmup_steps=1",
+                      *TINY_MODEL])
     assert res.returncode == 0, res.stderr[-3000:]
-    res = run_module(["-m", "rag_mm.evaluate", str(run), "split=test", "modes=all"])
+    summary = json.loads((run / "metrics.json").read_text())
+    assert summary["val"]["n_kvqa"] == 8 and "infoseek_score" in summary["val"]  # beside every score
+    assert "recall@1" in summary["val"] and "pseudo_recall@1" in summary["val"]
+    res = run_module(["-m", "rag_mm.evaluate", str(run), "split=val", "modes=all"])
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     table = out["modes"]["table"]
     assert list(table) == ["closed_book", "learned", "oracle", "gains"]
     assert out["modes"]["learned"]["acc"] == out["acc"]  # the trained mode: the main evaluation
+    for mode in ("closed_book", "learned", "oracle"):
+        assert table[mode]["n"] == 8 and "infoseek_score" in table[mode], mode
     assert "recall@1" in table["learned"] and "recall@1" not in table["closed_book"]
-    assert "pseudo_recall@1" in table["learned"] and "pseudo_recall_gold" in table["oracle"]
-    assert (
-        table["oracle"]["pseudo_recall_gold"] == 1.0
-    )  # the knowledge world's passages state every fact
-    assert table["gains"]["retrieval_gain"] == pytest.approx(
-        table["learned"]["acc"] - table["closed_book"]["acc"]
-    )
-    assert "test [oracle]: acc" in res.stderr and "retrieval_gain" in res.stderr
+    assert table["oracle"]["pseudo_recall_gold"] == 1.0  # every answer is in its entity's passage
+    gain = table["learned"]["kvqa_acc"] - table["closed_book"]["kvqa_acc"]
+    assert table["gains"]["retrieval_gain"] == pytest.approx(gain)
+    assert "val [oracle]: acc" in res.stderr and "retrieval_gain" in res.stderr
+    assert "InfoSeek score" in res.stderr
     summary = json.loads((run / "metrics.json").read_text())
-    assert summary["modes"]["test"] == table and "test" in summary  # beside the trainer's figures
+    assert summary["modes"]["val"] == table and "test" in summary  # beside the trainer's figures
