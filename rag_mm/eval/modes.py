@@ -136,3 +136,32 @@ def lines(split: str, table: dict[str, dict]) -> list[str]:
                 parts.append(f"{key} {f(row[key])}")
         out.append(f"{split} [{m}]: " + ", ".join(parts))
     return out
+
+
+# ------------------------------------------------------------------------------ tables of a run
+# what the evaluation notebook prints from a run's metrics.json: (column, metrics key)
+RETRIEVAL = (("acc seen", "acc_seen"), ("acc held out", "acc_heldout"), ("answer match", "kvqa_acc"),
+             ("InfoSeek", "infoseek_score"), ("recall@1", "recall@1"), ("recall@5", "recall@5"),
+             ("pseudo-recall@1", "pseudo_recall@1"), ("pseudo-recall@5", "pseudo_recall@5"),
+             ("gold passage", "pseudo_recall_gold"))
+RETRIEVAL_COLUMNS = ("split", "mode", "n", *(c for c, _ in RETRIEVAL))
+
+
+def retrieval_rows(summary: dict | None) -> list[dict]:
+    """What retrieval adds, from a run's metrics.json: one row per final split (the mode the run
+    trained in), then one per split and mode of ``modes`` (``python -m rag_mm.evaluate RUN
+    modes=all`` writes them); None where a metric does not apply."""
+    summary = summary or {}
+    rows = []
+    for split in ("val", "test"):
+        m = summary.get(split)
+        if isinstance(m, dict):
+            mode = NAMES.get(summary.get("retrieval"), summary.get("retrieval"))
+            rows.append({"split": split, "mode": f"{mode} (trained)", "n": m.get("n"),
+                         **{c: m.get(k) for c, k in RETRIEVAL}})
+    for split, table in (summary.get("modes") or {}).items():
+        for mode, m in table.items():
+            if mode != "gains":
+                rows.append({"split": split, "mode": mode, "n": m.get("n"),
+                             **{c: m.get(k) for c, k in RETRIEVAL}})
+    return rows
