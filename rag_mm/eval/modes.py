@@ -140,7 +140,8 @@ def lines(split: str, table: dict[str, dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------ tables of a run
 # what the evaluation notebook prints from a run's metrics.json: (column, metrics key)
-RETRIEVAL = (("acc seen", "acc_seen"), ("acc held out", "acc_heldout"), ("answer match", "kvqa_acc"),
+RETRIEVAL = (("acc seen", "acc_seen"), ("acc held out", "acc_heldout"),
+             ("answer match", "kvqa_acc"),
              ("InfoSeek", "infoseek_score"), ("recall@1", "recall@1"), ("recall@5", "recall@5"),
              ("pseudo-recall@1", "pseudo_recall@1"), ("pseudo-recall@5", "pseudo_recall@5"),
              ("gold passage", "pseudo_recall_gold"))
