@@ -65,6 +65,8 @@ def _kvqa_parsers(sub, common) -> None:
     src.add_argument("--infoseek", type=Path, help="InfoSeek's (OVEN's) Wiki6M_ver_1_0.jsonl")
     src.add_argument("--evqa", type=Path,
                      help="Encyclopedic-VQA's encyclopedic_kb_wiki.json (one doc per section)")
+    src.add_argument("--okvqa", type=Path,
+                     help="OK-VQA's Google-Search passages (okvqa_full_corpus.csv: kid, text)")
     k.add_argument("--images", type=Path,
                    help="folder with the documents' pictures (searched recursively)")
     k.add_argument("--linked", type=Path, nargs="+",
@@ -93,7 +95,7 @@ def _kvqa_parsers(sub, common) -> None:
 def _run_kvqa(args) -> dict:
     a = args
     if a.kind == "kb":
-        layout = next(n for n in ("jsonl", "infoseek", "evqa") if getattr(a, n))
+        layout = next(n for n in ("jsonl", "infoseek", "evqa", "okvqa") if getattr(a, n))
         return convert_kb(layout, getattr(a, layout), a.out, a.images, a.linked, a.shard_size,
                           a.image_size, a.overwrite)
     if a.kind == "infoseek":

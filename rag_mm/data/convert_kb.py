@@ -5,6 +5,7 @@
         --linked infoseek_train_withkb.jsonl infoseek_val_withkb.jsonl
     python scripts/convert.py kb --evqa encyclopedic_kb_wiki.json --images KB_PICS --out OUT \\
         --linked train.csv val.csv test.csv
+    python scripts/convert.py kb --okvqa okvqa_full_corpus.csv --out OUT   # OK-VQA's passages
 
 Layouts:
 
@@ -20,6 +21,10 @@ Layouts:
   per section (the granularity the E-VQA retrievers read at), key ``<url>#<section index>``. Its
   picture is the first of the section's images found under ``--images`` by file name (the last
   part of its URL), else the article's first found picture.
+* OK-VQA's Google-Search passage corpus (Luo et al. 2021, ``okvqa_full_corpus.csv``, used by
+  RA-VQA and FLMR): a CSV (comma or tab separated) with a ``kid`` (or ``id``) and a ``text``
+  column, one text-only passage a row (``title`` is taken where there is one). OK-VQA links no
+  question to a passage: retrieval is measured by pseudo-recall there.
 
 ``--linked FILE ...`` keeps only the entities the question files name (InfoSeek ``_withkb``
 files: ``entity_id``; E-VQA CSVs: ``wikipedia_url``, every section of each article), so a 6M-entity
@@ -50,7 +55,7 @@ from PIL import Image
 from rag_mm.data.convert import ConvertError, ShardSink, _summary, load_json, picture
 
 DOC_MAP = "doc_ids.json"  # in OUT/corpus/: source key -> doc_id, for the query converters
-LAYOUTS = ("jsonl", "infoseek", "evqa")
+LAYOUTS = ("jsonl", "infoseek", "evqa", "okvqa")
 BLANK_SIZE = 8  # pixels of the blank picture; the pipeline resizes it like any other
 BLANK_GREY = (128, 128, 128)  # mid-grey: close to the mean pixel the pipeline normalises around
 
@@ -175,6 +180,18 @@ def evqa_docs(path: Path, images: dict[str, Path], keep: set[str] | None) -> Ite
             yield KbDoc(f"{url}#{i}", head, str(text or ""), pic)
 
 
+def okvqa_docs(path: Path) -> Iterator[KbDoc]:
+    """OK-VQA's passage corpus: ``kid`` (or ``id``) and ``text`` columns, no picture."""
+    for n, row in enumerate(csv_rows(path), 2):
+        key = row.get("kid", row.get("id"))
+        if key is None or "text" not in row:
+            raise ConvertError(f"{path} has no 'kid' (or 'id') and 'text' columns "
+                               f"(columns: {', '.join(map(str, row))})")
+        if not (row["text"] or "").strip():
+            raise ConvertError(f"{path}:{n}: passage {key!r} has no text")
+        yield KbDoc(str(key), str(row.get("title") or ""), row["text"], None)
+
+
 def linked_keys(files: list[Path]) -> set[str]:
     """The entities question files link to: ``entity_id`` of InfoSeek JSONL rows, every
     ``wikipedia_url`` of E-VQA CSV rows (two-hop rows name two, split by '|')."""
@@ -197,12 +214,15 @@ def linked_keys(files: list[Path]) -> set[str]:
 
 
 def csv_rows(path: Path) -> Iterator[dict]:
+    """The rows of a CSV with a header line, comma or tab separated (the header tells)."""
     if not path.is_file():
         raise ConvertError(f"CSV {path} " + ("is not a file" if path.exists() else "not found"))
     csv.field_size_limit(1 << 30)  # E-VQA's evidence cells are long
     try:
         with path.open(encoding="utf-8", newline="") as f:
-            yield from csv.DictReader(f)
+            tab = "\t" in f.readline()
+            f.seek(0)
+            yield from csv.DictReader(f, delimiter="\t" if tab else ",")
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise ConvertError(f"cannot read CSV {path}: {exc}") from None
 
@@ -235,6 +255,8 @@ def convert_kb(
         docs = plain_docs(source, index_pictures(images), images)
     elif layout == "infoseek":
         docs = infoseek_docs(source, index_pictures(images), keep)
+    elif layout == "okvqa":
+        docs = okvqa_docs(source)
     else:
         docs = evqa_docs(source, index_pictures(images, by="name"), keep)
     skipped: Counter[str] = Counter()

@@ -160,6 +160,35 @@ def test_plain_kb_jsonl_becomes_a_corpus_and_a_doc_map(tmp_path):
     ]
 
 
+def test_okvqa_passage_corpus_and_questions(tmp_path):
+    """OK-VQA's Google-Search passages (kid, text; text only) and its VQA-layout questions: no
+    gold link in either release, answers normalised."""
+    corpus = tmp_path / "okvqa_full_corpus.csv"
+    with corpus.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["kid", "text"])
+        w.writerow([0, "A fire hydrant is a connection point by which firefighters can tap water."])
+        w.writerow([1, 'The Boeing 747 is a wide-body airliner, nicknamed the "Jumbo Jet".'])
+    out = tmp_path / "out"
+    assert main(["kb", "--okvqa", str(corpus), "--out", str(out)]) == 0
+    docs = _samples(out, "corpus")
+    assert [s["txt"].decode()[:15] for s in docs] == ["A fire hydrant ", "The Boeing 747 "]
+    assert all("png" in s for s in docs)  # text only: the blank picture
+    doc_map = json.loads((out / "corpus" / DOC_MAP).read_text())
+    assert doc_map == {"layout": "okvqa", "doc_ids": {"0": 0, "1": 1}}
+    _picture(tmp_path / "val2014" / "COCO_val2014_000000000042.jpg", 0)
+    (tmp_path / "q.json").write_text(json.dumps({"questions": [
+        {"image_id": 42, "question": "What do firemen use this for?", "question_id": 420}]}))
+    answers = ["Water"] * 6 + ["put out fires"] * 4
+    (tmp_path / "a.json").write_text(json.dumps({"annotations": [
+        {"question_id": 420, "image_id": 42, "answer_type": "other", "question_type": "other",
+         "answers": [{"answer": a, "raw_answer": a, "answer_confidence": "yes", "answer_id": i}
+                     for i, a in enumerate(answers, 1)], "confidence": 3}]}))
+    res = convert_vqa(tmp_path / "q.json", tmp_path / "a.json", tmp_path / "val2014", out, "val")
+    meta = _metas(out, "val")[0]
+    assert meta["answer"] == "water" and "doc_id" not in meta and res["normalised"]["changed"] == 6
+
+
 # ------------------------------------------------------------------------------ InfoSeek
 def _infoseek(root: Path) -> dict[str, Path]:
     """OVEN's Wiki6M knowledge base, InfoSeek's val questions with their _withkb and qtype files."""

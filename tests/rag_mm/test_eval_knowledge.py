@@ -243,7 +243,8 @@ def test_infoseek_converted_trains_and_evaluates_closed_book_learned_and_oracle(
                       *TINY_MODEL])
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "metrics.json").read_text())
-    assert summary["val"]["n_kvqa"] == 8 and "infoseek_score" in summary["val"]  # beside every score
+    # beside every score of the trainer's final evaluation
+    assert summary["val"]["n_kvqa"] == 8 and "infoseek_score" in summary["val"]
     assert "recall@1" in summary["val"] and "pseudo_recall@1" in summary["val"]
     res = run_module(["-m", "rag_mm.evaluate", str(run), "split=val", "modes=all"])
     assert res.returncode == 0, res.stderr[-3000:]
