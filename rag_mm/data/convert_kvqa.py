@@ -182,12 +182,13 @@ def convert_infoseek(
     read = 0
     for n, row in jsonl_rows(questions, "InfoSeek questions file"):
         read += 1
-        for k in ("data_id", "image_id", "question", "answer"):
+        for k in ("data_id", "image_id", "question"):
             if k not in row:
                 raise ConvertError(
                     f"{questions}:{n} has no {k!r} (keys: {', '.join(map(repr, row))})"
                 )
-        answers = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
+        answers = row.get("answer") or []  # InfoSeek's test split has none: skipped
+        answers = answers if isinstance(answers, list) else [answers]
         answers = [str(a) for a in answers if str(a).strip()]
         if not answers:
             w.skip("no_answers", row["data_id"])
@@ -274,15 +275,7 @@ def convert_evqa(
             for image_id in ids:
                 w.skip("no_answers", f"{i}:{image_id}")
             continue
-        urls = [u for u in (row.get("wikipedia_url") or "").split("|") if u]
-        sections = [
-            s.strip() for s in (row.get("evidence_section_id") or "").split("|") if s.strip()
-        ]
-        key = (
-            f"{urls[-1]}#{int(float(sections[-1]))}"
-            if urls and sections
-            else (f"{urls[-1]}#0" if urls else None)
-        )
+        key = _evqa_gold(row, f"{csv_path}: row {i + 2}")
         kind = (row.get("question_type") or "").strip() or "templated"
         unseen = str(row.get("wikipedia_url_used_in_train", "True")).strip().lower() in FALSE
         link = _gold(doc_map, key, gold)
@@ -305,6 +298,23 @@ def convert_evqa(
         gold=dict(sorted(gold.items())),
         question_types=dict(sorted(kinds.items())),
     )
+
+
+def _evqa_gold(row: dict, where: str) -> str | None:
+    """The gold section's key ``<url>#<section>`` of an E-VQA row: the last hop's (two-hop rows
+    name two urls and two section ids, split by '|'); the article's lead section where the row
+    names no section; None without a url."""
+    urls = [u for u in (row.get("wikipedia_url") or "").split("|") if u]
+    sections = [s.strip() for s in (row.get("evidence_section_id") or "").split("|") if s.strip()]
+    if not urls:
+        return None
+    if not sections:
+        return f"{urls[-1]}#0"
+    try:
+        return f"{urls[-1]}#{int(float(sections[-1]))}"
+    except ValueError:
+        why = f"{where}: evidence_section_id {sections[-1]!r} is no section number"
+        raise ConvertError(why) from None
 
 
 def _checked_rows(path: Path) -> Iterator[dict]:

@@ -17,7 +17,7 @@ from rag_mm.data.convert import convert_vqa
 from rag_mm.data.convert_cli import main
 from rag_mm.data.convert_kb import DOC_MAP, convert_kb
 from rag_mm.data.convert_kvqa import convert_evqa, convert_infoseek
-from rag_mm.data.pipeline import collate
+from rag_mm.data.pipeline import QueryStream, StreamSpec, collate
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.eval.vqa_metric import vqa_accuracy
 from tests.rag_mm.test_convert import _picture
@@ -305,6 +305,18 @@ def test_infoseek_questions_carry_their_entity_document_and_unseen_mark(tmp_path
     assert m["1"]["answer"] == "joseph strauss"  # normalised as the VQA release
     assert m["1"]["kvqa"]["aliases"] == ["joseph strauss", "joseph b strauss"]
     assert m["1"]["entity_id"] == "Q44440"
+    # the pipeline hands gold, mark and scoring fields to evaluation; a malformed kvqa is skipped
+    shard = next((out / "val").glob("*.tar"))
+    with wds.TarWriter(str(out / "val" / "bad.tar")) as sink:
+        sink.write({"__key__": "x", "jpg": _samples(out, "corpus")[0]["jpg"], "txt": "?",
+                    "json": json.dumps({"answer": "a", "kvqa": ["not", "an", "object"]})})
+    spec = StreamSpec([str(shard), str(out / "val" / "bad.tar")], image_size=16, max_question=16,
+                      max_answer=8, batch_size=8, train=False)
+    batches = list(QueryStream(spec))
+    assert len(batches) == 1 and batches[0]["doc_id"].tolist() == [0, 1, 1]
+    assert batches[0]["heldout"].tolist() == [False, True, True]
+    assert [kv["qtype"] for kv in batches[0]["kvqa"]] == ["numerical", "string", "time"]
+    assert batches[0]["skipped"][1] == {"bad_json": 1}
 
 
 def test_infoseek_withkb_rows_alone_and_without_a_kb(tmp_path):
@@ -318,6 +330,12 @@ def test_infoseek_withkb_rows_alone_and_without_a_kb(tmp_path):
     assert (
         m[0]["kvqa"]["qtype"] == "numerical" and m[2]["kvqa"]["qtype"] == "string"
     )  # inferred, no qtype file
+    # InfoSeek's test split has no answers: such rows are skipped and counted
+    rows = [json.loads(line) for line in f["questions"].read_text().splitlines()]
+    del rows[1]["answer"], rows[1]["answer_eval"]
+    test = _jsonl(tmp_path / "test.jsonl", rows)
+    res = convert_infoseek(test, f["oven"], tmp_path / "o2", "test")
+    assert res["skipped"] == {"missing_image": 1, "no_answers": 1} and res["written"] == 2
 
 
 # ------------------------------------------------------------------------------ Encyclopedic-VQA
@@ -519,7 +537,11 @@ def test_kvqa_commands_and_their_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.csv"
     bad.write_text("q,a\n1,2\n")
     wrong = _jsonl(tmp_path / "wrong.jsonl", [{"id": 1}])
+    bad_section = tmp_path / "bad_section.csv"
+    bad_section.write_text(f["csv"].read_text().replace(",1,", ",one,", 1))
     cases = {
+        ("evqa", "--csv", str(bad_section), "--images", str(f["images"]), "--out",
+         str(tmp_path / "o5"), "--split", "val"): "row 2: evidence_section_id 'one' is no section",
         (
             "evqa",
             "--csv",
