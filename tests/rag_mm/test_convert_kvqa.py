@@ -86,6 +86,27 @@ def test_normalised_answers_make_exact_match_and_vqa_accuracy_agree(tmp_path, an
             }
 
 
+def test_hugging_face_answers_are_normalised_unless_kept(tmp_path, capsys):
+    import io
+
+    import datasets
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), COLOURS[0]).save(buf, format="PNG")
+    rows = {"image": [{"bytes": buf.getvalue(), "path": None}], "question": ["How many?"],
+            "answers": [["Seven"] * 9 + ["seven"]]}
+    datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image()).to_parquet(
+        str(tmp_path / "val.parquet"))
+    for flags, answer in (([], "7"), (["--keep-answers"], "Seven")):
+        out = tmp_path / f"out{len(flags)}"
+        argv = ["hf", "--path", str(tmp_path / "val.parquet"), "--split", "val", "--out", str(out)]
+        assert main(argv + flags) == 0
+        meta = _metas(out, "val")[0]
+        assert meta["answer"] == answer and meta["answers"][0] == answer
+    err = capsys.readouterr().err
+    assert "10 of 10 changed" in err and "answers kept as given (10; --keep-answers)" in err
+
+
 def test_normalisation_report_names_each_rule(tmp_path):
     from rag_mm.data.convert_answers import Normaliser
 
