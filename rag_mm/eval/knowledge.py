@@ -76,7 +76,7 @@ class KnowledgeSums:
         answers = batch.get("answers") or [None] * len(rows)
         kvqas = batch.get("kvqa") or [None] * len(rows)
         for b, (row_ids, ok) in enumerate(zip(rows, known.tolist())):
-            strings = answer_strings(batch["answer"][b], answers[b], kvqas[b])
+            strings = self.matcher.needles(answer_strings(batch["answer"][b], answers[b], kvqas[b]))
             if not strings:
                 continue
             held = bool(batch["heldout"][b])

@@ -153,8 +153,12 @@ def correct(prediction: str, kvqa: dict) -> bool:
 
 
 # ------------------------------------------------------------------------------ pseudo-recall
+_TO_SPACE = str.maketrans({c: " " for c in string.punctuation})
+
+
 def _words(text: str) -> str:
-    return " " + " ".join("".join(" " if c in _PUNCT else c for c in text.lower()).split()) + " "
+    """``text`` lowercased, punctuation as spaces, single-spaced, padded: whole-word matching."""
+    return " " + " ".join(text.lower().translate(_TO_SPACE).split()) + " "
 
 
 class PassageMatcher:
@@ -164,11 +168,16 @@ class PassageMatcher:
         self.passages = passages
         self._norm: dict[int, str] = {}
 
-    def contains(self, row: int, answers: list[str]) -> bool:
+    @staticmethod
+    def needles(answers: list[str]) -> list[str]:
+        """The answers as ``contains`` looks for them (normalise once per query)."""
+        return [w for w in (_words(a) for a in answers) if w.strip()]
+
+    def contains(self, row: int, needles: list[str]) -> bool:
         if row not in self._norm:
             self._norm[row] = _words(self.passages[row])
         text = self._norm[row]
-        return any(w.strip() and w in text for w in (_words(a) for a in answers))
+        return any(w in text for w in needles)
 
 
 def answer_strings(answer: str, answers: list[str] | None, kvqa: dict | None) -> list[str]:
