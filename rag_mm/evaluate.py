@@ -47,7 +47,7 @@ from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import all_reduce_sum
 from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
-from rag_mm.eval.knowledge import KnowledgeSums
+from rag_mm.eval.knowledge import KnowledgeSums, retrieval_line
 from rag_mm.eval.predictions import PredictionError, write_predictions
 from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 from rag_mm.ft.preemption import Stopped
@@ -320,7 +320,7 @@ def _report(split: str, res: dict) -> None:
     log.info("%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
              split, accuracy, _fmt(prior), by_type or "none",
              _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))), _fmt(drop))
-    retrieval = retrieval_line(res)
+    retrieval = retrieval_line(res, RECALL_AT)
     if retrieval:
         log.info("%s: %s", split, retrieval)
     problems = []
@@ -334,29 +334,6 @@ def _report(split: str, res: dict) -> None:
         hint = ("; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer patch "
                 "grid (model.patch_size, as +experiment=vqa sets it) is the usual cure" if drop is not None and drop < MIN_GAIN else "")
         log.warning("%s: %s%s", split, " / ".join(problems), hint)
-
-
-def retrieval_line(res: dict) -> str:
-    """Seen / held-out accuracy, recall@k against gold, pseudo-recall and the InfoSeek score of a
-    split's metrics, in words ('' when it has none of them)."""
-    parts = [f"exact match seen {_fmt(res.get('acc_seen'))} / "
-             f"held out {_fmt(res.get('acc_heldout'))}"]
-    if "kvqa_acc" in res:
-        parts.append(f"answer match seen {_fmt(res.get('kvqa_acc_seen'))} / held out "
-                     f"{_fmt(res.get('kvqa_acc_heldout'))}")
-    if "infoseek_score" in res:
-        parts.append(f"InfoSeek score {100 * res['infoseek_score']:.2f} "
-                     f"(unseen question {100 * res['infoseek_unseen_question']:.2f}, "
-                     f"unseen entity {100 * res['infoseek_unseen_entity']:.2f})")
-    for name in ("recall", "pseudo_recall"):
-        ks = [k for k in RECALL_AT if f"{name}@{k}" in res]
-        if ks:
-            parts.append(f"{name.replace('_', '-')}@" + "/".join(map(str, ks)) + " " +
-                         "/".join(_fmt(res[f"{name}@{k}"]) for k in ks) + " (held out " +
-                         "/".join(_fmt(res.get(f"{name}@{k}_heldout")) for k in ks) + ")")
-    if "pseudo_recall_gold" in res:
-        parts.append(f"answer in the gold passage {_fmt(res['pseudo_recall_gold'])}")
-    return "; ".join(parts) if len(parts) > 1 or res.get("n_heldout") else ""
 
 
 def _png_b64(img: torch.Tensor) -> str:
@@ -566,9 +543,15 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
         metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
                            n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split,
                            predictions=answered)
-        if wanted:
-            metrics["modes"] = _compare(parts.rag, cfg, split, device, parts.tok, prior, metrics,
-                                        wanted, run_dir)
+        if wanted:  # the other modes on the same weights, without the picture ablation (fast)
+            from rag_mm.eval.modes import NAMES, compare
+
+            def other(name: str) -> dict:
+                return evaluate(parts.rag, make_stream(cfg, split, train=False), device,
+                                tokenizer=parts.tok, prior=prior, ablation=False)
+
+            metrics["modes"] = compare(parts.rag, split, wanted, NAMES.get(cfg.retriever.mode),
+                                       metrics, other, run_dir / "metrics.json")
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
@@ -598,36 +581,6 @@ def _modes(cfg, split: str, text: str) -> list[str]:
         raise EvalError(str(exc)) from None
 
 
-def _compare(rag, cfg, split: str, device, tok, prior, trained: dict, names: list[str],
-             run_dir: Path) -> dict:
-    """Evaluate ``split`` in each mode of ``names`` (the trained mode's ``trained`` metrics reused;
-    the others without the picture ablation, to stay fast); log the table and put it into the
-    run's metrics.json when there is one. Returns {"table": ..., "<mode>": full metrics}."""
-    from rag_mm.eval.modes import NAMES, lines, retrieval_mode, side_by_side
-
-    results = {}
-    for name in names:
-        if NAMES.get(cfg.retriever.mode) == name:
-            results[name] = {k: v for k, v in trained.items() if k != "modes"}
-            continue
-        with retrieval_mode(rag, name):
-            stream = make_stream(cfg, split, train=False)
-            results[name] = evaluate(rag, stream, device, tokenizer=tok, prior=prior,
-                                     ablation=False)
-    table = json_safe(side_by_side(results))
-    for line in lines(split, table):
-        log.info("%s", line)
-    path = run_dir / "metrics.json"
-    if path.is_file() and writable_dir_problem("RUN_DIR", run_dir) is None:
-        try:
-            summary = json.loads(path.read_text())
-            summary.setdefault("modes", {})[split] = table
-            path.write_text(json.dumps(summary, indent=1, allow_nan=False))
-        except (OSError, ValueError) as exc:  # an unreadable summary is left as it is
-            log.warning("modes not written into %s: %s", path, exc)
-    return {"table": table, **json_safe(results)}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Evaluate a finished or running run directory with its saved config; one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
@@ -637,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    # split= and predictions= are the command's own arguments, the rest config overrides
+    # split=, predictions= and modes= are the command's own arguments, the rest config overrides
     own = {key: a.split("=", 1)[1] for a in argv[1:] for key in OWN if a.startswith(f"{key}=")}
     overrides = [a for a in argv[1:] if not a.startswith(tuple(f"{k}=" for k in OWN))]
     predictions = Path(own["predictions"]) if own.get("predictions") else None

@@ -15,7 +15,15 @@ one log line per mode); the full metrics of each mode travel beside it.
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
+
+from rag_mm.components.metrics import json_safe
+
+log = logging.getLogger(__name__)
 
 MODES = {"closed_book": "none", "learned": "learned", "oracle": "oracle"}  # name -> retriever.mode
 NAMES = {v: k for k, v in MODES.items()}
@@ -81,6 +89,32 @@ def retrieval_mode(rag, name: str):
         yield
     finally:
         rag.rcfg.mode = old
+
+
+def compare(rag, split: str, names: list[str], trained: str | None, trained_metrics: dict,
+            evaluate_mode: Callable[[str], dict], summary: Path) -> dict:
+    """Evaluate ``split`` in each mode of ``names``: the mode the run trained in (``trained``)
+    reuses ``trained_metrics``, the others run ``evaluate_mode(name)`` with ``rag`` switched to
+    them. Logs the table (``lines``) and puts it into the run's metrics.json (``summary``) under
+    ``modes.<split>`` when there is one. Returns {"table": ..., "<mode>": its full metrics}."""
+    results = {}
+    for name in names:
+        if name == trained:
+            results[name] = {k: v for k, v in trained_metrics.items() if k != "modes"}
+            continue
+        with retrieval_mode(rag, name):
+            results[name] = evaluate_mode(name)
+    table = json_safe(side_by_side(results))
+    for line in lines(split, table):
+        log.info("%s", line)
+    if summary.is_file():
+        try:
+            data = json.loads(summary.read_text())
+            data.setdefault("modes", {})[split] = table
+            summary.write_text(json.dumps(data, indent=1, allow_nan=False))
+        except (OSError, ValueError) as exc:  # an unreadable or unwritable summary is left as it is
+            log.warning("modes not written into %s: %s", summary, exc)
+    return {"table": table, **json_safe(results)}
 
 
 def side_by_side(results: dict[str, dict]) -> dict[str, dict]:
