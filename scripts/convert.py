@@ -6,7 +6,8 @@
     python scripts/convert.py hf --path DIR_OR_PARQUET_GLOB --split train --image-column image \
         --question-column question --answers-column answers [--id-column question_id]
     python scripts/convert.py kb --jsonl kb.jsonl | --infoseek Wiki6M_ver_1_0.jsonl \
-        | --evqa encyclopedic_kb_wiki.json [--images DIR] [--linked QUESTION_FILES ...] --out OUT
+        | --evqa encyclopedic_kb_wiki.json | --okvqa okvqa_full_corpus.csv \
+        [--images DIR] [--linked QUESTION_FILES ...] --out OUT
     python scripts/convert.py infoseek --questions infoseek_val.jsonl \
         --withkb infoseek_val_withkb.jsonl --qtype infoseek_val_qtype.jsonl \
         --images DIR --out OUT --split val
