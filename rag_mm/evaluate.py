@@ -4,6 +4,7 @@ VQA accuracy where queries carry their human answers.
     python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
     python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
     python -m rag_mm.evaluate runs/vqa split=test predictions=runs/vqa/test_results.json   # VQA results file
+    python -m rag_mm.evaluate runs/kvqa modes=all   # closed book / learned / oracle side by side
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
@@ -46,6 +47,7 @@ from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import all_reduce_sum
 from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
+from rag_mm.eval.knowledge import KnowledgeSums, retrieval_line
 from rag_mm.eval.predictions import PredictionError, write_predictions
 from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 from rag_mm.ft.preemption import Stopped
@@ -81,6 +83,12 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
       accuracy minus blanked accuracy (VQA accuracy when reported, else exact match). One extra
       forward per batch; the trainer's periodic validation passes turn it off.
 
+    What retrieval adds (``rag_mm.eval.knowledge``): queries with knowledge-VQA fields (json
+    ``kvqa``, from ``scripts/convert.py infoseek`` / ``evqa``) are decoded greedily and scored by
+    their source's rule (``kvqa_acc``, seen and held out; ``infoseek_score`` on InfoSeek's two
+    unseen splits), and ``pseudo_recall@k`` counts the queries whose answer appears in a retrieved
+    passage (``pseudo_recall_gold`` in the gold passage, oracle mode), beside recall@k against gold.
+
     ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy answer
     text) for every query, in loader order: the VQA results file (``rag_mm.eval.predictions``).
 
@@ -103,6 +111,8 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     typed = torch.zeros(len(ANSWER_TYPES), len(TYPED), dtype=torch.float64)  # per answer type, the TYPED sums
     whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
     tok = tokenizer if tokenizer is not None else get_tokenizer()
+    store = getattr(rag, "store", None)
+    know = KnowledgeSums(RECALL_AT, store.passages if store is not None else [])
     warned = False
     examples: list[dict] = []
     # (a stop puts the model back in its mode before Stopped leaves the loop)
@@ -147,6 +157,20 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
             warned = True
             log.warning("vqa_acc not computed: greedy answers need the whole reader on each rank "
                         "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate")
+        kvqas = batch.get("kvqa") or [None] * B
+        krows = [r for r, kv in enumerate(kvqas) if kv]
+        if krows and whole:  # knowledge-VQA queries: greedy answers, scored by the source's rule
+            if preds is not None:
+                kp = [preds[r] for r in krows]
+            else:
+                kp = _greedy(rag, batch, out, device, torch.tensor(krows), tok)
+            max_answer = rag.reader.cfg.max_answer
+            know.add_answers(batch, krows, [_answer_text(ids, kvqas[r]["aliases"], tok, max_answer)
+                                            for r, ids in zip(krows, kp)])
+        if out.doc_ids is not None and store is not None and len(store):
+            oracle = rag.rcfg.mode == "oracle"
+            read = out.doc_ids[:, :1] if oracle else out.doc_ids
+            know.add_passages(batch, read, store, gold=oracle)
         if ablation:
             blank = _blank(batch)
             out_blank = rag(**batch_inputs(blank, device), retriever_loss=False, search_k=search_k)
@@ -155,7 +179,8 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
                 _add_vqa(typed, "_blank", rag, blank, out_blank, device, rows, types, tok)
         if examples_path is not None and len(examples) < n_examples:
             examples += _examples(rag, batch, out, device, tokenizer, n_examples - len(examples))
-    acc, typed = (all_reduce_sum(torch.cat([acc, typed.flatten()])) / replicas).split([2 * width, typed.numel()])
+    sums = all_reduce_sum(torch.cat([acc, typed.flatten(), know.sums])) / replicas
+    acc, typed, ksums = sums.split([2 * width, typed.numel(), know.sums.numel()])
     typed = typed.view(len(ANSWER_TYPES), len(TYPED))
     rag.train(was_training)
     seen, held = acc[:width].tolist(), acc[width:].tolist()
@@ -178,6 +203,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     if total[TYPED["n_vqa"]] > 0:
         res["vqa_acc"] = float(total[TYPED["vqa"]] / total[TYPED["n_vqa"]])
         res["n_vqa"] = int(total[TYPED["n_vqa"]])
+    res.update(know.results(ksums, gold=rag.rcfg.mode == "oracle"))
     res.update(_picture_metrics(total, prior is not None, ablation))
     res["by_type"] = {name: {"n": int(row[TYPED["n"]]), **_picture_metrics(row, prior is not None, ablation, typed=True)}
                       for name, row in zip(ANSWER_TYPES, typed) if row[TYPED["n"]] > 0}
@@ -294,6 +320,9 @@ def _report(split: str, res: dict) -> None:
     log.info("%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
              split, accuracy, _fmt(prior), by_type or "none",
              _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))), _fmt(drop))
+    retrieval = retrieval_line(res, RECALL_AT)
+    if retrieval:
+        log.info("%s: %s", split, retrieval)
     problems = []
     if prior is not None and accuracy < prior + MIN_GAIN:
         where = "below" if accuracy < prior - MIN_GAIN else f"within {MIN_GAIN * 100:.0f} points of"
@@ -369,7 +398,9 @@ class EvalError(Exception):
     """Bad input to the command line: its message goes to stderr, the exit status is 2."""
 
 
-USAGE = "usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] [key=value ...]"
+USAGE = ("usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] "
+         "[modes=all|closed_book,learned,oracle] [key=value ...]")
+OWN = ("split", "predictions", "modes")  # the command's own arguments; the rest: config overrides
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a dotted config key, then its value
 
 
@@ -479,12 +510,16 @@ def load_run(cfg, ckpt: Path) -> tuple[RagParts, int, torch.device]:
     return parts, step, device
 
 
-def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | None = None) -> dict:
+def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | None = None,
+        modes: str | None = None) -> dict:
     """Build the run's model, load its newest valid checkpoint and evaluate ``split``;
-    ``predictions``: where every query's greedy answer goes, in the VQA results format."""
+    ``predictions``: where every query's greedy answer goes, in the VQA results format; ``modes``
+    (``rag_mm.eval.modes``): also evaluate closed book / learned / oracle on the same weights, the
+    table under ``modes`` (and in the run's metrics.json under ``modes.<split>``)."""
     if split not in SPLITS:
         raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     cfg = load_config(run_dir, overrides)
+    wanted = _modes(cfg, split, modes) if modes else []
     if cfg.retriever.mode == "oracle":  # it reads each query's gold document: checked before any work
         from rag_mm.checks.gold import oracle_problem
 
@@ -508,6 +543,15 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
         metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
                            n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split,
                            predictions=answered)
+        if wanted:  # the other modes on the same weights, without the picture ablation (fast)
+            from rag_mm.eval.modes import NAMES, compare
+
+            def other(name: str) -> dict:
+                return evaluate(parts.rag, make_stream(cfg, split, train=False), device,
+                                tokenizer=parts.tok, prior=prior, ablation=False)
+
+            metrics["modes"] = compare(parts.rag, split, wanted, NAMES.get(cfg.retriever.mode),
+                                       metrics, other, run_dir / "metrics.json")
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
@@ -521,6 +565,22 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
     return {"split": split, "step": step, **metrics}
 
 
+def _modes(cfg, split: str, text: str) -> list[str]:
+    """The modes ``modes=`` asks for, checked against the run and the split's data."""
+    from rag_mm.checks.gold import oracle_problem
+    from rag_mm.config import data_splits
+    from rag_mm.eval.modes import ModeError, parse
+
+    has_corpus = "corpus" in data_splits(cfg)
+    gold = None
+    if has_corpus and ("oracle" in text or text == "all"):
+        gold = oracle_problem(cfg, split)
+    try:
+        return parse(text, cfg.retriever.mode, has_corpus, gold)
+    except ModeError as exc:
+        raise EvalError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Evaluate a finished or running run directory with its saved config; one JSON line."""
     argv = sys.argv[1:] if argv is None else argv
@@ -530,12 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
-    # split= and predictions= are the command's own arguments, the rest config overrides
-    own = {key: a.split("=", 1)[1] for a in argv[1:] for key in ("split", "predictions") if a.startswith(f"{key}=")}
-    overrides = [a for a in argv[1:] if not a.startswith(("split=", "predictions="))]
+    # split=, predictions= and modes= are the command's own arguments, the rest config overrides
+    own = {key: a.split("=", 1)[1] for a in argv[1:] for key in OWN if a.startswith(f"{key}=")}
+    overrides = [a for a in argv[1:] if not a.startswith(tuple(f"{k}=" for k in OWN))]
     predictions = Path(own["predictions"]) if own.get("predictions") else None
     try:
-        res = run(Path(argv[0]), own.get("split", "test"), overrides, predictions)
+        res = run(Path(argv[0]), own.get("split", "test"), overrides, predictions, own.get("modes"))
     except EvalError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,10 @@ Question layouts, told apart by the questions file's shape:
 * A-OKVQA: one list ``[{"question_id", "image_id", "question", "direct_answers" (10), "choices",
   "correct_choice_idx", "rationales", ...}]``; the training answer is the most frequent direct answer.
 
+Human answers, and so the training answer, are normalised as the VQA release normalised its
+annotations (``rag_mm.data.convert_answers``: "Seven" -> "7", "Eiffel Tower" -> "eiffel tower"),
+so that exact match and the VQA accuracy agree; ``--keep-answers`` stores them as given.
+
 Questions without answers (a test split) are skipped, as are those whose picture is not under
 ``--images``, which is searched recursively for COCO's names: ``COCO_train2014_000000000042.jpg``
 (2014/2015) or ``000000000042.jpg`` (2017; A-OKVQA's images), any of jpg/jpeg/png/webp. Both
@@ -59,7 +63,9 @@ from pathlib import Path
 import webdataset as wds
 from PIL import Image, ImageOps
 
+from rag_mm.data.convert_answers import Normaliser
 from rag_mm.data.urls import expand_urls, missing_local_shards
+from rag_mm.eval.vqa_metric import normalize_answer
 
 SPLITS = ("train", "val", "test")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # what rag_mm.data.pipeline decodes
@@ -85,6 +91,7 @@ class Question:
     answers: list[str]  # every human answer, in the file's order
     answer_type: str | None = None  # VQAv2's "yes/no" | "number" | "other", where the annotation has one
     question_type: str | None = None  # VQAv2's question prefix class ("what color is the", ...), likewise
+    given: str | None = None  # the annotation's multiple_choice_answer (VQAv2), which ``answer`` is
 
 
 # ------------------------------------------------------------------------------ reading questions
@@ -187,8 +194,19 @@ def read_questions(questions: Path, annotations: Path | None) -> tuple[str, list
             skipped["no_answers"] += 1
             continue
         out.append(Question(q["question_id"], q["image_id"], q["question"], mc or most_frequent(answers), answers,
-                            a_type, q_type))
+                            a_type, q_type, mc))
     return "vqa", out, skipped
+
+
+def normalise_question(q: Question, norm: Normaliser, given: str | None = None) -> Question:
+    """``q`` with its human answers normalised by ``norm``; the training answer is ``given`` (an
+    annotation's ``multiple_choice_answer``) normalised, else the most frequent normalised answer
+    (so "2" twice and "two" once make "2" three times)."""
+    q.answers = norm.many(q.answers)  # counted, and passed through unchanged when norm is off
+    if not norm.enabled:
+        return q
+    q.answer = (normalize_answer(given) or given) if given else most_frequent(q.answers)
+    return q
 
 
 def index_images(folder: Path) -> dict[int, Path]:
@@ -297,12 +315,16 @@ def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
 
 
 def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Path, split: str,
-                shard_size: int = 1000, image_size: int = 0, overwrite: bool = False) -> dict:
+                shard_size: int = 1000, image_size: int = 0, overwrite: bool = False,
+                normalise: bool = True) -> dict:
     """Write the questions of a VQA / A-OKVQA file whose pictures are under ``images`` as the query
-    shards of ``split``; return the summary (counts, skipped by reason, the data overrides)."""
+    shards of ``split``; return the summary (counts, skipped by reason, the data overrides, and
+    ``normalised``: what the answer normalisation changed, ``rag_mm.data.convert_answers``)."""
     if split not in SPLITS:
         raise ConvertError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     layout, qs, skipped = read_questions(questions, annotations)
+    norm = Normaliser(normalise)
+    qs = [normalise_question(q, norm, q.given) for q in qs]
     if not qs:
         raise ConvertError(f"no question in {questions} has answers ({skipped['no_answers']} without): "
                            "a test split without answers cannot train or be scored")
@@ -331,7 +353,9 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             continue
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
-    return _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)
+    read = len(qs) + skipped["no_answers"]
+    return _summary("question", sink, out, split, read, skipped, examples, layout=layout,
+                    normalised=norm.report())
 
 
 def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, bytes, bytes]]:

@@ -41,9 +41,11 @@ from rag_mm.data.convert import (
     ShardSink,
     _summary,
     most_frequent,
+    normalise_question,
     picture,
     query_sample,
 )
+from rag_mm.data.convert_answers import Normaliser
 
 BATCH = 256  # rows per Arrow batch read: a few MB of pictures at a time
 OPTIONAL = ("multiple_choice_answer", "answer_type", "question_type", "image_id")  # kept where present
@@ -179,10 +181,11 @@ def _question(row: dict, qid, cols: dict[str, str]) -> tuple[Question | None, st
     if not answers:
         return None, "no_answers"
     mc = row.get("multiple_choice_answer")
+    mc = mc if isinstance(mc, str) and mc.strip() else None
     image_id = row.get("image_id")
     return Question(qid, image_id if isinstance(image_id, int) and not isinstance(image_id, bool) else None, text,
-                    mc if isinstance(mc, str) and mc.strip() else most_frequent(answers), answers,
-                    _str(row.get("answer_type")), _str(row.get("question_type"))), ""
+                    mc or most_frequent(answers), answers,
+                    _str(row.get("answer_type")), _str(row.get("question_type")), mc), ""
 
 
 def _str(value) -> str | None:
@@ -199,9 +202,11 @@ def _qid(value, n: int):
 # ------------------------------------------------------------------------------ conversion
 def convert_hf(path: str, out: Path, split: str, image_column: str = "image", question_column: str = "question",
                answers_column: str = "answers", id_column: str | None = None, source_split: str | None = None,
-               shard_size: int = 1000, image_size: int = 0, overwrite: bool = False) -> dict:
+               shard_size: int = 1000, image_size: int = 0, overwrite: bool = False,
+               normalise: bool = True) -> dict:
     """Write the rows of a Hugging Face data set (``path``: a save_to_disk folder, parquet file(s)
-    or a glob) as the query shards of ``split``; return the summary (as ``convert_vqa``'s)."""
+    or a glob) as the query shards of ``split``; return the summary (as ``convert_vqa``'s, human
+    answers normalised unless ``normalise`` is off)."""
     if split not in SPLITS:
         raise ConvertError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     rows = Rows(path, split, source_split)
@@ -216,6 +221,7 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
     read = [*dict.fromkeys([*cols.values(), *([id_col] if id_col else []),
                             *(c for c in OPTIONAL if c in rows.columns)])]
     skipped: Counter[str] = Counter()
+    norm = Normaliser(normalise)
     bad: list = []
     sink: ShardSink | None = None  # opened at the first good row: bad input leaves no shard behind
     n = 0
@@ -227,6 +233,7 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
             if q is None:
                 skipped[why] += 1
                 continue
+            q = normalise_question(q, norm, q.given)
             try:
                 ext, data = picture(image_bytes(row[image_column], rows.base), image_size)
             except Exception as exc:  # no picture, an unreadable path, bytes PIL cannot open (several types)
@@ -240,7 +247,8 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
     if sink is None:
         raise ConvertError(f"no question of {path} was written ({n} rows): skipped {dict(skipped) or 'none'}")
     examples = {"bad_image": bad[:EXAMPLES]} if bad else {}
-    return _summary("question", sink, out, split, n, skipped, examples, layout="hf")
+    return _summary("question", sink, out, split, n, skipped, examples, layout="hf",
+                    normalised=norm.report())
 
 
 def add_parser(sub, common) -> None:
@@ -253,9 +261,12 @@ def add_parser(sub, common) -> None:
     h.add_argument("--question-column", default="question", help="the questions (default: question)")
     h.add_argument("--answers-column", default="answers", help="the human answers (default: answers)")
     h.add_argument("--id-column", help="the question ids (default: question_id where present, else the row number)")
+    h.add_argument("--keep-answers", action="store_true",
+                   help="store the human answers as given (default: normalised as the VQA release)")
 
 
 def run(args) -> dict:
     """``scripts/convert.py hf`` with parsed ``args``."""
     return convert_hf(args.path, args.out, args.split, args.image_column, args.question_column, args.answers_column,
-                      args.id_column, args.source_split, args.shard_size, args.image_size, args.overwrite)
+                      args.id_column, args.source_split, args.shard_size, args.image_size,
+                      args.overwrite, not args.keep_answers)

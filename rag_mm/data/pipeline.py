@@ -184,6 +184,10 @@ class QueryStream(torch.utils.data.IterableDataset):
             answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.eval.vqa_metric
             if answers is not None and not (isinstance(answers, list) and all(isinstance(a, str) for a in answers)):
                 raise ValueError("json 'answers' is not a list of strings")
+            kvqa = meta.get("kvqa")  # optional knowledge-VQA scoring fields (eval.kvqa_metric)
+            if kvqa is not None and not (isinstance(kvqa, dict)
+                                         and isinstance(kvqa.get("aliases"), list)):
+                raise ValueError("json 'kvqa' is not an object with an 'aliases' list")
             answer_type = meta.get("answer_type")  # optional VQA answer type ("yes/no", "number", "other")
             if answer_type is not None and not isinstance(answer_type, str):
                 raise ValueError("json 'answer_type' is not a string")
@@ -209,6 +213,7 @@ class QueryStream(torch.utils.data.IterableDataset):
             "attribute": str(meta.get("attribute", "")),
             "answers": answers or None,
             "answer_type": answer_type,
+            "kvqa": kvqa,
         }
 
     def _samples(self, counter: SkipCounter, worker: int, num_workers: int) -> Iterator[dict]:
@@ -313,6 +318,7 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
         "answer": [s["answer"] for s in samples],
         "answers": [s["answers"] for s in samples],  # per query: its human answers (list[str]) or None
         "answer_type": [s.get("answer_type") for s in samples],  # per query: its json's answer_type (str) or None
+        "kvqa": [s.get("kvqa") for s in samples],  # per query: its json's kvqa (dict) or None
         "key": [s["key"] for s in samples],
         # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
         "skipped": (info.id if info else 0, dict(counter.counts) if counter else {}),

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from rag_mm import evaluate
 from rag_mm.config import compose
 from rag_mm.eval import runs
 from rag_mm.trainer import Trainer
@@ -82,8 +84,15 @@ def _check_pngs(figures: Path, names: list[str]) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_evaluate_run_notebook(run_dirs, tmp_path):
+def test_evaluate_run_notebook(run_dirs, tiny_world, tmp_path):
     learned, _ = run_dirs
+    # closed book / learned / oracle on the run's checkpoint, written into its metrics.json (the
+    # fixture trained in this process: its config is saved where Hydra's job would have put it)
+    cfg = compose(tiny_overrides(tiny_world, learned, "eval_every=2", "retriever=learned",
+                                 "retriever.refresh_every=2", "name=learned"))
+    (learned / ".hydra").mkdir(exist_ok=True)
+    OmegaConf.save(cfg, learned / ".hydra" / "config.yaml")
+    assert evaluate.main([str(learned), "split=test", "modes=all"]) == 0
     figures = tmp_path / "figures"
     nb = _execute("evaluate_run.ipynb", tmp_path, RAG_MM_RUN_DIR=str(learned), RAG_MM_FIGURES=str(figures))
     _check_pngs(figures, ["loss", "accuracy", "recall_at_k", "timeline", "gallery"])
@@ -94,6 +103,13 @@ def test_evaluate_run_notebook(run_dirs, tmp_path):
     assert "split | answer type | n | accuracy | blind prior | blanked | image drop" in text
     assert (f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | {test['acc_blank']:.3f} | "
             f"{test['image_drop']:.3f}") in text
+    # what retrieval adds: the trained mode per split, then the three modes side by side
+    assert "split | mode | n | acc seen | acc held out | answer match | InfoSeek | recall@1" in text
+    assert f"test | learned (trained) | {test['n']} | {test['acc_seen']:.3f}" in text
+    assert f"| {test['recall@1']:.3f} |" in text
+    for mode in ("closed_book", "learned", "oracle"):
+        assert f"test | {mode} | {test['n']} |" in text, mode
+    assert "test: retrieval_gain" in text and "oracle_gap" in text
     assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
                for c in nb.cells for o in c.get("outputs", []))  # figures are shown inline too
 
