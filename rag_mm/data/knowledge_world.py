@@ -10,7 +10,8 @@ Layout under ``out``::
     world.json                     the config, sample counts and chance accuracy
 
 Query samples: png (a new rendering), txt (the question), json {answer, doc_id, attribute,
-heldout}. The same keys a user's own shards need (``jpg`` is accepted in place of ``png``).
+heldout}; ``attribute`` is one of the four facts or ``name`` (the creature's own name, never a
+training answer for a held-out creature). The same keys a user's own shards need (``jpg`` is accepted in place of ``png``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import webdataset as wds
 from omegaconf import OmegaConf
 
 from rag_mm.data.render import render
-from rag_mm.data.world import ATTRIBUTES, QUESTIONS, Entity, chance_accuracy, make_entities
+from rag_mm.data.world import ATTRIBUTES, KINDS, QUESTIONS, Entity, answer, chance_accuracy, make_entities
 
 
 @dataclass
@@ -51,9 +52,9 @@ def _png(img) -> bytes:
 
 
 def _query(entity: Entity, heldout: bool, rng: random.Random, size: int, key: str) -> dict:
-    attribute = rng.choice(list(ATTRIBUTES))
+    attribute = rng.choice(KINDS)
     question = rng.choice(QUESTIONS[attribute])
-    meta = {"answer": entity.facts[attribute], "doc_id": entity.doc_id, "attribute": attribute, "heldout": heldout}
+    meta = {"answer": answer(entity, attribute), "doc_id": entity.doc_id, "attribute": attribute, "heldout": heldout}
     return {"__key__": key, "png": _png(render(entity, size, rng)), "txt": question, "json": json.dumps(meta)}
 
 

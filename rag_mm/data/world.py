@@ -45,7 +45,14 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
                "at what time does this creature come out?"),
     "region": ("which region does this creature come from?", "what is the home region of this creature?",
                "from where does this creature originate?"),
+    # The name is no fact with a value set: each creature has its own, made of syllables, so a
+    # held-out creature's name was never a training answer and only copying it from the passage
+    # answers the question.
+    "name": ("what is this creature called?", "what is the name of this creature?",
+             "which name does this creature go by?"),
 }
+# Every kind of question a query asks: the four facts, then the name.
+KINDS: tuple[str, ...] = (*ATTRIBUTES, "name")
 _SYLLABLES = ("ka", "lo", "mi", "ru", "ze", "po", "ta", "vi", "nu", "sha", "gri", "bel", "dor", "fen", "quo", "xa")
 
 
@@ -98,6 +105,12 @@ def make_entities(num_entities: int, seed: int) -> list[Entity]:
     return out
 
 
+def answer(entity: Entity, kind: str) -> str:
+    """The answer to a question of ``kind`` (an attribute or "name") about ``entity``."""
+    return entity.name if kind == "name" else entity.facts[kind]
+
+
 def chance_accuracy() -> float:
-    """Exact-match accuracy of guessing: the mean over attributes of 1 / number of values."""
-    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / len(ATTRIBUTES)
+    """Exact-match accuracy of guessing, the mean over question kinds: 1 / number of values for a
+    fact, 0 for the name (every creature has its own)."""
+    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / len(KINDS)

@@ -9,7 +9,7 @@ from rag_mm.data.documents import DocumentStore
 from rag_mm.data.knowledge_world import WorldConfig, generate, main
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.urls import expand_urls
-from rag_mm.data.world import ATTRIBUTES
+from rag_mm.data.world import ATTRIBUTES, make_entities
 
 
 def test_generator_is_deterministic_and_splits_heldout(tmp_path):
@@ -28,7 +28,13 @@ def test_generator_is_deterministic_and_splits_heldout(tmp_path):
     assert not train_docs & heldout  # held-out entities never appear in training queries
     with tarfile.open(tmp_path / "a" / "test" / "test-000000.tar") as t:
         metas = [json.loads(t.extractfile(m).read()) for m in t if m.name.endswith(".json")]
-    assert any(m["heldout"] for m in metas) and all(m["answer"] in ATTRIBUTES[m["attribute"]] for m in metas)
+    assert any(m["heldout"] for m in metas)
+    facts = [m for m in metas if m["attribute"] != "name"]
+    assert facts and all(m["answer"] in ATTRIBUTES[m["attribute"]] for m in facts)
+    # name questions: the creature's own name, which its passage states
+    names = {e.doc_id: e.name for e in make_entities(s1["config"]["num_entities"], s1["config"]["seed"])}
+    asked = [m for m in metas if m["attribute"] == "name"]
+    assert asked and all(m["answer"] == names[m["doc_id"]] for m in asked)
 
 
 def test_generator_cli_rejects_bad_values(tmp_path, capsys):
