@@ -86,6 +86,11 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
     tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
     copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
+    # weight of the copy head's pointer supervision (rag_mm/model/copy_head.py): where the answer
+    # token is in a document or the question, the copy distribution alone must name it and the
+    # gate must copy. Without it the reader memorises training answers and never copies a name it
+    # was not trained to say. 0: the head learns from the answer NLL alone
+    copy_supervision: float = 1.0
 
 
 @dataclass

@@ -24,12 +24,21 @@ class CopyHead(nn.Module):
     Keys are "smeared" over the two tokens before each position (Olsson et al. 2022, "In-context
     learning and induction heads"): the key of "forest" in "habitat: forest" also carries
     "habitat", so matching the question's attribute to the fact is a single learned bilinear map.
+
+    Trained on its own answer NLL alone, the mixture lets the vocabulary path win: a reader can
+    memorise its training answers and put the gate on generating, and then says what it was
+    trained to say when the document holds a name it never saw. ``supervision`` > 0 adds, on every
+    answer token the reader could copy (it occurs among the tokens the head may point at), the
+    NLL of the copy distribution alone and a gate target of "copy" (pointer supervision, as
+    CopyNet (Gu et al. 2016) and pointer-sentinel models train it); on a token it cannot copy, a
+    gate target of "generate".
     """
 
     SMEAR = 2  # previous tokens mixed into each key: attribute name and separator
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, supervision: float = 0.0) -> None:
         super().__init__()
+        self.supervision = supervision
         self.q = nn.Linear(dim, dim)
         self.q_question = nn.Linear(dim, dim, bias=False)  # the pooled question joins the query (DrQA)
         self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
@@ -53,12 +62,15 @@ class CopyHead(nn.Module):
         w = self.pool(h_all).squeeze(-1).masked_fill(~is_question, float("-inf"))  # (B, S)
         return torch.einsum("bs,bsd->bd", torch.softmax(w, -1).nan_to_num(0.0), h_all)
 
-    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp, doc_prior=None):
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp, doc_prior=None,
+                target=None):
         """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
         h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable), seg_id (B, S)
         segment of each position, is_question (B, S); gen_logp (M, V); doc_prior (B, k) log
-        retrieval probabilities of the documents or None.
-        Returns log p (M, V) and the copy attention (M, S)."""
+        retrieval probabilities of the documents or None; target (M,) the answer tokens (negative:
+        no target) or None.
+        Returns log p (M, V), the copy attention (M, S) and the pointer-supervision loss of each
+        row (M,) (zeros without a target or with ``supervision`` 0)."""
         D = h_all.shape[-1]
         keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
         query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
@@ -80,4 +92,11 @@ class CopyHead(nn.Module):
         copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
         g = torch.sigmoid(self.gate(h_rows)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
-        return logp, attn
+        aux = gen_logp.new_zeros(len(rows_ex))
+        if target is not None and self.supervision > 0:
+            at_target = (tok == target[:, None]) & allowed  # (M, S) positions holding the answer token
+            copyable = at_target.any(1) & (target >= 0)  # (M,)
+            point = (attn * at_target).sum(1).clamp_min(1e-30).log()  # (M,) log copy mass on the answer token
+            gate = F.binary_cross_entropy(g.squeeze(1).float(), (~copyable).float(), reduction="none")  # (M,)
+            aux = self.supervision * (gate * (target >= 0) - point * copyable)
+        return logp, attn, aux

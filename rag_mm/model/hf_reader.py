@@ -130,7 +130,7 @@ class HFReader(HFReaderBase):
         # zero: which part of the sequence a token is in (document picture or text, query picture,
         # question, answer), learned from there; a pretrained LM starts as it reads on its own
         self.type_emb = nn.Embedding(5, dim)
-        self.copy = CopyHead(dim) if cfg.copy_head else None
+        self.copy = CopyHead(dim, cfg.copy_supervision) if cfg.copy_head else None
         self.init_own_weights()
         if cfg.adapter and not self.rank_emb.weight.is_meta:
             self.load_adapter(cfg.adapter)

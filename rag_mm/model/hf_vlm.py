@@ -194,7 +194,7 @@ class HFVLMReader(HFReaderBase):
         self.rank_emb = nn.Embedding(cfg.max_docs, dim)
         # zero: which part of the sequence a token is in, learned from there
         self.type_emb = nn.Embedding(5, dim)
-        self.copy = CopyHead(dim) if cfg.copy_head else None
+        self.copy = CopyHead(dim, cfg.copy_supervision) if cfg.copy_head else None
         self.init_own_weights()
         if not meta:
             self._check_pictures()

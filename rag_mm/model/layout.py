@@ -176,11 +176,14 @@ class ReaderBase(nn.Module):
             logp, doc_attention = gen_logp, None
         else:
             seg_id = segment_ids(seg_offsets, h_all.shape[1])
-            logp, attn = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION, gen_logp, doc_prior)
+            logp, attn, aux = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION, gen_logp,
+                                        doc_prior, target)
             doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid)
         tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)  # (M,), 0 on fill rows
         real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)
-        loss = tok_nll.mean() if valid is None else tok_nll.sum() / real.sum().clamp_min(1)
+        # the training loss: the answer NLL plus the copy head's pointer supervision (0 when off)
+        per_row = tok_nll if self.copy is None else tok_nll + aux * real
+        loss = per_row.mean() if valid is None else per_row.sum() / real.sum().clamp_min(1)
         count = torch.zeros(B, device=h_all.device).index_add_(0, example, real)
         nll = torch.zeros(B, device=h_all.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
         wrong = torch.zeros(B, device=h_all.device).index_add_(0, example, (logp.argmax(-1) != target).float() * real)

@@ -65,7 +65,7 @@ class Reader(ReaderBase):
         self.lm_head = nn.Linear(cfg.dim, vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.copy = CopyHead(cfg.dim) if cfg.copy_head else None
+        self.copy = CopyHead(cfg.dim, cfg.copy_supervision) if cfg.copy_head else None
         self._init_weights()
 
     def _init_weights(self) -> None:
