@@ -231,7 +231,16 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
     return {b: {s for g in gs for s in sources(g) if s in linears and s != b} for b, gs in inputs.items()}
 
 
-def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[str, set[str]]:
+def _head_norm_by_name(mods: dict, name: str) -> bool:
+    """A stored trace's stand-in for ``_per_head``: 1-D parameters as long as the parent's
+    ``head_dim`` attribute."""
+    hd = getattr(mods.get(name.rpartition(".")[0]), "head_dim", None)
+    ps = list(mods[name].parameters(recurse=False))
+    return isinstance(hd, int) and bool(ps) and all(p.dim() == 1 and p.numel() == hd for p in ps)
+
+
+def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str],
+                    head_norms: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     succ: dict[str, set[str]] = {}
     for a, b, _ in trace.edges():
         if a != b:
@@ -248,6 +257,10 @@ def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[s
                     out.setdefault(nxt, set()).add(a)
                 elif nxt in mods and not _has_params(mods[nxt]):
                     q.append(nxt)
+                elif nxt in mods and _head_norm_by_name(mods, nxt):
+                    q.append(nxt)
+                    if head_norms is not None:
+                        head_norms.setdefault(nxt, set()).add(a)
     return out
 
 
@@ -289,7 +302,7 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
     if example_inputs is not None:
         sources_of = linear_dataflow(model, example_inputs, linears, keep, head_norms)
     else:  # a stored trace only: its module-level edges (containers' own code is not resolved)
-        sources_of = _edges_dataflow(trace, mods, linears)
+        sources_of = _edges_dataflow(trace, mods, linears, head_norms)
     R: dict[str, set[str]] = {a: set() for a in linears}
     for b, srcs in sources_of.items():
         for a in srcs:
