@@ -16,7 +16,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
 
 - memory = params + grads + Adam (m, v) in the trace's dtype, each divided by ``dp_shard`` and the
   tensor-parallel part (what ``parallel.tp`` shards at that degree; replicated key/value weights,
-  where the key/value heads are fewer than tp, stay whole) by ``tp``; under FSDP the gathered working
+  where the key/value heads are fewer than tp, stay whole) by ``tp``; under FSDP the gathered
+  working
   parameters (two blocks: the running one and the prefetched one, plus the root unit, i.e. every
   parameter outside the blocks, which ``fsdp.apply_fsdp`` keeps gathered from forward through
   backward; under a pipeline the whole stage stays gathered with unsharded gradients, as the
@@ -49,7 +50,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   ``Cluster.fsdp_unit_s`` per FSDP unit, once a step under a pipeline, whose stages stay
   gathered; measured on CPU ranks, 0 on accelerators);
   TP: 4 all-reduces per block and microbatch (2 forward, 2 backward; 6 with recompute) of the
-  block's output, and one of each replicated key/value weight's gradient per call; pipeline: one activation forward and one gradient backward per stage boundary;
+  block's output, and one of each replicated key/value weight's gradient per call; pipeline:
+  one activation forward and one gradient backward per stage boundary;
   bubble slots: (p - 1) for 1F1B, (p - 1)/v interleaved, (p - 1)/3 zero-bubble with one stage
   per rank (ZB-H1: the deferred weight gradients fill two thirds of it), 0 for ZB-V.
 - data-parallel traffic (gradient all-reduce, or reduce-scatter then all-reduce over replicas;
@@ -156,7 +158,8 @@ def plan_layout(
             smallest = next((d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2)
             tp_sharded, tp_whole_input = tp_plan_facts(model_or_trace, trace, smallest)
             # what tp shards depends on the degree where key/value heads are fewer than the ranks
-            for tp in range(2, (cluster.world if tp_across_nodes else cluster.devices_per_node) + 1):
+            top = cluster.world if tp_across_nodes else cluster.devices_per_node
+            for tp in range(2, top + 1):
                 if cluster.world % tp == 0 and (not tp_divisor or tp_divisor % tp == 0):
                     kv: set[str] = set()
                     by_tp[tp] = (*tp_plan_facts(model_or_trace, trace, tp, kv), kv)

@@ -77,7 +77,8 @@ class Planner:
             raise ValueError(f"partition must be auto, search or layers (got {partition!r})")
         self.partition = partition
         self.tp_divisor = tp_divisor
-        self._parts: dict[tuple[int, int], list[PartStats] | str] = {}  # (stages, tp) -> per-stage stats or why not
+        # (stages, tp) -> per-stage stats, or why there is no such split
+        self._parts: dict[tuple[int, int], list[PartStats] | str] = {}
         self._splits: dict[int, Any] = {}  # stage count -> the partitioner's split (or why none)
 
     def stats_at(self, tp: int) -> ModelStats:
@@ -107,7 +108,8 @@ class Planner:
         part, mods, held, several, flops_per_s = split
         out = []
         for s, rep in enumerate(part.stages):
-            ps = st.part(mods[s], held[s], rep.compute_time * flops_per_s, several)  # replayed container code included
+            # replayed container code included
+            ps = st.part(mods[s], held[s], rep.compute_time * flops_per_s, several)
             ps.param_bytes = float(rep.param_bytes)
             ps.cut_in, ps.cut_out = float(rep.comm_in), float(rep.comm_out)
             out.append(ps)
@@ -278,7 +280,7 @@ class Planner:
                 msg = sum(parts[s].block_out for s in mine) / nb * scale * cdt
                 t_tp = nb * (6 if activation_checkpointing else 4) * c.all_reduce(msg, tp, 1)
             kv_calls = sum(parts[s].kv_calls for s in mine)
-            if tp > 1 and kv_calls:  # replicated key/value weights: one gradient all-reduce per call
+            if tp > 1 and kv_calls:  # replicated key/value weights: a gradient all-reduce per call
                 kv_bytes = sum(parts[s].kv_param_bytes for s in mine)
                 t_tp += kv_calls * c.all_reduce(kv_bytes / kv_calls, tp, 1)
             t_pp = 0.0

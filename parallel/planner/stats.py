@@ -37,7 +37,7 @@ class PartStats:
     wgrad_keep: float = 0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
     tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
-    kv_param_bytes: float = 0.0  # replicated key/value weights: whole on every tp rank, gradient all-reduced
+    kv_param_bytes: float = 0.0  # replicated key/value weights (whole on each tp rank)
     kv_calls: int = 0  # calls of those modules (one gradient all-reduce each per microbatch)
 
 
@@ -140,7 +140,8 @@ class ModelStats:
         return s
 
 
-def tp_plan_facts(model, trace: TraceResult, tp: int = 2, kv: set[str] | None = None) -> tuple[set[str], set[str]]:
+def tp_plan_facts(model, trace: TraceResult, tp: int = 2,
+                  kv: set[str] | None = None) -> tuple[set[str], set[str]]:
     """What ``parallel.tp`` does to ``model`` (its plan read off ``trace``'s dataflow): (the
     canonical names of the parameters it shards, the modules whose saved input stays whole on
     every tp rank). Sharded: column-parallel weights and biases, row-parallel weights (their biases
@@ -166,7 +167,8 @@ def tp_plan_facts(model, trace: TraceResult, tp: int = 2, kv: set[str] | None = 
             names = [join(n, "weight")]
         elif e.role == "kv_replicate":
             if kv is not None:
-                kv.update(trace.param_alias.get(p, p) for p in (join(n, k) for k, _ in m.named_parameters(recurse=False)))
+                own = (join(n, k) for k, _ in m.named_parameters(recurse=False))
+                kv.update(trace.param_alias.get(p, p) for p in own)
             continue
         elif e.role.startswith("rule:"):  # a module rule shards its weight matrices (nn.MultiheadAttention:
             # the fused in_proj and out_proj), biases and norms stay whole

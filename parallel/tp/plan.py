@@ -37,7 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.tp.layout import read_pair_blocks
 from parallel.tp.registry import linear_kind, log, module_rule
-from parallel.tp.rules import HEAD_ATTRS, KV_GROUP_ATTRS, KV_HEAD_ATTRS, SIZE_ATTRS, TPContext, _with_sp
+from parallel.tp.rules import (
+    HEAD_ATTRS,
+    KV_GROUP_ATTRS,
+    KV_HEAD_ATTRS,
+    SIZE_ATTRS,
+    TPContext,
+    _with_sp,
+)
 from parallel.trace import TraceResult
 
 # marks a plan log line about a unit that discovery or the self-check meant to shard and left
@@ -142,8 +149,9 @@ def _per_head(mod: nn.Module, args: tuple, out: Any) -> bool:
     (>= 4-D: heads split off) input, and an output of the input's shape."""
     x = next((a for a in args if isinstance(a, torch.Tensor)), None)
     ps = list(mod.parameters(recurse=False))
-    return (x is not None and isinstance(out, torch.Tensor) and x.dim() >= 4 and out.shape == x.shape
-            and bool(ps) and all(p.dim() == 1 and p.numel() == x.shape[-1] for p in ps))
+    return (x is not None and isinstance(out, torch.Tensor) and x.dim() >= 4
+            and out.shape == x.shape and bool(ps)
+            and all(p.dim() == 1 and p.numel() == x.shape[-1] for p in ps))
 
 
 def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
@@ -176,7 +184,8 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
             outs = [out] if isinstance(out, torch.Tensor) else [o for o in (out if isinstance(out, tuple | list) else ()) if isinstance(o, torch.Tensor)]
             if name not in linears and _per_head(mod, args, out):
                 norm_inputs.setdefault(name, []).extend(
-                    a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+                    a.grad_fn for a in args
+                    if isinstance(a, torch.Tensor) and a.grad_fn is not None)
                 return
             for o in outs:
                 if o.grad_fn is not None:
@@ -318,14 +327,18 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         if b in used or any(s in used for s in srcs) or any(R[s] != {b} for s in srcs):
             continue
         owner = _lca(srcs + [b])
-        inside = [mn for mn in mods if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn)]
+        inside = [mn for mn in mods
+                  if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn)]
         # validate head counts now, so a bad layout fails before anything is sharded (key/value
         # heads tp does not divide are replicated instead)
         for mn in inside:
             for attr in HEAD_ATTRS:
                 v = getattr(mods[mn], attr, None)
-                if isinstance(v, int) and not isinstance(v, bool) and v % tp and attr not in KV_HEAD_ATTRS:
-                    raise ValueError(f"tp={tp} does not divide the head count {mn or type(model).__name__}.{attr}={v}; "
+                if attr in KV_HEAD_ATTRS or not isinstance(v, int) or isinstance(v, bool):
+                    continue
+                if v % tp:
+                    raise ValueError(f"tp={tp} does not divide the head count "
+                                     f"{mn or type(model).__name__}.{attr}={v}; "
                                      f"choose a tp that divides it")
         kb = linear_kind(mods[b])
         width = kb.in_features(mods[b])
@@ -460,10 +473,10 @@ def _kv_notes(plan: TPPlan, mods: dict[str, nn.Module], tp: int) -> list[str]:
     notes = []
     for kind, (count, names, e) in kinds.items():
         groups = tp // e.factor
-        notes.append(f"replicated K/V in {count} {kind} module(s): {', '.join(names)} whole on every rank "
-                     f"({groups} key/value head group(s) for tp={tp}, each read by {e.factor} ranks); "
-                     f"each rank computes the {len(e.rows[0])} features its query heads read, gradients "
-                     f"summed over the tp group")
+        notes.append(f"replicated K/V in {count} {kind} module(s): {', '.join(names)} whole on "
+                     f"every rank ({groups} key/value head group(s) for tp={tp}, each read by "
+                     f"{e.factor} ranks); each rank computes the {len(e.rows[0])} features its "
+                     f"query heads read, gradients summed over the tp group")
     return notes
 
 
@@ -533,7 +546,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
         ctx.note(msg, logging.WARNING if LEFT_REPLICATED in msg else logging.INFO)
     mods = dict(model.named_modules())
     # head counts first (validated by discover_plan)
-    for mn, attr, by in plan.divide if plan.divide is not None else head_divisions(model, plan, tp=ctx.size):
+    divide = plan.divide if plan.divide is not None else head_divisions(model, plan, tp=ctx.size)
+    for mn, attr, by in divide:
         ctx.divide_attr(mods[mn], attr, by or ctx.size)
     groups: dict[int, object] = {}
     ready: set[str] = set()  # SP: colwise sources whose input a parent gathers

@@ -159,7 +159,8 @@ class TPContext:
         def forward(self_, x):
             if not input_ready:
                 x = sub._enter(x, input_group)
-            w = comm.grad_all_reduce(self_.weight, ctx.group).index_select(kind.out_dim, idx.to(x.device))
+            w = comm.grad_all_reduce(self_.weight, ctx.group)
+            w = w.index_select(kind.out_dim, idx.to(x.device))
             b = self_.bias
             if b is not None:
                 b = comm.grad_all_reduce(b, ctx.group).index_select(0, idx.to(x.device))

@@ -32,41 +32,79 @@ from torch import nn
 IMAGE_TOKEN = 500  # placeholder id of an image patch (inside the 512-token vocabulary)
 VOCAB = 512
 SEQ = 24  # tokens per sample
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              image_size=16, patch_size=4)
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            vocab_size=VOCAB, max_position_embeddings=128)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    image_size=16,
+    patch_size=4,
+)
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 def _ids(b: int, first: int, n_image: int, gen: torch.Generator) -> torch.Tensor:
     ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
-    ids[:, first:first + n_image] = IMAGE_TOKEN
+    ids[:, first : first + n_image] = IMAGE_TOKEN
     return ids
 
 
 def llava(b: int, gen: torch.Generator):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
-    cfg = LlavaConfig(vision_config=CLIPVisionConfig(**VISION),
-                      text_config=LlamaConfig(**TEXT, num_key_value_heads=2),
-                      image_token_index=IMAGE_TOKEN, image_seq_length=16, vision_feature_layer=-2,
-                      vision_feature_select_strategy="default")
-    return LlavaForConditionalGeneration(cfg), {"input_ids": _ids(b, 2, 16, gen),
-                                                "pixel_values": torch.randn(b, 3, 16, 16, generator=gen)}
+    cfg = LlavaConfig(
+        vision_config=CLIPVisionConfig(**VISION),
+        text_config=LlamaConfig(**TEXT, num_key_value_heads=2),
+        image_token_index=IMAGE_TOKEN,
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration(cfg), {
+        "input_ids": _ids(b, 2, 16, gen),
+        "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+    }
 
 
 def mistral3(b: int, gen: torch.Generator):
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, image_size=16, patch_size=4, head_dim=8)
+    vision = dict(
+        model_type="pixtral",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+        head_dim=8,
+    )
     text = dict(TEXT, model_type="mistral", num_key_value_heads=2, head_dim=16)
-    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                         spatial_merge_size=2, tie_word_embeddings=False)
+    cfg = Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        spatial_merge_size=2,
+        tie_word_embeddings=False,
+    )
     # a 16 x 16 picture: 4 x 4 patches, merged 2 x 2 -> 4 image tokens
     return Mistral3ForConditionalGeneration(cfg), {
-        "input_ids": _ids(b, 2, 4, gen), "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
-        "image_sizes": torch.tensor([[16, 16]] * b)}
+        "input_ids": _ids(b, 2, 4, gen),
+        "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+        "image_sizes": torch.tensor([[16, 16]] * b),
+    }
 
 
 def paligemma(b: int, gen: torch.Generator):
@@ -74,23 +112,39 @@ def paligemma(b: int, gen: torch.Generator):
 
     vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
     text = dict(TEXT, model_type="gemma", num_key_value_heads=1, head_dim=16)
-    cfg = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                          projection_dim=TEXT["hidden_size"])
-    return PaliGemmaForConditionalGeneration(cfg), {"input_ids": _ids(b, 0, 16, gen),
-                                                    "pixel_values": torch.randn(b, 3, 16, 16, generator=gen)}
+    cfg = PaliGemmaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        projection_dim=TEXT["hidden_size"],
+    )
+    return PaliGemmaForConditionalGeneration(cfg), {
+        "input_ids": _ids(b, 0, 16, gen),
+        "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+    }
 
 
 def gemma3(b: int, gen: torch.Generator):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
-    text = dict(TEXT, model_type="gemma3_text", num_key_value_heads=1, head_dim=16, sliding_window=8)
-    cfg = Gemma3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                       mm_tokens_per_image=4, boi_token_index=IMAGE_TOKEN + 1, eoi_token_index=IMAGE_TOKEN + 2)
+    text = dict(
+        TEXT, model_type="gemma3_text", num_key_value_heads=1, head_dim=16, sliding_window=8
+    )
+    cfg = Gemma3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        mm_tokens_per_image=4,
+        boi_token_index=IMAGE_TOKEN + 1,
+        eoi_token_index=IMAGE_TOKEN + 2,
+    )
     ids = _ids(b, 2, 4, gen)
     return Gemma3ForConditionalGeneration(cfg), {
-        "input_ids": ids, "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
-        "token_type_ids": (ids == IMAGE_TOKEN).long()}
+        "input_ids": ids,
+        "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+        "token_type_ids": (ids == IMAGE_TOKEN).long(),
+    }
 
 
 FAMILIES = {"llava": llava, "mistral3": mistral3, "paligemma": paligemma, "gemma3": gemma3}
@@ -126,7 +180,9 @@ def case(rank: int, world: int, family: str) -> dict:
     torch.manual_seed(0)
     model, inputs = FAMILIES[family](2, torch.Generator().manual_seed(1))
     model.eval()  # dropout off
-    target = torch.randint(0, IMAGE_TOKEN - 1, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(2))
+    target = torch.randint(
+        0, IMAGE_TOKEN - 1, inputs["input_ids"].shape, generator=torch.Generator().manual_seed(2)
+    )
 
     def loss_fn(out, tgt):
         return F.cross_entropy(out.logits.float().flatten(0, -2), tgt.flatten())
@@ -149,13 +205,20 @@ def case(rank: int, world: int, family: str) -> dict:
         err = max(err, float((g - r).abs().max()) / max(float(r.abs().max()), 1e-3 * scale))
     share, whole = sharded_share(model)
     log = pm.sharded.tp_plan.log
-    return dict(share=round(share, 4), whole=whole, loss_rel=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                grad_err=err, left_replicated=[line for line in log if "left replicated" in line],
-                replicated_kv=[line for line in log if "replicated K/V" in line])
+    return dict(
+        share=round(share, 4),
+        whole=whole,
+        loss_rel=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+        grad_err=err,
+        left_replicated=[line for line in log if "left replicated" in line],
+        replicated_kv=[line for line in log if "replicated K/V" in line],
+    )
 
 
 def _entry(rank: int, world: int, port: int, families: list[str], q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:

@@ -389,8 +389,8 @@ def test_one_kv_head_is_planned_with_replicated_kv():
     torch.manual_seed(0)
     model, inputs = SELFCHECK_MODELS["gemma3_mqa"]()
     tr = trace_model(model, inputs, passes=0)
-    plan = plan_layout(model, inputs, cluster(), global_batch=8, precisions=("fp32",), checkpointing=(False,),
-                       offload=(False,), trace=tr)
+    plan = plan_layout(model, inputs, cluster(), global_batch=8, precisions=("fp32",),
+                       checkpointing=(False,), offload=(False,), trace=tr)
     assert any(lay.tp == 4 and lay.fits for lay in plan.layouts), plan.table(5)
     params = dict(model.named_parameters())
     kv = {n for n in params if n.endswith(("k_proj.weight", "v_proj.weight"))}
@@ -405,7 +405,8 @@ def test_one_kv_head_is_planned_with_replicated_kv():
         assert lay.memory["params"] == pytest.approx(st.whole.param_bytes - sharded + sharded / tp)
         # the query projections are sharded: less than tp=1's memory, more than all-sharded
         assert "model.layers.0.self_attn.q_proj.weight" in {p for p, s in st.tp_param.items() if s}
-    with_kv = plan.estimate(pp=1, tp=2, dp_replicate=2, dp_shard=1, precision="fp32").breakdown["tp_comm"]
-    plan.planner.stats_at(2).whole.kv_calls = 0  # the same layout without the K/V gradient all-reduces
+    layout = dict(pp=1, tp=2, dp_replicate=2, dp_shard=1, precision="fp32")
+    with_kv = plan.estimate(**layout).breakdown["tp_comm"]
+    plan.planner.stats_at(2).whole.kv_calls = 0  # the layout without the K/V gradient all-reduces
     plan.planner._parts.clear()
-    assert with_kv > plan.estimate(pp=1, tp=2, dp_replicate=2, dp_shard=1, precision="fp32").breakdown["tp_comm"]
+    assert with_kv > plan.estimate(**layout).breakdown["tp_comm"]

@@ -242,12 +242,16 @@ def test_one_kv_head_shards_query_heads(default_suite):
         _check(r, "gemma3_mqa")
         for i in (0, 1):
             attn = f"model.layers.{i}.self_attn"
-            roles = {k.rpartition(".")[2]: v for k, v in r["roles"].items() if k.startswith(attn + ".")}
-            assert roles == {"q_proj": "colwise", "k_proj": "kv_replicate", "v_proj": "kv_replicate",
-                             "q_norm": "head_local", "k_norm": "head_local", "o_proj": "rowwise"}, roles
-            assert r["placements"][f"{attn}.q_proj.weight"] == r["placements"][f"{attn}.o_proj.weight"] == "sharded"
+            roles = {k.rpartition(".")[2]: v for k, v in r["roles"].items()
+                     if k.startswith(attn + ".")}
+            assert roles == {"q_proj": "colwise", "k_proj": "kv_replicate",
+                             "v_proj": "kv_replicate", "q_norm": "head_local",
+                             "k_norm": "head_local", "o_proj": "rowwise"}, roles
+            placed = r["placements"]
+            assert placed[f"{attn}.q_proj.weight"] == placed[f"{attn}.o_proj.weight"] == "sharded"
             assert r["placements"][f"{attn}.k_proj.weight"] == "whole"
-        assert not any("left replicated" in line and "tied" not in line for line in r["log"]), r["log"]
+        left = [line for line in r["log"] if "left replicated" in line and "tied" not in line]
+        assert not left, left
         kv = [line for line in r["log"] if line.startswith("replicated K/V")]
         assert len(kv) == 1 and "2 Gemma3Attention module(s): k_proj, v_proj" in kv[0], kv
         assert "each read by 2 ranks" in kv[0], kv
@@ -265,8 +269,10 @@ def test_one_kv_head_by_the_width_rule():
     for read in (True, False):
         plan = discover_plan(model, 4, example_inputs=inputs, read_layouts=read)
         k = plan.entries["model.layers.0.self_attn.k_proj"]
-        assert k.role == "kv_replicate" and k.rows == [list(range(16))] * 4 and k.factor == 4, (read, k)
+        assert k.role == "kv_replicate" and k.factor == 4, (read, k)
+        assert k.rows == [list(range(16))] * 4, (read, k)
         assert plan.entries["model.layers.0.self_attn.q_proj"].role == "colwise"
     divs = {(m.rpartition(".")[2], a): by for m, a, by in head_divisions(model, plan, tp=4)
             if m == "model.layers.0.self_attn"}
-    assert divs == {("self_attn", "num_key_value_groups"): 4}, divs  # 4 query heads per kv head -> 1
+    # 4 query heads per key/value head -> 1 per rank
+    assert divs == {("self_attn", "num_key_value_groups"): 4}, divs

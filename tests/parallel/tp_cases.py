@@ -533,8 +533,8 @@ SELFCHECK_MODELS = {
     "mistral": lambda: _hf_causal_lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2),
     "phi": lambda: _hf_causal_lm("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5),
     # multi-query attention in separate q / k / v projections, with per-head q_norm / k_norm
-    "gemma3_mqa": lambda: _hf_causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=1,
-                                        head_dim=16, sliding_window=8),
+    "gemma3_mqa": lambda: _hf_causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM",
+                                        num_key_value_heads=1, head_dim=16, sliding_window=8),
     # multi-query attention in a fused c_attn (q | one k head | one v head)
     "gpt_bigcode": lambda: _hf_causal_lm("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=64,
                                          n_head=4, n_positions=64, multi_query=True, attn_pdrop=0.0),
@@ -583,8 +583,10 @@ def _placements(model) -> dict[str, str]:
     """Parameter name -> 'sharded' (a DTensor with a non-Replicate placement) or 'whole'."""
     from torch.distributed.tensor import Replicate
 
-    return {n: "sharded" if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)
-            else "whole" for n, p in model.named_parameters()}
+    def sharded(p) -> bool:
+        return isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)
+
+    return {n: "sharded" if sharded(p) else "whole" for n, p in model.named_parameters()}
 
 
 def tp_default_group(rank, world):
