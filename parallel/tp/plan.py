@@ -386,7 +386,6 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         plan.owners[gid] = owner
         used.update(srcs + [b])
         gid += 1
-    plan.log.extend(_kv_notes(plan, mods, tp))
 
     # the vocabulary: the width of a final linear (one feeding no other linear) or config.vocab_size
     vocab = {linear_kind(mods[n]).out_features(mods[n]) for n in linears - used
@@ -459,7 +458,8 @@ def _kv_rows_by_width(mods: dict[str, nn.Module], inside: list[str], srcs: list[
 
 
 def _kv_notes(plan: TPPlan, mods: dict[str, nn.Module], tp: int) -> list[str]:
-    """One log line per attention kind (owner class) whose key/value sources are replicated."""
+    """One log line per attention kind (owner class) whose key/value sources ``plan`` replicates
+    (on a pipeline rank: those of its own stage)."""
     kinds: dict[str, list[Any]] = {}
     for gid, (srcs, _) in plan.pairs().items():
         kv = [s for s in srcs if plan.entries[s].role == "kv_replicate"]
@@ -589,6 +589,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
             ctx.note(f"{n}: {e.role}" + (f" (blocks={e.blocks})" if e.blocks > 1 else ""))
         else:
             ctx.note(f"{n}: replicated ({e.reason})")
+    for msg in _kv_notes(plan, mods, ctx.size):  # what was replicated and why, once per kind
+        ctx.note(msg)
     if ctx.sequence_parallel:
         for first, last in plan.regions:
             ctx.sequence_region(mods[first], mods[last])
