@@ -73,8 +73,8 @@ def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
 
 
 def tp_divisor(cfg: Any) -> int:
-    """tp must divide the reader's attention heads (query and key/value heads of a Hugging Face
-    LM) and its vision tower's (``validate``'s rule)."""
+    """tp must divide the reader's attention heads (the query heads of a Hugging Face LM: key/value
+    heads tp does not divide are replicated) and its vision tower's (``validate``'s rule)."""
     m = cfg.model
     if m.family == "hf_vlm":  # the VLM's own language model and tower
         from rag_mm.model.hf_vlm import tp_divisor as vlm_tp_divisor
@@ -85,8 +85,7 @@ def tp_divisor(cfg: Any) -> int:
         from rag_mm.model.hf_reader import lm_config
 
         text = lm_config(m).get_text_config()
-        heads = text.num_attention_heads
-        return math.gcd(math.gcd(heads, getattr(text, "num_key_value_heads", None) or heads), vision_heads)
+        return math.gcd(text.num_attention_heads, vision_heads)
     return math.gcd(m.heads, vision_heads)
 
 

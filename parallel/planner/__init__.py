@@ -15,7 +15,9 @@ stage count: with the time objective the split does not depend on the schedule.
 Cost model, per device (``b`` = samples per microbatch, everything else per trace sample x b):
 
 - memory = params + grads + Adam (m, v) in the trace's dtype, each divided by ``dp_shard`` and the
-  tensor-parallel part (Linear / Embedding weights) by ``tp``; under FSDP the gathered working
+  tensor-parallel part (what ``parallel.tp`` shards at that degree; replicated key/value weights,
+  where the key/value heads are fewer than tp, stay whole) by ``tp``; under FSDP the gathered
+  working
   parameters (two blocks: the running one and the prefetched one, plus the root unit, i.e. every
   parameter outside the blocks, which ``fsdp.apply_fsdp`` keeps gathered from forward through
   backward; under a pipeline the whole stage stays gathered with unsharded gradients, as the
@@ -48,7 +50,8 @@ Cost model, per device (``b`` = samples per microbatch, everything else per trac
   ``Cluster.fsdp_unit_s`` per FSDP unit, once a step under a pipeline, whose stages stay
   gathered; measured on CPU ranks, 0 on accelerators);
   TP: 4 all-reduces per block and microbatch (2 forward, 2 backward; 6 with recompute) of the
-  block's output; pipeline: one activation forward and one gradient backward per stage boundary;
+  block's output, and one of each replicated key/value weight's gradient per call; pipeline:
+  one activation forward and one gradient backward per stage boundary;
   bubble slots: (p - 1) for 1F1B, (p - 1)/v interleaved, (p - 1)/3 zero-bubble with one stage
   per rank (ZB-H1: the deferred weight gradients fill two thirds of it), 0 for ZB-V.
 - data-parallel traffic (gradient all-reduce, or reduce-scatter then all-reduce over replicas;
@@ -144,7 +147,7 @@ def plan_layout(
     t0 = time.perf_counter()
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
-    tp_sharded, tp_whole_input = None, frozenset()
+    tp_sharded, tp_whole_input, by_tp = None, frozenset(), {}
     if isinstance(model_or_trace, TraceResult):
         trace = model_or_trace
     else:
@@ -154,11 +157,17 @@ def plan_layout(
         try:  # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
             smallest = next((d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2)
             tp_sharded, tp_whole_input = tp_plan_facts(model_or_trace, trace, smallest)
+            # what tp shards depends on the degree where key/value heads are fewer than the ranks
+            top = cluster.world if tp_across_nodes else cluster.devices_per_node
+            for tp in range(2, top + 1):
+                if cluster.world % tp == 0 and (not tp_divisor or tp_divisor % tp == 0):
+                    kv: set[str] = set()
+                    by_tp[tp] = (*tp_plan_facts(model_or_trace, trace, tp, kv), kv)
         except ValueError as e:
             log.info("planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded", e)
     samples = trace_samples or _samples(example_inputs, trace)
     planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded,
-                      tp_whole_input, base)
+                      tp_whole_input, base, by_tp)
     layouts = planner.enumerate(schedules, precisions, checkpointing, offload, tp_across_nodes)
     layouts.sort(key=lambda lay: (not lay.fits, lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf))
     numel = sum(n for _, n in trace.param_sizes.values())

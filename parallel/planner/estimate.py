@@ -58,9 +58,15 @@ class Planner:
     def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
                  tp_divisor: int | None, partition: str, overhead_s: float = 0.0,
                  tp_sharded: set[str] | None = None, tp_whole_input: set[str] = frozenset(),
-                 base: ParallelConfig | None = None):
+                 base: ParallelConfig | None = None,
+                 by_tp: dict[int, tuple[set[str], set[str], set[str]]] | None = None):
+        """``by_tp``: per tp degree, what tensor parallel shards there (``tp_plan_facts``: the
+        sharded parameters, the modules with whole inputs, the replicated key/value parameters);
+        a degree not in it uses ``tp_sharded`` / ``tp_whole_input``."""
         self.base = base or ParallelConfig()  # each candidate's fields the planner does not choose
         self.stats = ModelStats(trace, samples, tp_sharded, tp_whole_input)
+        self.samples, self.by_tp = samples, by_tp or {}
+        self._stats: dict[int, ModelStats] = {}
         self.overhead_s = overhead_s  # fixed seconds per microbatch forward+backward of the whole model
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
         # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings
@@ -71,16 +77,49 @@ class Planner:
             raise ValueError(f"partition must be auto, search or layers (got {partition!r})")
         self.partition = partition
         self.tp_divisor = tp_divisor
-        self._parts: dict[int, list[PartStats] | str] = {}  # stage count -> per-stage stats or why not
+        # (stages, tp) -> per-stage stats, or why there is no such split
+        self._parts: dict[tuple[int, int], list[PartStats] | str] = {}
+        self._splits: dict[int, Any] = {}  # stage count -> the partitioner's split (or why none)
+
+    def stats_at(self, tp: int) -> ModelStats:
+        """The model's statistics with what tensor parallel shards at degree ``tp``."""
+        if tp not in self.by_tp:
+            return self.stats
+        if tp not in self._stats:
+            sharded, whole_input, kv = self.by_tp[tp]
+            self._stats[tp] = ModelStats(self.trace, self.samples, sharded, whole_input, kv)
+        return self._stats[tp]
 
     # --- pipeline stages from the partitioner, one solve per stage count
-    def stages(self, k: int) -> list[PartStats] | str:
-        if k in self._parts:
-            return self._parts[k]
-        st = self.stats
+    def stages(self, k: int, tp: int = 0) -> list[PartStats] | str:
+        """Per-stage statistics of the ``k``-stage split with what tp shards at degree ``tp``
+        (0: ``self.stats``), or why there is no such split."""
+        key = (k, tp if tp in self.by_tp else 0)
+        if key in self._parts:
+            return self._parts[key]
+        st = self.stats_at(tp)
         if k == 1:
-            self._parts[k] = [st.whole]
-            return self._parts[k]
+            self._parts[key] = [st.whole]
+            return self._parts[key]
+        split = self._split(k)
+        if isinstance(split, str):
+            self._parts[key] = split
+            return split
+        part, mods, held, several, flops_per_s = split
+        out = []
+        for s, rep in enumerate(part.stages):
+            # replayed container code included
+            ps = st.part(mods[s], held[s], rep.compute_time * flops_per_s, several)
+            ps.param_bytes = float(rep.param_bytes)
+            ps.cut_in, ps.cut_out = float(rep.comm_in), float(rep.comm_out)
+            out.append(ps)
+        self._parts[key] = out
+        return out
+
+    def _split(self, k: int):
+        """The partitioner's ``k``-stage split (modules and parameters per stage), or why none."""
+        if k in self._splits:
+            return self._splits[k]
         c = self.cluster
         # the time objective: the split balances FLOPs (+ sends at the cuts) whatever the schedule
         cfg = CostConfig(schedule="interleaved", microbatches=1, stages_per_rank=1,
@@ -93,8 +132,8 @@ class Planner:
                 if any(rep.num_units == 0 for rep in part.stages):
                     raise InfeasiblePartition(f"the layer list has fewer than {k} layers")
         except InfeasiblePartition as e:
-            self._parts[k] = f"no {k}-stage partition: {e}"
-            return self._parts[k]
+            self._splits[k] = f"no {k}-stage partition: {e}"
+            return self._splits[k]
         mods: list[set[str]] = [set() for _ in range(k)]
         for u, s in zip(part.units, part.unit_stage):
             mods[s].update(u.modules)
@@ -105,14 +144,8 @@ class Planner:
                     held[s].append(p)
         # a parameter on several stages (tied embeddings) is replicated there: TP leaves it whole
         several = {p for p, n in Counter(p for h in held for p in set(h)).items() if n > 1}
-        out = []
-        for s, rep in enumerate(part.stages):
-            ps = st.part(mods[s], held[s], rep.compute_time * cfg.flops_per_s, several)  # replayed container code included
-            ps.param_bytes = float(rep.param_bytes)
-            ps.cut_in, ps.cut_out = float(rep.comm_in), float(rep.comm_out)
-            out.append(ps)
-        self._parts[k] = out
-        return out
+        self._splits[k] = (part, mods, held, several, cfg.flops_per_s)
+        return self._splits[k]
 
     # --- one layout
     def estimate(self, pp: int, tp: int, dp_replicate: int, dp_shard: int, microbatches: int = 1,
@@ -120,7 +153,7 @@ class Planner:
                  cpu_offload: bool = False, stages_per_rank: int | None = None, **_: Any) -> Estimate:
         """Model one layout. ``microbatches``: the pipeline's (pp > 1) or, without a pipeline, the
         gradient-accumulation steps; ``precision``: the compute dtype (bf16: autocast)."""
-        c, st = self.cluster, self.stats
+        c, st = self.cluster, self.stats_at(tp)
         if pp == 1:
             schedule = "-"  # microbatches are gradient-accumulation steps
         cost_sched, v = SCHEDULE_COST.get(schedule, ("1f1b", 1))
@@ -155,7 +188,7 @@ class Planner:
             why.append(f"the planner has no cost model of schedule {schedule!r}")
         if why:
             return lay
-        parts = self.stages(pp * v)
+        parts = self.stages(pp * v, tp)
         if isinstance(parts, str):
             why.append(parts)
             return lay
@@ -246,6 +279,10 @@ class Planner:
             if tp > 1 and nb:
                 msg = sum(parts[s].block_out for s in mine) / nb * scale * cdt
                 t_tp = nb * (6 if activation_checkpointing else 4) * c.all_reduce(msg, tp, 1)
+            kv_calls = sum(parts[s].kv_calls for s in mine)
+            if tp > 1 and kv_calls:  # replicated key/value weights: a gradient all-reduce per call
+                kv_bytes = sum(parts[s].kv_param_bytes for s in mine)
+                t_tp += kv_calls * c.all_reduce(kv_bytes / kv_calls, tp, 1)
             t_pp = 0.0
             if pp > 1:
                 t_pp = sum(c.send(parts[s].cut_out * scale * cdt, pp_stride) + c.send(parts[s].cut_in * scale * cdt,

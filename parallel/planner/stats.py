@@ -37,17 +37,22 @@ class PartStats:
     wgrad_keep: float = 0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
     tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
+    kv_param_bytes: float = 0.0  # replicated key/value weights (whole on each tp rank)
+    kv_calls: int = 0  # calls of those modules (one gradient all-reduce each per microbatch)
 
 
 class ModelStats:
     """Per-module quantities of a trace, summed over any set of modules in O(set size)."""
 
     def __init__(self, trace: TraceResult, samples: int, tp_sharded: set[str] | None = None,
-                 tp_whole_input: set[str] = frozenset()):
+                 tp_whole_input: set[str] = frozenset(), tp_kv: set[str] = frozenset()):
         """``tp_sharded``: the canonical parameters tensor parallel shards (``tp_plan_facts``);
         None: the weights of ``TP_TYPES`` modules. ``tp_whole_input``: modules whose saved
-        activations every tp rank holds whole (column-parallel layers keep their whole input)."""
+        activations every tp rank holds whole (column-parallel layers keep their whole input).
+        ``tp_kv``: the replicated key/value parameters (whole on every tp rank, their gradients
+        all-reduced over the tp group in every backward)."""
         self.trace, self.samples = trace, samples
+        self.tp_kv = tp_kv
         self.tp_whole_input = tp_whole_input
         mods = trace.modules
         self.blocks: dict[str, set[str]] = {}  # block name -> its subtree
@@ -90,6 +95,7 @@ class ModelStats:
         for p in params:
             s.param_bytes += sizes[p][0]
             s.tp_param_bytes += sizes[p][0] if tp_param[p] else 0
+            s.kv_param_bytes += sizes[p][0] if p in self.tp_kv else 0
         whole = {b for b, sub in self.blocks.items() if b in modules and sub <= modules}
         for m in modules:
             node = mods[m]
@@ -97,6 +103,8 @@ class ModelStats:
             sharded = any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params)
             if sharded:
                 s.tp_calls += node.calls
+            if any(self.trace.param_alias.get(p, p) in self.tp_kv for p in node.params):
+                s.kv_calls += node.calls
             # whole on every tp rank: norms and dropout (no sequence parallel), the whole inputs of
             # column-parallel layers, and whatever runs outside the repeated blocks on modules
             # tensor parallel leaves whole (a head, the container's own code)
@@ -132,14 +140,16 @@ class ModelStats:
         return s
 
 
-def tp_plan_facts(model, trace: TraceResult, tp: int = 2) -> tuple[set[str], set[str]]:
+def tp_plan_facts(model, trace: TraceResult, tp: int = 2,
+                  kv: set[str] | None = None) -> tuple[set[str], set[str]]:
     """What ``parallel.tp`` does to ``model`` (its plan read off ``trace``'s dataflow): (the
     canonical names of the parameters it shards, the modules whose saved input stays whole on
     every tp rank). Sharded: column-parallel weights and biases, row-parallel weights (their biases
     are added once, whole), vocabulary-parallel embeddings and LM heads, and the linear layers'
     matrices under a module rule. Tied parameters, norms, position embeddings stay whole. Whole
     input: column-parallel layers and the LM head (each rank multiplies the whole input by its
-    shard of the columns)."""
+    shard of the columns). ``kv``: filled with the replicated key/value parameters (fewer
+    key/value heads than ``tp``: whole on every rank)."""
     from ..tp.plan import discover_plan
 
     plan = discover_plan(model, tp, trace=trace, read_layouts=False)
@@ -155,6 +165,11 @@ def tp_plan_facts(model, trace: TraceResult, tp: int = 2) -> tuple[set[str], set
             names = [join(n, k) for k, _ in m.named_parameters(recurse=False)]
         elif e.role == "rowwise":
             names = [join(n, "weight")]
+        elif e.role == "kv_replicate":
+            if kv is not None:
+                own = (join(n, k) for k, _ in m.named_parameters(recurse=False))
+                kv.update(trace.param_alias.get(p, p) for p in own)
+            continue
         elif e.role.startswith("rule:"):  # a module rule shards its weight matrices (nn.MultiheadAttention:
             # the fused in_proj and out_proj), biases and norms stay whole
             names = [join(n, k) for k, p in m.named_parameters() if p.dim() >= 2]

@@ -13,6 +13,13 @@ the r-th 1/tp of every block, ``TPContext.shard_param``). When no k fits, no DTe
 
 A feature no slice reads on the example (a ReLU that never fired) constrains nothing, so a layout
 is a fit when each slice reads a subset of its shard; the width rule's guess is tried first.
+
+Grouped-query and multi-query attention with fewer key/value heads than tp ranks: the k and v
+sources fit no block count (every rank reads a whole key/value head, several ranks the same one).
+Such a source is *replicated* (``replicated_rows``) when the ranks' read sets are equal-sized,
+pairwise equal or disjoint, and cover its output: each rank then computes the rows its slice
+reads from a weight every rank holds whole (Megatron-Core and vLLM replicate the KV heads the
+same way), as long as another source of the pair is sharded.
 """
 
 from __future__ import annotations
@@ -81,35 +88,70 @@ def fit_blocks(reads: list[torch.Tensor], tp: int, guesses: list[int]) -> int | 
     return None
 
 
+def replicated_rows(reads: list[torch.Tensor], tp: int) -> list[list[int]] | None:
+    """rows[r]: the output features rank ``r``'s slice reads, when they form a replicated source:
+    every rank reads the same number of features, two ranks read the same set or disjoint sets,
+    the sets cover the output and each is read by the same number (>= 2) of ranks (key/value heads
+    fewer than tp: ranks 2r and 2r + 1 read head r). None otherwise."""
+    n = reads[0].numel()
+    sets = [rd.nonzero().flatten() for rd in reads]
+    c = sets[0].numel()
+    if c == 0 or any(s.numel() != c for s in sets):
+        return None
+    distinct: list[torch.Tensor] = []
+    for s in sets:
+        if any(torch.equal(s, d) for d in distinct):
+            continue
+        if any(bool(reads_of(d, n)[s].any()) for d in distinct):  # overlaps another set partly
+            return None
+        distinct.append(s)
+    if len(distinct) * c != n or tp % len(distinct) or tp // len(distinct) < 2:
+        return None
+    return [s.tolist() for s in sets]
+
+
+def reads_of(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) bool mask of the features in ``idx``."""
+    m = torch.zeros(n, dtype=torch.bool)
+    m[idx] = True
+    return m
+
+
 def read_layout(outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int,
-                guesses: list[int]) -> tuple[list[int] | None, str]:
-    """Blocks per source as read off the example (None: no equal-block layout fits) and, for the
-    log, what each rank's slice reads."""
+                guesses: list[int]) -> tuple[list[int] | None, dict[int, list[list[int]]], str]:
+    """Blocks per source as read off the example (None: no layout fits), the rows each rank
+    computes of the sources that are replicated (``replicated_rows``; their blocks are 0), and,
+    for the log, what each rank's slice reads."""
     reads = slice_reads(outs, sink_in, tp)
     fits = [fit_blocks(rd, tp, [g]) for rd, g in zip(reads, guesses)]
+    rows = {s: replicated_rows(reads[s], tp) for s, f in enumerate(fits) if f is None}
+    if rows and all(r is not None for r in rows.values()) and len(rows) < len(fits):
+        return [0 if f is None else int(f) for f in fits], rows, ""
     if all(f is not None for f in fits):
-        return [int(f) for f in fits], ""
+        return [int(f) for f in fits], {}, ""
     bad = [s for s, f in enumerate(fits) if f is None]
     desc = "; ".join(f"source {s}: " + ", ".join(f"rank {r} reads [{_ranges(reads[s][r])}]" for r in range(tp))
                      for s in bad)
-    return None, desc
+    return None, {}, desc
 
 
 def read_pair_blocks(keep: dict[str, list[Any]], mods: dict[str, nn.Module], srcs: list[str], sink: str,
-                     tp: int, guess: dict[str, int]) -> tuple[dict[str, int] | None, str]:
+                     tp: int, guess: dict[str, int]
+                     ) -> tuple[dict[str, int] | None, dict[str, list[list[int]]] | None, str]:
     """Each source's fused blocks for the pair ``srcs -> sink`` as the example's gradients show
-    them (``keep``: ``linear_dataflow``'s [input, output] per linear); the width rule's ``guess``
-    where the example cannot tell (no graph, meta tensors, features not on the last dimension).
-    None, with what each rank's slice reads, when no equal-block layout fits."""
+    them (``keep``: ``linear_dataflow``'s [input, output] per linear), and the per-rank rows of
+    the replicated ones (blocks 0); the width rule's ``guess`` (and no rows) where the example
+    cannot tell (no graph, meta tensors, features not on the last dimension). None, with what
+    each rank's slice reads, when no layout fits."""
     outs = [keep.get(s, [None, None])[1] for s in srcs]
     sink_in = keep.get(sink, [None, None])[0]
     if sink_in is None or sink_in.is_meta or any(o is None or o.is_meta for o in outs):
-        return guess, ""
+        return guess, None, ""
     widths = [linear_kind(mods[s]).out_features(mods[s]) for s in srcs]
     if sink_in.shape[-1] != linear_kind(mods[sink]).in_features(mods[sink]) or \
             any(o.shape[-1] != w for o, w in zip(outs, widths)):
-        return guess, ""
-    read, why = read_layout(outs, sink_in, tp, [guess[s] for s in srcs])
+        return guess, None, ""
+    read, rows, why = read_layout(outs, sink_in, tp, [guess[s] for s in srcs])
     if read is None:
-        return None, why
-    return dict(zip(srcs, read)), ""
+        return None, None, why
+    return dict(zip(srcs, read)), {srcs[i]: r for i, r in rows.items()}, ""

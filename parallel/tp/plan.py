@@ -9,6 +9,14 @@ is taken as k fused blocks and sharded per block; on a real (not meta) example t
 read off the dataflow (``parallel.tp.layout``: GPT-NeoX's per-head [q_h k_h v_h] is one block).
 Head counts on the pair's owner are divided by tp.
 
+Fewer key/value heads than tp ranks (multi-query attention, small grouped-query): the query
+source and the output projection are sharded by heads, k and v stay whole on every rank
+(``kv_replicate``) and each rank computes the key/value heads its query heads read
+(``parallel.tp.layout``); their gradients are summed over the tp group. A norm applied per head
+to a source's output (Gemma 3's and Qwen3's q_norm / k_norm: 1-D weights over the last dimension
+of a >= 4-D tensor) does not cut the dataflow; its weight stays whole and its gradient is summed
+(``head_local``). One log line per attention kind says what was replicated and why.
+
 Left replicated, and logged: modules that share a parameter (tied embeddings / LM heads; SMP
 makes the same choice), linears without a partner (other than the LM head), anything whose width
 does not divide, fused layouts no DTensor placement holds (a grouped-query q|k|v). ``apply_tp``
@@ -29,7 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.tp.layout import read_pair_blocks
 from parallel.tp.registry import linear_kind, log, module_rule
-from parallel.tp.rules import HEAD_ATTRS, SIZE_ATTRS, TPContext, _with_sp
+from parallel.tp.rules import (
+    HEAD_ATTRS,
+    KV_GROUP_ATTRS,
+    KV_HEAD_ATTRS,
+    SIZE_ATTRS,
+    TPContext,
+    _with_sp,
+)
 from parallel.trace import TraceResult
 
 # marks a plan log line about a unit that discovery or the self-check meant to shard and left
@@ -39,10 +54,20 @@ LEFT_REPLICATED = "left replicated"
 
 @dataclass
 class TPEntry:
-    role: str  # colwise | rowwise | vocab_embedding | lm_head | rule:<name> | sequence_local | replicate
+    # colwise | rowwise | kv_replicate | head_local | vocab_embedding | lm_head | rule:<name> |
+    # sequence_local | replicate
+    role: str
     blocks: int = 1  # fused equal blocks of a colwise weight
     group: int = -1  # pair id (colwise sources and their rowwise sink share it)
     reason: str = ""  # why (for replicate) or what (for the log)
+    rows: list[list[int]] | None = None  # kv_replicate: the output features each tp rank computes
+
+    @property
+    def factor(self) -> int:
+        """kv_replicate: how many tp ranks compute each output feature (1 for other roles)."""
+        if not self.rows:
+            return 1
+        return len(self.rows) * len(self.rows[0]) // len({f for r in self.rows for f in r})
 
 
 @dataclass
@@ -51,17 +76,20 @@ class TPPlan:
     owners: dict[int, str] = field(default_factory=dict)  # pair id -> module owning its head counts
     regions: list[tuple[str, str]] = field(default_factory=list)  # SP: (first block, last block)
     log: list[str] = field(default_factory=list)
-    # (module, attribute) head counts / sizes to divide by tp; None: those of ``entries``' pairs
-    # (``head_divisions``). A pipeline rank's stage plan lists other ranks' pairs too: their
-    # owners' code is replayed there on stand-ins shaped like the sharded outputs
-    divide: list[tuple[str, str]] | None = None
+    # head counts / sizes to divide; None: those of ``entries``' pairs
+    # (``head_divisions``: (module, attribute, divisor; 0 for tp)). A pipeline rank's stage plan
+    # lists other ranks' pairs too: their owners' code is replayed there on stand-ins shaped like
+    # the sharded outputs
+    divide: list[tuple[str, str, int]] | None = None
 
     def pairs(self) -> dict[int, tuple[list[str], str]]:
+        """pair id -> (its other members: sources sharded, sources replicated and per-head norms,
+        in module order; its row-parallel sink)."""
         out: dict[int, tuple[list[str], str]] = {}
         for name, e in self.entries.items():
             if e.group >= 0:
                 srcs, sink = out.get(e.group, ([], ""))
-                if e.role == "colwise":
+                if e.role != "rowwise":
                     srcs.append(name)
                 else:
                     sink = name
@@ -116,17 +144,31 @@ def find_block_lists(model: nn.Module) -> list[tuple[str, list[str]]]:
     return [(n, b) for n, b in out if not any(n != o and n.startswith(o + ".") for o, _ in out)]
 
 
+def _per_head(mod: nn.Module, args: tuple, out: Any) -> bool:
+    """``mod`` is a norm applied per head: 1-D parameters as long as the last dimension of its
+    (>= 4-D: heads split off) input, and an output of the input's shape."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    ps = list(mod.parameters(recurse=False))
+    return (x is not None and isinstance(out, torch.Tensor) and x.dim() >= 4
+            and out.shape == x.shape and bool(ps)
+            and all(p.dim() == 1 and p.numel() == x.shape[-1] for p in ps))
+
+
 def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
-                    keep: dict[str, list[Any]] | None = None) -> dict[str, set[str]]:
+                    keep: dict[str, list[Any]] | None = None,
+                    head_norms: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     """Run one forward (under autograd, on any device incl. meta) and return, for each linear-like
     module, the linears whose outputs reach its input through parameter-free computation only:
     the autograd graph is walked back from each linear's input and stops at the output of any
     module that holds parameters (a linear: a source; a norm, an embedding: a barrier).
     ``keep``: filled with ``name -> [input, output]`` of each linear's first call (their graph
-    stays alive while the caller holds them; ``parallel.tp.layout`` reads fused layouts off it)."""
+    stays alive while the caller holds them; ``parallel.tp.layout`` reads fused layouts off it).
+    A norm applied per head (``_per_head``) is walked through, not a barrier; ``head_norms``:
+    filled with each such norm's name -> the linears reaching its input."""
     mods = dict(model.named_modules())
     barrier: dict[Any, str] = {}  # grad_fn of a parameterised module's output -> module name
     inputs: dict[str, list[Any]] = {}
+    norm_inputs: dict[str, list[Any]] = {}
     handles = []
 
     def pre(name):
@@ -140,6 +182,11 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
     def post(name):
         def hook(mod, args, kwargs, out):
             outs = [out] if isinstance(out, torch.Tensor) else [o for o in (out if isinstance(out, tuple | list) else ()) if isinstance(o, torch.Tensor)]
+            if name not in linears and _per_head(mod, args, out):
+                norm_inputs.setdefault(name, []).extend(
+                    a.grad_fn for a in args
+                    if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+                return
             for o in outs:
                 if o.grad_fn is not None:
                     barrier.setdefault(o.grad_fn, name)
@@ -187,10 +234,22 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
         memo[node] = frozenset(out)
         return memo[node]
 
+    if head_norms is not None:
+        for n, gs in norm_inputs.items():
+            head_norms[n] = {s for g in gs for s in sources(g) if s in linears}
     return {b: {s for g in gs for s in sources(g) if s in linears and s != b} for b, gs in inputs.items()}
 
 
-def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[str, set[str]]:
+def _head_norm_by_name(mods: dict, name: str) -> bool:
+    """A stored trace's stand-in for ``_per_head``: 1-D parameters as long as the parent's
+    ``head_dim`` attribute."""
+    hd = getattr(mods.get(name.rpartition(".")[0]), "head_dim", None)
+    ps = list(mods[name].parameters(recurse=False))
+    return isinstance(hd, int) and bool(ps) and all(p.dim() == 1 and p.numel() == hd for p in ps)
+
+
+def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str],
+                    head_norms: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     succ: dict[str, set[str]] = {}
     for a, b, _ in trace.edges():
         if a != b:
@@ -207,6 +266,10 @@ def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str]) -> dict[s
                     out.setdefault(nxt, set()).add(a)
                 elif nxt in mods and not _has_params(mods[nxt]):
                     q.append(nxt)
+                elif nxt in mods and _head_norm_by_name(mods, nxt):
+                    q.append(nxt)
+                    if head_norms is not None:
+                        head_norms.setdefault(nxt, set()).add(a)
     return out
 
 
@@ -244,10 +307,11 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
 
     linears = {n for n, m in mods.items() if linear_kind(m) is not None and free(n)}
     keep: dict[str, list[Any]] | None = {} if read_layouts else None
+    head_norms: dict[str, set[str]] = {}
     if example_inputs is not None:
-        sources_of = linear_dataflow(model, example_inputs, linears, keep)
+        sources_of = linear_dataflow(model, example_inputs, linears, keep, head_norms)
     else:  # a stored trace only: its module-level edges (containers' own code is not resolved)
-        sources_of = _edges_dataflow(trace, mods, linears)
+        sources_of = _edges_dataflow(trace, mods, linears, head_norms)
     R: dict[str, set[str]] = {a: set() for a in linears}
     for b, srcs in sources_of.items():
         for a in srcs:
@@ -263,23 +327,29 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         if b in used or any(s in used for s in srcs) or any(R[s] != {b} for s in srcs):
             continue
         owner = _lca(srcs + [b])
-        # validate head counts now, so a bad layout fails before anything is sharded
-        for mn, m in mods.items():
-            if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn):
-                for attr in HEAD_ATTRS:
-                    v = getattr(m, attr, None)
-                    if isinstance(v, int) and not isinstance(v, bool) and v % tp:
-                        raise ValueError(f"tp={tp} does not divide the head count {mn or type(model).__name__}.{attr}={v}; "
-                                         f"choose a tp that divides it")
+        inside = [mn for mn in mods
+                  if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn)]
+        # validate head counts now, so a bad layout fails before anything is sharded (key/value
+        # heads tp does not divide are replicated instead)
+        for mn in inside:
+            for attr in HEAD_ATTRS:
+                v = getattr(mods[mn], attr, None)
+                if attr in KV_HEAD_ATTRS or not isinstance(v, int) or isinstance(v, bool):
+                    continue
+                if v % tp:
+                    raise ValueError(f"tp={tp} does not divide the head count "
+                                     f"{mn or type(model).__name__}.{attr}={v}; "
+                                     f"choose a tp that divides it")
         kb = linear_kind(mods[b])
         width = kb.in_features(mods[b])
         blocks = {}
+        rows = _kv_rows_by_width(mods, inside, srcs, width, tp)  # the width rule's guess
         ok = True
         for s in srcs:
             out = linear_kind(mods[s]).out_features(mods[s])
             k = out // width if len(srcs) == 1 and out % width == 0 and out > width else 1
-            blocks[s] = k
-            if (out // k) % tp:
+            blocks[s] = 0 if s in rows else k
+            if s not in rows and (out // k) % tp and not keep:
                 ok = False
                 plan.log.append(f"{s} -> {b}: width {out} not divisible by tp={tp}; {LEFT_REPLICATED}")
         if width % tp:
@@ -287,7 +357,12 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         if not ok:
             continue
         if keep:
-            read, why = read_pair_blocks(keep, mods, srcs, b, tp, blocks)
+            read, read_rows, why = read_pair_blocks(keep, mods, srcs, b, tp,
+                                                    {s: k or 1 for s, k in blocks.items()})
+            if read is not None and read_rows is not None:
+                rows = read_rows
+            elif read is not None:  # the example could not tell: the width rule's guess
+                read = blocks
             if read is None:
                 for n in srcs + [b]:
                     plan.entries[n] = TPEntry("replicate", reason=f"fused layout fits no DTensor placement: {why}")
@@ -295,12 +370,18 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
                 used.update(srcs + [b])
                 continue
             for s in srcs:
-                if read[s] != blocks[s]:
+                if read[s] != blocks[s] and read[s] and blocks[s]:
                     plan.log.append(f"{s}: fused layout read from the dataflow: blocks={read[s]} "
                                     f"(the width rule said {blocks[s]})")
             blocks = read
         for s in srcs:
-            plan.entries[s] = TPEntry("colwise", blocks[s], gid)
+            if s in rows:
+                plan.entries[s] = TPEntry("kv_replicate", 0, gid, rows=rows[s])
+            else:
+                plan.entries[s] = TPEntry("colwise", blocks[s], gid)
+        for n, reach in head_norms.items():  # per-head norms on this pair's sources, in its owner
+            if n in inside and reach and reach <= set(srcs) and n not in plan.entries:
+                plan.entries[n] = TPEntry("head_local", 1, gid)
         plan.entries[b] = TPEntry("rowwise", 1, gid)
         plan.owners[gid] = owner
         used.update(srcs + [b])
@@ -346,6 +427,59 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
     return plan
 
 
+def _head_dim(mods: dict[str, nn.Module], names: list[str]) -> int | None:
+    """The ``head_dim`` attribute of the first of ``names`` that has one."""
+    for n in names:
+        v = getattr(mods[n], "head_dim", None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _kv_rows_by_width(mods: dict[str, nn.Module], inside: list[str], srcs: list[str], width: int,
+                      tp: int) -> dict[str, list[list[int]]]:
+    """The width rule for key/value heads (meta tensors, stored traces): a source of a
+    multi-source pair narrower than the sink's input holds ``out / head_dim`` key/value heads
+    (``head_dim`` from the pair's owner); fewer than tp (tp a multiple of them): replicated, rank
+    r computing head ``r // (tp / heads)``, the one its query heads read in the usual layout."""
+    hd = _head_dim(mods, inside)
+    out: dict[str, list[list[int]]] = {}
+    if hd is None or len(srcs) < 2:
+        return out
+    for s in srcs:
+        n = linear_kind(mods[s]).out_features(mods[s])
+        kv = n // hd
+        if n < width and n % hd == 0 and kv % tp and tp % kv == 0:
+            per = tp // kv
+            out[s] = [list(range((r // per) * hd, (r // per + 1) * hd)) for r in range(tp)]
+    if len(out) == len(srcs):
+        return {}
+    return out
+
+
+def _kv_notes(plan: TPPlan, mods: dict[str, nn.Module], tp: int) -> list[str]:
+    """One log line per attention kind (owner class) whose key/value sources ``plan`` replicates
+    (on a pipeline rank: those of its own stage)."""
+    kinds: dict[str, list[Any]] = {}
+    for gid, (srcs, _) in plan.pairs().items():
+        kv = [s for s in srcs if plan.entries[s].role == "kv_replicate"]
+        if not kv:
+            continue
+        owner = plan.owners[gid]
+        kind = type(mods[owner]).__name__
+        e = plan.entries[kv[0]]
+        rec = kinds.setdefault(kind, [0, [s[len(owner) + 1:] if owner else s for s in kv], e])
+        rec[0] += 1
+    notes = []
+    for kind, (count, names, e) in kinds.items():
+        groups = tp // e.factor
+        notes.append(f"replicated K/V in {count} {kind} module(s): {', '.join(names)} whole on "
+                     f"every rank ({groups} key/value head group(s) for tp={tp}, each read by "
+                     f"{e.factor} ranks); each rank computes the {len(e.rows[0])} features its "
+                     f"query heads read, gradients summed over the tp group")
+    return notes
+
+
 def _gather_point(plan: TPPlan, gid: int, srcs: list[str]) -> str | None:
     """Sequence parallel: the module whose input is gathered for pair ``gid`` (None: each source
     gathers its own). The pair's owner when nothing in it runs on a sequence shard (an attention
@@ -359,32 +493,46 @@ def _gather_point(plan: TPPlan, gid: int, srcs: list[str]) -> str | None:
     return top if len(srcs) > 1 and top not in srcs else None
 
 
-def head_divisions(model: nn.Module, plan: TPPlan, groups: set[int] | None = None) -> list[tuple[str, str]]:
-    """(module, attribute) pairs that sharding ``plan``'s pairs (those in ``groups``; None: all)
-    divides by tp: every head count (``HEAD_ATTRS``) in each pair owner's subtree, and every size
-    attribute (``SIZE_ATTRS``) equal to the width of one block of the pair's first source. Reads
-    the sources' widths, so it needs the unsharded weights."""
+def head_divisions(model: nn.Module, plan: TPPlan, groups: set[int] | None = None,
+                   tp: int | None = None) -> list[tuple[str, str, int]]:
+    """(module, attribute, divisor) for what sharding ``plan``'s pairs (those in ``groups``;
+    None: all) divides: by tp every head count (``HEAD_ATTRS``) in each pair owner's subtree and
+    every size attribute (``SIZE_ATTRS``) equal to the width of one block of the pair's first
+    sharded source. With replicated key/value sources, each computed by f ranks: key/value head
+    counts by tp / f, query-per-key/value group sizes (``KV_GROUP_ATTRS``) by f (``tp``: the
+    degree, read off the rows when None). Reads the sources' widths: needs the unsharded weights."""
     mods = dict(model.named_modules())
     pairs = plan.pairs()
-    out: list[tuple[str, str]] = []
+    out: list[tuple[str, str, int]] = []
     done: set[tuple[int, str]] = set()  # a module under several names is divided once
     for gid, owner in plan.owners.items():
         if groups is not None and gid not in groups:
             continue
         srcs, _ = pairs[gid]
-        width = linear_kind(mods[srcs[0]]).out_features(mods[srcs[0]]) // plan.entries[srcs[0]].blocks
+        first = next(s for s in srcs if plan.entries[s].role == "colwise")
+        width = linear_kind(mods[first]).out_features(mods[first]) // plan.entries[first].blocks
+        kv = [plan.entries[s] for s in srcs if plan.entries[s].role == "kv_replicate"]
+        f = kv[0].factor if kv else 1
+        deg = tp or (len(kv[0].rows) if kv else 0)
         for mn, m in mods.items():
             if not (mn == owner or (owner and mn.startswith(owner + "."))):
                 continue
             if plan.entries.get(mn, TPEntry("")).role.startswith("rule:"):
                 continue
-            for attr in (*HEAD_ATTRS, *SIZE_ATTRS):
+            for attr in (*HEAD_ATTRS, *SIZE_ATTRS, *KV_GROUP_ATTRS):
                 v = getattr(m, attr, None)
                 if not isinstance(v, int) or isinstance(v, bool) or (id(m), attr) in done:
                     continue
-                if attr in HEAD_ATTRS or v == width:
-                    out.append((mn, attr))
-                    done.add((id(m), attr))
+                if attr in KV_GROUP_ATTRS:
+                    if f > 1:
+                        out.append((mn, attr, f))
+                elif kv and attr in KV_HEAD_ATTRS:
+                    out.append((mn, attr, deg // f))
+                elif attr in HEAD_ATTRS or v == width:
+                    out.append((mn, attr, 0))  # 0: the tp degree
+                else:
+                    continue
+                done.add((id(m), attr))
     return out
 
 
@@ -398,8 +546,9 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
         ctx.note(msg, logging.WARNING if LEFT_REPLICATED in msg else logging.INFO)
     mods = dict(model.named_modules())
     # head counts first (validated by discover_plan)
-    for mn, attr in plan.divide if plan.divide is not None else head_divisions(model, plan):
-        ctx.divide_attr(mods[mn], attr)
+    divide = plan.divide if plan.divide is not None else head_divisions(model, plan, tp=ctx.size)
+    for mn, attr, by in divide:
+        ctx.divide_attr(mods[mn], attr, by or ctx.size)
     groups: dict[int, object] = {}
     ready: set[str] = set()  # SP: colwise sources whose input a parent gathers
     lists = [first.rpartition(".")[0] + "." for first, _ in plan.regions]
@@ -419,6 +568,11 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
         if e.role == "colwise":
             owner = groups.setdefault(e.group, type("TPInput", (), {})())
             c.colwise(m, e.blocks, input_group=owner, input_ready=n in ready)
+        elif e.role == "kv_replicate":
+            owner = groups.setdefault(e.group, type("TPInput", (), {})())
+            c.replicated_rows(m, e.rows[ctx.rank], input_group=owner, input_ready=n in ready)
+        elif e.role == "head_local":
+            c.partial_grad(m)
         elif e.role == "rowwise":
             c.rowwise(m)
         elif e.role == "vocab_embedding":
@@ -435,6 +589,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_par
             ctx.note(f"{n}: {e.role}" + (f" (blocks={e.blocks})" if e.blocks > 1 else ""))
         else:
             ctx.note(f"{n}: replicated ({e.reason})")
+    for msg in _kv_notes(plan, mods, ctx.size):  # what was replicated and why, once per kind
+        ctx.note(msg)
     if ctx.sequence_parallel:
         for first, last in plan.regions:
             ctx.sequence_region(mods[first], mods[last])

@@ -31,6 +31,12 @@ except ImportError:  # pragma: no cover
 # attributes holding a head count: divided by tp on the module that owns a sharded pair
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "heads",
               "num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# of those, key/value head counts: with fewer key/value heads than tp ranks the k / v sources are
+# replicated and these become the heads each rank computes (``parallel.tp.plan``)
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# query heads per key/value head (HF's ``repeat_kv`` factor): unchanged when tp shards both, divided
+# by the number of ranks that compute each key/value head when those are replicated
+KV_GROUP_ATTRS = ("num_key_value_groups", "n_rep", "num_queries_per_kv")
 # attributes holding the projected width (GPT-2's ``split_size``, BERT's ``all_head_size``)
 SIZE_ATTRS = ("split_size", "all_head_size", "inner_dim")
 
@@ -80,13 +86,15 @@ class TPContext:
                                shape=p.shape, stride=p.stride())
         m._parameters[pname] = nn.Parameter(d, requires_grad=p.requires_grad)
 
-    def divide_attr(self, m: nn.Module, attr: str, strict: bool = True) -> None:
+    def divide_attr(self, m: nn.Module, attr: str, by: int | None = None) -> None:
+        """``m.<attr>`` divided by ``by`` (default: the tp degree)."""
+        by = by or self.size
         v = getattr(m, attr)
-        if v % self.size:
+        if v % by:
             raise ValueError(f"tp={self.size} does not divide {type(m).__name__}.{attr}={v}: "
                              f"choose a tp that divides the head count")
-        setattr(m, attr, v // self.size)
-        self.note(f"{type(m).__name__}.{attr}: {v} -> {v // self.size} per rank")
+        setattr(m, attr, v // by)
+        self.note(f"{type(m).__name__}.{attr}: {v} -> {v // by} per rank")
 
     def _enter(self, x: torch.Tensor, cache_owner) -> torch.Tensor:
         """Input of a column-parallel layer: identity fwd / all-reduce bwd (or all-gather over the
@@ -137,6 +145,36 @@ class TPContext:
         m.forward = types.MethodType(forward, m)
         self.sharded.add(id(m))
 
+    def replicated_rows(self, m: nn.Module, rows: list[int], *, input_group: object | None = None,
+                        input_ready: bool = False) -> None:
+        """A linear kept whole on every rank of which this rank computes the output features
+        ``rows`` (the key/value heads its query heads read, when the ranks outnumber them). Its
+        weight's (and bias's) gradient is summed over the tp group: each rank's holds the part
+        its own query heads contribute."""
+        kind = linear_kind(m)
+        ctx = self
+        idx = torch.tensor(rows, dtype=torch.long, device=m.weight.device)
+        sub = self
+
+        def forward(self_, x):
+            if not input_ready:
+                x = sub._enter(x, input_group)
+            w = comm.grad_all_reduce(self_.weight, ctx.group)
+            w = w.index_select(kind.out_dim, idx.to(x.device))
+            b = self_.bias
+            if b is not None:
+                b = comm.grad_all_reduce(b, ctx.group).index_select(0, idx.to(x.device))
+            return kind.compute(x, w, b)
+
+        m.forward = types.MethodType(forward, m)
+        self.sharded.add(id(m))
+
+    def partial_grad(self, m: nn.Module) -> None:
+        """A module with replicated parameters that each rank applies to its own part of the
+        work (a norm over each of this rank's heads): their gradients are summed over the group."""
+        _sum_param_grads(m, self.group)
+        self.sharded.add(id(m))
+
     def rowwise(self, m: nn.Module) -> None:
         """Row-parallel linear: input features sharded, output summed over ranks, bias added once."""
         kind = linear_kind(m)
@@ -176,20 +214,7 @@ class TPContext:
     def sequence_local(self, m: nn.Module) -> None:
         """A module that runs on this rank's sequence chunk with replicated parameters (norms,
         layer scales under SP): its parameter gradients are summed over the tp group."""
-        ctx = self
-        orig = type(m).forward
-        names = [n for n, p in m._parameters.items() if p is not None]
-
-        def forward(self_, *args, **kwargs):
-            saved = {n: self_._parameters[n] for n in names}
-            try:
-                for n in names:
-                    self_._parameters[n] = comm.grad_all_reduce(local(saved[n]), ctx.group)
-                return orig(self_, *args, **kwargs)
-            finally:
-                self_._parameters.update(saved)
-
-        m.forward = types.MethodType(forward, m)
+        _sum_param_grads(m, self.group)
         self.sharded.add(id(m))
 
     def gather_input(self, m: nn.Module) -> None:
@@ -226,6 +251,23 @@ class TPContext:
             return gather(last_fwd(*args, **kwargs))
 
         last.forward = forward_then_gather
+
+
+def _sum_param_grads(m: nn.Module, group) -> None:
+    """``m``'s forward with its own parameters passed through ``comm.grad_all_reduce``."""
+    orig = type(m).forward
+    names = [n for n, p in m._parameters.items() if p is not None]
+
+    def forward(self_, *args, **kwargs):
+        saved = {n: self_._parameters[n] for n in names}
+        try:
+            for n in names:
+                self_._parameters[n] = comm.grad_all_reduce(local(saved[n]), group)
+            return orig(self_, *args, **kwargs)
+        finally:
+            self_._parameters.update(saved)
+
+    m.forward = types.MethodType(forward, m)
 
 
 def _map_hidden(args, kwargs, fn):

@@ -44,6 +44,8 @@ from parallel.tp.plan import LEFT_REPLICATED, TPEntry, TPPlan, apply_plan, disco
 from parallel.trace import TraceResult
 
 UNIT_ROLES = ("vocab_embedding", "lm_head")  # entries that are units of their own (besides rule:*)
+# entries of a column -> row pair: decided together, as one unit (the pair's owner)
+PAIR_ROLES = ("colwise", "rowwise", "kv_replicate", "head_local")
 
 
 @dataclass
@@ -67,7 +69,7 @@ def plan_units(plan: TPPlan) -> dict[str, list[str]]:
     """Unit module name -> the plan entries it decides; innermost units first, then module order."""
     units: dict[str, list[str]] = {}
     for n, e in plan.entries.items():
-        if e.role in ("colwise", "rowwise") and e.group in plan.owners:
+        if e.role in PAIR_ROLES and e.group in plan.owners:
             units.setdefault(plan.owners[e.group], []).append(n)
         elif e.role.startswith("rule:") or e.role in UNIT_ROLES:
             units.setdefault(n, []).append(n)

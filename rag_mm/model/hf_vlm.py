@@ -158,12 +158,12 @@ def image_processor(cfg, config):
 
 
 def tp_divisor(cfg, vocab_size: int = 49408) -> int:
-    """What tp must divide: the language model's query and key/value heads and the tower's heads
-    (``vocab_size``: the tokenizer's, which only a small config's vocabulary depends on)."""
+    """What tp must divide: the language model's query heads and the tower's heads (key/value
+    heads tp does not divide are replicated; ``vocab_size``: the tokenizer's, which only a small
+    config's vocabulary depends on)."""
     config = vlm_config(cfg, vocab_size)
     text, vision = config.get_text_config(), config.vision_config
-    heads = text.num_attention_heads
-    return math.gcd(math.gcd(heads, getattr(text, "num_key_value_heads", None) or heads), vision.num_attention_heads)
+    return math.gcd(text.num_attention_heads, vision.num_attention_heads)
 
 
 class HFVLMReader(HFReaderBase):

@@ -378,3 +378,35 @@ def test_calibrate_measures_link_and_runtime_host_work():
     c = calibrate(Cluster.preset("local"), ranks=2, seconds=0.05)
     assert c.intra_latency_s > 0 and c.intra_bandwidth > 0 and c.peak_flops["fp32"] > 0
     assert 1e-5 < c.fsdp_unit_s < 1.0 and 1e-5 < c.tp_call_s < 1.0
+
+
+def test_one_kv_head_is_planned_with_replicated_kv():
+    """Multi-query attention (tiny Gemma 3, one key/value head, 4 query heads) on 4 devices: tp=2
+    and tp=4 are candidates (not ruled out), k_proj / v_proj count whole on every tp rank in the
+    parameter memory, and each adds one gradient all-reduce per call to the TP communication."""
+    from tests.parallel.tp_cases import SELFCHECK_MODELS
+
+    torch.manual_seed(0)
+    model, inputs = SELFCHECK_MODELS["gemma3_mqa"]()
+    tr = trace_model(model, inputs, passes=0)
+    plan = plan_layout(model, inputs, cluster(), global_batch=8, precisions=("fp32",),
+                       checkpointing=(False,), offload=(False,), trace=tr)
+    assert any(lay.tp == 4 and lay.fits for lay in plan.layouts), plan.table(5)
+    params = dict(model.named_parameters())
+    kv = {n for n in params if n.endswith(("k_proj.weight", "v_proj.weight"))}
+    for tp in (2, 4):
+        st = plan.planner.stats_at(tp)
+        assert st.tp_kv == kv, sorted(st.tp_kv ^ kv)
+        assert st.whole.kv_param_bytes == sum(params[n].numel() * 4 for n in kv)
+        assert st.whole.kv_calls == len(kv)
+        assert not (st.tp_kv & {p for p, sharded in st.tp_param.items() if sharded})
+        lay = plan.estimate(pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, precision="fp32")
+        sharded = st.whole.tp_param_bytes
+        assert lay.memory["params"] == pytest.approx(st.whole.param_bytes - sharded + sharded / tp)
+        # the query projections are sharded: less than tp=1's memory, more than all-sharded
+        assert "model.layers.0.self_attn.q_proj.weight" in {p for p, s in st.tp_param.items() if s}
+    layout = dict(pp=1, tp=2, dp_replicate=2, dp_shard=1, precision="fp32")
+    with_kv = plan.estimate(**layout).breakdown["tp_comm"]
+    plan.planner.stats_at(2).whole.kv_calls = 0  # the layout without the K/V gradient all-reduces
+    plan.planner._parts.clear()
+    assert with_kv > plan.estimate(**layout).breakdown["tp_comm"]

@@ -228,3 +228,51 @@ def test_fused_layout_read_from_dataflow():
     assert any("attn.qkv: fused layout read from the dataflow: blocks=1" in line for line in plan.log)
     width_rule = discover_plan(model, 2, example_inputs=inputs, read_layouts=False)
     assert width_rule.entries["attn.qkv"].blocks == 3
+
+
+@pytest.mark.multirank
+def test_one_kv_head_shards_query_heads(default_suite):
+    """Multi-query attention (Gemma 3, one key/value head for 4 query heads, per-head q_norm /
+    k_norm) at tp=2: q_proj and o_proj are sharded by heads, k_proj / v_proj stay whole on both
+    ranks (each computes the one head), the norms' gradients are summed; the self-check keeps
+    every unit and loss and gradients equal one process. The fallback (the whole attention
+    replicated) fails here. One log line names the replicated weights for the attention kind."""
+    for rank_res in default_suite:
+        r = rank_res["gemma3_mqa"]
+        _check(r, "gemma3_mqa")
+        for i in (0, 1):
+            attn = f"model.layers.{i}.self_attn"
+            roles = {k.rpartition(".")[2]: v for k, v in r["roles"].items()
+                     if k.startswith(attn + ".")}
+            assert roles == {"q_proj": "colwise", "k_proj": "kv_replicate",
+                             "v_proj": "kv_replicate", "q_norm": "head_local",
+                             "k_norm": "head_local", "o_proj": "rowwise"}, roles
+            placed = r["placements"]
+            assert placed[f"{attn}.q_proj.weight"] == placed[f"{attn}.o_proj.weight"] == "sharded"
+            assert r["placements"][f"{attn}.k_proj.weight"] == "whole"
+        left = [line for line in r["log"] if "left replicated" in line and "tied" not in line]
+        assert not left, left
+        kv = [line for line in r["log"] if line.startswith("replicated K/V")]
+        assert len(kv) == 1 and "2 Gemma3Attention module(s): k_proj, v_proj" in kv[0], kv
+        assert "each read by 2 ranks" in kv[0], kv
+
+
+def test_one_kv_head_by_the_width_rule():
+    """Without reading the example's layouts (meta tensors, a stored trace), a source holding
+    fewer key/value heads (its width / the owner's ``head_dim``) than tp ranks is replicated
+    too, rank r computing head r // (tp / heads); the pair's head counts are divided to match."""
+    from parallel.tp import discover_plan
+    from parallel.tp.plan import head_divisions
+
+    torch.manual_seed(0)
+    model, inputs = tp_cases.SELFCHECK_MODELS["gemma3_mqa"]()
+    for read in (True, False):
+        plan = discover_plan(model, 4, example_inputs=inputs, read_layouts=read)
+        k = plan.entries["model.layers.0.self_attn.k_proj"]
+        assert k.role == "kv_replicate" and k.factor == 4, (read, k)
+        assert k.rows == [list(range(16))] * 4, (read, k)
+        assert plan.entries["model.layers.0.self_attn.q_proj"].role == "colwise"
+    divs = {(m.rpartition(".")[2], a): by for m, a, by in head_divisions(model, plan, tp=4)
+            if m == "model.layers.0.self_attn"}
+    # 4 query heads per key/value head -> 1 per rank
+    assert divs == {("self_attn", "num_key_value_groups"): 4}, divs

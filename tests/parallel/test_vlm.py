@@ -91,3 +91,21 @@ def test_sharded_multihead_attention_cross_and_aliased(tp_suite):
         assert m["roles"] == {"mix": "rule:multihead_attention", "pool": "rule:multihead_attention"}, m["roles"]
         assert m["sharded"] == 1.0, m
         assert m["out_err"] < 1e-5 and m["err"] < RTOL, m
+
+
+PP_TP_DP = [(name, dict(pp=2, tp=2, dp_shard=2))
+            for name in ("llava", "mistral3", "paligemma_mqa", "gemma3")]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_vlm_pp2_tp2_dp_shard2_matches_one_process():
+    """pp=2 x tp=2 x dp_shard=2 on 8 ranks: LLaVA and Mistral3 (2 key/value heads), PaliGemma and
+    Gemma 3 with one key/value head (k / v replicated over the tp ranks, their gradients summed):
+    the step's loss and every gradient equal one process's."""
+    res = run_ranks(vlm_cases.pipeline_suite, 8, PP_TP_DP, timeout_s=600)
+    for rank, per in enumerate(res):
+        for name, r in per.items():
+            assert abs(r["loss"] - r["ref"]) <= RTOL * abs(r["ref"]), (rank, name, r)
+            assert r["n"] > 0, (rank, name, r)
+            assert r["err"] < RTOL, (rank, name, r)

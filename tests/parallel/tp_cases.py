@@ -532,6 +532,9 @@ SELFCHECK_MODELS = {
     "qwen2": lambda: _hf_causal_lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
     "mistral": lambda: _hf_causal_lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2),
     "phi": lambda: _hf_causal_lm("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5),
+    # multi-query attention in separate q / k / v projections, with per-head q_norm / k_norm
+    "gemma3_mqa": lambda: _hf_causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM",
+                                        num_key_value_heads=1, head_dim=16, sliding_window=8),
     # multi-query attention in a fused c_attn (q | one k head | one v head)
     "gpt_bigcode": lambda: _hf_causal_lm("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=64,
                                          n_head=4, n_positions=64, multi_query=True, attn_pdrop=0.0),
@@ -573,7 +576,17 @@ def selfcheck_case(rank, world, name, read_layouts=True, sequence_parallel=False
     return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
                 roles={n: e.role for n, e in plan.entries.items()},
                 blocks={n: e.blocks for n, e in plan.entries.items()}, log=plan.log,
-                discover_s=t1 - t0, apply_s=t2 - t1)
+                discover_s=t1 - t0, apply_s=t2 - t1, placements=_placements(model))
+
+
+def _placements(model) -> dict[str, str]:
+    """Parameter name -> 'sharded' (a DTensor with a non-Replicate placement) or 'whole'."""
+    from torch.distributed.tensor import Replicate
+
+    def sharded(p) -> bool:
+        return isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements)
+
+    return {n: "sharded" if sharded(p) else "whole" for n, p in model.named_parameters()}
 
 
 def tp_default_group(rank, world):
@@ -590,6 +603,7 @@ def tp_default_group(rank, world):
     out["gptneox+sp"] = selfcheck_case(rank, world, "gptneox", sequence_parallel=True)
     out["gptneox+width_rule+sp"] = selfcheck_case(rank, world, "gptneox", read_layouts=False, sequence_parallel=True)
     out["phi3"] = selfcheck_case(rank, world, "phi3")
+    out["gemma3_mqa"] = selfcheck_case(rank, world, "gemma3_mqa")
     return out
 
 

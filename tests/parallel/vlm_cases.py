@@ -84,7 +84,56 @@ def qwen2vl(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tenso
     return Qwen2VLForConditionalGeneration(cfg), inputs
 
 
-MODELS = {"llava": llava, "paligemma": paligemma, "qwen2vl": qwen2vl}
+def paligemma_mqa(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """PaliGemma with one key/value head (multi-query attention, as PaliGemma-3B's Gemma-2B)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
+    text = dict(TEXT, model_type="gemma", head_dim=16, num_key_value_heads=1)
+    cfg = PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                          projection_dim=TEXT["hidden_size"])
+    return PaliGemmaForConditionalGeneration(cfg), _inputs(b, 0, seed)
+
+
+def gemma3(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Gemma 3 (SigLIP + Gemma 3 text, one key/value head, per-head q_norm / k_norm); the 16
+    patches pooled to 4 image tokens."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
+    text = dict(TEXT, model_type="gemma3_text", num_key_value_heads=1, head_dim=16,
+                sliding_window=8)
+    cfg = Gemma3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                       mm_tokens_per_image=4, boi_token_index=IMAGE_TOKEN + 1,
+                       eoi_token_index=IMAGE_TOKEN + 2)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    ids[:, 2:6] = IMAGE_TOKEN
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+              "token_type_ids": (ids == IMAGE_TOKEN).long()}
+    return Gemma3ForConditionalGeneration(cfg), inputs
+
+
+def mistral3(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Mistral3 (Pixtral tower, 2 x 2 patch merger, Mistral with 2 key/value heads): 4 image
+    tokens."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=16, patch_size=4, head_dim=8)
+    text = dict(TEXT, model_type="mistral", head_dim=16)
+    cfg = Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                         spatial_merge_size=2, tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, IMAGE_TOKEN - 1, (b, SEQ), generator=gen)
+    ids[:, 2:6] = IMAGE_TOKEN
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(b, 3, 16, 16, generator=gen),
+              "image_sizes": torch.tensor([[16, 16]] * b)}
+    return Mistral3ForConditionalGeneration(cfg), inputs
+
+
+MODELS = {"llava": llava, "paligemma": paligemma, "qwen2vl": qwen2vl,
+          "paligemma_mqa": paligemma_mqa, "gemma3": gemma3, "mistral3": mistral3}
 
 
 def next_token_loss(out, target: torch.Tensor) -> torch.Tensor:

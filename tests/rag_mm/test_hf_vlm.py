@@ -163,8 +163,9 @@ def test_presets_on_meta_have_the_public_parameter_counts(preset):
     assert abs(n - public) <= 0.01 * public, (preset, n, public)
     assert reader.encode_images(torch.empty(1, 3, cfg.model.image_size, cfg.model.image_size, device="meta")).shape[1] \
         == {"llava1_5_7b": 576, "paligemma_3b": 256}[preset]
-    # tp divides the VLM's own heads: Vicuna's 32 and CLIP-L's 16; Gemma-2B has one key/value head
-    assert rplan.tp_divisor(cfg) == {"llava1_5_7b": 16, "paligemma_3b": 1}[preset]
+    # tp divides the VLM's own query heads: Vicuna's 32 and CLIP-L's 16; Gemma-2B's 8 and SigLIP's
+    # 16 (Gemma-2B's one key/value head is replicated over the tp ranks)
+    assert rplan.tp_divisor(cfg) == {"llava1_5_7b": 16, "paligemma_3b": 8}[preset]
 
 
 @pytest.mark.parametrize("preset", ["llava1_5_7b", "paligemma_3b"])
