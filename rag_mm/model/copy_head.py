@@ -44,7 +44,12 @@ class CopyHead(nn.Module):
         self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
         self.k = nn.Linear(dim, dim)
         self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
+        # the gate (generate vs copy) reads the question (what is asked: a name is copied, a
+        # yes/no is generated) and what the copy attention points at (a span's end, "." or ",",
+        # says "stop copying"), not the answer row's own state: that state carries the last
+        # answer token, and a gate that keys on it fails on tokens never trained as answers
         self.gate = nn.Linear(dim, 1)
+        self.gate_ctx = nn.Linear(dim, 1, bias=False)
 
     def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
         """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
@@ -62,18 +67,20 @@ class CopyHead(nn.Module):
         w = self.pool(h_all).squeeze(-1).masked_fill(~is_question, float("-inf"))  # (B, S)
         return torch.einsum("bs,bsd->bd", torch.softmax(w, -1).nan_to_num(0.0), h_all)
 
-    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, gen_logp, doc_prior=None,
-                target=None):
+    def forward(self, h_rows, rows_ex, rows_pos, h_all, tok_all, seg_id, is_question, is_answer, gen_logp,
+                doc_prior=None, target=None):
         """h_rows (M, D) answer-position states, of example rows_ex (M,) at rows_pos (M,);
         h_all (B, S, D), tok_all (B, S) token id per position (-1: not copyable), seg_id (B, S)
-        segment of each position, is_question (B, S); gen_logp (M, V); doc_prior (B, k) log
+        segment of each position, is_question and is_answer (B, S) the question's and the answer's
+        tokens; gen_logp (M, V); doc_prior (B, k) log
         retrieval probabilities of the documents or None; target (M,) the answer tokens (negative:
         no target) or None.
         Returns log p (M, V), the copy attention (M, S) and the pointer-supervision loss of each
         row (M,) (zeros without a target or with ``supervision`` 0)."""
         D = h_all.shape[-1]
         keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
-        query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
+        qvec = self.question_vector(h_all, is_question)[rows_ex]  # (M, D)
+        query = self.q(h_rows) + self.q_question(qvec)  # (M, D)
         scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
         if doc_prior is not None:
             # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes a
@@ -85,12 +92,26 @@ class CopyHead(nn.Module):
             scores = scores + torch.gather(prior, 1, seg_id.clamp(max=prior.shape[1] - 1))[rows_ex]
         S = h_all.shape[1]
         tok = tok_all[rows_ex]  # (M, S)
-        allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0)
+        # copyable: the documents' and the question's tokens before the row; not the answer's own
+        # prefix (its last token would match itself)
+        allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0) & ~is_answer[rows_ex]
+        # past the answer's first token, copying continues a span: only the tokens that follow
+        # (same segment) the token the row reads are copyable (an induction head's rule, exact on
+        # token ids), so a span of tokens never trained as answers is copied to its end, and the
+        # gate, seeing the span's next token (".", ","), decides to stop. Rows whose last token
+        # occurs nowhere (a generated word) keep every position.
+        same = seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S]  # (B, S)
+        prev_tok = F.pad(tok_all, (1, 0), value=-1)[:, :S].masked_fill(~same, -1)[rows_ex]  # (M, S)
+        row_tok = tok.gather(1, rows_pos[:, None])  # (M, 1) the token at the answer row
+        in_answer = ~is_question[rows_ex, rows_pos]  # (M,) the row reads an answer token, not the question's last
+        follows = (prev_tok == row_tok) & (row_tok >= 0) & allowed & in_answer[:, None]  # (M, S)
+        allowed = torch.where(follows.any(1, keepdim=True), follows, allowed)
         # fp32 softmax: CUDA autocast promotes softmax to fp32, CPU autocast does not, and the
         # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
         attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
         copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
-        g = torch.sigmoid(self.gate(h_rows)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
+        pointed = torch.einsum("ms,msd->md", attn.to(h_all.dtype), h_all[rows_ex])  # (M, D) what the copy attends
+        g = torch.sigmoid(self.gate(qvec) + self.gate_ctx(pointed)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         aux = gen_logp.new_zeros(len(rows_ex))
         if target is not None and self.supervision > 0:

@@ -176,8 +176,8 @@ class ReaderBase(nn.Module):
             logp, doc_attention = gen_logp, None
         else:
             seg_id = segment_ids(seg_offsets, h_all.shape[1])
-            logp, attn, aux = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION, gen_logp,
-                                        doc_prior, target)
+            logp, attn, aux = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION,
+                                        a.typ == ANSWER, gen_logp, doc_prior, target)
             doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid)
         tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)  # (M,), 0 on fill rows
         real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)
