@@ -32,6 +32,7 @@ cover take the fixed rule on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -423,10 +424,32 @@ def _split(chosen: str) -> tuple[str, str | None]:
     return name, isa or None
 
 
+_override: list[str] = []  # the innermost ``override_backend`` in effect (a stack)
+
+
+@contextlib.contextmanager
+def override_backend(name: str):
+    """Run every ``attention`` / ``varlen_attention`` call inside the block on backend ``name``
+    whatever the caller asked for (FLOP counting runs SDPA, whose FLOPs have formulas)."""
+    if name not in BACKENDS[1:]:
+        raise ValueError(f"override_backend takes one of {BACKENDS[1:]}, got {name!r}")
+    _override.append(name)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
+    if _override:
+        return _override[-1], "override_backend"
+    return select_backend(backend, q, layout, grad=grad)
+
+
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
     layout = _layout(causal, seg_offsets)
-    chosen, reason = select_backend(backend, q, layout, grad=_needs_grad(q, k, v))
+    chosen, reason = _resolve(backend, q, layout, _needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
     return _attention_with(chosen, q, k, v, causal, seg_offsets, scale)
 
@@ -457,7 +480,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
     sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
     """
-    chosen, reason = select_backend(backend, q, "packed", grad=_needs_grad(q, k, v))
+    chosen, reason = _resolve(backend, q, "packed", _needs_grad(q, k, v))
     _log_once("packed", q.dtype, chosen, reason)
     return _varlen_with(chosen, q, k, v, cu_seqlens, max_seqlen, causal, scale)
 
