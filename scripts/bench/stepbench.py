@@ -83,14 +83,17 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10
 class Timing:
     step_s: float  # mean seconds per timed step (total between the two events / steps)
     losses: list[float]  # every step's loss, warm-up included, read after the last event
+    warmup_s: float  # wall seconds of the warm-up steps (tuning and compilation included)
 
 
 def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int,
                steps: int) -> Timing:
     """``warmup`` steps, then ``steps`` steps between two events with no host sync between them.
     ``step`` returns the loss (a detached tensor; it is not read until the end)."""
+    t = time.perf_counter()
     losses = [step() for _ in range(warmup)]
     _sync(device)
+    warmup_s = time.perf_counter() - t
     if device.type == "cuda":
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
@@ -102,7 +105,7 @@ def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: i
         t = time.perf_counter()
         losses += [step() for _ in range(steps)]
         total = time.perf_counter() - t
-    return Timing(total / max(steps, 1), [float(x) for x in losses])
+    return Timing(total / max(steps, 1), [float(x) for x in losses], warmup_s)
 
 
 # ----------------------------------------------------------------------------- the reader
@@ -214,29 +217,37 @@ class StepSetup:
     params: str = "fp32"  # fp32 | fp32+autocast (bf16 matmuls over fp32 weights) | bf16 (weights too)
     attention: str = "auto"  # model.attention_backend
     compile: bool = False  # torch.compile each block
+    compile_backend: str = "inductor"  # aot_eager: traced and partitioned, no code generated (CPU dry runs)
+
+
+def make_step(model, opt, batch: dict, autocast: bool) -> Callable[[], torch.Tensor]:
+    """One training step (forward, backward, optimizer) returning the detached loss."""
+    device = next(model.parameters()).device
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
+
+    def step() -> torch.Tensor:
+        with ctx:
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
 
 
 def _peak_memory(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, warmup: int,
-            steps: int, peaks: dict, counts: dict | None = None) -> dict:
-    """Build the reader for ``setup``, run ``warmup`` + ``steps`` training steps, report.
-
-    ``peaks``: {"datasheet": FLOP/s or None, "measured": FLOP/s} of the device for this precision.
-    ``counts``: a memo of meta counts shared between calls (keyed by model and batch)."""
+def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
+    """(config, model, blocks, step) for ``setup``: the reader with random weights on ``device``
+    in the setup's dtype, its blocks checkpointed and compiled as asked, and its training step."""
     from parallel.memory import apply_activation_checkpointing
     from parallel.spmd import find_blocks
     from rag_mm.components.optim import build_optimizer
-    from rag_mm.model.factory import count_parameters
 
     cfg, model_cfg, vocab = compose_run([*overrides, f"model.attention_backend={setup.attention}"])
-    key = (tuple(overrides), setup.batch, setup.ac)
-    counts = {} if counts is None else counts
-    if key not in counts:
-        counts[key] = meta_flops(model_cfg, cfg, vocab, setup.batch, setup.ac == "full")
-    flops = counts[key]
     model = build_model(model_cfg, vocab, device).train()
     if setup.params == "bf16":
         model.to(torch.bfloat16)
@@ -245,19 +256,31 @@ def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, war
         apply_activation_checkpointing(blocks, "full", 1)
     if setup.compile:
         for b in blocks:
-            b.compile()
-    opt = build_optimizer(model, cfg.optim)
+            b.compile(backend=setup.compile_backend)
     batch = synthetic_batch(cfg, setup.batch, vocab, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=setup.params == "fp32+autocast")
+    if setup.params == "bf16":  # pictures in the weights' dtype
+        batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
+    step = make_step(model, build_optimizer(model, cfg.optim), batch, setup.params == "fp32+autocast")
+    return (cfg, model_cfg, vocab), model, blocks, step
 
-    def step() -> torch.Tensor:
-        with autocast:
-            loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
 
+def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, warmup: int,
+            steps: int, peaks: dict, counts: dict | None = None) -> dict:
+    """Build the reader for ``setup``, run ``warmup`` + ``steps`` training steps, report.
+
+    ``peaks``: {"datasheet": FLOP/s or None, "measured": FLOP/s} of the device for this precision.
+    ``counts``: a memo of meta counts shared between calls (keyed by model and batch)."""
+    from parallel.kernels import attention
+    from rag_mm.model.factory import count_parameters
+
+    (cfg, model_cfg, vocab), model, blocks, step = prepare(overrides, setup, device)
+    key = (tuple(overrides), setup.batch)
+    counts = {} if counts is None else counts
+    if key not in counts:
+        counts[key] = meta_flops(model_cfg, cfg, vocab, setup.batch, True)
+    model_flops = counts[key].model
+    hw_flops = counts[key].hardware if setup.ac == "full" else model_flops
+    attention._logged.clear()  # log-once set: cleared so this run's choices are the ones reported
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timing = time_steps(step, device, warmup, steps)
@@ -268,13 +291,14 @@ def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, war
         "config": setup.name, "batch": setup.batch, "ac": setup.ac, "params": setup.params,
         "attention_requested": setup.attention, "compile": setup.compile,
         "params_M": round(count_parameters(model) / 1e6, 3), "blocks": len(blocks),
-        "warmup": warmup, "steps": steps, "step_ms": round(s * 1e3, 3),
+        "warmup": warmup, "warmup_s": round(timing.warmup_s, 2), "steps": steps, "step_ms": round(s * 1e3, 3),
         "samples_per_s": round(setup.batch / s, 2),
-        "model_tflop_per_step": round(flops.model / 1e12, 4),
-        "hardware_tflop_per_step": round(flops.hardware / 1e12, 4),
-        "achieved_tflops": round(flops.model / s / 1e12, 3),
-        "mfu": ratio(flops.model, sheet), "mfu_measured_peak": ratio(flops.model, meas),
-        "hfu": ratio(flops.hardware, sheet or meas),
+        "compile_backend": setup.compile_backend if setup.compile else None,
+        "model_tflop_per_step": round(model_flops / 1e12, 4),
+        "hardware_tflop_per_step": round(hw_flops / 1e12, 4),
+        "achieved_tflops": round(model_flops / s / 1e12, 3),
+        "mfu": ratio(model_flops, sheet), "mfu_measured_peak": ratio(model_flops, meas),
+        "hfu": ratio(hw_flops, sheet or meas),
         "attention_ran": attention_choices(),
         "peak_gib": None if _peak_memory(device) is None else round(_peak_memory(device), 2),
         "loss": [round(x, 5) for x in timing.losses],
