@@ -447,7 +447,14 @@ def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
 
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
-    """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
+    """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc).
+
+    Grouped-query attention: k and v may have ``Hkv`` heads where ``Hkv`` divides q's ``H``; query
+    heads ``g * H / Hkv .. (g + 1) * H / Hkv - 1`` share K/V head ``g`` (HF's ``repeat_kv``). q, k and
+    v must share one dtype."""
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: k and v need one head count dividing q's (q {q.shape[1]}, "
+                         f"k {k.shape[1]}, v {v.shape[1]} heads)")
     layout = _layout(causal, seg_offsets)
     chosen, reason = _resolve(backend, q, layout, _needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
@@ -456,10 +463,14 @@ def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str =
 
 def _attention_with(chosen: str, q, k, v, causal, seg_offsets, scale):
     chosen, isa = _split(chosen)
-    if chosen == "flex":
+    groups = q.shape[1] // k.shape[1]
+    if chosen == "flex":  # grouped-query heads natively (no copy of K/V)
         from parallel.kernels.flex import flex_attention
 
         return flex_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
+    if groups > 1:  # the other kernels take as many K/V heads as query heads
+        # (SDPA's enable_gqa would leave its memory-efficient kernel for the math path under a mask)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     if chosen == "reference":
         return reference_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
     if chosen == "fused":

@@ -227,7 +227,12 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 def _eager(q, k, v, block_mask, scale):
     with warnings.catch_warnings():  # "called without torch.compile()": the choice is logged once instead
         warnings.simplefilter("ignore", UserWarning)
-        return _flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+        return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
+
+
+def _gqa(q, k) -> dict:
+    """``enable_gqa`` when K/V have fewer heads than q (flex maps head h to K/V head h // groups)."""
+    return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
 
 def _run(q, k, v, block_mask, scale, compiled: bool | None):
@@ -242,7 +247,7 @@ def _run(q, k, v, block_mask, scale, compiled: bool | None):
         limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         try:
             with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
-                return _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+                return _compiled()(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
         except _compile_errors() as e:
             _disable_compile(q.device, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return _eager(q, k, v, block_mask, scale)
@@ -295,7 +300,10 @@ class _FlexCPU(torch.autograd.Function):
 
 def _call(q, k, v, block_mask, scale, compiled):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad and q.device.type == "cpu":
+    if needs_grad and q.device.type == "cpu":  # the dense CPU backward takes as many K/V heads as q's
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         return _FlexCPU.apply(q, k, v, block_mask, scale, compiled)
     return _run(q, k, v, block_mask, scale, compiled)
 

@@ -260,7 +260,8 @@ def attention(ctx: Ctx) -> dict:
         out["flex_over_sdpa_fwdbwd"] = round(backends["flex"]["fwdbwd_ms"] / backends["sdpa"]["fwdbwd_ms"], 3)
     if flex.available()[0]:
         bm = flex.block_mask_for(seq_len=S, device=d, seg_offsets=offsets)
-        partial, full = int(bm.kv_num_blocks.sum()), int(bm.full_kv_num_blocks.sum())
+        partial = int(bm.kv_num_blocks.sum())
+        full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
         nq = math.ceil(S / bm.BLOCK_SIZE[0])
         nk = math.ceil(S / bm.BLOCK_SIZE[1])
         out["block_mask"] = {"block": list(bm.BLOCK_SIZE), "computed": partial + full, "full": full,
