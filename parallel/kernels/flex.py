@@ -13,9 +13,10 @@ Every layout becomes a ``mask_mod`` over per-position segment ids and a ``BlockM
 
 The segment ids are tensors captured by the ``mask_mod``, so a new layout of the same shape reuses
 the compiled kernel (integers in the closure would be guarded on and recompile).
-Block masks are cached per layout (LRU keyed by kind, offsets' bytes and shape, length, device):
-building one evaluates the mask on every (q, kv) pair (tens of ms at S = 1024 on a CPU), which a
-fixed layout (causal, a fixed packing, a benchmark) pays once.
+Block masks are cached per layout: a causal mask per length and device, an offsets layout per
+offsets tensor (by identity, so no value is read back to the host; every layer of a forward gets
+the same tensor and so one mask). Building one evaluates the mask on every (q, kv) pair on the
+device (tens of ms at S = 1024 on a CPU): once per forward.
 
 Compilation: without ``torch.compile`` flex_attention runs an unfused implementation that
 materializes the (S, S) scores, so the kernel is compiled (the CPU needs a C++ compiler for
@@ -35,6 +36,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -130,49 +132,61 @@ _cache: collections.OrderedDict = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def _cached(key, build):
+def _cached(key, build, owner: torch.Tensor | None = None):
+    """The value cached under ``key``, else ``build()``'s. ``owner``: the offsets tensor the mask
+    was built from; the entry lives only as long as that very tensor, unchanged in place."""
     with _cache_lock:
-        if key in _cache:
+        hit = _cache.get(key)
+        if hit is not None and (owner is None or (hit[1]() is owner and hit[2] == owner._version)):
             _cache.move_to_end(key)
-            return _cache[key]
+            return hit[0]
     value = build()
+    ref = None
+    if owner is not None:
+        ref = weakref.ref(owner, lambda _r, key=key: _drop(key, _r))
     with _cache_lock:
-        _cache[key] = value
+        _cache[key] = (value, ref, None if owner is None else owner._version)
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return value
 
 
-def _offsets_key(t: torch.Tensor) -> tuple:
-    t = t.detach().to("cpu", torch.int64).contiguous()
-    return tuple(t.shape), t.numpy().tobytes()
+def _drop(key, ref) -> None:
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[1] is ref:
+            del _cache[key]
 
 
 def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=None, cu_seqlens=None):
-    """The cached ``BlockMask`` of one layout (None for dense attention)."""
+    """The ``BlockMask`` of one layout (None for dense attention), built on ``device``.
+
+    Offsets layouts are cached by the offsets tensor itself (its identity and version, never its
+    values: reading them would copy them to the host and wait for the device, in every layer), so
+    the layers of one forward share one mask and a new batch's offsets build a new one."""
     _require()
     device = torch.device(device)
     if seg_offsets is not None:
-        key = ("retrieval", seq_len, str(device), *_offsets_key(seg_offsets))
+        key = ("retrieval", id(seg_offsets), seq_len, str(device))
 
         def build():
             seg = retrieval_segments(seg_offsets.to(device), seq_len)
             return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, seq_len, seq_len, device=device)
-    elif cu_seqlens is not None:
-        key = ("packed", causal, seq_len, str(device), *_offsets_key(cu_seqlens))
+
+        return _cached(key, build, owner=seg_offsets)
+    if cu_seqlens is not None:
+        key = ("packed", id(cu_seqlens), causal, seq_len, str(device))
 
         def build():
             seg = packed_segments(cu_seqlens.to(device), seq_len)
             mod = _document_causal_mask_mod(seg) if causal else _document_mask_mod(seg)
             return create_block_mask(mod, 1, None, seq_len, seq_len, device=device)
-    elif causal:
-        key = ("causal", seq_len, str(device))
 
-        def build():
-            return create_block_mask(_causal, None, None, seq_len, seq_len, device=device)
-    else:
-        return None
-    return _cached(key, build)
+        return _cached(key, build, owner=cu_seqlens)
+    if causal:
+        return _cached(("causal", seq_len, str(device)),
+                       lambda: create_block_mask(_causal, None, None, seq_len, seq_len, device=device))
+    return None
 
 
 # ----------------------------------------------------------------------------- compile

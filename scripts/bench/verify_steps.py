@@ -209,8 +209,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def attention(ctx: Ctx) -> dict:
-    """rag_mm's attention on the retrieval layout at the 1B's shapes, bf16, K/V repeated to the
-    query heads as the HF path does today: each backend's output and gradients against an fp32
+    """rag_mm's attention on the retrieval layout at the 1B's shapes, bf16, grouped K/V heads as
+    the HF path hands them over: each backend's output and gradients against an fp32
     reference on the same inputs, forward and forward + backward milliseconds (median of 10)."""
     from parallel.kernels import attention as A
     from parallel.kernels import flex
@@ -221,9 +221,8 @@ def attention(ctx: Ctx) -> dict:
     B, Hq, Hkv, D, S, offsets = _retrieval_case(ctx, gen)
     dt = torch.bfloat16
     mk = lambda h: torch.randn(B, h, S, D, generator=gen).to(d, dt)  # noqa: E731
-    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)
+    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)  # grouped K/V heads: flex reads them, the others repeat them
     rep = Hq // Hkv
-    k, v = (t.repeat_interleave(rep, dim=1) for t in (k, v))
     go = torch.randn(B, Hq, S, D, generator=gen).to(d, dt)
     valid = (torch.arange(S, device=d)[None] < offsets[:, -1:])[:, None, :, None]  # (B, 1, S, 1)
     allowed = layout_mask(offsets.long(), S)
@@ -236,7 +235,8 @@ def attention(ctx: Ctx) -> dict:
 
     def ref_grads():
         qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
-        o = A.reference_attention(qr, kr, vr, seg_offsets=offsets)
+        o = A.reference_attention(qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1),
+                                  seg_offsets=offsets)
         o.backward(go.float())
         return o.detach(), qr.grad, kr.grad, vr.grad
 
