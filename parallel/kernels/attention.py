@@ -60,6 +60,8 @@ _logged: set[tuple] = set()
 
 
 def _log_once(layout: str, dtype: torch.dtype, backend: str, reason: str) -> None:
+    if reason == "compiled":  # logged by ``_traced_choice`` while the graph was traced
+        return
     key = (layout, dtype, backend, reason)
     if key not in _logged:
         _logged.add(key)
@@ -443,7 +445,23 @@ def override_backend(name: str):
 def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
     if _override:
         return _override[-1], "override_backend"
+    if torch.compiler.is_compiling():  # decided once per compiled graph, as a constant
+        S = q.shape[0] if layout == "packed" else q.shape[-2]
+        return _traced_choice(backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout, grad), "compiled"
     return select_backend(backend, q, layout, grad=grad)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int, layout: str,
+                   grad: bool) -> str:
+    """The backend for a call inside torch.compile: what an eager call of the same key chooses
+    (run in Python while the graph is traced, its answer a constant of the graph, so resolving it
+    breaks no graph; a cached measurement decides, else the fixed rule)."""
+    shape = (seq, 1, head_dim) if layout == "packed" else (1, 1, seq, head_dim)
+    q = torch.empty(shape, dtype=dtype, device=device)
+    chosen, reason = select_backend(backend, q, layout, grad=grad)
+    _log_once(layout, dtype, chosen, f"{reason} (inside torch.compile)")
+    return chosen
 
 
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):

@@ -330,10 +330,25 @@ def flex_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale=Non
     """
     _require()
     S = q.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cpu_grad = q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if torch.compiler.is_compiling() and not cpu_grad:  # (flex has no CPU backward: see _FlexCPU)
+        # inside a compiled block: the mask is built in the graph from the offsets (no cache to
+        # look up) and flex_attention is traced into it, so Inductor writes its kernels there
+        mask = _build_block_mask(S, q.device, causal and seg_offsets is None, seg_offsets)
+        return _flex_attention(q, k, v, block_mask=mask, scale=scale, **_gqa(q, k))
     mask = block_mask_for(seq_len=S, device=q.device, causal=causal and seg_offsets is None,
                           seg_offsets=seg_offsets)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _call(q, k, v, mask, scale, compiled)
+
+
+def _build_block_mask(S: int, device, causal: bool, seg_offsets):
+    if seg_offsets is not None:
+        seg = retrieval_segments(seg_offsets.to(device), S)
+        return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, S, S, device=device)
+    if causal:
+        return create_block_mask(_causal, None, None, S, S, device=device)
+    return None
 
 
 def flex_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, scale=None, compiled: bool | None = None):
