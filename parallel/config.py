@@ -22,6 +22,7 @@ CHOICES = {
     "objective": OBJECTIVES,
     "activation_checkpointing": ("none", "full", "every_n"),
     "mixed_precision": ("fp32", "bf16"),
+    "compile_backend": ("inductor", "aot_eager", "eager"),
     "grad_reduce": ("pg", "auto", "shm", "hier_int8"),
     "p2p": ("auto", "shm", "gloo"),
     "stage_path": ("auto", "graph", "eager"),
@@ -52,6 +53,10 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # none | full | every_n (see ac_every)
     ac_every: int = 1  # with every_n: checkpoint every n-th block
     activation_offload: bool = False  # keep saved activations in host memory until backward
+    # torch.compile each block (fullgraph) after TP and checkpointing, before FSDP: fused elementwise
+    # kernels, fewer launches; off by default: the first step pays the compilation (tens of seconds)
+    compile: bool = False
+    compile_backend: str = "inductor"  # inductor | aot_eager (traced, no code generated) | eager
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8

@@ -32,10 +32,20 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str = "full", 
     for i in chosen:
         b = blocks[i]
         inner = b.forward
-        b.forward = functools.wraps(inner)(functools.partial(checkpoint, inner, use_reentrant=False))
+        b.forward = functools.wraps(inner)(_checkpointed(inner))
         b._ac_inner_forward = inner
     log.info("activation checkpointing: %d of %d blocks (%s)", len(chosen), len(blocks), mode)
     return chosen
+
+
+def _checkpointed(inner: Callable) -> Callable:
+    """``inner`` run under non-reentrant checkpointing. A plain function, not a partial: a compiled
+    block traces through it and sees the ``checkpoint`` call (dynamo's activation-checkpoint op)."""
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    return forward
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):

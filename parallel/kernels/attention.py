@@ -459,7 +459,11 @@ def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int,
     breaks no graph; a cached measurement decides, else the fixed rule)."""
     shape = (seq, 1, head_dim) if layout == "packed" else (1, 1, seq, head_dim)
     q = torch.empty(shape, dtype=dtype, device=device)
-    chosen, reason = select_backend(backend, q, layout, grad=grad)
+    _tune._tracing[0] += 1  # nothing is timed while a graph is traced
+    try:
+        chosen, reason = select_backend(backend, q, layout, grad=grad)
+    finally:
+        _tune._tracing[0] -= 1
     _log_once(layout, dtype, chosen, f"{reason} (inside torch.compile)")
     return chosen
 

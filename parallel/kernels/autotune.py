@@ -130,6 +130,9 @@ def distributed_world() -> int:
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
 
 
+_tracing = [0]  # > 0 while attention.py decides a backend for a graph being traced (no timing)
+
+
 def _dispatch_modes() -> list[str]:
     """Names of the Python dispatch modes active here (``FlopCounterMode``, ``FakeTensorMode``, ...)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -142,7 +145,7 @@ def can_time(q: torch.Tensor) -> tuple[bool, str]:
     decides)."""
     if not enabled():
         return False, f"{ENV}=0"
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting() or _tracing[0]:
         return False, "inside torch.compile / tracing"
     modes = _dispatch_modes()
     if modes:  # a FLOP counter, a profiler mode, ...: timings there are skewed and it would see them

@@ -243,6 +243,7 @@ def _peak_memory(device: torch.device) -> float | None:
 def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
     """(config, model, blocks, step) for ``setup``: the reader with random weights on ``device``
     in the setup's dtype, its blocks checkpointed and compiled as asked, and its training step."""
+    from parallel.compile import apply_compile
     from parallel.memory import apply_activation_checkpointing
     from parallel.spmd import find_blocks
     from rag_mm.components.optim import build_optimizer
@@ -254,9 +255,8 @@ def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
     blocks = find_blocks(model)
     if setup.ac == "full":
         apply_activation_checkpointing(blocks, "full", 1)
-    if setup.compile:
-        for b in blocks:
-            b.compile(backend=setup.compile_backend)
+    if setup.compile:  # the runtime's step 3 (parallel.compile); graph breaks are counted, not fatal
+        apply_compile(blocks, setup.compile_backend, fullgraph=False)
     batch = synthetic_batch(cfg, setup.batch, vocab, device)
     if setup.params == "bf16":  # pictures in the weights' dtype
         batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
@@ -281,6 +281,9 @@ def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, war
     model_flops = counts[key].model
     hw_flops = counts[key].hardware if setup.ac == "full" else model_flops
     attention._logged.clear()  # log-once set: cleared so this run's choices are the ones reported
+    from torch._dynamo.utils import counters
+
+    breaks_before = sum(counters["graph_break"].values())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timing = time_steps(step, device, warmup, steps)
@@ -294,6 +297,7 @@ def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, war
         "warmup": warmup, "warmup_s": round(timing.warmup_s, 2), "steps": steps, "step_ms": round(s * 1e3, 3),
         "samples_per_s": round(setup.batch / s, 2),
         "compile_backend": setup.compile_backend if setup.compile else None,
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before if setup.compile else None,
         "model_tflop_per_step": round(model_flops / 1e12, 4),
         "hardware_tflop_per_step": round(hw_flops / 1e12, 4),
         "achieved_tflops": round(model_flops / s / 1e12, 3),

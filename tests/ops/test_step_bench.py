@@ -68,3 +68,20 @@ def test_time_steps_reads_losses_after_timing():
     calls = []
     t = sb.time_steps(lambda: (calls.append(1), torch.tensor(float(len(calls))))[1], torch.device("cpu"), 2, 3)
     assert t.losses == [1.0, 2.0, 3.0, 4.0, 5.0] and t.step_s >= 0
+
+
+def test_native_reader_materializes_like_a_fresh_one():
+    """The demo reader built on meta and materialised has its norms at their defaults and its head
+    tied again (to_empty left norms as uninitialised memory, NaN losses, and an untied head)."""
+    from rag_mm.model.factory import build_reader, count_parameters, materialize
+
+    cfg, m, vocab = sb.compose_run([])
+    fresh = build_reader(m, vocab)
+    made = materialize(build_reader(m, vocab, meta=True), "cpu")
+    assert count_parameters(made) == count_parameters(fresh)
+    assert made.lm_head.weight is made.tok_emb.weight
+    for (n, p), (_, q) in zip(made.named_parameters(), fresh.named_parameters()):
+        if "ln" in n or "norm" in n:
+            torch.testing.assert_close(p, q, msg=n)
+    loss = made(**sb.synthetic_batch(cfg, 2, vocab, "cpu")).loss
+    assert torch.isfinite(loss)

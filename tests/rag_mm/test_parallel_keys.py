@@ -31,7 +31,8 @@ PIPELINE = {
     "activation_checkpointing": "every_n", "ac_every": 2, "activation_offload": True, "grad_reduce": "shm",
     "p2p": "gloo", "gc_pause": False, "steady_malloc": False, "split_drain": False, "bind_cores": True,
 }
-HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True, "stage_path": "graph"}
+HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True, "stage_path": "graph",
+        "compile": True, "compile_backend": "aot_eager"}
 
 
 def _line(values: dict) -> list[str]:
