@@ -269,11 +269,12 @@ def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, p
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload or cfg.compile:
         # one process: savers, then compile (the spmd order without TP and FSDP)
         from .compile import apply_compile
-        from .memory import apply_activation_checkpointing, apply_activation_offload
+        from .memory import apply_activation_checkpointing, apply_activation_offload, checkpoint_candidates
         from .spmd import find_blocks
 
         blocks = find_blocks(model)
-        apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
+        ac_blocks = checkpoint_candidates(model, blocks, cfg.ac_skip)
+        apply_activation_checkpointing(ac_blocks, cfg.activation_checkpointing, cfg.ac_every)
         if cfg.activation_offload:
             apply_activation_offload(blocks)
         if cfg.compile:

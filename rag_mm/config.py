@@ -165,7 +165,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the reader's layout (the runtime's schema)
+    # the reader's layout (the runtime's schema); checkpointing never recomputes the vision tower:
+    # its activations are small next to the LM's, its recompute is not (``ac_skip``)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(ac_skip=["vision"]))
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
