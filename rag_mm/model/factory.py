@@ -25,7 +25,7 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
         return build_vlm_reader(m, vocab_size, meta=meta)
     from rag_mm.model.hf_reader import HFReader, build_lm
 
-    lm = build_lm(m, meta=meta)
+    lm = build_lm(m, meta=meta, vocab_size=vocab_size)
     with torch.device("meta") if meta else contextlib.nullcontext():
         return HFReader(m, lm, vocab_size)
 

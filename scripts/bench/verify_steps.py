@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stepbench as sb  # noqa: E402
 
 # The 1B reader as the H100 run measured it, and its dry-run stand-in (same code, tiny shapes).
-ONE_B = ["model=llama3_2_1b", "retriever.top_k=2"]
+# (the preset's 128,256-row vocabulary kept, as that run had it: model.trim_vocab=false)
+ONE_B = ["model=llama3_2_1b", "retriever.top_k=2", "model.trim_vocab=false"]
 TINY = ["model=hf_tiny", "retriever.top_k=2"]
 # gpu_verify's step configurations: A = today's bench (full AC, autocast over fp32 weights, auto
 # attention, eager); each later one adds one change; E is D at twice the batch.
