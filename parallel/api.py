@@ -269,7 +269,11 @@ def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, p
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload or cfg.compile:
         # one process: savers, then compile (the spmd order without TP and FSDP)
         from .compile import apply_compile
-        from .memory import apply_activation_checkpointing, apply_activation_offload, checkpoint_candidates
+        from .memory import (
+            apply_activation_checkpointing,
+            apply_activation_offload,
+            checkpoint_candidates,
+        )
         from .spmd import find_blocks
 
         blocks = find_blocks(model)

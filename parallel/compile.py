@@ -19,7 +19,9 @@ log = logging.getLogger("parallel.compile")
 BACKENDS = ("inductor", "aot_eager", "eager")  # aot_eager: traced and partitioned, no code written
 
 
-def apply_compile(blocks: list[nn.Module], backend: str = "inductor", fullgraph: bool = True) -> int:
+def apply_compile(
+    blocks: list[nn.Module], backend: str = "inductor", fullgraph: bool = True
+) -> int:
     """Compile every block in place; returns how many."""
     if backend not in BACKENDS:
         raise ValueError(f"compile backend must be one of {BACKENDS} (got {backend!r})")

@@ -56,8 +56,8 @@ class ParallelConfig:
     # more than their activations save, e.g. a vision tower); leaf blocks never are either
     ac_skip: list[str] = field(default_factory=list)
     activation_offload: bool = False  # keep saved activations in host memory until backward
-    # torch.compile each block (fullgraph) after TP and checkpointing, before FSDP: fused elementwise
-    # kernels, fewer launches; off by default: the first step pays the compilation (tens of seconds)
+    # torch.compile each block (fullgraph) after TP and checkpointing, before FSDP: fused
+    # elementwise kernels, fewer launches; off by default: the first step pays the compilation
     compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (traced, no code generated) | eager
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)

@@ -16,11 +16,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.compile import apply_compile
 from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
-from parallel.compile import apply_compile
-from parallel.memory import (apply_activation_checkpointing, apply_activation_offload,
-                             checkpoint_candidates)
+from parallel.memory import (
+    apply_activation_checkpointing,
+    apply_activation_offload,
+    checkpoint_candidates,
+)
 from parallel.mesh import dp_mesh
 from parallel.tp.plan import TPPlan, apply_plan, find_block_lists, head_divisions
 from parallel.tp.verify import apply_tp

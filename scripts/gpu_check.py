@@ -139,8 +139,9 @@ def cuda_build_headline(f: dict[str, Any]) -> str:
 
 def mfu_headline(f: dict[str, Any]) -> str:
     mfu = "n/a" if f["mfu"] is None else f"{f['mfu']:.1%}"
-    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {mfu} of {f['peak_datasheet_TFLOPs']} TFLOP/s "
-            f"({f['part']}), {f['mfu_measured_peak']:.1%} of the measured {f['matmul_TFLOPs']}, "
+    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {mfu} of "
+            f"{f['peak_datasheet_TFLOPs']} TFLOP/s ({f['part']}), "
+            f"{f['mfu_measured_peak']:.1%} of the measured {f['matmul_TFLOPs']}, "
             f"{f['samples_per_s']} samples/s, {f['step_ms']} ms/step")
 
 

@@ -447,13 +447,15 @@ def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
         return _override[-1], "override_backend"
     if torch.compiler.is_compiling():  # decided once per compiled graph, as a constant
         S = q.shape[0] if layout == "packed" else q.shape[-2]
-        return _traced_choice(backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout, grad), "compiled"
+        choice = _traced_choice(backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout,
+                                grad)
+        return choice, "compiled"
     return select_backend(backend, q, layout, grad=grad)
 
 
 @torch._dynamo.assume_constant_result
-def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int, layout: str,
-                   grad: bool) -> str:
+def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int,
+                   layout: str, grad: bool) -> str:
     """The backend for a call inside torch.compile: what an eager call of the same key chooses
     (run in Python while the graph is traced, its answer a constant of the graph, so resolving it
     breaks no graph; a cached measurement decides, else the fixed rule)."""
@@ -472,8 +474,8 @@ def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str =
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc).
 
     Grouped-query attention: k and v may have ``Hkv`` heads where ``Hkv`` divides q's ``H``; query
-    heads ``g * H / Hkv .. (g + 1) * H / Hkv - 1`` share K/V head ``g`` (HF's ``repeat_kv``). q, k and
-    v must share one dtype."""
+    heads ``g * H / Hkv .. (g + 1) * H / Hkv - 1`` share K/V head ``g`` (HF's ``repeat_kv``).
+    q, k and v must share one dtype."""
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
         raise ValueError(f"attention: k and v need one head count dividing q's (q {q.shape[1]}, "
                          f"k {k.shape[1]}, v {v.shape[1]} heads)")

@@ -134,7 +134,7 @@ _tracing = [0]  # > 0 while attention.py decides a backend for a graph being tra
 
 
 def _dispatch_modes() -> list[str]:
-    """Names of the Python dispatch modes active here (``FlopCounterMode``, ``FakeTensorMode``, ...)."""
+    """Names of the Python dispatch modes active here (``FlopCounterMode``, ``FakeTensorMode``)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     return [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
@@ -145,10 +145,11 @@ def can_time(q: torch.Tensor) -> tuple[bool, str]:
     decides)."""
     if not enabled():
         return False, f"{ENV}=0"
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting() or _tracing[0]:
+    tracing = torch.jit.is_tracing() or torch.jit.is_scripting() or _tracing[0]
+    if torch.compiler.is_compiling() or tracing:
         return False, "inside torch.compile / tracing"
     modes = _dispatch_modes()
-    if modes:  # a FLOP counter, a profiler mode, ...: timings there are skewed and it would see them
+    if modes:  # a FLOP counter, a profiler mode: timings there are skewed and it would see them
         return False, f"inside a dispatch mode ({', '.join(modes)})"
     if type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta:
         return False, f"{type(q).__name__} on {q.device} (fake, meta or subclass tensors are never timed)"

@@ -184,8 +184,8 @@ def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=No
 
         return _cached(key, build, owner=cu_seqlens)
     if causal:
-        return _cached(("causal", seq_len, str(device)),
-                       lambda: create_block_mask(_causal, None, None, seq_len, seq_len, device=device))
+        return _cached(("causal", seq_len, str(device)), lambda: create_block_mask(
+            _causal, None, None, seq_len, seq_len, device=device))
     return None
 
 
@@ -245,7 +245,7 @@ def _eager(q, k, v, block_mask, scale):
 
 
 def _gqa(q, k) -> dict:
-    """``enable_gqa`` when K/V have fewer heads than q (flex maps head h to K/V head h // groups)."""
+    """``enable_gqa`` when K/V have fewer heads than q (flex maps head h to K/V head h // g)."""
     return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
 
@@ -314,7 +314,7 @@ class _FlexCPU(torch.autograd.Function):
 
 def _call(q, k, v, block_mask, scale, compiled):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad and q.device.type == "cpu":  # the dense CPU backward takes as many K/V heads as q's
+    if needs_grad and q.device.type == "cpu":  # the dense CPU backward: as many K/V heads as q
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -331,7 +331,8 @@ def flex_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale=Non
     _require()
     S = q.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cpu_grad = q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    cpu_grad = (q.device.type == "cpu" and torch.is_grad_enabled()
+                and any(t.requires_grad for t in (q, k, v)))
     if torch.compiler.is_compiling() and not cpu_grad:  # (flex has no CPU backward: see _FlexCPU)
         # inside a compiled block: the mask is built in the graph from the offsets (no cache to
         # look up) and flex_attention is traced into it, so Inductor writes its kernels there

@@ -86,8 +86,8 @@ def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Modul
     text = None if config is None else config.get_text_config()
     if (vocab_size and not cfg.pretrained and getattr(cfg, "trim_vocab", False) and text is not None
             and getattr(text, "vocab_size", 0) > vocab_size):
-        log.info("reader LM: vocabulary cut from %d to the tokenizer's %d rows (random init, model.trim_vocab)",
-                 text.vocab_size, vocab_size)
+        log.info("reader LM: vocabulary cut from %d to the tokenizer's %d rows (random init, "
+                 "model.trim_vocab)", text.vocab_size, vocab_size)
         text.vocab_size = vocab_size
     try:
         if config is None:

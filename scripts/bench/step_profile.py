@@ -18,8 +18,23 @@ import torch
 
 KINDS = (
     ("attention", ("flash", "fmha", "attention", "attn", "flex", "sdpa")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "mm_", "matmul", "triton_tem", "::mm", "addmm",
-              "bmm", "::linear")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "cutlass",
+            "nvjet",
+            "xmma",
+            "cublas",
+            "mm_",
+            "matmul",
+            "triton_tem",
+            "::mm",
+            "addmm",
+            "bmm",
+            "::linear",
+        ),
+    ),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("memcpy", ("memcpy", "memset")),
 )
@@ -78,18 +93,24 @@ def profile_steps(step, device: torch.device, steps: int = 2) -> dict:
             us = e.time_range.end - e.time_range.start
             by_kind[kind_of(e.name)] += us
             by_name[e.name] += us
-        out["ms_per_step_by_kind"] = {k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())}
+        out["ms_per_step_by_kind"] = {
+            k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())
+        }
         out["device_ms_per_step"] = round(sum(by_kind.values()) / 1e3 / steps, 3)
         out["window_ms_per_step"] = round(wall / 1e3 / steps, 3)
         out["kernels_per_step"] = round(len(kernels) / steps, 1)
         top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
-        out["top_kernels"] = [{"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / 1e3 / steps, 3)}
-                              for n, us in top]
+        out["top_kernels"] = [
+            {"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / 1e3 / steps, 3)}
+            for n, us in top
+        ]
     else:  # the CPU: op time by kind from the profiler's own table
         by_kind = defaultdict(float)
         for row in prof.key_averages():
             if row.key.startswith("aten::"):
                 by_kind[kind_of(row.key)] += row.self_cpu_time_total
         out["gpu_busy"] = None
-        out["cpu_ms_per_step_by_kind"] = {k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())}
+        out["cpu_ms_per_step_by_kind"] = {
+            k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())
+        }
     return out

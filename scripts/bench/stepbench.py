@@ -86,8 +86,9 @@ class Timing:
     warmup_s: float  # wall seconds of the warm-up steps (tuning and compilation included)
 
 
-def time_steps(step: Callable[[], torch.Tensor], device: torch.device, warmup: int,
-               steps: int) -> Timing:
+def time_steps(
+    step: Callable[[], torch.Tensor], device: torch.device, warmup: int, steps: int
+) -> Timing:
     """``warmup`` steps, then ``steps`` steps between two events with no host sync between them.
     ``step`` returns the loss (a detached tensor; it is not read until the end)."""
     t = time.perf_counter()
@@ -202,8 +203,11 @@ def attention_choices() -> list[dict]:
     """Every (layout, dtype, backend, reason) rag_mm's attention logged in this process."""
     from parallel.kernels import attention
 
-    return [{"layout": lay, "dtype": str(dt).removeprefix("torch."), "backend": be, "why": why}
-            for lay, dt, be, why in sorted(attention._logged, key=str) if why != "override_backend"]
+    return [
+        {"layout": lay, "dtype": str(dt).removeprefix("torch."), "backend": be, "why": why}
+        for lay, dt, be, why in sorted(attention._logged, key=str)
+        if why != "override_backend"
+    ]
 
 
 # ----------------------------------------------------------------------------- one configuration
@@ -214,10 +218,12 @@ class StepSetup:
     name: str = "step"
     batch: int = 8  # queries per step
     ac: str = "none"  # none | full: activation checkpointing of every block (find_blocks)
-    params: str = "fp32"  # fp32 | fp32+autocast (bf16 matmuls over fp32 weights) | bf16 (weights too)
+    params: str = "fp32"  # fp32 | fp32+autocast (bf16 matmuls, fp32 weights) | bf16 (weights too)
     attention: str = "auto"  # model.attention_backend
     compile: bool = False  # torch.compile each block
-    compile_backend: str = "inductor"  # aot_eager: traced and partitioned, no code generated (CPU dry runs)
+    compile_backend: str = (
+        "inductor"  # aot_eager: traced, partitioned, no code written (CPU dry runs)
+    )
 
 
 def make_step(model, opt, batch: dict, autocast: bool) -> Callable[[], torch.Tensor]:
@@ -255,17 +261,28 @@ def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
     blocks = find_blocks(model)
     if setup.ac == "full":
         apply_activation_checkpointing(blocks, "full", 1)
-    if setup.compile:  # the runtime's step 3 (parallel.compile); graph breaks are counted, not fatal
+    if (
+        setup.compile
+    ):  # the runtime's step 3 (parallel.compile); a graph break is counted, not fatal
         apply_compile(blocks, setup.compile_backend, fullgraph=False)
     batch = synthetic_batch(cfg, setup.batch, vocab, device)
     if setup.params == "bf16":  # pictures in the weights' dtype
         batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
-    step = make_step(model, build_optimizer(model, cfg.optim), batch, setup.params == "fp32+autocast")
+    opt = build_optimizer(model, cfg.optim)
+    step = make_step(model, opt, batch, setup.params == "fp32+autocast")
     return (cfg, model_cfg, vocab), model, blocks, step
 
 
-def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, warmup: int,
-            steps: int, peaks: dict, counts: dict | None = None) -> dict:
+def measure(
+    overrides: list[str],
+    setup: StepSetup,
+    device: torch.device,
+    *,
+    warmup: int,
+    steps: int,
+    peaks: dict,
+    counts: dict | None = None,
+) -> dict:
     """Build the reader for ``setup``, run ``warmup`` + ``steps`` training steps, report.
 
     ``peaks``: {"datasheet": FLOP/s or None, "measured": FLOP/s} of the device for this precision.
@@ -291,17 +308,28 @@ def measure(overrides: list[str], setup: StepSetup, device: torch.device, *, war
     sheet, meas = peaks.get("datasheet"), peaks["measured"]
     ratio = lambda f, p: round(f / s / p, 4) if p else None  # noqa: E731
     return {
-        "config": setup.name, "batch": setup.batch, "ac": setup.ac, "params": setup.params,
-        "attention_requested": setup.attention, "compile": setup.compile,
-        "params_M": round(count_parameters(model) / 1e6, 3), "blocks": len(blocks),
-        "warmup": warmup, "warmup_s": round(timing.warmup_s, 2), "steps": steps, "step_ms": round(s * 1e3, 3),
+        "config": setup.name,
+        "batch": setup.batch,
+        "ac": setup.ac,
+        "params": setup.params,
+        "attention_requested": setup.attention,
+        "compile": setup.compile,
+        "params_M": round(count_parameters(model) / 1e6, 3),
+        "blocks": len(blocks),
+        "warmup": warmup,
+        "warmup_s": round(timing.warmup_s, 2),
+        "steps": steps,
+        "step_ms": round(s * 1e3, 3),
         "samples_per_s": round(setup.batch / s, 2),
         "compile_backend": setup.compile_backend if setup.compile else None,
-        "graph_breaks": sum(counters["graph_break"].values()) - breaks_before if setup.compile else None,
+        "graph_breaks": (
+            sum(counters["graph_break"].values()) - breaks_before if setup.compile else None
+        ),
         "model_tflop_per_step": round(model_flops / 1e12, 4),
         "hardware_tflop_per_step": round(hw_flops / 1e12, 4),
         "achieved_tflops": round(model_flops / s / 1e12, 3),
-        "mfu": ratio(model_flops, sheet), "mfu_measured_peak": ratio(model_flops, meas),
+        "mfu": ratio(model_flops, sheet),
+        "mfu_measured_peak": ratio(model_flops, meas),
         "hfu": ratio(hw_flops, sheet or meas),
         "attention_ran": attention_choices(),
         "peak_gib": None if _peak_memory(device) is None else round(_peak_memory(device), 2),
@@ -321,5 +349,11 @@ def device_peaks(device: torch.device, precision: str, n: int | None = None) -> 
         import platform
 
         name, part, sheet = platform.processor() or platform.machine(), None, None
-    return {"device": name, "part": part, "datasheet": sheet, "measured": matmul_peak(device, dtype, n),
-            "matmul_n": n, "matmul_dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "device": name,
+        "part": part,
+        "datasheet": sheet,
+        "measured": matmul_peak(device, dtype, n),
+        "matmul_n": n,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+    }

@@ -36,18 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import stepbench as sb  # noqa: E402
-from parallel.memory import apply_activation_checkpointing  # noqa: E402
-from parallel.spmd import find_blocks  # noqa: E402
+
 from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
-from rag_mm.components.optim import build_optimizer  # noqa: E402
-from rag_mm.model.factory import count_parameters  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads (CPU)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (tuning, compilation)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (tuning, compiling)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--batch", type=int, default=32, help="queries per step")
     ap.add_argument("--precision", choices=["fp32", "bf16", "bf16-params"], default="fp32",
@@ -65,21 +62,25 @@ def main() -> None:
         ap.error("--steps and --batch must be >= 1, --warmup >= 0")
     torch.set_num_threads(args.threads)
     overrides = [o for o in args.overrides if not o.startswith("model.attention_backend=")]
-    backend = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("model.attention_backend=")), "auto")
-    setup = sb.StepSetup(name="train_throughput", batch=args.batch,
-                         ac="full" if args.checkpointing else "none", attention=backend, compile=args.compile,
-                         params={"fp32": "fp32", "bf16": "fp32+autocast", "bf16-params": "bf16"}[args.precision])
+    key = "model.attention_backend="
+    backend = next((o.split("=", 1)[1] for o in args.overrides if o.startswith(key)), "auto")
+    params = {"fp32": "fp32", "bf16": "fp32+autocast", "bf16-params": "bf16"}[args.precision]
+    setup = sb.StepSetup(name="train_throughput", batch=args.batch, params=params,
+                         ac="full" if args.checkpointing else "none", attention=backend,
+                         compile=args.compile)
     peaks = sb.device_peaks(device, "fp32" if args.precision == "fp32" else "bf16")
     row = sb.measure(overrides, setup, device, warmup=args.warmup, steps=args.steps, peaks=peaks)
     cfg, _, _ = sb.compose_run(overrides)
     dev_name = peaks["device"] if device.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     report = strict_dumps({
-        "bench": "train_throughput", "device": dev_name, "part": peaks["part"], "torch": torch.__version__,
+        "bench": "train_throughput", "device": dev_name, "part": peaks["part"],
+        "torch": torch.__version__,
         "model": cfg.model.name, "family": cfg.model.family, "precision": args.precision,
         "docs_per_query": cfg.retriever.top_k, "checkpointing": args.checkpointing,
         "flops_counted": "meta device, once (stepbench.meta_flops)",
-        "peak_datasheet_TFLOPs": None if peaks["datasheet"] is None else round(peaks["datasheet"] / 1e12, 1),
+        "peak_datasheet_TFLOPs": (None if peaks["datasheet"] is None
+                                  else round(peaks["datasheet"] / 1e12, 1)),
         "matmul_TFLOPs": round(peaks["measured"] / 1e12, 3), **row,
     })
     print(report)

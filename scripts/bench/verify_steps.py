@@ -79,11 +79,25 @@ def _nvidia_smi() -> dict:
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return {"nvidia_smi": "not found"}
-    fields = ("name", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem", "power.draw",
-              "power.limit", "temperature.gpu", "driver_version", "persistence_mode")
+    fields = (
+        "name",
+        "clocks.sm",
+        "clocks.max.sm",
+        "clocks.mem",
+        "clocks.max.mem",
+        "power.draw",
+        "power.limit",
+        "temperature.gpu",
+        "driver_version",
+        "persistence_mode",
+    )
     try:
-        proc = subprocess.run([exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=15)
+        proc = subprocess.run(
+            [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         out = proc.stdout.splitlines()[0]
     except (OSError, subprocess.TimeoutExpired, IndexError) as e:
         return {"nvidia_smi": f"failed: {e}", "stderr": locals().get("proc") and proc.stderr[-300:]}
@@ -130,17 +144,31 @@ def probe(ctx: Ctx) -> dict:
     from parallel.kernels import flex
 
     d = ctx.device
-    out = {"device": d.type, "torch": torch.__version__, "cuda": torch.version.cuda,
-           "python": sys.version.split()[0],
-           "versions": {m: _version(m) for m in ("triton", "transformers", "open_clip_torch", "faiss-cpu")}}
+    out = {
+        "device": d.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "versions": {
+            m: _version(m) for m in ("triton", "transformers", "open_clip_torch", "faiss-cpu")
+        },
+    }
     if d.type == "cuda":
         p = torch.cuda.get_device_properties(d)
-        out |= {"name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
-                "memory_gib": round(p.total_memory / 2**30, 1), "smi": _nvidia_smi()}
+        out |= {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "smi": _nvidia_smi(),
+        }
     peaks = ctx.device_peaks()
-    out |= {"part": peaks["part"],
-            "datasheet_bf16_tflops": None if peaks["datasheet"] is None else peaks["datasheet"] / 1e12,
-            "matmul_bf16_tflops": round(peaks["measured"] / 1e12, 2), "matmul_n": peaks["matmul_n"]}
+    out |= {
+        "part": peaks["part"],
+        "datasheet_bf16_tflops": None if peaks["datasheet"] is None else peaks["datasheet"] / 1e12,
+        "matmul_bf16_tflops": round(peaks["measured"] / 1e12, 2),
+        "matmul_n": peaks["matmul_n"],
+    }
     m, k, n = (7032, 2048, 8192) if not ctx.dry else (256, 128, 384)  # the 1B's MLP up-projection
     out["gemm_1b_mlp_tflops"] = round(_gemm_rate(d, m, k, n) / 1e12, 2)
     nbytes = (1 << 30) if not ctx.dry else (1 << 24)
@@ -152,7 +180,8 @@ def probe(ctx: Ctx) -> dict:
     fa = flex.available()[0]
     out["features"] = {
         "flex": fa,
-        "flex_enable_gqa": fa and "enable_gqa" in inspect.signature(flex._flex_attention).parameters,
+        "flex_enable_gqa": fa
+        and "enable_gqa" in inspect.signature(flex._flex_attention).parameters,
         "varlen_attn": _has("torch.nn.attention.varlen", "varlen_attn"),
         "fused_extension": A.fused_available()[1],
     }
@@ -170,18 +199,31 @@ def _has(module: str, name: str) -> bool:
 def setup_for(name: str, ctx: Ctx) -> sb.StepSetup:
     c = dict(CONFIGS[name])
     scale = c.pop("batch_scale", 1)
-    return sb.StepSetup(name=name, batch=ctx.batch * scale, compile_backend=ctx.compile_backend, **c)
+    return sb.StepSetup(
+        name=name, batch=ctx.batch * scale, compile_backend=ctx.compile_backend, **c
+    )
 
 
 def step_config(name: str, ctx: Ctx) -> dict:
     setup = setup_for(name, ctx)
     try:
-        row = sb.measure(ctx.overrides, setup, ctx.device, warmup=ctx.warmup, steps=ctx.steps,
-                         peaks=ctx.device_peaks(), counts=ctx.counts)
+        row = sb.measure(
+            ctx.overrides,
+            setup,
+            ctx.device,
+            warmup=ctx.warmup,
+            steps=ctx.steps,
+            peaks=ctx.device_peaks(),
+            counts=ctx.counts,
+        )
     except torch.OutOfMemoryError as e:
         mem = torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None
-        row = {"config": name, "batch": setup.batch, "oom": str(e).splitlines()[0][:300],
-               "peak_gib_before_oom": None if mem is None else round(mem, 2)}
+        row = {
+            "config": name,
+            "batch": setup.batch,
+            "oom": str(e).splitlines()[0][:300],
+            "peak_gib_before_oom": None if mem is None else round(mem, 2),
+        }
     finally:
         _release(ctx.device)
     row["model"] = ctx.overrides[0].split("=", 1)[1]
@@ -228,16 +270,27 @@ def attention(ctx: Ctx) -> dict:
     valid = (torch.arange(S, device=d)[None] < offsets[:, -1:])[:, None, :, None]  # (B, 1, S, 1)
     allowed = layout_mask(offsets.long(), S)
     pairs = int(allowed.sum())
-    out = {"shape": {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "dtype": "bfloat16",
-                     "offsets_row0": offsets[0].tolist(), "allowed_pairs": pairs,
-                     "dense_pairs": B * S * S}}
+    out = {
+        "shape": {
+            "B": B,
+            "Hq": Hq,
+            "Hkv": Hkv,
+            "D": D,
+            "S": S,
+            "dtype": "bfloat16",
+            "offsets_row0": offsets[0].tolist(),
+            "allowed_pairs": pairs,
+            "dense_pairs": B * S * S,
+        }
+    }
     # useful FLOPs: QK^T and PV over the allowed pairs (4 D per pair per head); backward 2.5x
     useful = 4 * D * Hq * pairs
 
     def ref_grads():
         qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
-        o = A.reference_attention(qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1),
-                                  seg_offsets=offsets)
+        o = A.reference_attention(
+            qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1), seg_offsets=offsets
+        )
         o.backward(go.float())
         return o.detach(), qr.grad, kr.grad, vr.grad
 
@@ -258,15 +311,22 @@ def attention(ctx: Ctx) -> dict:
             backends[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     out["backends"] = backends
     if "fwdbwd_ms" in backends.get("sdpa", {}) and "fwdbwd_ms" in backends.get("flex", {}):
-        out["flex_over_sdpa_fwdbwd"] = round(backends["flex"]["fwdbwd_ms"] / backends["sdpa"]["fwdbwd_ms"], 3)
+        out["flex_over_sdpa_fwdbwd"] = round(
+            backends["flex"]["fwdbwd_ms"] / backends["sdpa"]["fwdbwd_ms"], 3
+        )
     if flex.available()[0]:
         bm = flex.block_mask_for(seq_len=S, device=d, seg_offsets=offsets)
         partial = int(bm.kv_num_blocks.sum())
         full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
         nq = math.ceil(S / bm.BLOCK_SIZE[0])
         nk = math.ceil(S / bm.BLOCK_SIZE[1])
-        out["block_mask"] = {"block": list(bm.BLOCK_SIZE), "computed": partial + full, "full": full,
-                             "partial": partial, "total": B * nq * nk}
+        out["block_mask"] = {
+            "block": list(bm.BLOCK_SIZE),
+            "computed": partial + full,
+            "full": full,
+            "partial": partial,
+            "total": B * nq * nk,
+        }
     out["mixed_dtype"] = _mixed_dtype(q, k, v, offsets, ref[0], ok_fused)
     return out
 
@@ -277,8 +337,12 @@ def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d) -> dict:
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o = A.attention(qg, kg, vg, seg_offsets=offsets, backend=name)
     o.backward(go)
-    errs = {"out": _rel(o * valid, ref[0] * valid), "dq": _rel(qg.grad, ref[1]),
-            "dk": _rel(kg.grad, ref[2]), "dv": _rel(vg.grad, ref[3])}
+    errs = {
+        "out": _rel(o * valid, ref[0] * valid),
+        "dq": _rel(qg.grad, ref[1]),
+        "dk": _rel(kg.grad, ref[2]),
+        "dv": _rel(vg.grad, ref[3]),
+    }
     pad_zero = bool((o * ~valid).abs().max() == 0)
 
     def fwd():
@@ -292,10 +356,15 @@ def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d) -> dict:
         fn()
     f_ms = sorted(_time_ms(d, fwd) for _ in range(10))[5]
     fb_ms = sorted(_time_ms(d, fwdbwd) for _ in range(10))[5]
-    return {"max_rel_err": round(max(errs.values()), 5), "rel_err": {n: round(e, 5) for n, e in errs.items()},
-            "padding_rows_zero": pad_zero, "fwd_ms": round(f_ms, 3), "fwdbwd_ms": round(fb_ms, 3),
-            "fwd_useful_tflops": round(useful / (f_ms / 1e3) / 1e12, 2),
-            "fwdbwd_useful_tflops": round(3.5 * useful / (fb_ms / 1e3) / 1e12, 2)}
+    return {
+        "max_rel_err": round(max(errs.values()), 5),
+        "rel_err": {n: round(e, 5) for n, e in errs.items()},
+        "padding_rows_zero": pad_zero,
+        "fwd_ms": round(f_ms, 3),
+        "fwdbwd_ms": round(fb_ms, 3),
+        "fwd_useful_tflops": round(useful / (f_ms / 1e3) / 1e12, 2),
+        "fwdbwd_useful_tflops": round(3.5 * useful / (fb_ms / 1e3) / 1e12, 2),
+    }
 
 
 def _mixed_dtype(q, k, v, offsets, ref_out, ok_fused: bool) -> dict:
@@ -325,10 +394,26 @@ def demo(ctx: Ctx) -> dict:
     rows = []
     ctx.results.setdefault("demo", {})["result"] = {"rows": rows}
     for name, comp in (("eager", False), ("compiled_blocks", True)):
-        setup = sb.StepSetup(name=name, batch=batch, ac="none", params="fp32+autocast", attention="auto",
-                             compile=comp, compile_backend=ctx.compile_backend)
-        rows.append(sb.measure([], setup, ctx.device, warmup=ctx.warmup, steps=max(ctx.steps, 10 if not ctx.dry else 1),
-                               peaks=ctx.device_peaks(), counts=ctx.counts))
+        setup = sb.StepSetup(
+            name=name,
+            batch=batch,
+            ac="none",
+            params="fp32+autocast",
+            attention="auto",
+            compile=comp,
+            compile_backend=ctx.compile_backend,
+        )
+        rows.append(
+            sb.measure(
+                [],
+                setup,
+                ctx.device,
+                warmup=ctx.warmup,
+                steps=max(ctx.steps, 10 if not ctx.dry else 1),
+                peaks=ctx.device_peaks(),
+                counts=ctx.counts,
+            )
+        )
         _release(ctx.device)
     if len(rows) == 2:
         return {"rows": rows, "compiled_speedup": round(rows[0]["step_ms"] / rows[1]["step_ms"], 3)}
@@ -354,5 +439,10 @@ def profile(ctx: Ctx) -> dict:
     return out
 
 
-STEPS = {"probe": probe, **{f"step_{n}": (lambda ctx, n=n: step_config(n, ctx)) for n in CONFIGS},
-         "attention": attention, "demo": demo, "profile": profile}
+STEPS = {
+    "probe": probe,
+    **{f"step_{n}": (lambda ctx, n=n: step_config(n, ctx)) for n in CONFIGS},
+    "attention": attention,
+    "demo": demo,
+    "profile": profile,
+}

@@ -161,12 +161,14 @@ def test_reader_forward_with_flex_on_fake_cuda(model, monkeypatch):
 
     if not flex.available()[0]:
         pytest.skip(flex.available()[1])
-    monkeypatch.setattr(flex, "_compile_off", {"cuda": "fake CUDA: eager flex"})  # no Triton on fake tensors
+    # no Triton on fake tensors
+    monkeypatch.setattr(flex, "_compile_off", {"cuda": "fake CUDA: eager flex"})
     monkeypatch.setattr(attention, "_flex_gate", lambda q: (True, "fake CUDA (no device to ask)"))
-    monkeypatch.setattr(flex, "_run", lambda q, k, v, block_mask, scale, compiled: torch.empty_like(q))
+    monkeypatch.setattr(flex, "_run", lambda q, k, v, mask, scale, compiled: torch.empty_like(q))
     built = []
     real = flex.create_block_mask
-    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **kw: (built.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(flex, "create_block_mask",
+                        lambda *a, **kw: (built.append(1), real(*a, **kw))[1])
     cfg = _cfg("model.attention_backend=flex", *(["model=hf_tiny"] if model == "hf_tiny" else []))
     m, k = cfg.model, cfg.retriever.top_k
     mode = FakeTensorMode(allow_non_fake_inputs=False)

@@ -12,7 +12,9 @@ from parallel.kernels import flex
 
 
 def _offsets():
-    return torch.tensor([[0, 20, 36, 60], [0, 12, 30, 44]], dtype=torch.int32)  # 2 docs + query, padding
+    return torch.tensor(
+        [[0, 20, 36, 60], [0, 12, 30, 44]], dtype=torch.int32
+    )  # 2 docs + query, padding
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
@@ -46,7 +48,9 @@ def test_flex_gets_kv_heads_uncopied(monkeypatch):
         pytest.skip(flex.available()[1])
     seen = []
     real = flex._eager
-    monkeypatch.setattr(flex, "_eager", lambda q, k, v, *a: (seen.append(k.shape[1]), real(q, k, v, *a))[1])
+    monkeypatch.setattr(
+        flex, "_eager", lambda q, k, v, *a: (seen.append(k.shape[1]), real(q, k, v, *a))[1]
+    )
     q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
     with torch.no_grad():
         A.attention(q, k, v, causal=True, backend="flex")

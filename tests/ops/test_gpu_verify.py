@@ -17,8 +17,22 @@ STEPS = ["probe", "step_A", "step_B", "step_C", "step_D", "step_E", "attention",
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     env.pop("RAG_MM_DISABLE_FUSED_ATTENTION", None)
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_verify.py"), "--dry-run", "--out", str(out),
-                           "--budget", "500", *extra], capture_output=True, text=True, timeout=900, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_verify.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--budget",
+            "500",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
 
 
 def test_dry_run_runs_every_step(tmp_path):
@@ -39,10 +53,15 @@ def test_dry_run_runs_every_step(tmp_path):
     assert abs(a["loss"][0] - b["loss"][0]) < 1e-4  # checkpointing changes no math
     assert c["params"] == "bf16" and {x["backend"] for x in c["attention_ran"]} == {"flex"}
     assert d["compile"] and d["compile_backend"] == "aot_eager" and e["batch"] == 2 * d["batch"]
-    assert abs(c["loss"][0] - a["loss"][0]) < 3e-2  # bf16 weights: the same loss within bf16's reach
+    assert (
+        abs(c["loss"][0] - a["loss"][0]) < 3e-2
+    )  # bf16 weights: the same loss within bf16's reach
     att = res["attention"]
     for name in ("sdpa", "flex"):
-        assert att["backends"][name]["max_rel_err"] < 2e-2 and att["backends"][name]["padding_rows_zero"]
+        assert (
+            att["backends"][name]["max_rel_err"] < 2e-2
+            and att["backends"][name]["padding_rows_zero"]
+        )
     assert "not_run" in att["backends"]["fused"]  # not built without --build
     assert 0 < att["block_mask"]["computed"] <= att["block_mask"]["total"]
     assert [r["config"] for r in res["demo"]["rows"]] == ["eager", "compiled_blocks"]

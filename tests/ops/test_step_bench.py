@@ -40,10 +40,24 @@ def test_meta_count_equals_the_real_step_count():
 
 def test_bench_reports_the_meta_count(tmp_path):
     """The bench's step runs ``auto`` attention (tuned in warm-up) and reports the meta count, MFU
-    against the measured peak, HFU >= MFU with checkpointing, the backend that ran and the losses."""
+    against the measured peak, HFU >= MFU with checkpointing, the backend that ran, the losses."""
     out = tmp_path / "tt.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "train_throughput.py"), "--threads", "1",
-           "--batch", "2", "--warmup", "1", "--steps", "1", "--checkpointing", "--out", str(out), *HF_TINY]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench" / "train_throughput.py"),
+        "--threads",
+        "1",
+        "--batch",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--checkpointing",
+        "--out",
+        str(out),
+        *HF_TINY,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
@@ -56,17 +70,26 @@ def test_bench_reports_the_meta_count(tmp_path):
     assert len(r["loss"]) == 2 and all(x > 0 for x in r["loss"])
 
 
-@pytest.mark.parametrize("name, part, bf16", [
-    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4e12), ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
-    ("NVIDIA H100 NVL", "H100 NVL", 835e12), ("NVIDIA H200", "H200", 989.4e12),
-    ("NVIDIA A100-SXM4-80GB", "A100", 312e12), ("NVIDIA GeForce RTX 4090", None, None)])
+@pytest.mark.parametrize(
+    "name, part, bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+        ("NVIDIA H200", "H200", 989.4e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+        ("NVIDIA GeForce RTX 4090", None, None),
+    ],
+)
 def test_datasheet_peak_tells_parts_apart(name, part, bf16):
     assert sb.datasheet_peak(name, "bf16") == (part, bf16)
 
 
 def test_time_steps_reads_losses_after_timing():
     calls = []
-    t = sb.time_steps(lambda: (calls.append(1), torch.tensor(float(len(calls))))[1], torch.device("cpu"), 2, 3)
+    t = sb.time_steps(
+        lambda: (calls.append(1), torch.tensor(float(len(calls))))[1], torch.device("cpu"), 2, 3
+    )
     assert t.losses == [1.0, 2.0, 3.0, 4.0, 5.0] and t.step_s >= 0
 
 

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import stepbench as sb  # noqa: E402
+
 from parallel.memory import checkpoint_candidates  # noqa: E402
 from parallel.spmd import find_blocks  # noqa: E402
 
@@ -37,7 +38,9 @@ def test_reader_checkpoints_its_lm_layers_only():
     assert any(n.startswith("copy.") for n in _names(model, blocks))
 
     batch = sb.synthetic_batch(cfg, 2, vocab, "cpu")
-    parallel.parallelize(model, parallel.ParallelConfig(activation_checkpointing="full", ac_skip=skip), batch)
+    parallel.parallelize(
+        model, parallel.ParallelConfig(activation_checkpointing="full", ac_skip=skip), batch
+    )
     done = [n for n, mod in model.named_modules() if hasattr(mod, "_ac_inner_forward")]
     assert done == names
     losses, grads = [], []

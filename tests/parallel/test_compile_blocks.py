@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import stepbench as sb  # noqa: E402
+
 from parallel.compile import apply_compile  # noqa: E402
 from parallel.spmd import find_blocks  # noqa: E402
 
@@ -45,7 +46,9 @@ def test_compiled_blocks_equal_eager_with_no_graph_break(reader):
     assert g1.keys() == g0.keys()
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
-    ex = torch._dynamo.explain(blocks[0]._orig_mod if hasattr(blocks[0], "_orig_mod") else blocks[0])
+    ex = torch._dynamo.explain(
+        blocks[0]._orig_mod if hasattr(blocks[0], "_orig_mod") else blocks[0]
+    )
     assert ex is not None
 
 
@@ -57,7 +60,9 @@ def test_flex_block_traces_whole():
     model = sb.build_model(m, vocab, "cpu").eval()
     layer = model.lm.model.layers[0]
     seen = []
-    h = layer.register_forward_hook(lambda mod, a, kw, out: seen.append((a, kw)) and None, with_kwargs=True)
+    h = layer.register_forward_hook(
+        lambda mod, a, kw, out: seen.append((a, kw)) and None, with_kwargs=True
+    )
     with torch.no_grad():
         model(**sb.synthetic_batch(cfg, 2, vocab, "cpu"))
         h.remove()
@@ -76,12 +81,16 @@ def test_parallelize_compiles_after_checkpointing():
     model = sb.build_model(m, vocab, "cpu").train()
     eager = sb.build_model(m, vocab, "cpu").train()
     batch = sb.synthetic_batch(cfg, 2, vocab, "cpu")
-    pcfg = parallel.ParallelConfig(activation_checkpointing="full", compile=True, compile_backend="aot_eager")
+    pcfg = parallel.ParallelConfig(
+        activation_checkpointing="full", compile=True, compile_backend="aot_eager"
+    )
     pm = parallel.parallelize(model, pcfg, batch)
     blocks = find_blocks(model)
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)  # compiled
     # around the checkpointed forward (every block but the copy head's lone Linears)
-    assert [hasattr(b, "_ac_inner_forward") for b in blocks] == [any(True for _ in b.children()) for b in blocks]
+    assert [hasattr(b, "_ac_inner_forward") for b in blocks] == [
+        any(True for _ in b.children()) for b in blocks
+    ]
     assert sum(hasattr(b, "_ac_inner_forward") for b in blocks) >= 4
     l1, _ = _loss_and_grads(model, batch)
     l0, _ = _loss_and_grads(eager, batch)

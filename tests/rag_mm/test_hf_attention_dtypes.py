@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import stepbench as sb  # noqa: E402
+
 from rag_mm.model import hf_attention  # noqa: E402
 
 
@@ -23,7 +24,9 @@ def test_qkv_share_one_dtype_under_autocast(monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(hf_attention, "attention", spy)
-    cfg, m, vocab = sb.compose_run(["model=hf_tiny", "retriever.top_k=2", "model.attention_backend=sdpa"])
+    cfg, m, vocab = sb.compose_run(
+        ["model=hf_tiny", "retriever.top_k=2", "model.attention_backend=sdpa"]
+    )
     model = sb.build_model(m, vocab, "cpu").train()
     batch = sb.synthetic_batch(cfg, 2, vocab, "cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 
 import stepbench as sb  # noqa: E402
+
 from rag_mm.model.factory import build_reader, count_parameters  # noqa: E402
 
 ONE_B = ["model=llama3_2_1b", "retriever.top_k=2"]
@@ -30,7 +31,9 @@ def test_preset_vocabulary_cut_to_the_tokenizer():
 
 
 def test_cut_reader_trains():
-    cfg, m, vocab = sb.compose_run(["model=hf_tiny", "retriever.top_k=2", "model.lm.vocab_size=60000"])
+    cfg, m, vocab = sb.compose_run(
+        ["model=hf_tiny", "retriever.top_k=2", "model.lm.vocab_size=60000"]
+    )
     model = sb.build_model(m, vocab, "cpu").train()
     assert model.lm.get_input_embeddings().weight.shape[0] == vocab
     loss = model(**sb.synthetic_batch(cfg, 2, vocab, "cpu")).loss
