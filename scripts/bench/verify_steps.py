@@ -371,6 +371,7 @@ def _mixed_dtype(q, k, v, offsets, ref_out, ok_fused: bool) -> dict:
     """q in fp32, k and v in bf16 (what RoPE under autocast hands attention today): each backend
     must equal the bf16 result's accuracy or raise, never read the buffers as another dtype."""
     from parallel.kernels import attention as A
+    from parallel.kernels import flex
 
     res = {}
     for name in ("sdpa", "flex", "fused"):
@@ -379,7 +380,10 @@ def _mixed_dtype(q, k, v, offsets, ref_out, ok_fused: bool) -> dict:
             continue
         try:
             with torch.no_grad():
-                o = A.attention(q.float(), k, v, seg_offsets=offsets, backend=name)
+                if name == "flex":  # eager: a failed compile here would turn compiled flex off
+                    o = flex.flex_attention(q.float(), k, v, seg_offsets=offsets, compiled=False)
+                else:
+                    o = A.attention(q.float(), k, v, seg_offsets=offsets, backend=name)
             res[name] = f"ran, rel err {_rel(o, ref_out):.3g}"
         except Exception as e:
             res[name] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:160]}"
