@@ -101,6 +101,9 @@ def worker(args) -> int:
         return 2
     if args.dry_run:
         torch.set_num_threads(1)
+    # E recompiles D's blocks for batch 16 as a static graph, as a run with one batch size compiles
+    # (not a dynamic-batch graph of the second shape seen)
+    torch._dynamo.config.automatic_dynamic_shapes = False
     ctx = vs.Ctx(
         device=device,
         dry=args.dry_run,
