@@ -275,7 +275,8 @@ def _one_worker(args, todo: list[str], out: Path, env: dict, deadline: float) ->
 # ----------------------------------------------------------------------------- verdict
 def verdict(steps: dict, dry: bool) -> dict:
     """The issue's goals checked on what ran: passed / failed / not measured. A dry run checks the
-    numerics only: speed on a CPU at tiny shapes says nothing about a GPU."""
+    numerics only: speed on a CPU at tiny shapes says nothing about a GPU, and a CPU ``.item()`` is
+    no device sync (the fake-CUDA audit of the tests is the CPU's check of those)."""
     passed, failed, skipped = [], [], []
 
     def check(name: str, ok: bool | None, speed: bool = True) -> None:
@@ -326,9 +327,7 @@ def verdict(steps: dict, dry: bool) -> dict:
         )
     pr = res.get("profile")
     if pr:
-        check(
-            "profile: zero host syncs inside the step", pr["host_syncs_per_step"] == 0, speed=False
-        )
+        check("profile: zero host syncs inside the step", pr["host_syncs_per_step"] == 0)
     not_ok = {n: s.get("status") for n, s in steps.items() if s.get("status") != "ok"}
     return {"passed": passed, "failed": failed, "not_measured": skipped, "steps_not_ok": not_ok}
 
