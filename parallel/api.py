@@ -266,14 +266,23 @@ def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, p
     sharded = Sharded()
     if layout.mesh is not None:
         sharded = parallelize_spmd(model, cfg, layout.mesh, example_inputs, plan=tp_plan, part=part)
-    elif cfg.activation_checkpointing != "none" or cfg.activation_offload:  # one process: savers only
-        from .memory import apply_activation_checkpointing, apply_activation_offload
+    elif cfg.activation_checkpointing != "none" or cfg.activation_offload or cfg.compile:
+        # one process: savers, then compile (the spmd order without TP and FSDP)
+        from .compile import apply_compile
+        from .memory import (
+            apply_activation_checkpointing,
+            apply_activation_offload,
+            checkpoint_candidates,
+        )
         from .spmd import find_blocks
 
         blocks = find_blocks(model)
-        apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
+        ac_blocks = checkpoint_candidates(model, blocks, cfg.ac_skip)
+        apply_activation_checkpointing(ac_blocks, cfg.activation_checkpointing, cfg.ac_every)
         if cfg.activation_offload:
             apply_activation_offload(blocks)
+        if cfg.compile:
+            apply_compile(blocks, cfg.compile_backend)
     new = dict(model.named_parameters(remove_duplicate=False))
     # (while FSDP holds a unit gathered, the module shows its unsharded parameters)
     trainable = tuple({id(p): p for n in names if (p := new[n]).requires_grad}.values())

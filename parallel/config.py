@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
@@ -22,6 +22,7 @@ CHOICES = {
     "objective": OBJECTIVES,
     "activation_checkpointing": ("none", "full", "every_n"),
     "mixed_precision": ("fp32", "bf16"),
+    "compile_backend": ("inductor", "aot_eager", "eager"),
     "grad_reduce": ("pg", "auto", "shm", "hier_int8"),
     "p2p": ("auto", "shm", "gloo"),
     "stage_path": ("auto", "graph", "eager"),
@@ -51,7 +52,14 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard norms / dropout over the sequence dimension under TP
     activation_checkpointing: str = "none"  # none | full | every_n (see ac_every)
     ac_every: int = 1  # with every_n: checkpoint every n-th block
+    # module-name prefixes never checkpointed (an application names the parts whose recompute costs
+    # more than their activations save, e.g. a vision tower); leaf blocks never are either
+    ac_skip: list[str] = field(default_factory=list)
     activation_offload: bool = False  # keep saved activations in host memory until backward
+    # torch.compile each block (fullgraph) after TP and checkpointing, before FSDP: fused
+    # elementwise kernels, fewer launches; off by default: the first step pays the compilation
+    compile: bool = False
+    compile_backend: str = "inductor"  # inductor | aot_eager (traced, no code generated) | eager
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8

@@ -32,10 +32,37 @@ def apply_activation_checkpointing(blocks: list[nn.Module], mode: str = "full", 
     for i in chosen:
         b = blocks[i]
         inner = b.forward
-        b.forward = functools.wraps(inner)(functools.partial(checkpoint, inner, use_reentrant=False))
+        b.forward = functools.wraps(inner)(_checkpointed(inner))
         b._ac_inner_forward = inner
     log.info("activation checkpointing: %d of %d blocks (%s)", len(chosen), len(blocks), mode)
     return chosen
+
+
+def checkpoint_candidates(model: nn.Module, blocks: list[nn.Module], skip=()) -> list[nn.Module]:
+    """The blocks activation checkpointing may wrap: not a leaf module (a lone Linear keeps only
+    its input either way, so recomputing it saves nothing), not under a name prefix in ``skip``
+    (e.g. a vision tower whose activations are small next to the recompute it would cost)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = tuple(p.rstrip(".") for p in skip)
+    keep = []
+    for b in blocks:
+        name = names.get(id(b), "")
+        if not any(True for _ in b.children()):
+            continue
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            continue
+        keep.append(b)
+    return keep
+
+
+def _checkpointed(inner: Callable) -> Callable:
+    """``inner`` run under non-reentrant checkpointing. A plain function, not a partial: a compiled
+    block traces through it and sees the ``checkpoint`` call (dynamo's activation-checkpoint op)."""
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    return forward
 
 
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):

@@ -16,9 +16,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.compile import apply_compile
 from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
-from parallel.memory import apply_activation_checkpointing, apply_activation_offload
+from parallel.memory import (
+    apply_activation_checkpointing,
+    apply_activation_offload,
+    checkpoint_candidates,
+)
 from parallel.mesh import dp_mesh
 from parallel.tp.plan import TPPlan, apply_plan, find_block_lists, head_divisions
 from parallel.tp.verify import apply_tp
@@ -83,11 +88,13 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
             part = dataclasses.replace(part, held=_ids_of(model, held_names[0]), replicated=_ids_of(model, held_names[1]))
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
-    apply_activation_checkpointing(blocks, cfg.activation_checkpointing, cfg.ac_every)
+    ac_blocks = checkpoint_candidates(model, blocks, cfg.ac_skip)
+    apply_activation_checkpointing(ac_blocks, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.activation_offload:
         apply_activation_offload(blocks)
-    # 3. torch.compile per block would go here; not applied: the eager pipeline replays Python
-    #    module calls that a compiled block would hide, and CPU runs gain nothing measurable
+    # 3. torch.compile per block, around the checkpointed forward and inside FSDP's hooks
+    if cfg.compile:
+        apply_compile(blocks, cfg.compile_backend)
     # 4. FSDP2 last: it shards whatever parameters (plain or TP DTensors) the steps above left
     dp = dp_mesh(mesh)
     if part is None:  # replicas alone (dp_shard == 1) are plain data parallel: ParallelModel averages

@@ -46,6 +46,10 @@ class ModelConfig:
     # (a preset in conf/model/ fills it); ignored when ``pretrained`` or ``lm_config`` is set
     lm: dict[str, Any] = field(default_factory=dict)
     lm_config: str | None = None  # hf, random init: a local config.json (or its directory) instead of ``lm``
+    # hf, random init: the LM embeds the tokenizer's ids only (a Llama preset's 128,256 rows for a
+    # 49,408-token tokenizer are 161 M dead parameters with gradients and AdamW state); false keeps
+    # the preset's vocabulary (a checkpoint saved with it)
+    trim_vocab: bool = True
     # hf_vlm, random init (ignored when ``pretrained`` is set): a VLM family built at the size
     # fields (llava | paligemma), a public preset (llava-1.5-7b | paligemma-3b-pt-224; see
     # rag_mm.model.vlm_presets), or a local config.json (or its directory)
@@ -170,7 +174,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the reader's layout (the runtime's schema)
+    # the reader's layout (the runtime's schema); checkpointing never recomputes the vision tower:
+    # its activations are small next to the LM's, its recompute is not (``ac_skip``)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(ac_skip=["vision"]))
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 

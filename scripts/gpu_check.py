@@ -136,8 +136,11 @@ def cuda_build_headline(f: dict[str, Any]) -> str:
 
 
 def mfu_headline(f: dict[str, Any]) -> str:
-    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {f['mfu']:.1%} of {f['peak_TFLOPs']} TFLOP/s "
-            f"({f['peak_source']}), {f['samples_per_s']} samples/s, {f['step_s_median']} s/step")
+    mfu = "n/a" if f["mfu"] is None else f"{f['mfu']:.1%}"
+    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {mfu} of "
+            f"{f['peak_datasheet_TFLOPs']} TFLOP/s ({f['part']}), "
+            f"{f['mfu_measured_peak']:.1%} of the measured {f['matmul_TFLOPs']}, "
+            f"{f['samples_per_s']} samples/s, {f['step_ms']} ms/step")
 
 
 def demo_headline(f: dict[str, Any]) -> str:

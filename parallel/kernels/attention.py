@@ -32,6 +32,7 @@ cover take the fixed rule on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -59,6 +60,8 @@ _logged: set[tuple] = set()
 
 
 def _log_once(layout: str, dtype: torch.dtype, backend: str, reason: str) -> None:
+    if reason == "compiled":  # logged by ``_traced_choice`` while the graph was traced
+        return
     key = (layout, dtype, backend, reason)
     if key not in _logged:
         _logged.add(key)
@@ -415,20 +418,75 @@ def _split(chosen: str) -> tuple[str, str | None]:
     return name, isa or None
 
 
+_override: list[str] = []  # the innermost ``override_backend`` in effect (a stack)
+
+
+@contextlib.contextmanager
+def override_backend(name: str):
+    """Run every ``attention`` / ``varlen_attention`` call inside the block on backend ``name``
+    whatever the caller asked for (FLOP counting runs SDPA, whose FLOPs have formulas)."""
+    if name not in BACKENDS[1:]:
+        raise ValueError(f"override_backend takes one of {BACKENDS[1:]}, got {name!r}")
+    _override.append(name)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
+    if _override:
+        return _override[-1], "override_backend"
+    if torch.compiler.is_compiling():  # decided once per compiled graph, as a constant
+        S = q.shape[0] if layout == "packed" else q.shape[-2]
+        choice = _traced_choice(backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout,
+                                grad)
+        return choice, "compiled"
+    return select_backend(backend, q, layout, grad=grad)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int,
+                   layout: str, grad: bool) -> str:
+    """The backend for a call inside torch.compile: what an eager call of the same key chooses
+    (run in Python while the graph is traced, its answer a constant of the graph, so resolving it
+    breaks no graph; a cached measurement decides, else the fixed rule)."""
+    shape = (seq, 1, head_dim) if layout == "packed" else (1, 1, seq, head_dim)
+    q = torch.empty(shape, dtype=dtype, device=device)
+    _tune._tracing[0] += 1  # nothing is timed while a graph is traced
+    try:
+        chosen, reason = select_backend(backend, q, layout, grad=grad)
+    finally:
+        _tune._tracing[0] -= 1
+    _log_once(layout, dtype, chosen, f"{reason} (inside torch.compile)")
+    return chosen
+
+
 def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
-    """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc)."""
+    """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc).
+
+    Grouped-query attention: k and v may have ``Hkv`` heads where ``Hkv`` divides q's ``H``; query
+    heads ``g * H / Hkv .. (g + 1) * H / Hkv - 1`` share K/V head ``g`` (HF's ``repeat_kv``).
+    q, k and v must share one dtype."""
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"attention: k and v need one head count dividing q's (q {q.shape[1]}, "
+                         f"k {k.shape[1]}, v {v.shape[1]} heads)")
     layout = _layout(causal, seg_offsets)
-    chosen, reason = select_backend(backend, q, layout, grad=_needs_grad(q, k, v))
+    chosen, reason = _resolve(backend, q, layout, _needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
     return _attention_with(chosen, q, k, v, causal, seg_offsets, scale)
 
 
 def _attention_with(chosen: str, q, k, v, causal, seg_offsets, scale):
     chosen, isa = _split(chosen)
-    if chosen == "flex":
+    groups = q.shape[1] // k.shape[1]
+    if chosen == "flex":  # grouped-query heads natively (no copy of K/V)
         from parallel.kernels.flex import flex_attention
 
         return flex_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
+    if groups > 1:  # the other kernels take as many K/V heads as query heads
+        # (SDPA's enable_gqa would leave its memory-efficient kernel for the math path under a mask)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     if chosen == "reference":
         return reference_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
     if chosen == "fused":
@@ -449,7 +507,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = Fal
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
     sequence. Tokens at or after ``cu_seqlens[-1]`` get zero output.
     """
-    chosen, reason = select_backend(backend, q, "packed", grad=_needs_grad(q, k, v))
+    chosen, reason = _resolve(backend, q, "packed", _needs_grad(q, k, v))
     _log_once("packed", q.dtype, chosen, reason)
     return _varlen_with(chosen, q, k, v, cu_seqlens, max_seqlen, causal, scale)
 

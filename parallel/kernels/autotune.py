@@ -130,13 +130,27 @@ def distributed_world() -> int:
     return d.get_world_size() if d.is_available() and d.is_initialized() else 1
 
 
+_tracing = [0]  # > 0 while attention.py decides a backend for a graph being traced (no timing)
+
+
+def _dispatch_modes() -> list[str]:
+    """Names of the Python dispatch modes active here (``FlopCounterMode``, ``FakeTensorMode``)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [type(m).__name__ for m in _get_current_dispatch_mode_stack()]
+
+
 def can_time(q: torch.Tensor) -> tuple[bool, str]:
     """Whether a call with ``q`` may measure now; else why not (the cached choice or the fixed rule
     decides)."""
     if not enabled():
         return False, f"{ENV}=0"
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.jit.is_scripting():
+    tracing = torch.jit.is_tracing() or torch.jit.is_scripting() or _tracing[0]
+    if torch.compiler.is_compiling() or tracing:
         return False, "inside torch.compile / tracing"
+    modes = _dispatch_modes()
+    if modes:  # a FLOP counter, a profiler mode: timings there are skewed and it would see them
+        return False, f"inside a dispatch mode ({', '.join(modes)})"
     if type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta:
         return False, f"{type(q).__name__} on {q.device} (fake, meta or subclass tensors are never timed)"
     if q.device.type not in ("cpu", "cuda"):

@@ -13,9 +13,10 @@ Every layout becomes a ``mask_mod`` over per-position segment ids and a ``BlockM
 
 The segment ids are tensors captured by the ``mask_mod``, so a new layout of the same shape reuses
 the compiled kernel (integers in the closure would be guarded on and recompile).
-Block masks are cached per layout (LRU keyed by kind, offsets' bytes and shape, length, device):
-building one evaluates the mask on every (q, kv) pair (tens of ms at S = 1024 on a CPU), which a
-fixed layout (causal, a fixed packing, a benchmark) pays once.
+Block masks are cached per layout: a causal mask per length and device, an offsets layout per
+offsets tensor (by identity, so no value is read back to the host; every layer of a forward gets
+the same tensor and so one mask). Building one evaluates the mask on every (q, kv) pair on the
+device (tens of ms at S = 1024 on a CPU): once per forward.
 
 Compilation: without ``torch.compile`` flex_attention runs an unfused implementation that
 materializes the (S, S) scores, so the kernel is compiled (the CPU needs a C++ compiler for
@@ -35,6 +36,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -130,49 +132,61 @@ _cache: collections.OrderedDict = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def _cached(key, build):
+def _cached(key, build, owner: torch.Tensor | None = None):
+    """The value cached under ``key``, else ``build()``'s. ``owner``: the offsets tensor the mask
+    was built from; the entry lives only as long as that very tensor, unchanged in place."""
     with _cache_lock:
-        if key in _cache:
+        hit = _cache.get(key)
+        if hit is not None and (owner is None or (hit[1]() is owner and hit[2] == owner._version)):
             _cache.move_to_end(key)
-            return _cache[key]
+            return hit[0]
     value = build()
+    ref = None
+    if owner is not None:
+        ref = weakref.ref(owner, lambda _r, key=key: _drop(key, _r))
     with _cache_lock:
-        _cache[key] = value
+        _cache[key] = (value, ref, None if owner is None else owner._version)
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return value
 
 
-def _offsets_key(t: torch.Tensor) -> tuple:
-    t = t.detach().to("cpu", torch.int64).contiguous()
-    return tuple(t.shape), t.numpy().tobytes()
+def _drop(key, ref) -> None:
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[1] is ref:
+            del _cache[key]
 
 
 def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=None, cu_seqlens=None):
-    """The cached ``BlockMask`` of one layout (None for dense attention)."""
+    """The ``BlockMask`` of one layout (None for dense attention), built on ``device``.
+
+    Offsets layouts are cached by the offsets tensor itself (its identity and version, never its
+    values: reading them would copy them to the host and wait for the device, in every layer), so
+    the layers of one forward share one mask and a new batch's offsets build a new one."""
     _require()
     device = torch.device(device)
     if seg_offsets is not None:
-        key = ("retrieval", seq_len, str(device), *_offsets_key(seg_offsets))
+        key = ("retrieval", id(seg_offsets), seq_len, str(device))
 
         def build():
             seg = retrieval_segments(seg_offsets.to(device), seq_len)
             return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, seq_len, seq_len, device=device)
-    elif cu_seqlens is not None:
-        key = ("packed", causal, seq_len, str(device), *_offsets_key(cu_seqlens))
+
+        return _cached(key, build, owner=seg_offsets)
+    if cu_seqlens is not None:
+        key = ("packed", id(cu_seqlens), causal, seq_len, str(device))
 
         def build():
             seg = packed_segments(cu_seqlens.to(device), seq_len)
             mod = _document_causal_mask_mod(seg) if causal else _document_mask_mod(seg)
             return create_block_mask(mod, 1, None, seq_len, seq_len, device=device)
-    elif causal:
-        key = ("causal", seq_len, str(device))
 
-        def build():
-            return create_block_mask(_causal, None, None, seq_len, seq_len, device=device)
-    else:
-        return None
-    return _cached(key, build)
+        return _cached(key, build, owner=cu_seqlens)
+    if causal:
+        return _cached(("causal", seq_len, str(device)), lambda: create_block_mask(
+            _causal, None, None, seq_len, seq_len, device=device))
+    return None
 
 
 # ----------------------------------------------------------------------------- compile
@@ -227,7 +241,12 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 def _eager(q, k, v, block_mask, scale):
     with warnings.catch_warnings():  # "called without torch.compile()": the choice is logged once instead
         warnings.simplefilter("ignore", UserWarning)
-        return _flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+        return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
+
+
+def _gqa(q, k) -> dict:
+    """``enable_gqa`` when K/V have fewer heads than q (flex maps head h to K/V head h // g)."""
+    return {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
 
 
 def _run(q, k, v, block_mask, scale, compiled: bool | None):
@@ -242,7 +261,7 @@ def _run(q, k, v, block_mask, scale, compiled: bool | None):
         limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         try:
             with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
-                return _compiled()(q, k, v, block_mask=block_mask, scale=scale)
+                return _compiled()(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
         except _compile_errors() as e:
             _disable_compile(q.device, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return _eager(q, k, v, block_mask, scale)
@@ -295,7 +314,10 @@ class _FlexCPU(torch.autograd.Function):
 
 def _call(q, k, v, block_mask, scale, compiled):
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if needs_grad and q.device.type == "cpu":
+    if needs_grad and q.device.type == "cpu":  # the dense CPU backward: as many K/V heads as q
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         return _FlexCPU.apply(q, k, v, block_mask, scale, compiled)
     return _run(q, k, v, block_mask, scale, compiled)
 
@@ -308,10 +330,26 @@ def flex_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale=Non
     """
     _require()
     S = q.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    cpu_grad = (q.device.type == "cpu" and torch.is_grad_enabled()
+                and any(t.requires_grad for t in (q, k, v)))
+    if torch.compiler.is_compiling() and not cpu_grad:  # (flex has no CPU backward: see _FlexCPU)
+        # inside a compiled block: the mask is built in the graph from the offsets (no cache to
+        # look up) and flex_attention is traced into it, so Inductor writes its kernels there
+        mask = _build_block_mask(S, q.device, causal and seg_offsets is None, seg_offsets)
+        return _flex_attention(q, k, v, block_mask=mask, scale=scale, **_gqa(q, k))
     mask = block_mask_for(seq_len=S, device=q.device, causal=causal and seg_offsets is None,
                           seg_offsets=seg_offsets)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _call(q, k, v, mask, scale, compiled)
+
+
+def _build_block_mask(S: int, device, causal: bool, seg_offsets):
+    if seg_offsets is not None:
+        seg = retrieval_segments(seg_offsets.to(device), S)
+        return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, S, S, device=device)
+    if causal:
+        return create_block_mask(_causal, None, None, S, S, device=device)
+    return None
 
 
 def flex_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, scale=None, compiled: bool | None = None):

@@ -25,7 +25,7 @@ def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
         return build_vlm_reader(m, vocab_size, meta=meta)
     from rag_mm.model.hf_reader import HFReader, build_lm
 
-    lm = build_lm(m, meta=meta)
+    lm = build_lm(m, meta=meta, vocab_size=vocab_size)
     with torch.device("meta") if meta else contextlib.nullcontext():
         return HFReader(m, lm, vocab_size)
 
@@ -36,8 +36,17 @@ def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
     tower by torch's defaults as open_clip builds it, the rest by the reader). Pretrained weights
     (``model.pretrained``, ``model.vision_checkpoint``, ``model.adapter``) are not read here: load
     them afterwards."""
+    tied = _tied_pairs(reader)
     reader.to_empty(device=device)
+    for owner, name, (src, src_name) in tied:  # to_empty may give each its own tensor: tie again
+        setattr(owner, name, getattr(src, src_name))
     with torch.no_grad():
+        if getattr(reader, "lm", None) is None and getattr(reader, "vlm", None) is None:
+            # the native reader: its own init covers matrices and biases; norms and the rest
+            # take their modules' defaults, as a reader built on the CPU has them
+            for mod in reader.modules():
+                if mod is not reader and hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
         for lm in (getattr(reader, "lm", None), getattr(reader, "vlm", None)):  # a transformers model
             if lm is None:
                 continue
@@ -64,6 +73,20 @@ def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
         elif hasattr(reader, "_init_weights"):
             reader._init_weights()
     return reader
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[nn.Module, str, tuple[nn.Module, str]]]:
+    """(module, attribute, (module, attribute) first holding it) for every parameter reached a
+    second time."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    out = []
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in first:
+                out.append((mod, name, first[id(p)]))
+            else:
+                first[id(p)] = (mod, name)
+    return out
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -38,8 +38,9 @@ def implementation(backend: str) -> str:
 def rag_mm_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, *,
                      backend: str = "auto", seg_offsets=None, sliding_window=None, softcap=None, **_kwargs):
     """query (B, H, S, hd), key / value (B, Hkv, S, hd) -> ((B, S, H, hd), None), as every
-    transformers attention function returns. Grouped-query heads are repeated to H (each group of
-    H / Hkv query heads shares one key/value head, as HF's ``repeat_kv``)."""
+    transformers attention function returns. Grouped-query K/V heads go to ``attention`` as they are
+    (flex reads them in place; the other kernels get them repeated, as HF's ``repeat_kv``). q and k
+    take v's dtype: under autocast v comes from a bf16 matmul, q and k from RoPE's fp32."""
     S = query.shape[-2]
     _calls[0] += 1
     if softcap is not None:
@@ -50,9 +51,8 @@ def rag_mm_attention(module, query, key, value, attention_mask, scaling=None, dr
                          f"than the reader's sequence ({S}); rag_mm's layouts attend over whole segments")
     if dropout > 0.0:
         _warn_dropout(type(module).__name__, dropout)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if query.dtype != value.dtype:  # under autocast RoPE hands q and k over in fp32, v in bf16:
+        query, key = query.to(value.dtype), key.to(value.dtype)  # one dtype, the matmuls' own
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
     if seg_offsets is None:
         y = attention(query, key, value, causal=True, backend=backend, scale=scale)

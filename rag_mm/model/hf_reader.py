@@ -74,13 +74,21 @@ def lm_config(cfg):
                          f"{str(exc)[:300]}") from None
 
 
-def build_lm(cfg, meta: bool = False) -> nn.Module:
+def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Module:
     """The causal LM with rag_mm's attention (``model.attention_backend``), fp32, on the CPU or on
-    the meta device (``meta``: no memory, no init; ``factory.materialize`` gives it weights)."""
+    the meta device (``meta``: no memory, no init; ``factory.materialize`` gives it weights).
+    ``vocab_size``: the tokenizer's; a randomly initialised LM with more rows is cut to it
+    (``model.trim_vocab``)."""
     from transformers import AutoModelForCausalLM
 
     impl = implementation(cfg.attention_backend)
     config = None if cfg.pretrained and not meta else lm_config(cfg)  # its errors name the key already
+    text = None if config is None else config.get_text_config()
+    if (vocab_size and not cfg.pretrained and getattr(cfg, "trim_vocab", False) and text is not None
+            and getattr(text, "vocab_size", 0) > vocab_size):
+        log.info("reader LM: vocabulary cut from %d to the tokenizer's %d rows (random init, "
+                 "model.trim_vocab)", text.vocab_size, vocab_size)
+        text.vocab_size = vocab_size
     try:
         if config is None:
             lm = AutoModelForCausalLM.from_pretrained(cfg.pretrained, local_files_only=True, attn_implementation=impl,

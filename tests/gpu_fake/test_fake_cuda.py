@@ -150,6 +150,40 @@ def test_reader_train_step_on_fake_cuda(model):
     _assert_clean(audit, f"{model} reader step")
 
 
+@pytest.mark.parametrize("model", ["demo", "hf_tiny"])
+def test_reader_forward_with_flex_on_fake_cuda(model, monkeypatch):
+    """The reader's forward with flex attention (auto's CUDA choice for the retrieval layout): its
+    block mask is built on the device from the offsets, once per forward, nothing read back.
+    flex_attention's own call cannot run under a dispatch mode (it wraps itself in torch.compile,
+    which refuses one), so the kernel is replaced by an output of its shape: everything around it,
+    the mask included, is audited. Without autograd: the backward builds no mask."""
+    from parallel.kernels import attention, flex
+
+    if not flex.available()[0]:
+        pytest.skip(flex.available()[1])
+    # no Triton on fake tensors
+    monkeypatch.setattr(flex, "_compile_off", {"cuda": "fake CUDA: eager flex"})
+    monkeypatch.setattr(attention, "_flex_gate", lambda q: (True, "fake CUDA (no device to ask)"))
+    monkeypatch.setattr(flex, "_run", lambda q, k, v, mask, scale, compiled: torch.empty_like(q))
+    built = []
+    real = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask",
+                        lambda *a, **kw: (built.append(1), real(*a, **kw))[1])
+    cfg = _cfg("model.attention_backend=flex", *(["model=hf_tiny"] if model == "hf_tiny" else []))
+    m, k = cfg.model, cfg.retriever.top_k
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    reader = _reader(m, mode)
+    with fake_cuda(mode), torch.no_grad():
+        x = _inputs(m, k)
+        reader(**x)
+        built.clear()
+        with audited() as audit:
+            loss = reader(**x).loss
+    assert loss.device.type == "cuda"
+    _assert_clean(audit, f"{model} reader forward, flex")
+    assert len(built) == 1  # one mask for the forward's layout, not one per layer
+
+
 # ------------------------------------------------------------------------------ retriever
 def test_retriever_on_fake_cuda():
     """Query and document encoding, the retrieval scores, every retriever loss and the random

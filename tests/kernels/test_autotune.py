@@ -201,6 +201,21 @@ def test_nothing_timed_on_fake_tensors_or_while_compiling(tuner, monkeypatch):
     assert T.stats["measured"] == 0 and not tuner.exists()
 
 
+def test_nothing_timed_under_a_flop_counter(tuner):
+    """A FLOP counter around a step saw every tuning call as the step's own work (a 2.8x
+    overcount on the demo reader) and cached a choice timed under its Python dispatch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = _q().requires_grad_()
+    with FlopCounterMode(display=False) as fc:
+        choice, reason = A.select_backend("auto", q, "retrieval", grad=True)
+    assert "not measured: inside a dispatch mode (" in reason, reason
+    assert "FlopCounterMode" in reason, reason
+    assert choice == A._cpu_fixed_rule(q, "retrieval")[0]
+    assert fc.get_total_flops() == 0 and T.stats["measured"] == 0 and not tuner.exists()
+    assert A.select_backend("auto", q, "retrieval", grad=True)[1].startswith("measured fastest")
+
+
 def test_unwritable_cache_keeps_the_choice_in_memory(tuner, monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -112,10 +112,19 @@ def test_compiled_retrieval_matches_reference():
 
 
 def test_block_mask_cached_per_layout():
+    """An offsets layout's mask is cached by the offsets tensor itself (its values are never read
+    back to the host): the layers of a forward share it; another tensor, or the same one changed
+    in place, gets a new one; the entry goes with its tensor."""
     seg = torch.tensor([[0, 5, 9, 16]], dtype=torch.int32)
     a = F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg)
-    assert F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg.clone()) is a
-    assert F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg + torch.tensor([0, 1, 0, 0])) is not a
+    assert F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg) is a
+    assert F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg.clone()) is not a
+    seg[0, 1] = 6
+    b = F.block_mask_for(seq_len=16, device="cpu", seg_offsets=seg)
+    assert b is not a
+    n = len(F._cache)
+    del seg
+    assert len(F._cache) == n - 1
     assert F.block_mask_for(seq_len=16, device="cpu", causal=True) is F.block_mask_for(seq_len=16, device="cpu",
                                                                                        causal=True)
     assert F.block_mask_for(seq_len=16, device="cpu") is None

@@ -28,10 +28,12 @@ DEFAULT = ParallelConfig()
 PIPELINE = {
     "pp": 2, "tp": 2, "dp_shard": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "stages_per_rank": 2,
     "partition": "uniform", "objective": "memory", "memory_cap_bytes": 123456789, "sequence_parallel": True,
-    "activation_checkpointing": "every_n", "ac_every": 2, "activation_offload": True, "grad_reduce": "shm",
+    "activation_checkpointing": "every_n", "ac_every": 2, "ac_skip": ["vision", "copy"],
+    "activation_offload": True, "grad_reduce": "shm",
     "p2p": "gloo", "gc_pause": False, "steady_malloc": False, "split_drain": False, "bind_cores": True,
 }
-HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True, "stage_path": "graph"}
+HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True,
+        "stage_path": "graph", "compile": True, "compile_backend": "aot_eager"}
 
 
 def _line(values: dict) -> list[str]:

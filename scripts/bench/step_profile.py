@@ -1,0 +1,116 @@
+"""A short ``torch.profiler`` trace of training steps, summarised: how busy the GPU was, device
+time by kind of kernel, the top kernels, and the host syncs inside the step (gpu_verify's
+``profile`` step).
+
+Kinds are read from kernel names: ``gemm`` (cuBLAS / CUTLASS / nvjet / Triton mm templates),
+``attention`` (flash, fmha, flex and other attention kernels), ``optimizer`` (multi-tensor and
+fused Adam), ``memcpy`` (copies and fills), ``elementwise`` (everything else: Inductor's pointwise
+and reduction kernels, casts, norms). Host syncs: CUDA runtime calls that wait for the device
+(``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``), device-to-host
+copies, and ``aten::_local_scalar_dense`` (``.item()`` and friends; the CPU's only witness).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn", "flex", "sdpa")),
+    (
+        "gemm",
+        (
+            "gemm",
+            "cutlass",
+            "nvjet",
+            "xmma",
+            "cublas",
+            "mm_",
+            "matmul",
+            "triton_tem",
+            "::mm",
+            "addmm",
+            "bmm",
+            "::linear",
+        ),
+    ),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("memcpy", ("memcpy", "memset")),
+)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    return next((k for k, words in KINDS if any(w in low for w in words)), "elementwise")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def profile_steps(step, device: torch.device, steps: int = 2) -> dict:
+    """Profile ``steps`` calls of ``step`` (already warmed up) and summarise."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    out: dict = {"steps": steps}
+    syncs = defaultdict(int)
+    for e in cpu:
+        if e.name in SYNC_CALLS or e.name == "aten::_local_scalar_dense":
+            syncs[e.name] += 1
+    for e in kernels:
+        if "dtoh" in e.name.lower() or "device -> pageable" in e.name.lower():
+            syncs["memcpy DtoH"] += 1
+    # the final torch.cuda.synchronize above is the profiler's own; not the step's
+    if syncs.get("cudaDeviceSynchronize"):
+        syncs["cudaDeviceSynchronize"] -= 1
+    out["host_syncs"] = {k: v for k, v in syncs.items() if v}
+    out["host_syncs_per_step"] = round(sum(syncs.values()) / steps, 2)
+    if kernels:
+        spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+        wall = max(b for _, b in spans) - min(a for a, _ in spans)
+        out["gpu_busy"] = round(_union_us(spans) / wall, 4) if wall > 0 else None
+        by_kind, by_name = defaultdict(float), defaultdict(float)
+        for e in kernels:
+            us = e.time_range.end - e.time_range.start
+            by_kind[kind_of(e.name)] += us
+            by_name[e.name] += us
+        out["ms_per_step_by_kind"] = {
+            k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())
+        }
+        out["device_ms_per_step"] = round(sum(by_kind.values()) / 1e3 / steps, 3)
+        out["window_ms_per_step"] = round(wall / 1e3 / steps, 3)
+        out["kernels_per_step"] = round(len(kernels) / steps, 1)
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+        out["top_kernels"] = [
+            {"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / 1e3 / steps, 3)}
+            for n, us in top
+        ]
+    else:  # the CPU: op time by kind from the profiler's own table
+        by_kind = defaultdict(float)
+        for row in prof.key_averages():
+            if row.key.startswith("aten::"):
+                by_kind[kind_of(row.key)] += row.self_cpu_time_total
+        out["gpu_busy"] = None
+        out["cpu_ms_per_step_by_kind"] = {
+            k: round(v / 1e3 / steps, 3) for k, v in sorted(by_kind.items())
+        }
+    return out

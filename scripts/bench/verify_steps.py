@@ -1,0 +1,452 @@
+"""The steps of ``scripts/gpu_verify.py`` (run in its worker process): each takes a ``Ctx`` and
+returns a JSON-able dict. See gpu_verify.py for what each measures and the fields it reports.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stepbench as sb  # noqa: E402
+
+# The 1B reader as the H100 run measured it, and its dry-run stand-in (same code, tiny shapes).
+# (the preset's 128,256-row vocabulary kept, as that run had it: model.trim_vocab=false)
+ONE_B = ["model=llama3_2_1b", "retriever.top_k=2", "model.trim_vocab=false"]
+TINY = ["model=hf_tiny", "retriever.top_k=2"]
+# gpu_verify's step configurations: A = today's bench (full AC, autocast over fp32 weights, auto
+# attention, eager); each later one adds one change; E is D at twice the batch.
+CONFIGS = {
+    "A": dict(ac="full", params="fp32+autocast", attention="auto", compile=False),
+    "B": dict(ac="none", params="fp32+autocast", attention="auto", compile=False),
+    "C": dict(ac="none", params="bf16", attention="flex", compile=False),
+    "D": dict(ac="none", params="bf16", attention="flex", compile=True),
+    "E": dict(ac="none", params="bf16", attention="flex", compile=True, batch_scale=2),
+}
+
+
+@dataclass
+class Ctx:
+    device: torch.device
+    dry: bool  # CPU, tiny shapes, compile through aot_eager (no C++ code generation)
+    warmup: int
+    steps: int
+    results: dict  # step name -> its record so far (the profile step reads the configs')
+    counts: dict = field(default_factory=dict)  # meta FLOP counts shared by the configs
+    peaks: dict | None = None
+
+    @property
+    def overrides(self) -> list[str]:
+        return TINY if self.dry else ONE_B
+
+    @property
+    def batch(self) -> int:
+        return 2 if self.dry else 8
+
+    @property
+    def compile_backend(self) -> str:
+        return "aot_eager" if self.dry else "inductor"
+
+    def device_peaks(self) -> dict:
+        if self.peaks is None:
+            self.peaks = sb.device_peaks(self.device, "bf16", None if not self.dry else 256)
+        return self.peaks
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- probe
+def _nvidia_smi() -> dict:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"nvidia_smi": "not found"}
+    fields = (
+        "name",
+        "clocks.sm",
+        "clocks.max.sm",
+        "clocks.mem",
+        "clocks.max.mem",
+        "power.draw",
+        "power.limit",
+        "temperature.gpu",
+        "driver_version",
+        "persistence_mode",
+    )
+    try:
+        proc = subprocess.run(
+            [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+        out = proc.stdout.splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired, IndexError) as e:
+        return {"nvidia_smi": f"failed: {e}", "stderr": locals().get("proc") and proc.stderr[-300:]}
+    return dict(zip(fields, (v.strip() for v in out.split(","))))
+
+
+def _version(mod: str) -> str | None:
+    try:
+        return importlib.metadata.version(mod)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gemm_rate(device, m: int, k: int, n: int, reps: int = 10) -> float:
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    ms = []
+    for _ in range(reps):
+        ms.append(_time_ms(device, lambda: a @ b))
+    return 2 * m * k * n / (min(ms) / 1e3)
+
+
+def _time_ms(device, fn) -> float:
+    import time
+
+    if device.type == "cuda":
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        t1.synchronize()
+        return t0.elapsed_time(t1)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def probe(ctx: Ctx) -> dict:
+    import inspect
+
+    from parallel.kernels import attention as A
+    from parallel.kernels import flex
+
+    d = ctx.device
+    out = {
+        "device": d.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "versions": {
+            m: _version(m) for m in ("triton", "transformers", "open_clip_torch", "faiss-cpu")
+        },
+    }
+    if d.type == "cuda":
+        p = torch.cuda.get_device_properties(d)
+        out |= {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": round(p.total_memory / 2**30, 1),
+            "smi": _nvidia_smi(),
+        }
+    peaks = ctx.device_peaks()
+    out |= {
+        "part": peaks["part"],
+        "datasheet_bf16_tflops": None if peaks["datasheet"] is None else peaks["datasheet"] / 1e12,
+        "matmul_bf16_tflops": round(peaks["measured"] / 1e12, 2),
+        "matmul_n": peaks["matmul_n"],
+    }
+    m, k, n = (7032, 2048, 8192) if not ctx.dry else (256, 128, 384)  # the 1B's MLP up-projection
+    out["gemm_1b_mlp_tflops"] = round(_gemm_rate(d, m, k, n) / 1e12, 2)
+    nbytes = (1 << 30) if not ctx.dry else (1 << 24)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=d)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_time_ms(d, lambda: dst.copy_(src)) for _ in range(5))
+    out["copy_gbps"] = round(2 * nbytes / (best / 1e3) / 1e9, 1)  # bytes read + written
+    fa = flex.available()[0]
+    out["features"] = {
+        "flex": fa,
+        "flex_enable_gqa": fa
+        and "enable_gqa" in inspect.signature(flex._flex_attention).parameters,
+        "varlen_attn": _has("torch.nn.attention.varlen", "varlen_attn"),
+        "fused_extension": A.fused_available()[1],
+    }
+    return out
+
+
+def _has(module: str, name: str) -> bool:
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except ImportError:
+        return False
+
+
+# ----------------------------------------------------------------------------- the 1B step
+def setup_for(name: str, ctx: Ctx) -> sb.StepSetup:
+    c = dict(CONFIGS[name])
+    scale = c.pop("batch_scale", 1)
+    return sb.StepSetup(
+        name=name, batch=ctx.batch * scale, compile_backend=ctx.compile_backend, **c
+    )
+
+
+def step_config(name: str, ctx: Ctx) -> dict:
+    setup = setup_for(name, ctx)
+    try:
+        row = sb.measure(
+            ctx.overrides,
+            setup,
+            ctx.device,
+            warmup=ctx.warmup,
+            steps=ctx.steps,
+            peaks=ctx.device_peaks(),
+            counts=ctx.counts,
+        )
+    except torch.OutOfMemoryError as e:
+        mem = torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None
+        row = {
+            "config": name,
+            "batch": setup.batch,
+            "oom": str(e).splitlines()[0][:300],
+            "peak_gib_before_oom": None if mem is None else round(mem, 2),
+        }
+    finally:
+        _release(ctx.device)
+    row["model"] = ctx.overrides[0].split("=", 1)[1]
+    return row
+
+
+# ----------------------------------------------------------------------------- attention
+def _retrieval_case(ctx: Ctx, gen: torch.Generator):
+    """The 1B's layout: 2 documents of up to 296 tokens and a question of up to 287 per row,
+    padded to S = 879 (tiny on the dry run). Lengths drawn at random per row."""
+    B, Hq, Hkv, D, doc, qry = (8, 32, 8, 64, 296, 287) if not ctx.dry else (2, 4, 2, 16, 24, 20)
+    S = 2 * doc + qry
+    rows = []
+    for _ in range(B):
+        d1, d2 = (int(torch.randint(doc // 2, doc + 1, (1,), generator=gen)) for _ in range(2))
+        q = int(torch.randint(qry // 2, qry + 1, (1,), generator=gen))
+        rows.append([0, d1, d1 + d2, d1 + d2 + q])
+    rows[0] = [0, doc, 2 * doc, S]  # one full-length row
+    offsets = torch.tensor(rows, dtype=torch.int32, device=ctx.device)
+    return B, Hq, Hkv, D, S, offsets
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def attention(ctx: Ctx) -> dict:
+    """rag_mm's attention on the retrieval layout at the 1B's shapes, bf16, grouped K/V heads as
+    the HF path hands them over: each backend's output and gradients against an fp32
+    reference on the same inputs, forward and forward + backward milliseconds (median of 10)."""
+    from parallel.kernels import attention as A
+    from parallel.kernels import flex
+    from parallel.kernels.attention_ref import layout_mask
+
+    d = ctx.device
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, D, S, offsets = _retrieval_case(ctx, gen)
+    dt = torch.bfloat16
+    mk = lambda h: torch.randn(B, h, S, D, generator=gen).to(d, dt)  # noqa: E731
+    q, k, v = mk(Hq), mk(Hkv), mk(Hkv)  # grouped K/V heads: flex reads them, the others repeat them
+    rep = Hq // Hkv
+    go = torch.randn(B, Hq, S, D, generator=gen).to(d, dt)
+    valid = (torch.arange(S, device=d)[None] < offsets[:, -1:])[:, None, :, None]  # (B, 1, S, 1)
+    allowed = layout_mask(offsets.long(), S)
+    pairs = int(allowed.sum())
+    out = {
+        "shape": {
+            "B": B,
+            "Hq": Hq,
+            "Hkv": Hkv,
+            "D": D,
+            "S": S,
+            "dtype": "bfloat16",
+            "offsets_row0": offsets[0].tolist(),
+            "allowed_pairs": pairs,
+            "dense_pairs": B * S * S,
+        }
+    }
+    # useful FLOPs: QK^T and PV over the allowed pairs (4 D per pair per head); backward 2.5x
+    useful = 4 * D * Hq * pairs
+
+    def ref_grads():
+        qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
+        o = A.reference_attention(
+            qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1), seg_offsets=offsets
+        )
+        o.backward(go.float())
+        return o.detach(), qr.grad, kr.grad, vr.grad
+
+    ref = ref_grads()
+    names = ["sdpa", "flex", "fused"]
+    backends = {}
+    ok_fused, why_fused = A.fused_available()
+    for name in names:
+        if name == "fused" and not ok_fused:
+            backends[name] = {"not_run": f"{why_fused} (gpu_verify.py --build builds it)"}
+            continue
+        if name == "flex" and not flex.available()[0]:
+            backends[name] = {"not_run": flex.available()[1]}
+            continue
+        try:
+            backends[name] = _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d)
+        except Exception as e:  # one backend failing must not hide the others
+            backends[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    out["backends"] = backends
+    if "fwdbwd_ms" in backends.get("sdpa", {}) and "fwdbwd_ms" in backends.get("flex", {}):
+        out["flex_over_sdpa_fwdbwd"] = round(
+            backends["flex"]["fwdbwd_ms"] / backends["sdpa"]["fwdbwd_ms"], 3
+        )
+    if flex.available()[0]:
+        bm = flex.block_mask_for(seq_len=S, device=d, seg_offsets=offsets)
+        partial = int(bm.kv_num_blocks.sum())
+        full = 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
+        nq = math.ceil(S / bm.BLOCK_SIZE[0])
+        nk = math.ceil(S / bm.BLOCK_SIZE[1])
+        out["block_mask"] = {
+            "block": list(bm.BLOCK_SIZE),
+            "computed": partial + full,
+            "full": full,
+            "partial": partial,
+            "total": B * nq * nk,
+        }
+    out["mixed_dtype"] = _mixed_dtype(q, k, v, offsets, ref[0], ok_fused)
+    return out
+
+
+def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d) -> dict:
+    from parallel.kernels import attention as A
+
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = A.attention(qg, kg, vg, seg_offsets=offsets, backend=name)
+    o.backward(go)
+    errs = {
+        "out": _rel(o * valid, ref[0] * valid),
+        "dq": _rel(qg.grad, ref[1]),
+        "dk": _rel(kg.grad, ref[2]),
+        "dv": _rel(vg.grad, ref[3]),
+    }
+    pad_zero = bool((o * ~valid).abs().max() == 0)
+
+    def fwd():
+        with torch.no_grad():
+            A.attention(q, k, v, seg_offsets=offsets, backend=name)
+
+    def fwdbwd():
+        A.attention(qg, kg, vg, seg_offsets=offsets, backend=name).backward(go)
+
+    for fn in (fwd, fwdbwd):
+        fn()
+    f_ms = sorted(_time_ms(d, fwd) for _ in range(10))[5]
+    fb_ms = sorted(_time_ms(d, fwdbwd) for _ in range(10))[5]
+    return {
+        "max_rel_err": round(max(errs.values()), 5),
+        "rel_err": {n: round(e, 5) for n, e in errs.items()},
+        "padding_rows_zero": pad_zero,
+        "fwd_ms": round(f_ms, 3),
+        "fwdbwd_ms": round(fb_ms, 3),
+        "fwd_useful_tflops": round(useful / (f_ms / 1e3) / 1e12, 2),
+        "fwdbwd_useful_tflops": round(3.5 * useful / (fb_ms / 1e3) / 1e12, 2),
+    }
+
+
+def _mixed_dtype(q, k, v, offsets, ref_out, ok_fused: bool) -> dict:
+    """q in fp32, k and v in bf16 (what RoPE under autocast hands attention today): each backend
+    must equal the bf16 result's accuracy or raise, never read the buffers as another dtype."""
+    from parallel.kernels import attention as A
+    from parallel.kernels import flex
+
+    res = {}
+    for name in ("sdpa", "flex", "fused"):
+        if name == "fused" and not ok_fused:
+            res[name] = "not run (extension not built)"
+            continue
+        try:
+            with torch.no_grad():
+                if name == "flex":  # eager: a failed compile here would turn compiled flex off
+                    o = flex.flex_attention(q.float(), k, v, seg_offsets=offsets, compiled=False)
+                else:
+                    o = A.attention(q.float(), k, v, seg_offsets=offsets, backend=name)
+            res[name] = f"ran, rel err {_rel(o, ref_out):.3g}"
+        except Exception as e:
+            res[name] = f"raised {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return res
+
+
+# ----------------------------------------------------------------------------- demo reader
+def demo(ctx: Ctx) -> dict:
+    """The demo reader (``+experiment=demo``, batch 32, bf16 autocast) eager, then each block
+    compiled. Rows are appended as they finish."""
+    batch = 32 if not ctx.dry else 4
+    rows = []
+    ctx.results.setdefault("demo", {})["result"] = {"rows": rows}
+    for name, comp in (("eager", False), ("compiled_blocks", True)):
+        setup = sb.StepSetup(
+            name=name,
+            batch=batch,
+            ac="none",
+            params="fp32+autocast",
+            attention="auto",
+            compile=comp,
+            compile_backend=ctx.compile_backend,
+        )
+        rows.append(
+            sb.measure(
+                [],
+                setup,
+                ctx.device,
+                warmup=ctx.warmup,
+                steps=max(ctx.steps, 10 if not ctx.dry else 1),
+                peaks=ctx.device_peaks(),
+                counts=ctx.counts,
+            )
+        )
+        _release(ctx.device)
+    if len(rows) == 2:
+        return {"rows": rows, "compiled_speedup": round(rows[0]["step_ms"] / rows[1]["step_ms"], 3)}
+    return {"rows": rows}
+
+
+# ----------------------------------------------------------------------------- profile
+def profile(ctx: Ctx) -> dict:
+    """Two steps of the fastest configuration measured so far (samples/s), after one warm-up."""
+    from step_profile import profile_steps
+
+    done = [r.get("result") or {} for n, r in ctx.results.items() if n.startswith("step_")]
+    ok = [(r["samples_per_s"], r["config"]) for r in done if "samples_per_s" in r]
+    # the dry run profiles B: the plumbing, without compiling again on a CPU
+    name = max(ok)[1] if ok and not ctx.dry else "B"
+    setup = setup_for(name, ctx)
+    try:
+        _, _, _, step = sb.prepare(ctx.overrides, setup, ctx.device)
+        step()
+        out = {"config": name, "batch": setup.batch, **profile_steps(step, ctx.device, 2)}
+    finally:
+        _release(ctx.device)
+    return out
+
+
+STEPS = {
+    "probe": probe,
+    **{f"step_{n}": (lambda ctx, n=n: step_config(n, ctx)) for n in CONFIGS},
+    "attention": attention,
+    "demo": demo,
+    "profile": profile,
+}

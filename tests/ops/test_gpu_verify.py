@@ -1,0 +1,89 @@
+"""scripts/gpu_verify.py --dry-run: every step of the GPU verification runs on the CPU at tiny
+shapes (hf_tiny, nothing downloaded), the JSON holds each step's figures, --only reruns one step
+and keeps the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["probe", "step_A", "step_B", "step_C", "step_D", "step_E", "attention", "demo", "profile"]
+
+
+def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("RAG_MM_DISABLE_FUSED_ATTENTION", None)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_verify.py"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--budget",
+            "500",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+
+
+def test_dry_run_runs_every_step(tmp_path):
+    proc = _run(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_verify.json").read_text())
+    assert list(data["steps"]) == STEPS
+    assert {n: s["status"] for n, s in data["steps"].items()} == dict.fromkeys(STEPS, "ok")
+    res = {n: s["result"] for n, s in data["steps"].items()}
+    assert res["probe"]["matmul_bf16_tflops"] > 0 and "flex" in res["probe"]["features"]
+    rows = [res[f"step_{n}"] for n in "ABCDE"]
+    for r in rows:
+        assert r["model_tflop_per_step"] > 0 and r["step_ms"] > 0 and len(r["loss"]) == 2
+        assert r["attention_ran"], r
+    a, b, c, d, e = rows
+    assert a["ac"] == "full" and a["hfu"] > a["mfu_measured_peak"]  # recompute counted in HFU only
+    assert b["ac"] == "none" and b["hfu"] == b["mfu_measured_peak"]
+    assert abs(a["loss"][0] - b["loss"][0]) < 1e-4  # checkpointing changes no math
+    assert c["params"] == "bf16" and {x["backend"] for x in c["attention_ran"]} == {"flex"}
+    assert d["compile"] and d["compile_backend"] == "aot_eager" and e["batch"] == 2 * d["batch"]
+    assert (
+        abs(c["loss"][0] - a["loss"][0]) < 3e-2
+    )  # bf16 weights: the same loss within bf16's reach
+    att = res["attention"]
+    for name in ("sdpa", "flex"):
+        assert (
+            att["backends"][name]["max_rel_err"] < 2e-2
+            and att["backends"][name]["padding_rows_zero"]
+        )
+    assert "not_run" in att["backends"]["fused"]  # not built without --build
+    assert 0 < att["block_mask"]["computed"] <= att["block_mask"]["total"]
+    assert [r["config"] for r in res["demo"]["rows"]] == ["eager", "compiled_blocks"]
+    assert res["profile"]["config"] == "B" and "host_syncs_per_step" in res["profile"]
+    assert "A and B: same first loss" in " ".join(data["verdict"]["passed"])
+
+    # --only reruns one step and leaves the others as they were
+    before = data["steps"]["step_A"]
+    proc = _run(tmp_path, "--only", "probe")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads((tmp_path / "gpu_verify.json").read_text())
+    assert again["steps"]["step_A"] == before and again["steps"]["probe"]["status"] == "ok"
+
+
+def test_unknown_step_is_refused(tmp_path):
+    proc = _run(tmp_path, "--only", "nope")
+    assert proc.returncode == 2 and "unknown step" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_step_past_its_cap_is_stopped_and_the_rest_run(tmp_path):
+    proc = _run(tmp_path, "--only", "step_D,probe", "--step-cap", "4")
+    data = json.loads((tmp_path / "gpu_verify.json").read_text())
+    assert data["steps"]["step_D"]["status"] == "timeout", data["steps"]["step_D"]
+    assert data["steps"]["step_D"]["wall_s"] < 4 + 15
+    assert data["steps"]["probe"]["status"] == "ok" and proc.returncode == 1
