@@ -111,13 +111,16 @@ class CopyHead(nn.Module):
         attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
         copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
         pointed = torch.einsum("ms,msd->md", attn.to(h_all.dtype), h_all[rows_ex])  # (M, D) what the copy attends
-        g = torch.sigmoid(self.gate(qvec) + self.gate_ctx(pointed)).clamp(1e-6, 1 - 1e-6)  # (M, 1)
+        # fp32: in bf16, 1 - 1e-6 rounds to 1 and log(1 - g) to -inf
+        gate_logit = (self.gate(qvec) + self.gate_ctx(pointed)).float().squeeze(1)  # (M,)
+        g = torch.sigmoid(gate_logit).clamp(1e-6, 1 - 1e-6)[:, None]  # (M, 1) p(generate)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         aux = gen_logp.new_zeros(len(rows_ex))
         if target is not None and self.supervision > 0:
             at_target = (tok == target[:, None]) & allowed  # (M, S) positions holding the answer token
             copyable = at_target.any(1) & (target >= 0)  # (M,)
             point = (attn * at_target).sum(1).clamp_min(1e-30).log()  # (M,) log copy mass on the answer token
-            gate = F.binary_cross_entropy(g.squeeze(1).float(), (~copyable).float(), reduction="none")  # (M,)
+            # from the logit: autocast refuses binary_cross_entropy on probabilities
+            gate = F.binary_cross_entropy_with_logits(gate_logit, (~copyable).float(), reduction="none")  # (M,)
             aux = self.supervision * (gate * (target >= 0) - point * copyable)
         return logp, attn, aux
