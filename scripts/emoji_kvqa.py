@@ -9,6 +9,8 @@ The npm packages ``emoji-datasource-<vendor>`` carry each vendor's 64-px picture
 and, in ``emoji.json``, its name, short name, code point, category, subcategory and the Unicode
 version it was added in. Nobody on the team made them; this script only reshapes them:
 
+* the entities: emoji written as one code point (sequences such as flags and families, whose
+  code is a list of code points, are left out);
 * the memory: one document per emoji, the reference vendor's clean picture (``--memory-vendor``)
   and a passage stating its facts;
 * the queries: another vendor's picture of the same emoji made photo-like (scaled, turned, on a
@@ -69,9 +71,10 @@ def facts(entry: dict) -> dict[str, str]:
 
 
 def passage(f: dict[str, str]) -> str:
-    """The document text: the name, then every fact with its label."""
-    return (f"{f['name']}. short name: {f['short_name']}. code point: {f['code']}. category: {f['category']}. "
-            f"subcategory: {f['subcategory']}. added in unicode version: {f['version']}.")
+    """The document text: every fact after its label, the labels told apart by their last two
+    tokens (a fact's key in the copy head carries the two tokens before it)."""
+    return (f"name: {f['name']}. short code: {f['short_name']}. code point: {f['code']}. "
+            f"category: {f['category']}. group: {f['subcategory']}. unicode version: {f['version']}.")
 
 
 def _background(size: int, rng: random.Random) -> Image.Image:
@@ -132,7 +135,8 @@ def build(packages: Path, out: Path, num_entities: int, heldout_fraction: float,
     """Write the set; return the summary also written to ``world.json``."""
     pkgs = {v: _package(packages, v) for v in VENDORS}
     entries = json.loads((pkgs[memory_vendor] / "emoji.json").read_text())
-    usable = [e for e in entries if e["category"] not in SKIP_CATEGORIES and e.get("short_name")
+    # one code point each: a sequence's code (flags, ZWJ families) is a list, too long an answer
+    usable = [e for e in entries if e["category"] not in SKIP_CATEGORIES and e.get("short_name") and "-" not in e["unified"]
               and all(e.get(f"has_img_{v}") and (pkgs[v] / "img" / v / "64" / e["image"]).is_file() for v in VENDORS)]
     rng = random.Random(seed)
     usable.sort(key=lambda e: e["unified"])
