@@ -47,6 +47,7 @@ from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import all_reduce_sum
 from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
+from rag_mm.eval.kinds import KindSums
 from rag_mm.eval.knowledge import KnowledgeSums, retrieval_line
 from rag_mm.eval.predictions import PredictionError, write_predictions
 from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
@@ -113,6 +114,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     store = getattr(rag, "store", None)
     know = KnowledgeSums(RECALL_AT, store.passages if store is not None else [])
+    kinds = KindSums()  # accuracy by kind of question (json attribute), seen and held-out apart
     warned = False
     examples: list[dict] = []
     # (a stop puts the model back in its mode before Stopped leaves the loop)
@@ -120,6 +122,7 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k)
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
+        kinds.add(batch.get("attribute") or [""] * len(correct), correct, held)
         hits = []
         has_gold = batch["doc_id"] >= 0
         if learned:
@@ -205,6 +208,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         res["n_vqa"] = int(total[TYPED["n_vqa"]])
     res.update(know.results(ksums, gold=rag.rcfg.mode == "oracle"))
     res.update(_picture_metrics(total, prior is not None, ablation))
+    by_kind = kinds.results(replicas)
+    if by_kind:
+        res["by_attribute"] = by_kind
     res["by_type"] = {name: {"n": int(row[TYPED["n"]]), **_picture_metrics(row, prior is not None, ablation, typed=True)}
                       for name, row in zip(ANSWER_TYPES, typed) if row[TYPED["n"]] > 0}
     if split and _is_main():
@@ -320,6 +326,9 @@ def _report(split: str, res: dict) -> None:
     log.info("%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
              split, accuracy, _fmt(prior), by_type or "none",
              _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))), _fmt(drop))
+    if res.get("by_attribute"):
+        log.info("%s: by kind of question, seen / held out: %s", split, ", ".join(
+            f"{kind} {_fmt(r['acc_seen'])} / {_fmt(r['acc_heldout'])}" for kind, r in res["by_attribute"].items()))
     retrieval = retrieval_line(res, RECALL_AT)
     if retrieval:
         log.info("%s: %s", split, retrieval)

@@ -34,6 +34,12 @@ def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path
     assert test["image_drop"] == pytest.approx(test["acc"] - test["acc_blank"])
     assert sum(t["n"] for t in test["by_type"].values()) == test["n"]
     assert set(test["by_type"]) == {"other"}  # knowledge-world answers are words
+    # by kind of question (json attribute): every query counted once, seen and held-out apart
+    kinds = test["by_attribute"]
+    assert set(kinds) <= {"habitat", "diet", "season", "region", "name"} and "name" in kinds
+    assert sum(r["n_seen"] + r["n_heldout"] for r in kinds.values()) == test["n"]
+    assert sum(r["n_heldout"] for r in kinds.values()) == test["n_heldout"]
+    assert "by kind of question" in res.stderr
     assert (run / "blind_prior.json").is_file()
     assert "test: accuracy" in res.stderr and "blind prior" in res.stderr  # the split's INFO line
 
