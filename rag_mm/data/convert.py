@@ -59,6 +59,7 @@ from pathlib import Path
 import webdataset as wds
 from PIL import Image, ImageOps
 
+from rag_mm.data.picture_recipe import recipe_overrides
 from rag_mm.data.urls import expand_urls, missing_local_shards
 
 SPLITS = ("train", "val", "test")
@@ -67,6 +68,7 @@ COCO_NAME = re.compile(r"(?:COCO_[A-Za-z]+\d*_)?(\d{12})\.(?:jpe?g|png|webp)", r
 STORED_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL format -> member kept as is
 JPEG_QUALITY = 95  # re-encoded JPEG pictures (--image-size): high, so that the one extra encoding costs little detail
 EXAMPLES = 5  # skipped question ids listed in the summary
+SIDES_SAMPLED = 200  # pictures whose size chooses the recipe's picture size (a data set's are alike)
 PROGRESS_EVERY = 10000  # samples between progress lines on stderr
 
 
@@ -321,9 +323,13 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
 
     sink = ShardSink(out, split, shard_size, overwrite)
     bad: list = []
+    sides: dict[int, int] = {}  # the shorter side of the first pictures, for the recipe's picture size
     for n, q in enumerate(todo):
         try:
             ext, data = load(q.image_id)
+            if len(sides) < SIDES_SAMPLED and q.image_id not in sides:
+                with Image.open(io.BytesIO(data)) as img:
+                    sides[q.image_id] = min(img.size)
         except Exception as exc:  # an unreadable file, or bytes PIL cannot open (it raises several types)
             skipped["bad_image"] += 1
             bad.append(q.question_id)
@@ -331,7 +337,9 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             continue
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
-    return _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)
+    res = _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)
+    res["recipe"] = recipe_overrides(list(sides.values()), [q.question for q in todo])
+    return res
 
 
 def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, bytes, bytes]]:
