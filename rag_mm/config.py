@@ -225,7 +225,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
                  "SimCLR needs other pictures as negatives")
     if not 0 <= m.vision_ssl_rotate <= 180:
-        e.append(f"model.vision_ssl_rotate must be within 0-180 degrees (got {m.vision_ssl_rotate})")
+        e.append(f"model.vision_ssl_rotate must be within 0-180 degrees "
+                 f"(got {m.vision_ssl_rotate})")
     if m.vision_ssl_steps and m.vision_ssl_lr <= 0:
         e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
     if o.vision_lr_scale < 0:

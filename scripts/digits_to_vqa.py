@@ -35,7 +35,9 @@ def load() -> tuple[list, list]:
     except ImportError:
         sys.exit("digits_to_vqa: error: scikit-learn is not installed (pip install scikit-learn)")
     d = load_digits()
-    return [(img * 255.0 / 16.0).round().astype("uint8") for img in d.images], [int(t) for t in d.target]
+    return [(img * 255.0 / 16.0).round().astype("uint8") for img in d.images], [
+        int(t) for t in d.target
+    ]
 
 
 def questions_for(label: int, rng: random.Random) -> list[tuple[str, str]]:
@@ -53,17 +55,27 @@ def rewrite(out: Path, val: float, test: float, seed: int) -> dict:
     order = list(range(len(labels)))
     rng.shuffle(order)
     n_test, n_val = int(test * len(order)), int(val * len(order))
-    split_of = {i: "test" for i in order[:n_test]} | {i: "val" for i in order[n_test:n_test + n_val]}
+    split_of = {i: "test" for i in order[:n_test]} | {
+        i: "val" for i in order[n_test : n_test + n_val]
+    }
     (out / "images").mkdir(parents=True, exist_ok=True)
     splits: dict[str, tuple[list, list]] = {s: ([], []) for s in ("train", "val", "test")}
-    for i, (pic, label) in enumerate(zip(pictures, labels)):  # COCO-style names: convert.py finds them
+    for i, (pic, label) in enumerate(
+        zip(pictures, labels)
+    ):  # COCO-style names: convert.py finds them
         Image.fromarray(pic, mode="L").convert("RGB").save(out / "images" / f"{i:012d}.png")
         qs, anns = splits[split_of.get(i, "train")]
         for n, (question, answer) in enumerate(questions_for(label, rng)):
             qid = i * 10 + n
             qs.append({"question_id": qid, "image_id": i, "question": question})
-            anns.append({"question_id": qid, "image_id": i, "multiple_choice_answer": answer,
-                         "answers": [{"answer": answer, "answer_id": j + 1} for j in range(ANNOTATORS)]})
+            anns.append(
+                {
+                    "question_id": qid,
+                    "image_id": i,
+                    "multiple_choice_answer": answer,
+                    "answers": [{"answer": answer, "answer_id": j + 1} for j in range(ANNOTATORS)],
+                }
+            )
     counts = {}
     for name, (qs, anns) in splits.items():
         (out / f"{name}_questions.json").write_text(json.dumps({"questions": qs}))
@@ -75,13 +87,21 @@ def rewrite(out: Path, val: float, test: float, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files and images/")
-    p.add_argument("--val", type=float, default=0.1, help="share of the pictures held out as validation")
+    p.add_argument(
+        "--val", type=float, default=0.1, help="share of the pictures held out as validation"
+    )
     p.add_argument("--test", type=float, default=0.2, help="share of the pictures held out as test")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split and of the yes/no questions")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the split and of the yes/no questions"
+    )
     args = p.parse_args(argv)
     if not (0 <= args.val and 0 < args.test and args.val + args.test < 1):
         p.error("--val and --test are shares of the pictures: 0 <= val, 0 < test, val + test < 1")
-    print(json.dumps({"out": str(args.out), "questions": rewrite(args.out, args.val, args.test, args.seed)}))
+    print(
+        json.dumps(
+            {"out": str(args.out), "questions": rewrite(args.out, args.val, args.test, args.seed)}
+        )
+    )
     return 0
 
 

@@ -68,7 +68,7 @@ COCO_NAME = re.compile(r"(?:COCO_[A-Za-z]+\d*_)?(\d{12})\.(?:jpe?g|png|webp)", r
 STORED_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL format -> member kept as is
 JPEG_QUALITY = 95  # re-encoded JPEG pictures (--image-size): high, so that the one extra encoding costs little detail
 EXAMPLES = 5  # skipped question ids listed in the summary
-SIDES_SAMPLED = 200  # pictures whose size chooses the recipe's picture size (a data set's are alike)
+SIDES_SAMPLED = 200  # pictures whose size picks the recipe's picture size (a set's are alike)
 PROGRESS_EVERY = 10000  # samples between progress lines on stderr
 
 
@@ -323,7 +323,7 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
 
     sink = ShardSink(out, split, shard_size, overwrite)
     bad: list = []
-    sides: dict[int, int] = {}  # the shorter side of the first pictures, for the recipe's picture size
+    sides: dict[int, int] = {}  # the first pictures' shorter sides: the recipe's picture size
     for n, q in enumerate(todo):
         try:
             ext, data = load(q.image_id)
@@ -337,7 +337,8 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             continue
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
-    res = _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples, layout=layout)
+    res = _summary("question", sink, out, split, len(qs) + skipped["no_answers"], skipped, examples,
+                   layout=layout)
     res["recipe"] = recipe_overrides(list(sides.values()), [q.question for q in todo])
     return res
 

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"convert: {res['written']} {res['kind']}s of {res['read']} written in {res['shards']} shard(s) to "
           f"{res['out']}; skipped: {skipped}\nconvert: read them with {shell}", file=sys.stderr)
     if "recipe" in res:  # picture questions: the +experiment=vqa settings these pictures call for
-        print(f"convert: with +experiment=vqa add {' '.join(res['recipe'])} (docs/pictures.md)", file=sys.stderr)
+        print(f"convert: with +experiment=vqa add {' '.join(res['recipe'])} (docs/pictures.md)",
+              file=sys.stderr)
     print(json.dumps(res))
     return 0

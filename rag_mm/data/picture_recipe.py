@@ -4,8 +4,8 @@
 * Picture size and patch grid from the pictures' own resolution: an 8 x 8 grid of patches (64
   tokens, the recipe's ``model.max_segment_len`` of 96 leaves room for the question and answer),
   over the pictures at their own size up to 32 px (larger ones are shrunk: the reader's cost grows
-  with the tower's pixels, not its tokens). A picture smaller than the picture size would be blown up
-  into patches of blur; one much larger would be read through patches that each mix a thing with
+  with the tower's pixels, not its tokens). A picture smaller than the picture size would be blown
+  up into patches of blur; one much larger would be read through patches that each mix a thing with
   its background.
 * Colour jitter only when no question names a colour: a brightness shift per channel teaches the
   reader to ignore what such a question asks.
@@ -19,8 +19,10 @@ from collections.abc import Iterable
 GRID = 8  # patches per side: 64 picture tokens
 LARGEST = 32  # px: pictures above it are shrunk to it
 JITTER = 0.1  # the per-channel shift used when no question is about colour (DataConfig's default)
-COLOURS = re.compile(r"\b(colou?rs?|red|green|blue|yellow|orange|purple|pink|brown|black|white|gr[ae]y|teal)\b",
-                     re.IGNORECASE)
+COLOURS = re.compile(
+    r"\b(colou?rs?|red|green|blue|yellow|orange|purple|pink|brown|black|white|gr[ae]y|teal)\b",
+    re.IGNORECASE,
+)
 
 
 def picture_size(side: int) -> tuple[int, int]:

@@ -64,8 +64,9 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
                    rotate: float = 180.0, mirror: bool = True) -> float:
     """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
     AdamW steps at ``lr`` (50 warm-up steps, then cosine to a tenth), each on two views of the
-    next batch of ``pictures`` (N, 3, H, W), turned by ``picture_views`` (``rotate``, ``mirror``). The projection MLP lives only here. ``grad_sync``
-    averages the gradients over data-parallel ranks (every rank then takes the same step);
+    next batch of ``pictures`` (N, 3, H, W), viewed by ``picture_views`` (``rotate``, ``mirror``).
+    The projection MLP lives only here. ``grad_sync`` averages the gradients over data-parallel
+    ranks (every rank then takes the same step);
     ``on_log(step, mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
     if steps < 1:
         raise ValueError(f"pretrain_tower needs at least one step (got {steps})")

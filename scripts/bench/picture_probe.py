@@ -1,8 +1,8 @@
 """Where does the reader lose what a linear model on the pixels keeps? Linear probes along the
 picture path of a VQA reader, each against the same probe on the raw pixels.
 
-    python scripts/bench/picture_probe.py runs/vqa                 # a trained run's newest checkpoint
-    python scripts/bench/picture_probe.py runs/vqa --init          # the same config, freshly initialised
+    python scripts/bench/picture_probe.py runs/vqa          # a trained run's newest checkpoint
+    python scripts/bench/picture_probe.py runs/vqa --init   # the same config, freshly initialised
     python scripts/bench/picture_probe.py runs/vqa --init model.image_size=8 model.patch_size=1
 
 For every question text of the data (a "kind": "what digit is this?", "is this a 3?", ...) a
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rag_mm.build import build_rag, make_stream  # noqa: E402
 from rag_mm.components import checkpoint  # noqa: E402
-from rag_mm.components.vision_warmup import warm_up_vision  # noqa: E402
 from rag_mm.components.metrics import strict_dumps  # noqa: E402
+from rag_mm.components.vision_warmup import warm_up_vision  # noqa: E402
 from rag_mm.data.urls import expand_urls  # noqa: E402
 from rag_mm.evaluate import load_config, load_model_state  # noqa: E402
 from rag_mm.model.layout import IGNORE  # noqa: E402
@@ -81,8 +81,12 @@ def features(reader, cfg, split: str, limit: int, pixels_only: bool = False) -> 
         anchor = (a.labels != IGNORE).int().argmax(1)  # first answer-predicting position
         rows = torch.arange(len(anchor))
         h = a.x + reader.pos_emb(a.pos) + reader.type_emb(a.typ.clamp_min(0))
-        stages = {"pixels": x["image"].flatten(1), "tower": tokens.flatten(1),
-                  "tower_pooled": torch.cat([tokens.mean(1), tokens.amax(1)], -1), "answer_input": h[rows, anchor]}
+        stages = {
+            "pixels": x["image"].flatten(1),
+            "tower": tokens.flatten(1),
+            "tower_pooled": torch.cat([tokens.mean(1), tokens.amax(1)], -1),
+            "answer_input": h[rows, anchor],
+        }
         for i, block in enumerate(reader.blocks):
             h = block(h, a.seg_offsets)
             stages[f"answer_block{i + 1}"] = h[rows, anchor]
@@ -91,7 +95,10 @@ def features(reader, cfg, split: str, limit: int, pixels_only: bool = False) -> 
         out["correct"].append(reader(**x).correct.numpy())
         if n >= limit:
             break
-    res = {k: (np.concatenate(v)[:limit] if k not in ("question", "answer") else v[:limit]) for k, v in out.items()}
+    res = {
+        k: (np.concatenate(v)[:limit] if k not in ("question", "answer") else v[:limit])
+        for k, v in out.items()
+    }
     return res
 
 
@@ -117,8 +124,12 @@ def probe(train: dict, test: dict, stage: str) -> np.ndarray:
             continue
         scale = StandardScaler().fit(train[stage][tr])
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # lbfgs stopping at max_iter on separable data is fine here
-            lr = LogisticRegression(max_iter=300, C=0.1).fit(scale.transform(train[stage][tr]), answers)
+            warnings.simplefilter(
+                "ignore"
+            )  # lbfgs stopping at max_iter on separable data is fine here
+            lr = LogisticRegression(max_iter=300, C=0.1).fit(
+                scale.transform(train[stage][tr]), answers
+            )
         right[idx] = lr.predict(scale.transform(test[stage][idx])) == truth
     return right
 
@@ -126,7 +137,9 @@ def probe(train: dict, test: dict, stage: str) -> np.ndarray:
 def blind(train: dict, test: dict) -> np.ndarray:
     prior = {}
     for text in set(train["question"]):
-        prior[text] = Counter(a for q, a in zip(train["question"], train["answer"]) if q == text).most_common(1)[0][0]
+        prior[text] = Counter(
+            a for q, a in zip(train["question"], train["answer"]) if q == text
+        ).most_common(1)[0][0]
     return np.array([prior.get(q) == a for q, a in zip(test["question"], test["answer"])])
 
 
@@ -141,14 +154,28 @@ def by_kind(right: np.ndarray, test: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", type=Path, help="run directory (its saved config; its newest checkpoint unless --init)")
+    p.add_argument(
+        "run",
+        type=Path,
+        help="run directory (its saved config; its newest checkpoint unless --init)",
+    )
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
-    p.add_argument("--init", action="store_true", help="probe the freshly initialised reader instead")
-    p.add_argument("--ssl-steps", type=int, default=0,
-                   help="with --init: first run this many SimCLR warm-up steps on the tower (model.vision_ssl_*)")
-    p.add_argument("--pixels-only", action="store_true", help="only the pixel probe and the blind prior")
+    p.add_argument(
+        "--init", action="store_true", help="probe the freshly initialised reader instead"
+    )
+    p.add_argument(
+        "--ssl-steps",
+        type=int,
+        default=0,
+        help="with --init: first this many SimCLR warm-up steps on the tower (model.vision_ssl_*)",
+    )
+    p.add_argument(
+        "--pixels-only", action="store_true", help="only the pixel probe and the blind prior"
+    )
     p.add_argument("--split", default="test", help="split the probes are scored on (default test)")
-    p.add_argument("--train-queries", type=int, default=4000, help="training queries the probes fit on")
+    p.add_argument(
+        "--train-queries", type=int, default=4000, help="training queries the probes fit on"
+    )
     p.add_argument("--test-queries", type=int, default=2000, help="queries of --split scored")
     args = p.parse_intermixed_args(argv)
     torch.manual_seed(0)
@@ -160,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.init:
         ckpt = checkpoint.latest_valid(args.run / "checkpoints")
         if ckpt is None:
-            sys.exit(f"picture_probe: no valid checkpoint in {args.run / 'checkpoints'} (or pass --init)")
+            sys.exit(
+                f"picture_probe: no valid checkpoint in {args.run / 'checkpoints'} (or pass --init)"
+            )
         step = load_model_state(parts.rag, ckpt)["step"]
     if args.ssl_steps:
         if not args.init:
@@ -173,14 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     stages = [k for k in train if k not in ("question", "answer", "correct")]
     reader_right = test["correct"].astype(bool) if "correct" in test else None
     m = cfg.model
-    res = {"run": str(args.run), "step": step, "split": args.split, "train_queries": len(train["answer"]),
-           "test_queries": len(test["answer"]), "question_texts": len(set(train["question"])),
-           "native_size": native_size(cfg), "image_size": m.image_size, "patch_size": m.patch_size,
-           "patch_grid": m.image_size // m.patch_size,
-           "native_px_per_patch": round(native_size(cfg)[0] * m.patch_size / m.image_size, 2),
-           "ssl_steps": args.ssl_steps,
-           "reader": None if reader_right is None else by_kind(reader_right, test), "blind_prior": by_kind(blind(train, test), test),
-           "probe": {s: by_kind(probe(train, test, s), test) for s in stages}}
+    res = {
+        "run": str(args.run),
+        "step": step,
+        "split": args.split,
+        "train_queries": len(train["answer"]),
+        "test_queries": len(test["answer"]),
+        "question_texts": len(set(train["question"])),
+        "native_size": native_size(cfg),
+        "image_size": m.image_size,
+        "patch_size": m.patch_size,
+        "patch_grid": m.image_size // m.patch_size,
+        "native_px_per_patch": round(native_size(cfg)[0] * m.patch_size / m.image_size, 2),
+        "ssl_steps": args.ssl_steps,
+        "reader": None if reader_right is None else by_kind(reader_right, test),
+        "blind_prior": by_kind(blind(train, test), test),
+        "probe": {s: by_kind(probe(train, test, s), test) for s in stages},
+    }
     print(strict_dumps(res))
     return 0
 

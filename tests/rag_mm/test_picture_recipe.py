@@ -13,17 +13,23 @@ from rag_mm.data.picture_recipe import picture_size, recipe_overrides
 from rag_mm.model.vision_ssl import picture_views
 
 
-@pytest.mark.parametrize("side,expected", [(8, (8, 1)), (28, (24, 3)), (32, (32, 4)), (64, (32, 4)),
-                                           (640, (32, 4)), (5, (8, 1))])
+@pytest.mark.parametrize(
+    "side,expected",
+    [(8, (8, 1)), (28, (24, 3)), (32, (32, 4)), (64, (32, 4)), (640, (32, 4)), (5, (8, 1))],
+)
 def test_picture_size_follows_the_pictures_resolution(side, expected):
     size, patch = picture_size(side)
     assert (size, patch) == expected and size // patch == 8
 
 
 def test_colour_jitter_only_when_no_question_names_a_colour():
-    assert "data.colour_jitter=0.0" in recipe_overrides([64], ["what color is the shape?", "is there a circle?"])
+    assert "data.colour_jitter=0.0" in recipe_overrides(
+        [64], ["what color is the shape?", "is there a circle?"]
+    )
     assert "data.colour_jitter=0.0" in recipe_overrides([64], ["is the shape not red?"])
-    assert "data.colour_jitter=0.1" in recipe_overrides([8, 8, 9], ["what digit is this?", "is this a 3?"])
+    assert "data.colour_jitter=0.1" in recipe_overrides(
+        [8, 8, 9], ["what digit is this?", "is this a 3?"]
+    )
     with pytest.raises(ValueError):
         recipe_overrides([], ["what digit is this?"])
 
@@ -35,11 +41,20 @@ def test_convert_prints_the_recipe_from_the_pictures(tmp_path):
     for i in range(3):
         Image.new("RGB", (16, 16), (255, 0, 0)).save(tmp_path / "images" / f"{i:012d}.png")
     qs = [{"question_id": i, "image_id": i, "question": "what is it?"} for i in range(3)]
-    anns = [{"question_id": i, "image_id": i, "multiple_choice_answer": "a square",
-             "answers": [{"answer": "a square", "answer_id": 1}]} for i in range(3)]
+    anns = [
+        {
+            "question_id": i,
+            "image_id": i,
+            "multiple_choice_answer": "a square",
+            "answers": [{"answer": "a square", "answer_id": 1}],
+        }
+        for i in range(3)
+    ]
     (tmp_path / "q.json").write_text(json.dumps({"questions": qs}))
     (tmp_path / "a.json").write_text(json.dumps({"annotations": anns}))
-    res = convert_vqa(tmp_path / "q.json", tmp_path / "a.json", tmp_path / "images", tmp_path / "out", "train")
+    res = convert_vqa(
+        tmp_path / "q.json", tmp_path / "a.json", tmp_path / "images", tmp_path / "out", "train"
+    )
     assert res["recipe"] == ["model.image_size=16", "model.patch_size=2", "data.colour_jitter=0.1"]
 
 

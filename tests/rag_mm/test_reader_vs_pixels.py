@@ -41,21 +41,34 @@ def write_digits(root) -> dict[str, str]:
     from sklearn.datasets import load_digits
 
     d = load_digits()
-    keep = [i for i, t in enumerate(d.target) if t in CLASSES][:TRAIN + TEST]
+    keep = [i for i, t in enumerate(d.target) if t in CLASSES][: TRAIN + TEST]
     (root / "images").mkdir(parents=True)
     over: list[str] = []
     for split, ids in (("train", keep[:TRAIN]), ("test", keep[TRAIN:])):
         qs, anns = [], []
         for i in ids:
             Image.fromarray((d.images[i] * 255 / 16).astype("uint8")).convert("RGB").save(
-                root / "images" / f"{i:012d}.png")
+                root / "images" / f"{i:012d}.png"
+            )
             answer = str(d.target[i])
             qs.append({"question_id": i, "image_id": i, "question": QUESTION})
-            anns.append({"question_id": i, "image_id": i, "multiple_choice_answer": answer,
-                         "answers": [{"answer": answer, "answer_id": 1}]})
+            anns.append(
+                {
+                    "question_id": i,
+                    "image_id": i,
+                    "multiple_choice_answer": answer,
+                    "answers": [{"answer": answer, "answer_id": 1}],
+                }
+            )
         (root / f"{split}_q.json").write_text(json.dumps({"questions": qs}))
         (root / f"{split}_a.json").write_text(json.dumps({"annotations": anns}))
-        res = convert_vqa(root / f"{split}_q.json", root / f"{split}_a.json", root / "images", root / "shards", split)
+        res = convert_vqa(
+            root / f"{split}_q.json",
+            root / f"{split}_a.json",
+            root / "images",
+            root / "shards",
+            split,
+        )
         over += res["overrides"][1:]
     return [f"data.root={root / 'shards'}", *over, *res["recipe"]]
 
@@ -73,13 +86,19 @@ def reader_accuracy(cfg) -> tuple[float, float]:
     and on blank ones."""
     torch.manual_seed(0)
     reader = build_rag(cfg, torch.device("cpu")).reader
-    opt = torch.optim.AdamW(reader.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                            betas=(cfg.optim.beta1, cfg.optim.beta2))
+    opt = torch.optim.AdamW(
+        reader.parameters(),
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+    )
     keys = ("image", "q_ids", "q_len", "a_ids", "a_len")
     step = 0
     reader.train()
     while step < STEPS:
-        for b in make_stream(cfg, "train", train=True):  # the training pipeline, augmentation included
+        for b in make_stream(
+            cfg, "train", train=True
+        ):  # the training pipeline, augmentation included
             x = {k: b[k] for k in keys}
             for group in opt.param_groups:
                 group["lr"] = cfg.optim.lr * min(1.0, (step + 1) / 20)
@@ -102,15 +121,27 @@ def reader_accuracy(cfg) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the recipe's reader learns the digits slower than a pixel classifier: "
-                   "0.79 against 0.98 after 150 steps (benchmarks/vqa_pictures.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the recipe's reader learns the digits slower than a pixel classifier: "
+    "0.79 against 0.98 after 150 steps (benchmarks/vqa_pictures.md)",
+)
 def test_reader_reaches_the_pixel_classifier(tmp_path):
     from sklearn.linear_model import LogisticRegression
 
     data = write_digits(tmp_path)
-    cfg = compose(["+experiment=vqa", *data, f"run_dir={tmp_path}/run", "model.vision_ssl_steps=0",
-                   "data.batch_size=32", "data.num_workers=0", "data.shuffle_buffer=256",
-                   "model.attention_backend=reference"])
+    cfg = compose(
+        [
+            "+experiment=vqa",
+            *data,
+            f"run_dir={tmp_path}/run",
+            "model.vision_ssl_steps=0",
+            "data.batch_size=32",
+            "data.num_workers=0",
+            "data.shuffle_buffer=256",
+            "model.attention_backend=reference",
+        ]
+    )
     assert (cfg.model.image_size, cfg.model.patch_size) == (8, 1)  # chosen from the 8 px pictures
     xtr, ytr = pixels(cfg, "train")
     xte, yte = pixels(cfg, "test")
@@ -119,4 +150,6 @@ def test_reader_reaches_the_pixel_classifier(tmp_path):
     acc, blind = reader_accuracy(cfg)
     print(f"pixel classifier {bar:.3f}, reader {acc:.3f}, blank pictures {blind:.3f}")
     assert acc >= bar - MARGIN, f"reader {acc:.3f} against the pixel classifier's {bar:.3f}"
-    assert blind < bar - MARGIN, f"blank pictures reach {blind:.3f}: the bar does not need the picture"
+    assert blind < bar - MARGIN, (
+        f"blank pictures reach {blind:.3f}: the bar does not need the picture"
+    )
