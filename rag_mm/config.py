@@ -82,6 +82,11 @@ class ModelConfig:
     # pictures per SimCLR step on each rank (0: data.batch_size): every other picture of the batch
     # is a negative, and SimCLR's features improve with more of them
     vision_ssl_batch: int = 0
+    # the largest turn of a SimCLR view, degrees either way (180: any), and whether half the views
+    # are mirrored: what the views vary, the tower learns to ignore, so a picture whose answer
+    # changes when turned or mirrored (a digit, left / right) needs them small and off
+    vision_ssl_rotate: float = 180.0
+    vision_ssl_mirror: bool = True
     max_doc_text: int = 40  # document text tokens kept per document (the demo's passages are ~21)
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included
@@ -230,6 +235,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if m.vision_ssl_batch < 0 or m.vision_ssl_batch == 1:
         e.append(f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
                  "SimCLR needs other pictures as negatives")
+    if not 0 <= m.vision_ssl_rotate <= 180:
+        e.append(f"model.vision_ssl_rotate must be within 0-180 degrees "
+                 f"(got {m.vision_ssl_rotate})")
     if m.vision_ssl_steps and m.vision_ssl_lr <= 0:
         e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
     if o.vision_lr_scale < 0:

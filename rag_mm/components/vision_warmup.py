@@ -64,6 +64,8 @@ def warm_up_vision(cfg, tower: nn.Module, rank: int, world: int, device: torch.d
     log.info("vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s", steps, lr,
              cfg.model.vision_ssl_batch or cfg.data.batch_size, f" per rank over {world} ranks" if distributed else "")
     pretrain_tower(tower, _pictures(cfg, rank, world, device), steps, lr,
-                   grad_sync=_mean_over_ranks if distributed else None, on_log=on_log, log_every=cfg.log_every)
+                   grad_sync=_mean_over_ranks if distributed else None, on_log=on_log,
+                   log_every=cfg.log_every, rotate=cfg.model.vision_ssl_rotate,
+                   mirror=cfg.model.vision_ssl_mirror)
     log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
     return records

@@ -64,6 +64,7 @@ import webdataset as wds
 from PIL import Image, ImageOps
 
 from rag_mm.data.convert_answers import Normaliser
+from rag_mm.data.picture_recipe import recipe_overrides
 from rag_mm.data.urls import expand_urls, missing_local_shards
 from rag_mm.eval.vqa_metric import normalize_answer
 
@@ -73,6 +74,7 @@ COCO_NAME = re.compile(r"(?:COCO_[A-Za-z]+\d*_)?(\d{12})\.(?:jpe?g|png|webp)", r
 STORED_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL format -> member kept as is
 JPEG_QUALITY = 95  # re-encoded JPEG pictures (--image-size): high, so that the one extra encoding costs little detail
 EXAMPLES = 5  # skipped question ids listed in the summary
+SIDES_SAMPLED = 200  # pictures whose size picks the recipe's picture size (a set's are alike)
 PROGRESS_EVERY = 10000  # samples between progress lines on stderr
 
 
@@ -343,9 +345,13 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
 
     sink = ShardSink(out, split, shard_size, overwrite)
     bad: list = []
+    sides: dict[int, int] = {}  # the first pictures' shorter sides: the recipe's picture size
     for n, q in enumerate(todo):
         try:
             ext, data = load(q.image_id)
+            if len(sides) < SIDES_SAMPLED and q.image_id not in sides:
+                with Image.open(io.BytesIO(data)) as img:
+                    sides[q.image_id] = min(img.size)
         except Exception as exc:  # an unreadable file, or bytes PIL cannot open (it raises several types)
             skipped["bad_image"] += 1
             bad.append(q.question_id)
@@ -354,8 +360,10 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
     read = len(qs) + skipped["no_answers"]
-    return _summary("question", sink, out, split, read, skipped, examples, layout=layout,
-                    normalised=norm.report())
+    res = _summary("question", sink, out, split, read, skipped, examples, layout=layout,
+                   normalised=norm.report())
+    res["recipe"] = recipe_overrides(list(sides.values()), [q.question for q in todo])
+    return res
 
 
 def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, bytes, bytes]]:

@@ -132,5 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert: {Normaliser.describe(res['normalised'])}", file=sys.stderr)
     if "gold" in res:
         print(f"convert: gold documents: {res['gold'] or 'none'}", file=sys.stderr)
+    if "recipe" in res:  # picture questions: the +experiment=vqa settings these pictures call for
+        print(f"convert: with +experiment=vqa add {' '.join(res['recipe'])} (docs/pictures.md)",
+              file=sys.stderr)
     print(json.dumps(res))
     return 0

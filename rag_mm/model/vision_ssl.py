@@ -24,17 +24,18 @@ PROJECTION = 64  # SimCLR's projection width: the loss is computed there, the to
 
 
 def picture_views(images: torch.Tensor, *, scale: tuple[float, float] = (0.7, 1.2), max_shift: float = 0.15,
-                  grey: float = 0.2) -> torch.Tensor:
-    """(N, 3, H, W) normalised pictures -> (N, 3, H, W) random views: any rotation, a mirror image
-    half the time, zoom ``scale`` (> 1 enlarges), shift up to ``max_shift`` of the side (border
-    pixels repeated), the colour channels permuted at random and, with probability ``grey``, grey."""
+                  grey: float = 0.2, rotate: float = 180.0, mirror: bool = True) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures -> (N, 3, H, W) random views: a rotation up to ``rotate``
+    degrees either way (180: any), a mirror image half the time (``mirror``), zoom ``scale`` (> 1
+    enlarges), shift up to ``max_shift`` of the side (border pixels repeated), the colour channels
+    permuted at random and, with probability ``grey``, grey."""
     N, dev, dt = images.shape[0], images.device, images.dtype
     mean, std = MEAN.to(dev, dt), STD.to(dev, dt)
     x = images * std + mean  # back to [0, 1] pixels: a channel permutation must keep white white
     u = lambda *s: torch.rand(*s, device=dev)  # noqa: E731  U[0, 1)
-    angle = 2 * math.pi * u(N)
+    angle = math.radians(rotate) * (2 * u(N) - 1)
     zoom = scale[0] + (scale[1] - scale[0]) * u(N)
-    flip = torch.where(u(N) < 0.5, -1.0, 1.0)
+    flip = torch.where(u(N) < (0.5 if mirror else 0.0), -1.0, 1.0)
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
     theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1),
@@ -59,11 +60,13 @@ def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: int, lr: float, *,
                    temperature: float = 0.2, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
-                   on_log: Callable[[int, float], None] | None = None, log_every: int = 50) -> float:
+                   on_log: Callable[[int, float], None] | None = None, log_every: int = 50,
+                   rotate: float = 180.0, mirror: bool = True) -> float:
     """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
     AdamW steps at ``lr`` (50 warm-up steps, then cosine to a tenth), each on two views of the
-    next batch of ``pictures`` (N, 3, H, W). The projection MLP lives only here. ``grad_sync``
-    averages the gradients over data-parallel ranks (every rank then takes the same step);
+    next batch of ``pictures`` (N, 3, H, W), viewed by ``picture_views`` (``rotate``, ``mirror``).
+    The projection MLP lives only here. ``grad_sync`` averages the gradients over data-parallel
+    ranks (every rank then takes the same step);
     ``on_log(step, mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
     if steps < 1:
         raise ValueError(f"pretrain_tower needs at least one step (got {steps})")
@@ -83,7 +86,8 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
         x = next(batches)
-        pooled, toks = tower(torch.cat([picture_views(x), picture_views(x)]))  # (2N, W), (2N, P, W)
+        views = [picture_views(x, rotate=rotate, mirror=mirror) for _ in range(2)]
+        pooled, toks = tower(torch.cat(views))  # (2N, W), (2N, P, W)
         loss = nt_xent(head(torch.cat([pooled, toks.mean(1)], 1)), temperature)
         opt.zero_grad(set_to_none=True)
         loss.backward()
