@@ -44,12 +44,7 @@ class CopyHead(nn.Module):
         self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
         self.k = nn.Linear(dim, dim)
         self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
-        # the gate (generate vs copy) reads the question (what is asked: a name is copied, a
-        # yes/no is generated) and what the copy attention points at (a span's end, "." or ",",
-        # says "stop copying"), not the answer row's own state: that state carries the last
-        # answer token, and a gate that keys on it fails on tokens never trained as answers
-        self.gate = nn.Linear(dim, 1)
-        self.gate_ctx = nn.Linear(dim, 1, bias=False)
+        self.gate = nn.Linear(dim, 1)  # p(generate) from the answer row's state
 
     def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
         """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
@@ -79,8 +74,7 @@ class CopyHead(nn.Module):
         row (M,) (zeros without a target or with ``supervision`` 0)."""
         D = h_all.shape[-1]
         keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
-        qvec = self.question_vector(h_all, is_question)[rows_ex]  # (M, D)
-        query = self.q(h_rows) + self.q_question(qvec)  # (M, D)
+        query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]  # (M, D)
         scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
         if doc_prior is not None:
             # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes a
@@ -97,9 +91,8 @@ class CopyHead(nn.Module):
         allowed = (torch.arange(S, device=h_all.device)[None] <= rows_pos[:, None]) & (tok >= 0) & ~is_answer[rows_ex]
         # past the answer's first token, copying continues a span: only the tokens that follow
         # (same segment) the token the row reads are copyable (an induction head's rule, exact on
-        # token ids), so a span of tokens never trained as answers is copied to its end, and the
-        # gate, seeing the span's next token (".", ","), decides to stop. Rows whose last token
-        # occurs nowhere (a generated word) keep every position.
+        # token ids), so a span of tokens never trained as answers is copied to its end. Rows
+        # whose last token occurs nowhere (a generated word) keep every position.
         same = seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S]  # (B, S)
         prev_tok = F.pad(tok_all, (1, 0), value=-1)[:, :S].masked_fill(~same, -1)[rows_ex]  # (M, S)
         row_tok = tok.gather(1, rows_pos[:, None])  # (M, 1) the token at the answer row
@@ -110,9 +103,8 @@ class CopyHead(nn.Module):
         # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
         attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
         copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
-        pointed = torch.einsum("ms,msd->md", attn.to(h_all.dtype), h_all[rows_ex])  # (M, D) what the copy attends
         # fp32: in bf16, 1 - 1e-6 rounds to 1 and log(1 - g) to -inf
-        gate_logit = (self.gate(qvec) + self.gate_ctx(pointed)).float().squeeze(1)  # (M,)
+        gate_logit = self.gate(h_rows).float().squeeze(1)  # (M,)
         g = torch.sigmoid(gate_logit).clamp(1e-6, 1 - 1e-6)[:, None]  # (M, 1) p(generate)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         aux = gen_logp.new_zeros(len(rows_ex))
