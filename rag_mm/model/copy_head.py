@@ -44,7 +44,12 @@ class CopyHead(nn.Module):
         self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
         self.k = nn.Linear(dim, dim)
         self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
-        self.gate = nn.Linear(dim, 1)  # p(generate) from the answer row's state
+        self.gate = nn.Linear(dim, 1)  # p(generate) from the answer row's state, except ...
+        # ... on a row that continues a copied span: there from the state of the token the span
+        # would continue with alone, so that a span's end ("." or ",") says "stop copying"
+        # whatever the span was (the row's own state carries the last answer token, which for a
+        # name never trained as an answer says nothing the gate has learned)
+        self.gate_next = nn.Linear(dim, 1)
 
     def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
         """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
@@ -103,8 +108,12 @@ class CopyHead(nn.Module):
         # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
         attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)  # (M, S)
         copy_p = torch.zeros_like(gen_logp).scatter_add_(1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype))  # (M, V)
+        has_next = follows.any(1)  # (M,) the row continues a span
+        nxt = follows.to(torch.int8).argmax(1)  # (M,) the first position that continues it
+        h_next = h_all[rows_ex, nxt]  # (M, D)
         # fp32: in bf16, 1 - 1e-6 rounds to 1 and log(1 - g) to -inf
-        gate_logit = self.gate(h_rows).float().squeeze(1)  # (M,)
+        gate_logit = torch.where(has_next, self.gate_next(h_next).float().squeeze(1),
+                                 self.gate(h_rows).float().squeeze(1))  # (M,)
         g = torch.sigmoid(gate_logit).clamp(1e-6, 1 - 1e-6)[:, None]  # (M, 1) p(generate)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         aux = gen_logp.new_zeros(len(rows_ex))

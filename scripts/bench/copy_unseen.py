@@ -6,7 +6,7 @@ The task of tests/rag_mm/test_copy_unseen.py: each query asks for one of three f
 document states all three (``<attr> : <v1> <v2> .``); training values come from one pool of token
 ids, test values from a disjoint pool never seen in training. A tiny native reader trains on the
 first and is read on both. Per answer position (first token, second token, end of text) the JSON
-gives exact-match accuracy, the gate's probability of generating, the copy attention's mass on
+gives exact-match accuracy, the copy attention's mass on
 the gold token and whether the pointer's argmax lands on it: where a copy fails (the pointer, the
 span's continuation, the stop) is read off the test rows.
 """
@@ -39,9 +39,6 @@ def main() -> int:
     def spy(self, h_rows, rows_ex, rows_pos, h_all, *rest, **kw):  # keeps the attention and the gate
         logp, attn, aux = forward(self, h_rows, rows_ex, rows_pos, h_all, *rest, **kw)
         seen["attn"], seen["tok"] = attn, rest[0][rows_ex]
-        qvec = self.question_vector(h_all, rest[2])[rows_ex]
-        pointed = torch.einsum("ms,msd->md", attn, h_all[rows_ex])
-        seen["gen"] = torch.sigmoid(self.gate(qvec) + self.gate_ctx(pointed)).squeeze(1)
         return logp, attn, aux
 
     CopyHead.forward = spy
@@ -72,8 +69,7 @@ def main() -> int:
         rows = {}
         for j, what in enumerate(("first_token", "second_token", "end_of_text")):
             m = pos == j
-            rows[what] = {"acc": round(ok[m].float().mean().item(), 3), "p_generate": round(seen["gen"][m].mean().item(), 3),
-                          "copy_mass_on_gold": round(mass[m].mean().item(), 3),
+            rows[what] = {"acc": round(ok[m].float().mean().item(), 3), "copy_mass_on_gold": round(mass[m].mean().item(), 3),
                           "pointer_on_gold": round(ptr[m].float().mean().item(), 3)}
         res[name] = {"exact_match": round(out.correct.float().mean().item(), 3), "by_position": rows}
     print(json.dumps(res))
