@@ -110,7 +110,7 @@ def answer(entity: Entity, kind: str) -> str:
     return entity.name if kind == "name" else entity.facts[kind]
 
 
-def chance_accuracy() -> float:
+def chance_accuracy(names: bool = False) -> float:
     """Exact-match accuracy of guessing, the mean over question kinds: 1 / number of values for a
-    fact, 0 for the name (every creature has its own)."""
-    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / len(KINDS)
+    fact, 0 for the name (every creature has its own) when name questions are asked."""
+    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / (len(KINDS) if names else len(ATTRIBUTES))

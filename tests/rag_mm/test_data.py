@@ -14,7 +14,7 @@ from rag_mm.data.world import ATTRIBUTES, make_entities
 
 def test_generator_is_deterministic_and_splits_heldout(tmp_path):
     cfgs = [WorldConfig(out=str(tmp_path / n), num_entities=16, train_queries_per_entity=2, val_queries_per_entity=2,
-                        test_queries_per_entity=2, shard_size=64) for n in "ab"]
+                        test_queries_per_entity=2, shard_size=64, name_questions=True) for n in "ab"]
     s1, s2 = generate(cfgs[0]), generate(cfgs[1])
     assert s1["counts"] == s2["counts"] == {"corpus": 16, "train": 24, "val": 32, "test": 32}
     a, b = (tmp_path / "a" / "train" / "train-000000.tar").read_bytes(), (tmp_path / "b" / "train" / "train-000000.tar").read_bytes()
