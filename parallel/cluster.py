@@ -202,10 +202,15 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps:
 
 def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
     """Seconds (per FSDP unit, per tensor-parallel module call) of one forward + backward of a
-    stack of small linear layers, over the same stack unsharded, on every rank of the current
-    process group: FSDP2 (``fully_shard`` on each layer) and tensor parallel (column- / row-wise
-    pairs, ``parallelize_module``). The layers are so small that what is left is the runtime's
-    fixed work per unit and per call, plus its collectives, which the caller subtracts."""
+    stack of small linear layers, over the same stack unsharded plus the collectives the runtime
+    issues for it, timed back to back in the same process group: FSDP2 (``fully_shard`` on each
+    layer: two all-gathers and a reduce-scatter of its parameters a unit) and tensor parallel
+    (column- / row-wise pairs, ``parallelize_module``: one all-reduce of a (4, 32) activation or
+    gradient a call). The layers are so small that what is left is the runtime's fixed host work
+    per unit and per call. The collectives are timed here, in the same loop shape as the models,
+    rather than taken from the latency fit: that fit times them between bursts of compute, where
+    a collective also waits for its peers to be scheduled, and would subtract more than the
+    runtime ever waits for."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -225,24 +230,45 @@ def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
-    def timed(m: nn.Module) -> float:
-        m(x).sum().backward()  # warm-up: lazy initialisation, sharding-propagation caches
+    def timed(run: Callable[[], Any]) -> float:
+        run()  # warm-up: lazy initialisation, sharding-propagation caches
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(reps):
-            m(x).sum().backward()
+            run()
         dist.barrier()
         return (time.perf_counter() - t0) / reps
 
-    plain = timed(stack())
+    def step(m: nn.Module) -> Callable[[], Any]:
+        return lambda: m(x).sum().backward()
+
+    unit = -(-(width * width + width) // world) * world  # one layer's parameters, padded to the ranks
+    full, shard, act = torch.zeros(unit), torch.zeros(unit // world), torch.zeros(4, width)
+
+    # the single-tensor collectives' names since torch 2.14; the older names before
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def fsdp_collectives() -> None:
+        for _ in range(layers):
+            gather(full, shard)  # forward
+            gather(full, shard)  # backward
+            scatter(shard, full)  # gradients
+
+    def tp_collectives() -> None:
+        for _ in range(layers):
+            dist.all_reduce(act)
+
+    plain = timed(step(stack()))
     sharded = stack()
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    fsdp = timed(sharded)
+    fsdp = timed(step(sharded)) - timed(fsdp_collectives)
     tp_model = parallelize_module(stack(), mesh, {str(i): RowwiseParallel() if i % 2 else ColwiseParallel()
                                             for i in range(layers)})
-    return (fsdp - plain) / layers, (timed(tp_model) - plain) / layers
+    tp = timed(step(tp_model)) - timed(tp_collectives)
+    return max(fsdp - plain, 0.0) / layers, max(tp - plain, 0.0) / layers
 
 
 def measure_model(step: Callable[[int], Any], flops_per_sample: float, batches: Sequence[int] = (1, 8),
@@ -308,10 +334,6 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     n = ranks
     alpha = t_small / (2 * (n - 1))
     beta = 2 * (n - 1) / n * big / max(t_big - 2 * (n - 1) * alpha, 1e-9)
-    # less what the planner charges as collectives: an FSDP unit's two all-gathers (forward,
-    # backward) and reduce-scatter; a column-row pair's two all-reduces (forward, backward), one a call
-    fsdp_unit = max(fsdp_unit - 3 * (n - 1) * alpha, 0.0)
-    tp_call = max(tp_call - t_small, 0.0)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     share = min(1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1))  # cores per rank, at most 1
     return dataclasses.replace(
