@@ -100,6 +100,10 @@ class ModelConfig:
     # gate must copy. Without it the reader memorises training answers and never copies a name it
     # was not trained to say. 0: the head learns from the answer NLL alone
     copy_supervision: float = 1.0
+    # share of training examples whose copyable answer tokens are renamed to random tokens wherever
+    # the example shows them (rag_mm/model/anonymize.py): the reader learns to copy and stop
+    # whatever a span's tokens are, so it copies a name it never saw trained; 0: answers as given
+    copy_anonymize: float = 0.25
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from rag_mm.data.documents import DocumentStore
+from rag_mm.model.anonymize import anonymize_answers
 from rag_mm.model.reader import Reader, ReaderOutput
 from retriever import losses
 from retriever.augment import VIEW_STYLES, photo_views, random_views
@@ -73,12 +74,12 @@ class RagModel(nn.Module):
         the retriever loss, else None). ``grad``: the query embeddings keep their graph (training)."""
         mode, dev = self.rcfg.mode, q["image"].device
         if mode == "none":
-            return dict(q), None, None
+            return self._anonymized(dict(q), grad), None, None
         if mode == "oracle":
             if gold is None or bool((gold < 0).any()):
                 raise ValueError("retriever.mode=oracle needs a doc_id in every query's json")
             ids = gold[:, None].cpu()
-            return {**q, **self._docs(ids, dev)}, ids, None
+            return self._anonymized({**q, **self._docs(ids, dev)}, grad), ids, None
         k = self.rcfg.top_k
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
@@ -89,7 +90,16 @@ class RagModel(nn.Module):
         prior = self.doc_prior(sims, dev)
         if prior is not None:
             x["doc_prior"] = prior
-        return x, ids, (q_emb, top, docs, sims)
+        return self._anonymized(x, grad), ids, (q_emb, top, docs, sims)
+
+    def _anonymized(self, x: dict, grad: bool) -> dict:
+        """The reader's training inputs with a share (``model.copy_anonymize``) of the answers
+        renamed to random tokens wherever the example shows them (rag_mm/model/anonymize.py); the
+        retriever, which embedded the query and documents before, never sees the renaming."""
+        share = getattr(self.reader.cfg, "copy_anonymize", 0.0)
+        if not (grad and self.training and share > 0):
+            return x
+        return anonymize_answers(x, share, self.reader.vocab_size)
 
     def doc_prior(self, sims: torch.Tensor, dev) -> torch.Tensor | None:
         """log p(d | q) over the top-k documents (B, k), a constant for the reader; None when

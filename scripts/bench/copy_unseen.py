@@ -1,6 +1,6 @@
 """Does the reader copy answers it never saw? Per answer position, on a synthetic task.
 
-    python scripts/bench/copy_unseen.py [--steps 200] [--copy-supervision 1.0]
+    python scripts/bench/copy_unseen.py [--steps 200] [--copy-supervision 1.0] [--copy-anonymize 0.25]
 
 The task of tests/rag_mm/test_copy_unseen.py: each query asks for one of three facts, its one
 document states all three (``<attr> : <v1> <v2> .``); training values come from one pool of token
@@ -31,6 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200, help="training steps of batch 32")
     ap.add_argument("--copy-supervision", type=float, default=1.0, help="model.copy_supervision")
+    ap.add_argument("--copy-anonymize", type=float, default=0.25, help="model.copy_anonymize")
     a = ap.parse_args()
     torch.set_num_threads(1)
     seen: dict[str, torch.Tensor] = {}
@@ -42,18 +43,11 @@ def main() -> int:
         return logp, attn, aux
 
     CopyHead.forward = spy
-    reader = task.tiny_reader(copy_supervision=a.copy_supervision)
+    reader = task.tiny_reader(copy_supervision=a.copy_supervision, copy_anonymize=a.copy_anonymize)
     t0 = time.perf_counter()
-    g = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(reader.parameters(), lr=2e-3)
-    reader.train()
-    for _ in range(a.steps):
-        loss = reader(**task.make_batch(32, task.TRAIN_POOL, g)).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    reader.eval()
-    res: dict = {"steps": a.steps, "copy_supervision": a.copy_supervision, "train_s": round(time.perf_counter() - t0, 1)}
+    task.train(reader, a.steps)
+    res: dict = {"steps": a.steps, "copy_supervision": a.copy_supervision, "copy_anonymize": a.copy_anonymize,
+                 "train_s": round(time.perf_counter() - t0, 1)}
     for name, pool in (("train_pool", task.TRAIN_POOL), ("unseen_pool", task.TEST_POOL)):
         with torch.no_grad():
             out = reader(**task.make_batch(256, pool, torch.Generator().manual_seed(1)))
