@@ -283,6 +283,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     e += validate_retriever(r)
     if r.top_k > m.max_docs:
         e.append(f"retriever.top_k ({r.top_k}) must be <= model.max_docs ({m.max_docs})")
+    if r.rerank and r.rerank < r.top_k:
+        e.append(f"retriever.rerank ({r.rerank}) must be 0 or >= retriever.top_k ({r.top_k}): the candidates the top-k is chosen from")
     if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
         e.append(f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})")
     for key in ("max_steps", "log_every"):

@@ -109,6 +109,7 @@ class Trainer:
         self.skipped: dict[int, dict[str, int]] = {}  # per loader worker: cumulative dropped samples
         self.train_time = 0.0
         self.warmup_time = 0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
+        self._drift = [[0, 0], [0, 0]]  # [hits, queries] on a fresh / stale index (``_count_drift``)
         self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
         for rec in vision_records:
@@ -418,6 +419,8 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.train_time += dt
                 window_steps += 1
+                if refresh and done.n_hit:
+                    self._count_drift(done)
                 # a stop signal ends an index refresh or an evaluation between two of its batches,
                 # on every rank together (Stopped): the step is done, so it is checkpointed below
                 abandoned = False
@@ -519,13 +522,28 @@ class Trainer:
             (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
         return summary
 
+    def _count_drift(self, done: _Step) -> None:
+        """Training recall by the age of the index the step searched: the first half of the steps
+        between two refreshes (a fresh index) against the second (stale: the query tower has moved
+        on since the memory was embedded). Their difference is the recall the refresh schedule
+        loses to staleness (recall drift; this rank's queries)."""
+        since = (self.step - 1) % self.cfg.retriever.refresh_every  # steps searched on this index before
+        half = int(since >= self.cfg.retriever.refresh_every / 2)
+        self._drift[half][0] += int(done.hits)  # CPU tensor: the search's ids are on the host
+        self._drift[half][1] += done.n_hit
+
     def _refresh_summary(self) -> dict:
         if self.memory is None:
             return {}
         self.memory.wait()
         secs = self.memory.refresh_seconds
         total = sum(secs)
+        (fh, fn), (sh, sn) = self._drift
+        fresh, stale = (fh / fn if fn else None), (sh / sn if sn else None)
         return {"index_refreshes": len(secs), "refresh_time_s": total,
+                f"train_recall@{self.cfg.retriever.top_k}_fresh_index": fresh,
+                f"train_recall@{self.cfg.retriever.top_k}_stale_index": stale,
+                "recall_drift": fresh - stale if fresh is not None and stale is not None else None,
                 "refresh_fraction": total / max(total + self.train_time + self.warmup_time, 1e-9) if not self.cfg.retriever.refresh_background else None,
                 "refresh_mode": "off" if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
                 else ("background" if self.cfg.retriever.refresh_background else "sync")}

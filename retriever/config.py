@@ -51,6 +51,10 @@ class RetrieverConfig:
     index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
     refresh_every: int = 50  # steps between re-embedding the memory (0 = never)
     refresh_background: bool = False  # rebuild in a background thread while training goes on
+    # over-retrieve then rerank (Atlas): the index's top ``rerank`` candidates are re-embedded by
+    # the document tower as it is now and re-sorted, so the top-k the reader reads is not the
+    # stale index's between refreshes; costs ``rerank`` document encodings a query. 0: the index's order
+    rerank: int = 0
     encode_batch_size: int = 256  # documents per forward pass when (re-)embedding the memory
     eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
 

@@ -83,7 +83,10 @@ class RagModel(nn.Module):
         k = self.rcfg.top_k
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        sims, ids = self.memory.search(q_emb.detach(), max(k, search_k))  # (B, max(k, search_k)) nearest first
+        sims, ids = self.memory.search(q_emb.detach(), max(k, search_k, self.rcfg.rerank))  # (B, n) nearest first
+        if self.rcfg.rerank:
+            sims, ids = self.rerank(q_emb.detach(), sims, ids, dev)
+        sims, ids = sims[:, :max(k, search_k)], ids[:, :max(k, search_k)]
         top = ids[:, :k]
         docs = self._docs(top, dev)
         x = {**q, **docs}
@@ -91,6 +94,25 @@ class RagModel(nn.Module):
         if prior is not None:
             x["doc_prior"] = prior
         return self._anonymized(x, grad), ids, (q_emb, top, docs, sims)
+
+    @torch.no_grad()
+    def rerank(self, q_emb: torch.Tensor, sims: torch.Tensor, ids: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """Over-retrieve, then rerank (Atlas): the index's first ``retriever.rerank`` candidates
+        (B, R) re-embedded by the document tower as it is now (the index holds the embeddings of
+        the last refresh) and re-sorted by their fresh similarity to the queries (B, E); returns
+        (similarities, ids) in the new order, the candidates past R after them as the index had
+        them. Ids the index could not fill (-1) stay last."""
+        R = self.rcfg.rerank
+        cand = ids[:, :R]  # (B, R)
+        B = cand.shape[0]
+        docs = self._docs(cand.clamp_min(0), dev)
+        d = self.retriever.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
+                                      docs["doc_len"].flatten(0, 1)).view(B, R, -1)  # (B, R, E)
+        fresh = torch.einsum("be,bre->br", q_emb.float(), d.float()).cpu()  # (B, R) as the index scores (inner product)
+        fresh = fresh.masked_fill(cand < 0, float("-inf"))
+        order = fresh.argsort(dim=1, descending=True, stable=True)
+        return (torch.cat([fresh.gather(1, order).to(sims.dtype), sims[:, R:]], 1),
+                torch.cat([cand.gather(1, order), ids[:, R:]], 1))
 
     def _anonymized(self, x: dict, grad: bool) -> dict:
         """The reader's training inputs with a share (``model.copy_anonymize``) of the answers

@@ -216,6 +216,9 @@ def test_retriever_warmup_then_joint_training(tiny_world, tmp_path):
     assert out["retriever_warmup_time_s"] > 0 and out["step"] == 2
     assert out["index_refreshes"] == 3  # the first build, then after warm-up steps 2 and 3
     assert 0 < out["refresh_fraction"] < 1
+    # refresh_every=2: step 1 searched a fresh index, step 2 the same one a step older
+    fresh, stale = out["train_recall@2_fresh_index"], out["train_recall@2_stale_index"]
+    assert 0 <= fresh <= 1 and 0 <= stale <= 1 and out["recall_drift"] == pytest.approx(fresh - stale)
 
 
 @pytest.mark.multirank
@@ -243,3 +246,32 @@ def test_closed_book_needs_no_corpus_and_custom_data_gets_the_converter_hint(tmp
     res = run_module(["-m", "rag_mm.train", "+experiment=vqa", f"run_dir={tmp_path}/r3", f"data.root={tmp_path}/nowhere"])
     assert res.returncode == 2 and "data.train" in res.stderr and "scripts/convert.py" in res.stderr
     assert "knowledge_world" not in res.stderr and "data.corpus" not in res.stderr
+
+
+def test_rerank_reads_the_live_towers_top_k(tiny_world, tmp_path):
+    """Between refreshes the index holds the embeddings of the last one. Over-retrieving the whole
+    memory and reranking with the document tower as it is now gives the live towers' exact top-k;
+    the index alone gives the stale one."""
+    cfg = compose(tiny_overrides(tiny_world, tmp_path / "run", "retriever=learned", "retriever.top_k=2",
+                                 "retriever.embed_dim=16", "retriever.rerank=24"))
+    t = Trainer(cfg)
+    try:
+        t._ensure_index()
+        t.rag.eval()
+        with torch.no_grad():  # the towers move on; the index keeps their old embeddings
+            torch.manual_seed(0)
+            for p in t.rag.retriever.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        g = torch.Generator().manual_seed(0)
+        B, size = 16, cfg.model.image_size
+        q = dict(image=torch.rand(B, 3, size, size, generator=g), q_ids=torch.randint(1, 1000, (B, 4), generator=g),
+                 q_len=torch.full((B,), 4), a_ids=torch.full((B, 1), 49407), a_len=torch.ones(B, dtype=torch.long))
+        _, ids, (q_emb, *_) = t.rag.reader_inputs(q, grad=False)
+        live = t.memory.embed()  # (N, E) every document by the live tower
+        exact = torch.from_numpy(t.memory.doc_ids)[(q_emb @ live.T).topk(2).indices]  # (B, 2)
+        assert torch.equal(ids[:, :2], exact)
+        t.rag.rcfg.rerank = 0
+        _, stale, _ = t.rag.reader_inputs(q, grad=False)
+        assert not torch.equal(stale[:, :2], exact)  # the test can tell a stale top-k from a live one
+    finally:
+        t.close()
