@@ -204,6 +204,18 @@ MUTATIONS = (
         (("retriever/sharded.py", "        if should_stop is not None and should_stop():",
           "        if should_stop is not None and should_stop() and False:"),),
         ("tests/ops/test_preemption.py::test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint[refresh]",)),
+    Mutation(
+        "copy-rename", "training answers never renamed: the reader stops after no span it never saw",
+        (("rag_mm/model/anonymize.py", "    if share <= 0:\n        return x", "    if True:\n        return x"),),
+        ("tests/rag_mm/test_copy_unseen.py::test_the_reader_copies_answers_it_never_saw_and_stops",)),
+    Mutation(
+        "rerank", "retriever.rerank ignored: the reader reads the stale index's top-k",
+        (("rag_mm/model/rag.py", "        if self.rcfg.rerank:\n", "        if False:\n"),),
+        ("tests/rag_mm/test_train.py::test_rerank_reads_the_live_towers_top_k",)),
+    Mutation(
+        "recall-drift", "recall drift between refreshes not counted",
+        (("rag_mm/trainer.py", "                    self._count_drift(done)", "                    pass"),),
+        ("tests/rag_mm/test_train.py::test_retriever_warmup_then_joint_training",)),
 )
 
 
