@@ -22,11 +22,12 @@ from parallel.tp.verify import (
            CapturedInputs,
            apply_tp,
            capture_inputs,
+           sharded_share,
            verify_and_apply,
            verify_plan,
 )
 
 __all__ = ["CapturedInputs", "LinearKind", "TPContext", "TPEntry", "TPPlan", "apply_plan", "apply_tp",
            "capture_inputs", "discover_plan", "find_block_lists", "register_linear_kind", "register_tp_rule",
-           "tied_modules", "unregister_tp_rule", "verify_and_apply", "verify_plan",
+           "sharded_share", "tied_modules", "unregister_tp_rule", "verify_and_apply", "verify_plan",
            "vocab_parallel_cross_entropy"]

@@ -477,3 +477,23 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, 
                      seq_dim=seq_dim)
     plan.log = ctx.log
     return plan
+
+
+def sharded_share(model: nn.Module) -> tuple[float, list[str]]:
+    """How much of a model tensor parallel shards: the share (by element count) of the 2-D weights
+    outside embeddings held as DTensors with a non-replicated placement, and the names of the 2-D
+    weights left whole (replicated by the self-check or by no rule)."""
+    from torch.distributed.tensor import Replicate
+
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total, sharded, whole = 0, 0, []
+    for n, p in model.named_parameters():
+        if p.dim() != 2 or id(p) in emb:
+            continue
+        total += p.numel()
+        if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
+            sharded += p.numel()
+        else:
+            whole.append(n)
+    return sharded / total, whole
+

@@ -27,7 +27,15 @@ import webdataset as wds
 from omegaconf import OmegaConf
 
 from rag_mm.data.render import render
-from rag_mm.data.world import ATTRIBUTES, KINDS, QUESTIONS, Entity, answer, chance_accuracy, make_entities
+from rag_mm.data.world import (
+    ATTRIBUTES,
+    KINDS,
+    QUESTIONS,
+    Entity,
+    answer,
+    chance_accuracy,
+    make_entities,
+)
 
 
 @dataclass

@@ -85,10 +85,12 @@ class RagModel(nn.Module):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
         sims, ids = self.memory.search(q_emb.detach(), max(k, search_k, self.rcfg.rerank))  # (B, n) nearest first
         if self.rcfg.rerank:
-            sims, ids = self.rerank(q_emb.detach(), sims, ids, dev)
+            sims, ids, ranked = self.rerank(q_emb.detach(), sims, ids, dev)
+            docs = {name: v[:, :k] for name, v in ranked.items()}  # fetched once, for the rerank
         sims, ids = sims[:, :max(k, search_k)], ids[:, :max(k, search_k)]
         top = ids[:, :k]
-        docs = self._docs(top, dev)
+        if not self.rcfg.rerank:
+            docs = self._docs(top, dev)
         x = {**q, **docs}
         prior = self.doc_prior(sims, dev)
         if prior is not None:
@@ -96,29 +98,32 @@ class RagModel(nn.Module):
         return self._anonymized(x, grad), ids, (q_emb, top, docs, sims)
 
     @torch.no_grad()
-    def rerank(self, q_emb: torch.Tensor, sims: torch.Tensor, ids: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    def rerank(self, q_emb: torch.Tensor, sims: torch.Tensor, ids: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Over-retrieve, then rerank (Atlas): the index's first ``retriever.rerank`` candidates
         (B, R) re-embedded by the document tower as it is now (the index holds the embeddings of
         the last refresh) and re-sorted by their fresh similarity to the queries (B, E); returns
         (similarities, ids) in the new order, the candidates past R after them as the index had
-        them. Ids the index could not fill (-1) stay last."""
+        them, and the R candidates' documents in the new order. Ids the index could not fill (-1)
+        stay last."""
         R = self.rcfg.rerank
         cand = ids[:, :R]  # (B, R)
         B = cand.shape[0]
-        docs = self._docs(cand.clamp_min(0), dev)
+        docs = self._docs(torch.where(cand < 0, cand[:, :1], cand), dev)  # an unfilled slot fetches the nearest (then ranks last)
         d = self.retriever.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
                                       docs["doc_len"].flatten(0, 1)).view(B, R, -1)  # (B, R, E)
         fresh = torch.einsum("be,bre->br", q_emb.float(), d.float()).cpu()  # (B, R) as the index scores (inner product)
         fresh = fresh.masked_fill(cand < 0, float("-inf"))
-        order = fresh.argsort(dim=1, descending=True, stable=True)
+        order = fresh.argsort(dim=1, descending=True, stable=True)  # (B, R)
+        rows, cols = torch.arange(B, device=dev)[:, None], order.to(dev)
         return (torch.cat([fresh.gather(1, order).to(sims.dtype), sims[:, R:]], 1),
-                torch.cat([cand.gather(1, order), ids[:, R:]], 1))
+                torch.cat([cand.gather(1, order), ids[:, R:]], 1),
+                {name: v[rows, cols] for name, v in docs.items()})
 
     def _anonymized(self, x: dict, grad: bool) -> dict:
         """The reader's training inputs with a share (``model.copy_anonymize``) of the answers
         renamed to random tokens wherever the example shows them (rag_mm/model/anonymize.py); the
         retriever, which embedded the query and documents before, never sees the renaming."""
-        share = getattr(self.reader.cfg, "copy_anonymize", 0.0)
+        share = self.reader.cfg.copy_anonymize
         if not (grad and self.training and share > 0):
             return x
         return anonymize_answers(x, share, self.reader.vocab_size)

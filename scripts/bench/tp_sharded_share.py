@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 
 IMAGE_TOKEN = 500  # placeholder id of an image patch (inside the 512-token vocabulary)
 VOCAB = 512
@@ -150,24 +149,6 @@ def gemma3(b: int, gen: torch.Generator):
 FAMILIES = {"llava": llava, "mistral3": mistral3, "paligemma": paligemma, "gemma3": gemma3}
 
 
-def sharded_share(model: nn.Module) -> tuple[float, list[str]]:
-    """Element share of the 2-D weights outside embeddings held as sharded DTensors, and the
-    names of the 2-D weights left whole."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    total, sharded, whole = 0, 0, []
-    for n, p in model.named_parameters():
-        if p.dim() != 2 or id(p) in emb:
-            continue
-        total += p.numel()
-        if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
-            sharded += p.numel()
-        else:
-            whole.append(n)
-    return sharded / total, whole
-
-
 def _full(t):
     from torch.distributed.tensor import DTensor
 
@@ -176,6 +157,7 @@ def _full(t):
 
 def case(rank: int, world: int, family: str) -> dict:
     import parallel
+    from parallel.tp import sharded_share
 
     torch.manual_seed(0)
     model, inputs = FAMILIES[family](2, torch.Generator().manual_seed(1))

@@ -20,7 +20,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+
+from parallel.tp import sharded_share
 
 IMAGE_TOKEN = 500  # placeholder id of an image patch in input_ids (inside the 512-token vocabulary)
 VOCAB = 512
@@ -189,22 +191,6 @@ def pipeline_suite(rank: int, world: int, cases: list[tuple[str, dict]]) -> dict
     return {name: pipeline_case(rank, world, name, kw) for name, kw in cases}
 
 
-def sharded_fraction(model: nn.Module) -> tuple[float, list[str]]:
-    """The share of 2-D weights outside embeddings (by element count) that tensor parallel
-    shards, and the names of those it leaves whole."""
-    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    total, sharded, whole = 0, 0, []
-    for n, p in model.named_parameters():
-        if p.dim() != 2 or id(p) in emb:
-            continue
-        total += p.numel()
-        if isinstance(p, DTensor) and any(not isinstance(pl, Replicate) for pl in p.placements):
-            sharded += p.numel()
-        else:
-            whole.append(n)
-    return sharded / total, whole
-
-
 def fsdp_hidden_states_case(rank: int, world: int) -> dict:
     """A CLIP vision tower made an FSDP2 root (its layers units of their own) and called with
     ``output_hidden_states=True``, as LLaVA calls it: its class's name, and its hidden states
@@ -262,7 +248,7 @@ def tp_case(rank: int, world: int, name: str) -> dict:
     loss = pm.train_step(inputs, target=target, loss_fn=next_token_loss)
     err, worst = grad_error({n: p.grad for n, p in model.named_parameters()},
                             {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
-    frac, whole = sharded_fraction(model)
+    frac, whole = sharded_share(model)
     return dict(loss=float(loss.detach()), ref=float(ref_loss.detach()), err=err, worst=worst,
                 fraction=frac, whole=whole, warnings=warned, log=pm.sharded.tp_plan.log)
 
@@ -324,7 +310,7 @@ def mha_case(rank: int, world: int) -> dict:
                             {n: p.grad for n, p in ref.named_parameters()})
     out_err = max(float((o - r).abs().max()) for o, r in zip(outs, ref(x)))
     return dict(out_err=out_err, err=err, worst=worst, roles={n: e.role for n, e in plan.entries.items()},
-                sharded=sharded_fraction(model)[0])
+                sharded=sharded_share(model)[0])
 
 
 def tp_suite(rank: int, world: int, names: list[str]) -> dict:
