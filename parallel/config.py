@@ -187,10 +187,6 @@ class ParallelConfig:
         return self._degree("dp_shard") > 1
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
-    @property
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: it shards it, or offloads it, or casts its parameters to bf16."""
         return self.dp_shard_enabled or self.cpu_offload or self.mixed_precision != "fp32"

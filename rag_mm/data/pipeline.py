@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import webdataset as wds
 from PIL import Image
 
@@ -401,9 +400,3 @@ def _ignore_sigterm(_worker_id: int) -> None:
     checkpoints and then shuts its loader down; a worker dying on the signal first would crash the
     step instead. (Workers still exit when the main process goes away.)"""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def dist_info() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

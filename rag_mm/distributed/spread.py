@@ -103,10 +103,6 @@ class SpreadRag:
         return self.pmodel.dp_size
 
     @property
-    def pp_rank(self) -> int:
-        return self.pmodel.pp_rank
-
-    @property
     def whole_reader(self) -> bool:
         """Every rank holds the whole, unsharded reader (one process or plain data parallel)."""
         c = self.pcfg
