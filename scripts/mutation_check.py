@@ -209,6 +209,10 @@ MUTATIONS = (
         (("rag_mm/model/anonymize.py", "    if share <= 0:\n        return x", "    if True:\n        return x"),),
         ("tests/rag_mm/test_copy_unseen.py::test_the_reader_copies_answers_it_never_saw_and_stops",)),
     Mutation(
+        "picture-size", "the converter recommends the pictures' own size: 8 px digits through 1-px patches",
+        (("rag_mm/data/picture_recipe.py", "    return LARGEST, LARGEST // GRID", "    return side, max(1, side // GRID)"),),
+        ("tests/rag_mm/test_reader_vs_pixels.py::test_reader_reaches_the_pixel_classifier",)),
+    Mutation(
         "rerank", "retriever.rerank ignored: the reader reads the stale index's top-k",
         (("rag_mm/model/rag.py", "        if self.rcfg.rerank:\n", "        if False:\n"),),
         ("tests/rag_mm/test_train.py::test_rerank_reads_the_live_towers_top_k",)),
