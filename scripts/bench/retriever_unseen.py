@@ -91,11 +91,19 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     try:
-        corpus, _, _ = load_split(a.root, "corpus", a.image_size)
+        corpus, doc_ids, _ = load_split(a.root, "corpus", a.image_size)
         tx, ty, _ = load_split(a.root, "train", a.image_size)
         vx, vy, vh = load_split(a.root, a.split, a.image_size)
     except (OSError, KeyError, ValueError) as exc:
         raise SystemExit(f"retriever_unseen: cannot read {a.root}: {exc}") from None
+    # gold doc ids -> memory rows (the corpus's rows are sorted by doc id; ids need not be 0..N-1)
+    row = {int(d): r for r, d in enumerate(doc_ids)}
+    try:
+        ty, vy = (torch.tensor([row[int(d)] for d in y]) for y in (ty, vy))
+    except KeyError as exc:
+        raise SystemExit(
+            f"retriever_unseen: a query's gold doc_id {exc} is not in {a.root / 'corpus'}"
+        ) from None
     cfg = RetrieverConfig(
         mode="learned",
         vision_tower="resnet",
@@ -187,7 +195,7 @@ def main() -> None:
         q = torch.cat(
             [views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))]
         )  # (B + P, 3, H, W)
-        gold = torch.cat([ty[i], j])
+        gold = torch.cat([ty[i], j])  # memory rows
         if a.joint:
             e = embed(torch.cat([corpus, q]))
             d_emb, q_emb = e[: len(corpus)], e[len(corpus) :]

@@ -3,10 +3,10 @@ learn's bundled 8 x 8 handwritten digits, one question "what digit is this?"), c
 ``scripts/convert.py vqa``'s converter and read by the training pipeline with the picture settings
 the converter chose, the ``+experiment=vqa`` picture path in front of a small reader must reach
 the held-out accuracy of a logistic regression on the same pixels of the same split, less
-``MARGIN``. A picture path that loses what
-the pixels hold (pictures shrunk below their resolution, a blurred or blanked picture, image tokens
-that do not reach the transformer) stays below that bar, and so does the trained reader shown blank
-pictures, checked here so that the bar is known to need the picture.
+``MARGIN``. A picture path that loses what the pixels hold (pictures shrunk below their
+resolution, a blurred or blanked picture, image tokens that do not reach the transformer) stays
+below that bar, and so does the trained reader shown blank pictures, checked here so that the bar
+is known to need the picture. scikit-learn is a dependency of the project: imported, not skipped.
 
 Measured (benchmarks/vqa_pictures.md), with the small reader below and 100 steps: reader 0.975
 against the pixel classifier's 0.983, blank pictures 0.492; with the pictures read at their own
@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
+from sklearn.datasets import load_digits
+from sklearn.linear_model import LogisticRegression
 
 from rag_mm.build import build_rag, make_stream
 from rag_mm.config import compose
 from rag_mm.data.convert import convert_vqa
-
-sklearn = pytest.importorskip("sklearn")
 
 CLASSES = (0, 1)  # digits asked about: the blind prior (1/2) is far below the bar
 TRAIN, TEST = 240, 120  # pictures
@@ -41,7 +40,6 @@ def write_digits(root) -> dict[str, str]:
     """The digits as VQA JSON + PNG files under ``root``, converted to shards; returns the
     overrides that read them (data, then the recipe's picture settings)."""
     from PIL import Image
-    from sklearn.datasets import load_digits
 
     d = load_digits()
     keep = [i for i, t in enumerate(d.target) if t in CLASSES][: TRAIN + TEST]
@@ -124,8 +122,6 @@ def reader_accuracy(cfg) -> tuple[float, float]:
 
 
 def test_reader_reaches_the_pixel_classifier(tmp_path):
-    from sklearn.linear_model import LogisticRegression
-
     data = write_digits(tmp_path)
     cfg = compose(
         [
