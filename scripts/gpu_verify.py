@@ -35,6 +35,7 @@ without ``--build`` it is disabled and reported as not run.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -49,7 +50,7 @@ ORDER = ("probe", "step_A", "step_B", "step_C", "step_D", "step_E", "attention",
 # seconds per step on one H100 (compilation included); the dry run allows more on a shared CPU
 CAPS = {
     "probe": 25,
-    "step_A": 60,
+    "step_A": 150,
     "step_B": 30,
     "step_C": 60,
     "step_D": 110,
@@ -130,6 +131,10 @@ def worker(args) -> int:
         write_json(out, data)
         t = time.time()
         signal.setitimer(signal.ITIMER_REAL, cap)
+        # the alarm cannot interrupt one long native call (a whole backward): at the cap, every
+        # thread's stack goes to stacks_<step>.txt, so a killed step still says where it was
+        stacks = open(Path(args.out) / f"stacks_{name}.txt", "w")
+        faulthandler.dump_traceback_later(cap + 1, file=stacks)
         try:
             rec["result"] = vs.STEPS[name](ctx)
             rec["status"] = "ok"
@@ -148,6 +153,10 @@ def worker(args) -> int:
                 raise
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            faulthandler.cancel_dump_traceback_later()
+            stacks.close()
+            if not os.path.getsize(stacks.name):
+                os.remove(stacks.name)
         rec["wall_s"] = round(time.time() - t, 2)
         if rec["status"] != "ok":
             _reset(torch, device)

@@ -351,7 +351,13 @@ def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict |
     ok, why = _tune.can_time(q)
     if not ok and not (force and why.startswith("torch.distributed")):
         return None, why
-    with torch.autocast(q.device.type, enabled=False):
+    # The candidates run their own forwards and backwards, apart from the caller's context: no
+    # autocast, and an identity pair of saved-tensor hooks (the innermost pair applies). Inside an
+    # activation-checkpointed block the block's hooks would otherwise capture the candidates'
+    # saved tensors, and each candidate's backward would recompute the whole block (on CUDA from
+    # the autograd device thread, which then waits on the tuner's lock: a hang).
+    with torch.autocast(q.device.type, enabled=False), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         return _tune.tune(key, mid, desc, *_tune.attention_case(key, names, _run_named)), "measured"
 
 

@@ -42,7 +42,8 @@ def rag_mm_attention(module, query, key, value, attention_mask, scaling=None, dr
     (flex reads them in place; the other kernels get them repeated, as HF's ``repeat_kv``). q and k
     take v's dtype: under autocast v comes from a bf16 matmul, q and k from RoPE's fp32."""
     S = query.shape[-2]
-    _calls[0] += 1
+    if not torch.compiler.is_compiling():  # a Python counter in a compiled block is a guard that
+        _calls[0] += 1  # fails on every call: each call would recompile (``check_dispatch`` is eager)
     if softcap is not None:
         raise ValueError(f"{type(module).__name__}: attention logit soft-capping ({softcap}) is not "
                          "supported by rag_mm's attention kernels")

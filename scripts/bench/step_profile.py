@@ -56,32 +56,39 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+STEP_MARK = "profiled_step"  # a record_function range around each step: syncs are counted inside
+
+
 def profile_steps(step, device: torch.device, steps: int = 2) -> dict:
     """Profile ``steps`` calls of ``step`` (already warmed up) and summarise."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type == "cuda":
         torch.cuda.synchronize()
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            step()
+            with record_function(STEP_MARK):
+                step()
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the trace's end: outside every step's range
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # (the step marks appear on the device timeline too: user annotations, not kernels)
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in events if e.device_type == cuda and e.name != STEP_MARK]
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     out: dict = {"steps": steps}
+    # host calls that wait for the device, counted only inside a step's range (the profiler's own
+    # start and stop synchronise the device too)
+    windows = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP_MARK]
+    inside = lambda e: any(a <= e.time_range.start <= b for a, b in windows)  # noqa: E731
     syncs = defaultdict(int)
     for e in cpu:
-        if e.name in SYNC_CALLS or e.name == "aten::_local_scalar_dense":
+        if (e.name in SYNC_CALLS or e.name == "aten::_local_scalar_dense") and inside(e):
             syncs[e.name] += 1
-    for e in kernels:
+    for e in kernels:  # device-to-host copies: only the steps run kernels in the trace
         if "dtoh" in e.name.lower() or "device -> pageable" in e.name.lower():
             syncs["memcpy DtoH"] += 1
-    # the final torch.cuda.synchronize above is the profiler's own; not the step's
-    if syncs.get("cudaDeviceSynchronize"):
-        syncs["cudaDeviceSynchronize"] -= 1
     out["host_syncs"] = {k: v for k, v in syncs.items() if v}
     out["host_syncs_per_step"] = round(sum(syncs.values()) / steps, 2)
     if kernels:

@@ -216,6 +216,39 @@ def test_nothing_timed_under_a_flop_counter(tuner):
     assert A.select_backend("auto", q, "retrieval", grad=True)[1].startswith("measured fastest")
 
 
+def test_tuning_inside_a_checkpointed_block_keeps_to_itself(tuner):
+    """The first ``auto`` call of a key can come inside an activation-checkpointed block: the
+    candidates' backwards must not reach the block's saved-tensor hooks (each would recompute the
+    block; on CUDA the recompute runs on the autograd device thread and waits on the tuner's lock).
+    The block runs twice (forward, one recompute), the step ends, the gradient is the plain one."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = [0]
+
+    def block(q):
+        calls[0] += 1
+        return A.attention(q, q, q, causal=True, backend="auto").sum()
+
+    q = _q().requires_grad_()
+    done = {}
+
+    def step():
+        loss = checkpoint(block, q, use_reentrant=False)
+        loss.backward()
+        done["grad"] = q.grad.clone()
+
+    import threading
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "the checkpointed step with a first tuning call did not finish"
+    assert T.stats["measured"] == 1 and calls[0] == 2, (T.stats, calls)
+    q2 = q.detach().requires_grad_()
+    A.attention(q2, q2, q2, causal=True, backend="reference").sum().backward()
+    torch.testing.assert_close(done["grad"], q2.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_unwritable_cache_keeps_the_choice_in_memory(tuner, monkeypatch, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("")
