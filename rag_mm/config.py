@@ -479,46 +479,6 @@ def resolve_batch(cfg: Any, world_size: int) -> None:
     cfg.data.batch_size = g // dp
 
 
-# keys of earlier versions: a command line (or a saved run's config) that still uses one is told
-# the key that replaced it
-RENAMED = {
-    "parallel.dp": "parallel.dp_replicate (model replicas; the data-parallel degree is now "
-                   "parallel.dp_replicate x parallel.dp_shard, and -1 takes the ranks the others leave)",
-    "parallel.backend": "launch.backend",
-    "parallel.timeout_s": "launch.timeout_s",
-    "parallel.auto": "launch.auto_layout (or choose the group option: parallel=auto)",
-}
-
-
-def renamed_key_problems(overrides: list[str]) -> list[str]:
-    """A message for every command-line override that sets a key of ``RENAMED``."""
-    e = []
-    for o in overrides:
-        key = o.split("=", 1)[0].lstrip("+~")
-        if key in RENAMED:
-            e.append(f"{key} is no longer a key: use {RENAMED[key]}")
-    return e
-
-
-def upgrade_saved(saved: Any) -> Any:
-    """A run's saved config (``.hydra/config.yaml``, read without its schema) with the keys of
-    ``RENAMED`` moved to the ones that replaced them, so runs trained before the rename still load."""
-    p = saved.get("parallel") if hasattr(saved, "get") else None
-    if p is None:
-        return saved
-    launch = dict(saved.get("launch") or {})
-    for old, new in (("backend", "backend"), ("timeout_s", "timeout_s"), ("auto", "auto_layout")):
-        if old in p:
-            launch.setdefault(new, p[old])
-            del p[old]
-    if "dp" in p:
-        dp, shard = p["dp"], p.get("dp_shard", 1)
-        p["dp_replicate"] = dp // shard if dp > 0 and shard > 0 else -1
-        del p["dp"]
-    saved["launch"] = launch
-    return saved
-
-
 def _data_hint(cfg: Any, split: str) -> str:
     """How the missing shards of ``data.<split>`` are made: the demo world, or a user's data through
     the converter (``corpus`` for the document memory, ``vqa`` / ``hf`` for the query splits)."""
@@ -572,9 +532,6 @@ def compose(overrides: list[str] | None = None, config_dir: str | None = None, r
     from hydra import initialize_config_dir
 
     register_configs()
-    renamed = renamed_key_problems(list(overrides or []))
-    if renamed:
-        raise ConfigError("; ".join(renamed))
     conf = config_dir or str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
         return hydra_compose(config_name="config", overrides=list(overrides or []),

@@ -426,8 +426,6 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     from rag_mm.config import (
         ConfigError,
         TrainConfig,
-        renamed_key_problems,
-        upgrade_saved,
         validate,
     )
 
@@ -445,10 +443,8 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
     for o in overrides:
         if not OVERRIDE.match(o):
             raise EvalError(f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)")
-    if renamed_key_problems(overrides):
-        raise EvalError("; ".join(renamed_key_problems(overrides)))
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), upgrade_saved(OmegaConf.load(cfg_path)),
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path),
                               OmegaConf.from_dotlist(overrides))
     except (OmegaConfBaseException, YAMLError) as exc:
         raise EvalError(f"bad config or override: {exc}".rstrip()) from None

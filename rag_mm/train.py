@@ -31,16 +31,6 @@ def _fail(exc: ConfigError, cfg=None) -> NoReturn:
     sys.exit(2)
 
 
-def _check_renamed_keys(argv: list[str]) -> None:
-    """A key of an earlier version on the command line (``parallel.dp``, ``parallel.backend``, ...):
-    one message naming the key that replaced it, instead of Hydra's "not in the schema"."""
-    from rag_mm.config import renamed_key_problems
-
-    problems = renamed_key_problems([a for a in argv if not a.startswith("-")])
-    if problems:
-        _fail(ConfigError("renamed keys:\n  - " + "\n  - ".join(problems)))
-
-
 def _check_output_dir(argv: list[str]) -> None:
     """Hydra creates the run's output directory (``hydra.run.dir``, which is ``run_dir``) and
     writes ``.hydra/`` into it before ``main`` runs: a file in its place or a read-only parent
@@ -148,6 +138,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    _check_renamed_keys(sys.argv[1:])
     _check_output_dir(sys.argv[1:])
     main()
