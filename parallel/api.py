@@ -55,13 +55,27 @@ from .tp.verify import capture_inputs, verify_plan
 
 log = logging.getLogger(__name__)
 
-COST_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b", "interleaved_1f1b": "interleaved",
-                 "looped_bfs": "interleaved", "zero_bubble": "interleaved", "zbv": "zbv", "dualpipev": "zbv"}
+COST_SCHEDULE = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "eager_1f1b": "eager_1f1b",
+    "interleaved_1f1b": "interleaved",
+    "looped_bfs": "interleaved",
+    "zero_bubble": "interleaved",
+    "zbv": "zbv",
+    "dualpipev": "zbv",
+}
 BASELINES = ("uniform", "parameters", "time")
 
 
-def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, num_stages: int, v: int,
-                   trace_loss_fn: Callable | None = None) -> Partition:
+def make_partition(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    example_inputs: Any,
+    num_stages: int,
+    v: int,
+    trace_loss_fn: Callable | None = None,
+) -> Partition:
     """Rank 0 traces and partitions; every rank receives the same Partition.
 
     The trace runs on one microbatch, not the whole example batch: unit costs are per microbatch
@@ -77,19 +91,32 @@ def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, n
         sched = COST_SCHEDULE[cfg.schedule]
         kw = dict(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v)
         if cfg.partition == "auto":
-            part = auto_partition(model, example_inputs, num_stages, cfg.objective, cfg.memory_cap_bytes,
-                                  loss_fn=trace_loss_fn, **kw)
+            part = auto_partition(
+                model,
+                example_inputs,
+                num_stages,
+                cfg.objective,
+                cfg.memory_cap_bytes,
+                loss_fn=trace_loss_fn,
+                **kw,
+            )
         elif cfg.partition in BASELINES:
             from .cost import CostConfig
             from .trace import trace_model
 
             trace = trace_model(model, example_inputs, loss_fn=trace_loss_fn)
-            part = baseline_partition(trace, num_stages, cfg.partition,
-                                      CostConfig(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v))
+            part = baseline_partition(
+                trace,
+                num_stages,
+                cfg.partition,
+                CostConfig(schedule=sched, microbatches=cfg.microbatches, stages_per_rank=v),
+            )
         elif os.path.exists(cfg.partition):
             part = Partition.load(cfg.partition)
         else:
-            raise ValueError(f"partition must be auto, {', '.join(BASELINES)} or a JSON file (got {cfg.partition!r})")
+            raise ValueError(
+                f"partition must be auto, {', '.join(BASELINES)} or a JSON file (got {cfg.partition!r})"
+            )
         obj[0] = part.to_dict()
         for p in model.parameters():  # tracing ran backward passes
             p.grad = None
@@ -97,18 +124,25 @@ def make_partition(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, n
         dist.broadcast_object_list(obj, src=0)
     part = Partition.from_dict(obj[0])
     if part.num_stages != num_stages:
-        raise ValueError(f"the partition has {part.num_stages} stages, the config needs {num_stages}")
+        raise ValueError(
+            f"the partition has {part.num_stages} stages, the config needs {num_stages}"
+        )
     return part
 
 
 # ----------------------------------------------------------------------------- the wrapper
 
 
-
-def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
-                trace_loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                timeout_s: float = 300.0, partition: Partition | None = None,
-                structures: Mapping[str, Any] | None = None) -> ParallelModel:
+def parallelize(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    example_inputs: Any,
+    *,
+    trace_loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    timeout_s: float = 300.0,
+    partition: Partition | None = None,
+    structures: Mapping[str, Any] | None = None,
+) -> ParallelModel:
     """Spread ``model`` over the ranks as ``cfg`` says (see the module doc for the order).
 
     ``example_inputs``: one batch (tuple of positional or dict of keyword arguments) shaped like
@@ -137,8 +171,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     if cfg.pp == 1:
         # 4. TP -> AC -> compile -> FSDP on the whole model
         shard = _shard(model, cfg, layout, example_inputs, None, [])
-        parts = Parts(module=model, cfg=cfg, layout=layout, device=_device_of(shard.named_held),
-                      **shard.fields(), grad_reducer=_grad_reducer(cfg, layout), structure_names=frozenset(structures))
+        parts = Parts(
+            module=model,
+            cfg=cfg,
+            layout=layout,
+            device=_device_of(shard.named_held),
+            **shard.fields(),
+            grad_reducer=_grad_reducer(cfg, layout),
+            structure_names=frozenset(structures),
+        )
         _broadcast_dp(parts)
         return ParallelModel(parts)
     # 2. partition
@@ -159,9 +200,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         replayer = Replayer(model, set(heads))
         plan = build_plan(replayer, heads, k, args, kwargs)
         for name, ex in structures.items():
-            extra_plans[name] = build_plan(replayer, heads, k, *_as_call(_microbatch_of(ex, cfg.microbatches)))
-            log.info("input structure %r: %d module calls (the example: %d)", name, len(extra_plans[name].names),
-                     len(plan.names))
+            extra_plans[name] = build_plan(
+                replayer, heads, k, *_as_call(_microbatch_of(ex, cfg.microbatches))
+            )
+            log.info(
+                "input structure %r: %d module calls (the example: %d)",
+                name,
+                len(extra_plans[name].names),
+                len(plan.names),
+            )
     for p in model.parameters():
         p.grad = None
     local = [s for s in range(k) if stage_rank(s, cfg.pp, cfg.schedule) == layout.pp_rank]
@@ -186,7 +233,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         tp_plan = discover_tp_plan(model, cfg, example_inputs)
         if replayer is not None:  # the check runs copies of units: with their own forwards
             replayer.unwrap()
-        tp_plan = verify_plan(model, tp_plan, layout.mesh["tp"], capture_inputs(model, tp_plan, example_inputs))
+        tp_plan = verify_plan(
+            model, tp_plan, layout.mesh["tp"], capture_inputs(model, tp_plan, example_inputs)
+        )
         if replayer is not None:
             replayer.rewrap()
         tp_plan, tp_notes = stage_plan(model, tp_plan, ranks_of, layout.pp_rank)
@@ -198,12 +247,20 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
     transport = Transport(stage_ranks, timeout_s, device)
     # the I/W split (split_backward.py) is tested on plain and FSDP stages; TP's DTensors and the
     # saved-tensor hooks of checkpointing / offload keep the whole backward
-    split_drain = cfg.split_drain and cfg.tp == 1 and cfg.activation_checkpointing == "none" \
+    split_drain = (
+        cfg.split_drain
+        and cfg.tp == 1
+        and cfg.activation_checkpointing == "none"
         and not cfg.activation_offload
+    )
     if cfg.split_drain and not split_drain:
-        log.info("split_drain off: the last backward stays whole under tp / activation checkpointing / offload")
+        log.info(
+            "split_drain off: the last backward stays whole under tp / activation checkpointing / offload"
+        )
     orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches, split_drain)
-    transport.lanes, how = open_lanes(orders, cfg.microbatches, stage_ranks, layout.rank, timeout_s, cfg.p2p)
+    transport.lanes, how = open_lanes(
+        orders, cfg.microbatches, stage_ranks, layout.rank, timeout_s, cfg.p2p
+    )
     log.info("pipeline p2p on rank %d: %s", layout.rank, how)
     loss_group = _loss_group(cfg, device, timeout_s)
     local_params = [p for p in model.parameters() if id(p) in held]
@@ -212,33 +269,63 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, example_inputs: Any, *,
         stages = {s: GraphStage(s, gplan, model, transport, local_params, device) for s in local}
     else:
         stages = {s: EagerStage(s, plan, replayer, transport, local_params, device) for s in local}
-    extra_stages = {name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
-                    for name, p in extra_plans.items()}
+    extra_stages = {
+        name: {s: EagerStage(s, p, replayer, transport, local_params, device) for s in local}
+        for name, p in extra_plans.items()
+    }
     # 4. TP -> AC -> compile -> FSDP on this rank's part
     for msg in tp_notes:
         log.info("tp under pp: %s", msg)
     # modules whose forward is container code (the root, ancestors of stage units): it runs on
     # every stage and stops where the stage's work ends
-    container = {""} | {n for n, _ in model.named_modules() if n and any(h.startswith(n + ".") for h in heads)}
+    container = {""} | {
+        n for n, _ in model.named_modules() if n and any(h.startswith(n + ".") for h in heads)
+    }
     if replayer is not None:  # the replay intercepts whatever forwards sharding leaves
         replayer.unwrap()
     params = dict(model.named_parameters(remove_duplicate=False))
     all_stages = [*stages.values(), *(st for by in extra_stages.values() for st in by.values())]
-    shard = _shard(model, cfg, layout, example_inputs, StagePart(held, container, {id(params[n]) for n in replicated}),
-                   all_stages, tp_plan)
+    shard = _shard(
+        model,
+        cfg,
+        layout,
+        example_inputs,
+        StagePart(held, container, {id(params[n]) for n in replicated}),
+        all_stages,
+        tp_plan,
+    )
     if replayer is not None:
         replayer.rewrap()
-    parts = Parts(module=model, cfg=cfg, layout=layout, device=device, **shard.fields(),
-                  grad_reducer=_grad_reducer(cfg, layout), partition=partition, plan=plan, stages=stages,
-                  order=tuple(orders[layout.pp_rank]), transport=transport, local_stages=tuple(local),
-                  replicated=tuple(replicated), replicated_numel={n: numel[n] for n in replicated},
-                  loss_group=loss_group, structures=extra_stages, structure_names=frozenset(structures),
-                  plans=extra_plans)
+    parts = Parts(
+        module=model,
+        cfg=cfg,
+        layout=layout,
+        device=device,
+        **shard.fields(),
+        grad_reducer=_grad_reducer(cfg, layout),
+        partition=partition,
+        plan=plan,
+        stages=stages,
+        order=tuple(orders[layout.pp_rank]),
+        transport=transport,
+        local_stages=tuple(local),
+        replicated=tuple(replicated),
+        replicated_numel={n: numel[n] for n in replicated},
+        loss_group=loss_group,
+        structures=extra_stages,
+        structure_names=frozenset(structures),
+        plans=extra_plans,
+    )
     # 5. consistent start: replicated parameters from their first holder, replicas from dp rank 0
     _broadcast_replicated(parts)
     _broadcast_dp(parts)
-    log.info("pipeline rank %d: stages %s, %d parameters\n%s", layout.pp_rank, local,
-             sum(p.numel() for p in shard.trainable), plan.describe())
+    log.info(
+        "pipeline rank %d: stages %s, %d parameters\n%s",
+        layout.pp_rank,
+        local,
+        sum(p.numel() for p in shard.trainable),
+        plan.describe(),
+    )
     return ParallelModel(parts)
 
 
@@ -247,22 +334,37 @@ class _Sharding:
     """This rank's parameters after step 4 (TP and FSDP replace them by DTensors)."""
 
     sharded: Sharded  # what parallelize_spmd applied
-    named_held: tuple[tuple[str, nn.Parameter], ...]  # this rank's parameters by name, after the swap
+    named_held: tuple[
+        tuple[str, nn.Parameter], ...
+    ]  # this rank's parameters by name, after the swap
     trainable: tuple[nn.Parameter, ...]  # the distinct ones that take gradients
     fsdp_ids: frozenset[int]  # those whose gradients FSDP reduces
-    step_sync: StepSync | None  # FSDP units that run several microbatches per call, driven once per call
+    step_sync: (
+        StepSync | None
+    )  # FSDP units that run several microbatches per call, driven once per call
 
     def fields(self) -> dict[str, Any]:
         """These, as ``Parts``' keyword arguments."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, part: StagePart | None,
-           stages: list, tp_plan: Any = None) -> _Sharding:
+def _shard(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    layout,
+    example_inputs: Any,
+    part: StagePart | None,
+    stages: list,
+    tp_plan: Any = None,
+) -> _Sharding:
     """Step 4 of ``parallelize`` on this rank's part, then the bookkeeping that follows it: TP and
     FSDP replace parameters by DTensors, so the rank's parameter set and its ``stages``' lists are
     rebuilt, and FSDP units that run several microbatches per step are driven by ``StepSync``."""
-    names = [n for n, p in model.named_parameters(remove_duplicate=False) if part is None or id(p) in part.held]
+    names = [
+        n
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if part is None or id(p) in part.held
+    ]
     sharded = Sharded()
     if layout.mesh is not None:
         sharded = parallelize_spmd(model, cfg, layout.mesh, example_inputs, plan=tp_plan, part=part)
@@ -290,8 +392,13 @@ def _shard(model: nn.Module, cfg: ParallelConfig, layout, example_inputs: Any, p
         st.params = list(trainable)
     units = sharded.fsdp_units
     step_sync = StepSync(units) if units and (part is not None or cfg.microbatches > 1) else None
-    return _Sharding(sharded, tuple((n, new[n]) for n in names), trainable,
-                     frozenset(id(p) for u in units for p in u.parameters()), step_sync)
+    return _Sharding(
+        sharded,
+        tuple((n, new[n]) for n in names),
+        trainable,
+        frozenset(id(p) for u in units for p in u.parameters()),
+        step_sync,
+    )
 
 
 def _device_of(named: tuple[tuple[str, nn.Parameter], ...]) -> torch.device:
@@ -309,8 +416,15 @@ def _grad_reducer(cfg: ParallelConfig, layout) -> Callable | None:
     return make_grad_reducer(cfg.grad_reduce, layout.dp_group)
 
 
-def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: int, args: tuple,
-                kwargs: dict, structures: list[str]) -> tuple[GraphPlan | None, str]:
+def _graph_plan(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    partition: Partition,
+    k: int,
+    args: tuple,
+    kwargs: dict,
+    structures: list[str],
+) -> tuple[GraphPlan | None, str]:
     """The gate between the two stage paths: (graph plan or None, the line that says which and why)."""
     if cfg.stage_path == "eager":
         return None, "eager path (stage_path='eager')"
@@ -322,13 +436,15 @@ def _graph_plan(model: nn.Module, cfg: ParallelConfig, partition: Partition, k: 
     else:
         try:
             gplan = build_graph_plan(model, partition, k, args, kwargs)
-            return gplan, "graph path (torch.export split at the partition's cuts)\n" + gplan.describe()
+            return (
+                gplan,
+                "graph path (torch.export split at the partition's cuts)\n" + gplan.describe(),
+            )
         except GraphPathError as e:
             why = str(e)
     if cfg.stage_path == "graph":
         raise GraphPathError(f"stage_path='graph' but the model cannot take the graph path: {why}")
     return None, f"eager path (graph path not taken: {why})"
-
 
 
 def _held_stages(model: nn.Module, part: Partition, k: int) -> dict[str, set[int]]:
@@ -357,9 +473,14 @@ def _broadcast_replicated(parts: Parts) -> None:
     for n in parts.replicated:
         first = min(stage_rank(s, layout.pp_size, parts.cfg.schedule) for s in held_stages[n])
         p = params[n]
-        flat.append(p.detach().reshape(-1) if first == layout.pp_rank else
-                    torch.zeros(parts.replicated_numel[n], dtype=p.dtype, device=parts.device))
-    summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=layout.pp_group), write_back=False)
+        flat.append(
+            p.detach().reshape(-1)
+            if first == layout.pp_rank
+            else torch.zeros(parts.replicated_numel[n], dtype=p.dtype, device=parts.device)
+        )
+    summed = flat_collective(
+        flat, lambda buf: dist.all_reduce(buf, group=layout.pp_group), write_back=False
+    )
     for n, value in zip(parts.replicated, summed, strict=True):
         p = params[n]
         if id(p) in held:

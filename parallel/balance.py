@@ -39,7 +39,9 @@ def minmax_partition(
     n = len(costs.units)
     mods = sum(u.kind == "module" for u in costs.units)
     if mods < k:
-        raise InfeasiblePartition(f"{mods} module units ({n} units in all) cannot give each of {k} stages a module")
+        raise InfeasiblePartition(
+            f"{mods} module units ({n} units in all) cannot give each of {k} stages a module"
+        )
     bad = np.zeros(n + 1, dtype=bool)
     for j in forbidden:
         if 0 < j < n:

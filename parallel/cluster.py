@@ -42,11 +42,15 @@ class Cluster:
 
     name: str = "custom"  # label for tables and JSON
     nodes: int = 1  # hosts
-    devices_per_node: int = 8  # accelerators (or CPU ranks) per host; tensor parallel stays within one
+    devices_per_node: int = (
+        8  # accelerators (or CPU ranks) per host; tensor parallel stays within one
+    )
     device_memory_bytes: float = 40 * 2**30  # memory of one device
     # peak dense FLOP/s of one device per compute dtype ("fp32", "bf16")
     peak_flops: dict[str, float] = field(default_factory=lambda: {"fp32": 19.5e12, "bf16": 312e12})
-    compute_efficiency: float = 0.5  # fraction of peak a training step achieves on its matmuls (MFU)
+    compute_efficiency: float = (
+        0.5  # fraction of peak a training step achieves on its matmuls (MFU)
+    )
     # share of one device's compute each rank gets: 1 on accelerators; cores / ranks where CPU
     # ranks outnumber the cores they run on and time-share them
     rank_share: float = 1.0
@@ -56,7 +60,9 @@ class Cluster:
     inter_latency_s: float = 20e-6  # per step of a collective between nodes
     host_bandwidth: float = 25e9  # per device, device <-> host memory (PCIe): CPU offload traffic
     host_memory_bytes: float = 1024 * 2**30  # per node: where CPU offload keeps state
-    host_memory_bandwidth: float = 200e9  # per node: DRAM bandwidth a host-side Adam step streams at
+    host_memory_bandwidth: float = (
+        200e9  # per node: DRAM bandwidth a host-side Adam step streams at
+    )
     usable_fraction: float = 0.9  # of device memory a plan may fill (CUDA context, allocator slack)
     # of the compute that data-parallel traffic can hide behind, the part it does hide behind: 1
     # where collectives run on their own engines (NCCL streams, copy engines), 0 on CPU ranks whose
@@ -86,7 +92,9 @@ class Cluster:
         if flops_per_s <= 0:
             raise ValueError(f"a model's FLOP rate must be positive (got {flops_per_s})")
         eff = flops_per_s / self.peak_flops[dtype]
-        return dataclasses.replace(self, name=f"{self.name}, model efficiency {eff:.2f}", compute_efficiency=eff)
+        return dataclasses.replace(
+            self, name=f"{self.name}, model efficiency {eff:.2f}", compute_efficiency=eff
+        )
 
     @classmethod
     def preset(cls, name: str, **overrides) -> Cluster:
@@ -175,7 +183,9 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: list[int], reps:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     a = torch.randn(256, 256)  # 34 MFLOP a product: a few ms of compute between collectives
 
     def loop(t: torch.Tensor | None) -> float:
@@ -242,7 +252,9 @@ def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
     def step(m: nn.Module) -> Callable[[], Any]:
         return lambda: m(x).sum().backward()
 
-    unit = -(-(width * width + width) // world) * world  # one layer's parameters, padded to the ranks
+    unit = (
+        -(-(width * width + width) // world) * world
+    )  # one layer's parameters, padded to the ranks
     full, shard, act = torch.zeros(unit), torch.zeros(unit // world), torch.zeros(4, width)
 
     # the single-tensor collectives' names since torch 2.14; the older names before
@@ -265,14 +277,21 @@ def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
     fsdp = timed(step(sharded)) - timed(fsdp_collectives)
-    tp_model = parallelize_module(stack(), mesh, {str(i): RowwiseParallel() if i % 2 else ColwiseParallel()
-                                            for i in range(layers)})
+    tp_model = parallelize_module(
+        stack(),
+        mesh,
+        {str(i): RowwiseParallel() if i % 2 else ColwiseParallel() for i in range(layers)},
+    )
     tp = timed(step(tp_model)) - timed(tp_collectives)
     return max(fsdp - plain, 0.0) / layers, max(tp - plain, 0.0) / layers
 
 
-def measure_model(step: Callable[[int], Any], flops_per_sample: float, batches: Sequence[int] = (1, 8),
-                  reps: int = 3) -> tuple[float, float]:
+def measure_model(
+    step: Callable[[int], Any],
+    flops_per_sample: float,
+    batches: Sequence[int] = (1, 8),
+    reps: int = 3,
+) -> tuple[float, float]:
     """(FLOP/s, seconds of fixed overhead per call) of one model on this device: ``step(b)`` runs
     its forward and backward on ``b`` samples; the median time of ``reps`` runs (after one warm-up)
     at each batch size is fitted by least squares to ``overhead + flops_per_sample * b / rate``.
@@ -325,7 +344,10 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     small, big = 8, 4 * 2**20
-    procs = [ctx.Process(target=_all_reduce_worker, args=(r, ranks, port, [small, big], 20, q)) for r in range(ranks)]
+    procs = [
+        ctx.Process(target=_all_reduce_worker, args=(r, ranks, port, [small, big], 20, q))
+        for r in range(ranks)
+    ]
     for p in procs:
         p.start()
     (t_small, t_big), fsdp_unit, tp_call = q.get(timeout=180)
@@ -335,9 +357,21 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     alpha = t_small / (2 * (n - 1))
     beta = 2 * (n - 1) / n * big / max(t_big - 2 * (n - 1) * alpha, 1e-9)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    share = min(1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1))  # cores per rank, at most 1
+    share = min(
+        1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1)
+    )  # cores per rank, at most 1
     return dataclasses.replace(
-        base, name="local (calibrated)", peak_flops={"fp32": fp32, "bf16": bf16}, compute_efficiency=1.0, rank_share=share,
-        intra_bandwidth=beta, intra_latency_s=alpha, inter_bandwidth=beta, inter_latency_s=alpha,
-        device_memory_bytes=float(mem) / base.devices_per_node, host_memory_bytes=float(mem),
-        fsdp_unit_s=fsdp_unit, tp_call_s=tp_call)
+        base,
+        name="local (calibrated)",
+        peak_flops={"fp32": fp32, "bf16": bf16},
+        compute_efficiency=1.0,
+        rank_share=share,
+        intra_bandwidth=beta,
+        intra_latency_s=alpha,
+        inter_bandwidth=beta,
+        inter_latency_s=alpha,
+        device_memory_bytes=float(mem) / base.devices_per_node,
+        host_memory_bytes=float(mem),
+        fsdp_unit_s=fsdp_unit,
+        tp_call_s=tp_call,
+    )

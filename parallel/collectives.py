@@ -12,8 +12,12 @@ import torch.distributed as dist
 
 
 @torch.no_grad()
-def flat_collective(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], Any], *,
-                    write_back: bool = True) -> list[torch.Tensor]:
+def flat_collective(
+    tensors: Sequence[torch.Tensor],
+    collective: Callable[[torch.Tensor], Any],
+    *,
+    write_back: bool = True,
+) -> list[torch.Tensor]:
     """Run ``collective`` (in place on a 1-D tensor: an all-reduce, a broadcast, a reducer) once
     on the concatenation of ``tensors``, flattened in order (``torch.cat``: one dtype, promoted as
     ``cat`` does). Returns views of the result, one per tensor and shaped like it; with
@@ -23,7 +27,9 @@ def flat_collective(tensors: Sequence[torch.Tensor], collective: Callable[[torch
         return []
     buf = torch.cat([t.reshape(-1) for t in tensors])
     collective(buf)
-    views = [v.view_as(t) for v, t in zip(buf.split([t.numel() for t in tensors]), tensors, strict=True)]
+    views = [
+        v.view_as(t) for v, t in zip(buf.split([t.numel() for t in tensors]), tensors, strict=True)
+    ]
     if write_back:
         for t, v in zip(tensors, views, strict=True):
             t.copy_(v)

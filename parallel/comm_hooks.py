@@ -54,14 +54,21 @@ def hosts_of(group=None) -> list[str]:
     return _hosts_cache[key]
 
 
-def should_use_shm(tensor: torch.Tensor | None = None, group=None, *, op: str = "all_reduce",
-                   hosts: list[str] | None = None) -> tuple[bool, str]:
+def should_use_shm(
+    tensor: torch.Tensor | None = None,
+    group=None,
+    *,
+    op: str = "all_reduce",
+    hosts: list[str] | None = None,
+) -> tuple[bool, str]:
     """Can ``op`` on ``tensor`` over ``group`` go through shared memory? ``(ok, reason)``.
 
     The first call for a group is collective (it learns every rank's host).
     """
     ok, reason = _gate(tensor, group, hosts)
-    _log_once(logging.INFO, "comm %s: %s (%s)", op, "shared memory" if ok else "process group", reason)
+    _log_once(
+        logging.INFO, "comm %s: %s (%s)", op, "shared memory" if ok else "process group", reason
+    )
     return ok, reason
 
 
@@ -109,45 +116,68 @@ class HierAllReduce:
     """
 
     group: object = None
-    quantize: bool = False       # int8 block quantisation of the inter-host stage
-    block_size: int = 256        # ZeRO++ uses 256..2048-element blocks; 256 keeps the scale
-                                 # overhead at 4/256 = 1.6% and the error small
+    quantize: bool = False  # int8 block quantisation of the inter-host stage
+    block_size: int = 256  # ZeRO++ uses 256..2048-element blocks; 256 keeps the scale
+    # overhead at 4/256 = 1.6% and the error small
     error_feedback: bool = True  # carry quantisation residuals to the next call (per key)
-    use_shm: bool = True         # False: intra-host stage through the process group as well
+    use_shm: bool = True  # False: intra-host stage through the process group as well
     stats: CommStats = field(default_factory=CommStats)
 
     def __post_init__(self):
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world))
+        ranks = (
+            dist.get_process_group_ranks(self.group)
+            if self.group is not None
+            else list(range(self.world))
+        )
         hosts = hosts_of(self.group)
         order = list(dict.fromkeys(hosts))
         per_host = [[ranks[i] for i, h in enumerate(hosts) if h == hh] for hh in order]
         sizes = {len(p) for p in per_host}
         if len(sizes) != 1:
-            raise ValueError(f"HierAllReduce needs equal ranks per host, got {[len(p) for p in per_host]}")
+            raise ValueError(
+                f"HierAllReduce needs equal ranks per host, got {[len(p) for p in per_host]}"
+            )
         self.n_hosts, self.n_local = len(per_host), sizes.pop()
         me = ranks[self.rank]
         self.host_idx = next(i for i, p in enumerate(per_host) if me in p)
         self.local_rank = per_host[self.host_idx].index(me)
         # Only the members of each new group take part in creating it.
-        self.local_pg = (dist.new_group(per_host[self.host_idx], use_local_synchronization=True)
-                         if self.n_local > 1 else None)
+        self.local_pg = (
+            dist.new_group(per_host[self.host_idx], use_local_synchronization=True)
+            if self.n_local > 1
+            else None
+        )
         cross = [p[self.local_rank] for p in per_host]
-        self.cross_pg = dist.new_group(cross, use_local_synchronization=True) if self.n_hosts > 1 else None
+        self.cross_pg = (
+            dist.new_group(cross, use_local_synchronization=True) if self.n_hosts > 1 else None
+        )
         self.shm = None
         self.shm_reason = "one rank per host"
         if self.n_local > 1:
-            ok, why = _gate(None, self.local_pg, [hosts[0]] * self.n_local) if self.use_shm else (False, "disabled")
+            ok, why = (
+                _gate(None, self.local_pg, [hosts[0]] * self.n_local)
+                if self.use_shm
+                else (False, "disabled")
+            )
             oks: list = [None] * self.n_local
             dist.all_gather_object(oks, ok, group=self.local_pg)
-            self.shm_reason = why if all(oks) else f"some local rank cannot use shared memory ({why})"
+            self.shm_reason = (
+                why if all(oks) else f"some local rank cannot use shared memory ({why})"
+            )
             if all(oks):
                 self.shm = K.ShmGroup(self.local_pg)
         self._errors: dict = {}
-        _log_once(logging.INFO, "HierAllReduce: %d host(s) x %d local rank(s), intra=%s (%s), inter=%s",
-                  self.n_hosts, self.n_local, "shm" if self.shm else "pg", self.shm_reason,
-                  "int8" if self.quantize else "full precision")
+        _log_once(
+            logging.INFO,
+            "HierAllReduce: %d host(s) x %d local rank(s), intra=%s (%s), inter=%s",
+            self.n_hosts,
+            self.n_local,
+            "shm" if self.shm else "pg",
+            self.shm_reason,
+            "int8" if self.quantize else "full precision",
+        )
 
     # -- intra-host stages (shared memory for CPU fp32/bf16, else the local process group)
     def _intra_ok(self, t: torch.Tensor) -> bool:
@@ -270,11 +300,17 @@ def _mean_(state: GradReduceState, buf: torch.Tensor, key: int) -> torch.Tensor:
         dist.all_reduce(buf, group=state.group)
         return buf.div_(state.world)
     if r.n_hosts == 1:
-        ok, why = should_use_shm(buf, state.group, op="grad all_reduce", hosts=hosts_of(state.group))
+        ok, why = should_use_shm(
+            buf, state.group, op="grad all_reduce", hosts=hosts_of(state.group)
+        )
         if not ok or r.shm is None:
             if state.kind != "auto":
-                _log_once(logging.WARNING, "grad_reduce=%s: using the process group (%s)", state.kind,
-                          why if not ok else r.shm_reason)
+                _log_once(
+                    logging.WARNING,
+                    "grad_reduce=%s: using the process group (%s)",
+                    state.kind,
+                    why if not ok else r.shm_reason,
+                )
             dist.all_reduce(buf, group=state.group)
             return buf.div_(state.world)
     r.all_reduce_(buf, key=key)  # falls back per stage where shm cannot serve
@@ -299,7 +335,12 @@ def make_grad_reducer(kind: str, process_group=None) -> Callable[[torch.Tensor, 
         if built:
             reducer = HierAllReduce(group=process_group, quantize=kind == "hier_int8")
         else:
-            _log_once(logging.WARNING, "grad_reduce=%s: extension unavailable (%s); using the process group", kind, why)
+            _log_once(
+                logging.WARNING,
+                "grad_reduce=%s: extension unavailable (%s); using the process group",
+                kind,
+                why,
+            )
     state = GradReduceState(kind, process_group, reducer, world)
 
     def mean_(buf: torch.Tensor, key: int = 0) -> torch.Tensor:
@@ -334,7 +375,12 @@ def make_grad_reduce_hook(kind: str, process_group=None) -> tuple[Callable, obje
     if not built:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        _log_once(logging.WARNING, "grad_reduce=%s: extension unavailable (%s); using the process group", kind, why)
+        _log_once(
+            logging.WARNING,
+            "grad_reduce=%s: extension unavailable (%s); using the process group",
+            kind,
+            why,
+        )
         return default_hooks.allreduce_hook, process_group
     reducer = HierAllReduce(group=process_group, quantize=kind == "hier_int8")
     state = GradReduceState(kind, process_group, reducer, dist.get_world_size(process_group))
@@ -364,17 +410,30 @@ class ShmReduceScatter(_RSBase):
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         sum_like = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-        if (sum_like and input_tensor.device.type == "cpu" and input_tensor.dtype in K.SHM_DTYPES
-                and dist.get_world_size(group) == self.shm.world):
+        if (
+            sum_like
+            and input_tensor.device.type == "cpu"
+            and input_tensor.dtype in K.SHM_DTYPES
+            and dist.get_world_size(group) == self.shm.world
+        ):
             self.shm.reduce_scatter_tensor(output_tensor, input_tensor)
             self.shm_calls += 1
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(self.shm.world)
             return None
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_tensor(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op
+        )
 
 
 __all__ = [
-    "GRAD_REDUCE_KINDS", "CommStats", "GradReduceState", "HierAllReduce", "ShmReduceScatter",
-    "hosts_of", "make_grad_reduce_hook", "make_grad_reducer", "should_use_shm",
+    "GRAD_REDUCE_KINDS",
+    "CommStats",
+    "GradReduceState",
+    "HierAllReduce",
+    "ShmReduceScatter",
+    "hosts_of",
+    "make_grad_reduce_hook",
+    "make_grad_reducer",
+    "should_use_shm",
 ]

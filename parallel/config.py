@@ -13,7 +13,16 @@ import math
 from dataclasses import dataclass, field
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's dimensions, outermost first
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved_1f1b", "looped_bfs", "zero_bubble", "zbv", "dualpipev")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "eager_1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "zero_bubble",
+    "zbv",
+    "dualpipev",
+)
 OBJECTIVES = ("speed", "memory")
 PARTITIONS = ("auto", "uniform", "parameters", "time")  # or the path of a saved partition (JSON)
 # the allowed values of every field that takes a name
@@ -41,7 +50,9 @@ class ParallelConfig:
     # replicas of the (sharded) model: HSDP's replicate dimension / plain data parallel; -1 =
     # whatever the other degrees leave of the world
     dp_replicate: int = 1
-    dp_shard: int = 1  # FSDP2 shard degree; -1 = whatever the other degrees leave (one of the two at most)
+    dp_shard: int = (
+        1  # FSDP2 shard degree; -1 = whatever the other degrees leave (one of the two at most)
+    )
     tp: int = 1  # tensor-parallel degree (DTensor, one mesh dimension)
     microbatches: int = 1  # pipeline microbatches per step; >= pp keeps every stage busy
     schedule: str = "1f1b"  # pipeline schedule (see SCHEDULES)
@@ -93,15 +104,21 @@ class ParallelConfig:
                 e.append(f"{key} must be >= 1 (got {getattr(self, key)})")
         for key in ("dp_replicate", "dp_shard"):
             if getattr(self, key) == 0 or getattr(self, key) < -1:
-                e.append(f"{key} must be >= 1 or -1 for 'the ranks the other degrees leave' (got {getattr(self, key)})")
+                e.append(
+                    f"{key} must be >= 1 or -1 for 'the ranks the other degrees leave' (got {getattr(self, key)})"
+                )
         if self.dp_replicate == -1 and self.dp_shard == -1:
-            e.append("dp_replicate and dp_shard are both -1: at most one takes the ranks left over (dp_replicate=1 "
-                     "with dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)")
+            e.append(
+                "dp_replicate and dp_shard are both -1: at most one takes the ranks left over (dp_replicate=1 "
+                "with dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)"
+            )
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 e.append(f"{key} must be one of {allowed} (got {getattr(self, key)!r})")
         if self.partition not in PARTITIONS and not str(self.partition).endswith(".json"):
-            e.append(f"partition must be one of {PARTITIONS} or a partition's JSON file (got {self.partition!r})")
+            e.append(
+                f"partition must be one of {PARTITIONS} or a partition's JSON file (got {self.partition!r})"
+            )
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             e.append(f"memory_cap_bytes must be positive or None (got {self.memory_cap_bytes})")
         degrees = None
@@ -110,15 +127,21 @@ class ParallelConfig:
             e += [why] if why else []
         shard = (degrees or {}).get("dp_shard", self.dp_shard)
         if self.pp > 1 and self.mixed_precision != "fp32":
-            e.append(f"mixed_precision={self.mixed_precision!r} with pp={self.pp}: FSDP's bf16 parameters would "
-                     "change the dtype of the tensors crossing the pipeline cuts; run the step under "
-                     "torch.autocast instead (train_step keeps it on the forwards)")
+            e.append(
+                f"mixed_precision={self.mixed_precision!r} with pp={self.pp}: FSDP's bf16 parameters would "
+                "change the dtype of the tensors crossing the pipeline cuts; run the step under "
+                "torch.autocast instead (train_step keeps it on the forwards)"
+            )
         if self.pp > 1 and self.cpu_offload:
-            e.append(f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the whole "
-                     "step, so offloading between microbatches would only copy; use cpu_offload with pp=1")
+            e.append(
+                f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the whole "
+                "step, so offloading between microbatches would only copy; use cpu_offload with pp=1"
+            )
         if self.pp > 1 and self.stage_path == "graph" and (self.tp > 1 or shard != 1):
-            e.append(f"stage_path='graph' with tp={self.tp}, dp_shard={shard}: the exported stage "
-                     "graphs do not carry tensor-parallel or FSDP modules; use stage_path='eager'")
+            e.append(
+                f"stage_path='graph' with tp={self.tp}, dp_shard={shard}: the exported stage "
+                "graphs do not carry tensor-parallel or FSDP modules; use stage_path='eager'"
+            )
         return e
 
     def _resolve(self, world_size: int) -> tuple[dict[str, int], str | None]:
@@ -133,8 +156,10 @@ class ParallelConfig:
                 return degrees, f"world size {world_size} is not divisible by {named} = {fixed}"
             degrees[free[0]] = world_size // fixed
         if math.prod(degrees.values()) != world_size:
-            return degrees, (f"pp*dp_replicate*dp_shard*tp = {'*'.join(str(v) for v in degrees.values())} "
-                             f"= {math.prod(degrees.values())} does not match the world size {world_size}")
+            return degrees, (
+                f"pp*dp_replicate*dp_shard*tp = {'*'.join(str(v) for v in degrees.values())} "
+                f"= {math.prod(degrees.values())} does not match the world size {world_size}"
+            )
         return degrees, None
 
     def validate(self, world_size: int) -> ParallelConfig:

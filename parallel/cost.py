@@ -29,7 +29,9 @@ SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zbv")
 class CostConfig:
     """Knobs of the cost model; defaults describe Adam in fp32 on a PCIe-class link."""
 
-    schedule: str = "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved | zbv (V-shaped, two stages per rank)
+    schedule: str = (
+        "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved | zbv (V-shaped, two stages per rank)
+    )
     microbatches: int = 8  # microbatches per step; the example batch is taken as one microbatch
     stages_per_rank: int = 1  # v: >1 for interleaved (round-robin) or zbv (v must be 2)
     grad_factor: float = 1.0  # gradient bytes per parameter byte (1: same dtype as the params)
@@ -82,10 +84,14 @@ def inflight(stage: int, num_ranks: int, cfg: CostConfig) -> float:
 class StageCosts:
     """Prefix sums over a unit sequence so any stage [i, j) costs O(1) (or O(n) for all i)."""
 
-    def __init__(self, units: list[Unit], cut: list[int], cfg: CostConfig, timed: bool, num_stages: int):
+    def __init__(
+        self, units: list[Unit], cut: list[int], cfg: CostConfig, timed: bool, num_stages: int
+    ):
         self.units, self.cfg, self.num_stages = units, cfg, num_stages
         self.num_ranks = num_stages // cfg.stages_per_rank
-        t = np.array([u.time if timed else u.flops / cfg.flops_per_s for u in units], dtype=np.float64)
+        t = np.array(
+            [u.time if timed else u.flops / cfg.flops_per_s for u in units], dtype=np.float64
+        )
         own = np.array([u.kind == "self" for u in units], dtype=bool)
         is_mod = np.array([u.kind == "module" for u in units], dtype=np.float64)
         state = 1.0 + cfg.grad_factor + cfg.optimizer_factor
@@ -99,7 +105,9 @@ class StageCosts:
         self.PC = np.concatenate([[0.0], np.cumsum(is_mod)])
         self.PM = np.concatenate([[0.0], np.cumsum(pm)])
         self.PA = np.concatenate([[0.0], np.cumsum(act)])
-        self.cut = np.asarray(cut, dtype=np.float64)  # (n + 1,) bytes crossing the cut before unit j
+        self.cut = np.asarray(
+            cut, dtype=np.float64
+        )  # (n + 1,) bytes crossing the cut before unit j
         self.comm_time = 2.0 * self.cut / cfg.bandwidth  # activations forward + gradients backward
         self.inflight = np.array([inflight(s, self.num_ranks, cfg) for s in range(num_stages)])
         # normalisers for mixing time and memory (SageMaker normalises both before weighting)

@@ -32,21 +32,25 @@ import torch.distributed as dist
 log = logging.getLogger("parallel.cpu_affinity")
 
 
-def plan_binding(rank: int, hosts: list[str], allowed: list[tuple[int, ...]]
-                 ) -> tuple[tuple[int, ...] | None, str]:
+def plan_binding(
+    rank: int, hosts: list[str], allowed: list[tuple[int, ...]]
+) -> tuple[tuple[int, ...] | None, str]:
     """The cores rank ``rank`` should be bound to, or None and why not. ``hosts[r]`` and
     ``allowed[r]`` (sorted cores) are every rank's host id and allowed cores."""
     local = [r for r in range(len(hosts)) if hosts[r] == hosts[rank]]
     if len(local) == 1:
         return None, "one rank on this host"
     if any(allowed[r] != allowed[rank] for r in local):
-        return None, "the ranks of this host were started with different allowed cores (already bound)"
+        return (
+            None,
+            "the ranks of this host were started with different allowed cores (already bound)",
+        )
     cores = allowed[rank]
     if len(cores) < len(local):
         return None, f"{len(local)} ranks on this host share {len(cores)} cores"
     k = len(cores) // len(local)
     i = local.index(rank)
-    return cores[i * k:(i + 1) * k], f"local rank {i} of {len(local)}"
+    return cores[i * k : (i + 1) * k], f"local rank {i} of {len(local)}"
 
 
 def _set_all_threads(cores: tuple[int, ...]) -> None:
@@ -65,7 +69,11 @@ def bind_cores(device: torch.device) -> str:
     """Collective over the default group (every rank calls it); returns what was done (logged)."""
     if device.type != "cpu":
         done = f"left as is (model on {device.type})"
-    elif not hasattr(os, "sched_setaffinity") or not dist.is_initialized() or dist.get_world_size() == 1:
+    elif (
+        not hasattr(os, "sched_setaffinity")
+        or not dist.is_initialized()
+        or dist.get_world_size() == 1
+    ):
         done = "left as is (no affinity API or a single process)"
     else:
         from .comm_hooks import hosts_of
@@ -80,6 +88,8 @@ def bind_cores(device: torch.device) -> str:
             _set_all_threads(cores)
             if torch.get_num_threads() > len(cores):
                 torch.set_num_threads(len(cores))
-            done = f"bound to cores {list(cores)} ({why}), {torch.get_num_threads()} intra-op threads"
+            done = (
+                f"bound to cores {list(cores)} ({why}), {torch.get_num_threads()} intra-op threads"
+            )
     log.info("rank %s cpu affinity: %s", dist.get_rank() if dist.is_initialized() else 0, done)
     return done

@@ -80,27 +80,49 @@ def _placement_fn(p: nn.Parameter):
     return Shard(0)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, blocks: list[nn.Module] | None = None, *,
-               mixed_precision: str = "fp32", cpu_offload: bool = False,
-               reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    blocks: list[nn.Module] | None = None,
+    *,
+    mixed_precision: str = "fp32",
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     """``fully_shard`` each block (layer) and then the root on ``mesh`` (1-D: FSDP, 2-D
     (replicate, shard): HSDP). Blocks are the communication units: one all-gather before each
     block's forward and backward, one reduce-scatter after its backward."""
-    kw = dict(mesh=mesh, mp_policy=mixed_precision_policy(mixed_precision),
-              offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
-              shard_placement_fn=_placement_fn)
+    kw = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision_policy(mixed_precision),
+        offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if cpu_offload
+        else OffloadPolicy(),
+        shard_placement_fn=_placement_fn,
+    )
     for b in blocks or []:
         shard_unit(b, reshard_after_forward=reshard_after_forward, **kw)
     # the root's parameters (embeddings, final norm, head) are needed again right after forward
     shard_unit(model, reshard_after_forward=False, **kw)
-    log.info("fsdp: %d block units + root on mesh %s (mixed precision %s, cpu offload %s)",
-             len(blocks or []), tuple(mesh.shape), mixed_precision, cpu_offload)
+    log.info(
+        "fsdp: %d block units + root on mesh %s (mixed precision %s, cpu offload %s)",
+        len(blocks or []),
+        tuple(mesh.shape),
+        mixed_precision,
+        cpu_offload,
+    )
     return model
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, *, group=None,
-                    copies: dict[int, int] | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    group=None,
+    copies: dict[int, int] | None = None,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model spread over ranks; the one clipper of the
     runtime and the app. Each DTensor gradient's norm (a TP / FSDP shard) is reduced over its
     mesh; with ``group`` (a pipeline's ranks, each holding other parameters) the sum of the
@@ -150,7 +172,9 @@ def _collective_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def fsdp_units(model: nn.Module, held: set[int], blocks: list[nn.Module], container: set[str]) -> list[nn.Module]:
+def fsdp_units(
+    model: nn.Module, held: set[int], blocks: list[nn.Module], container: set[str]
+) -> list[nn.Module]:
     """The FSDP units of one pipeline rank's part, innermost first: each held block, then the
     outermost modules around the rest of its parameters (an attention module with its output
     projection, whose weight the parent's own code reads, not the projection's forward). Left

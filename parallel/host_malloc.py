@@ -48,9 +48,14 @@ def steady_malloc() -> str:
     else:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-            _done = (f"glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
-                     if ok else "left as is (mallopt refused the thresholds)")
+            ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(
+                M_TRIM_THRESHOLD, TRIM_THRESHOLD
+            )
+            _done = (
+                f"glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
+                if ok
+                else "left as is (mallopt refused the thresholds)"
+            )
         except (OSError, AttributeError) as e:
             _done = f"left as is (no glibc mallopt: {e})"
     log.info("host allocations: %s", _done)

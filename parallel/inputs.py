@@ -13,17 +13,25 @@ import torch
 def split_microbatches(inputs: Any, m: int) -> list[Any]:
     """Split dim 0 of every tensor in a tuple / list / dict (nested) into m chunks; everything
     else is repeated."""
+
     def split(x: Any) -> list[Any]:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             parts = list(torch.tensor_split(x, m, dim=0))
             return parts
         if isinstance(x, Mapping):
             cols = {k: split(v) for k, v in x.items()}
-            return [type(x)({k: cols[k][i] for k in x}) if type(x) is not dict else {k: cols[k][i] for k in x}
-                    for i in range(m)]
+            return [
+                type(x)({k: cols[k][i] for k in x})
+                if type(x) is not dict
+                else {k: cols[k][i] for k in x}
+                for i in range(m)
+            ]
         if isinstance(x, list | tuple):
             cols = [split(v) for v in x]
-            return [type(x)(c[i] for c in cols) if isinstance(x, list | tuple) else None for i in range(m)]
+            return [
+                type(x)(c[i] for c in cols) if isinstance(x, list | tuple) else None
+                for i in range(m)
+            ]
         return [x] * m
 
     if inputs is None:
@@ -45,11 +53,12 @@ def _default_loss(out: Any, target: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None) if not isinstance(out, Mapping) else out.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
-    raise ValueError("train_step needs loss_fn(model_output, target) unless the model returns a loss")
+    raise ValueError(
+        "train_step needs loss_fn(model_output, target) unless the model returns a loss"
+    )
 
 
 # ----------------------------------------------------------------------------- partition
-
 
 
 def _microbatch_of(example: Any, m: int) -> Any:
@@ -64,5 +73,3 @@ def _batch(inputs: Any) -> int:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 0
-
-

@@ -19,7 +19,9 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("parallel.memory")
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str = "full", every: int = 1) -> list[int]:
+def apply_activation_checkpointing(
+    blocks: list[nn.Module], mode: str = "full", every: int = 1
+) -> list[int]:
     """Recompute the forward of blocks in backward instead of keeping their activations: only
     each checkpointed block's inputs stay alive. ``full``: every block; ``every_n``: blocks n-1,
     2n-1, ... (every n-th, torchtitan's ``ac_freq``). Returns the indices checkpointed."""
@@ -148,7 +150,9 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
     def register(self, name, param):
         orig(self, name, param)
         if param is not None and param.device.type != "meta":
-            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
 
     nn.Module.register_parameter = register
     try:
@@ -161,8 +165,11 @@ def meta_init(include_buffers: bool = False) -> Iterator[None]:
         nn.Module.register_parameter = orig
 
 
-def materialize(model: nn.Module, device: str | torch.device = "cpu",
-                init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def materialize(
+    model: nn.Module,
+    device: str | torch.device = "cpu",
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Allocate the (now sharded) meta parameters on ``device``, only this rank's shards, then
     initialise them: ``init_fn(model)`` if given, else each module's ``reset_parameters()``.
     Real buffers are kept. Load weights afterwards with
@@ -188,9 +195,13 @@ def materialize(model: nn.Module, device: str | torch.device = "cpu",
                     for _, p in own:
                         nn.init.normal_(p, std=0.02) if p.dim() >= 2 else nn.init.zeros_(p)
             if uncovered:
-                log.warning("materialize: %d parameters have no reset_parameters() (%s%s): initialised "
-                            "N(0, 0.02) / zeros; pass init_fn for the model's own initialisation",
-                            len(uncovered), ", ".join(uncovered[:4]), "..." if len(uncovered) > 4 else "")
+                log.warning(
+                    "materialize: %d parameters have no reset_parameters() (%s%s): initialised "
+                    "N(0, 0.02) / zeros; pass init_fn for the model's own initialisation",
+                    len(uncovered),
+                    ", ".join(uncovered[:4]),
+                    "..." if len(uncovered) > 4 else "",
+                )
     return model
 
 

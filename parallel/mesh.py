@@ -45,8 +45,10 @@ def _timeout_override(device_type: str, timeout_s: float | None) -> dict | None:
     be said (no timeout asked, or a torch whose ``init_device_mesh`` lacks the argument)."""
     if not timeout_s or "backend_override" not in inspect.signature(init_device_mesh).parameters:
         if timeout_s:
-            log.warning("this torch's init_device_mesh takes no backend_override: mesh sub-groups keep "
-                        "torch's default collective timeout")
+            log.warning(
+                "this torch's init_device_mesh takes no backend_override: mesh sub-groups keep "
+                "torch's default collective timeout"
+            )
         return None
     nccl = device_type == "cuda" and "nccl" in dist.get_backend()
     opts = dist.ProcessGroupNCCL.Options() if nccl else dist.ProcessGroupGloo._Options()
@@ -54,8 +56,12 @@ def _timeout_override(device_type: str, timeout_s: float | None) -> dict | None:
     return {d: ("nccl" if nccl else "gloo", opts) for d in DIMS}
 
 
-def build_mesh(cfg: ParallelConfig, world_size: int | None = None, device_type: str | None = None,
-               timeout_s: float | None = None) -> DeviceMesh:
+def build_mesh(
+    cfg: ParallelConfig,
+    world_size: int | None = None,
+    device_type: str | None = None,
+    timeout_s: float | None = None,
+) -> DeviceMesh:
     """The 4-D mesh (pp, dp_replicate, dp_shard, tp) for ``cfg``; validates the layout first, so a
     layout that does not fit the world fails here, before any model code runs. ``timeout_s``: the
     collective timeout of every dimension's group (None: torch's default)."""
@@ -93,11 +99,15 @@ class Layout:
     tp_size: int
     pp_ranks: list[int]  # global ranks of this rank's pipeline, by pipeline index
     pp_group: Any  # process group of this pipeline (None: pp == 1)
-    dp_group: Any  # process group of the data-parallel ranks holding this rank's part (None: dp == 1)
+    dp_group: (
+        Any  # process group of the data-parallel ranks holding this rank's part (None: dp == 1)
+    )
     mesh: DeviceMesh | None  # the 4-D mesh (None in a single process without a process group)
 
 
-def layout_of(cfg: ParallelConfig, device_type: str | None = None, timeout_s: float | None = None) -> Layout:
+def layout_of(
+    cfg: ParallelConfig, device_type: str | None = None, timeout_s: float | None = None
+) -> Layout:
     """Build the mesh once (a collective: every rank calls it) and this rank's place on it. Without
     a process group (one process), a layout of size 1 everywhere and no mesh. ``timeout_s``: how
     long a collective on any of the mesh's groups waits for a dead peer (None: torch's default)."""
@@ -125,4 +135,6 @@ def layout_of(cfg: ParallelConfig, device_type: str | None = None, timeout_s: fl
             g = dist.new_group([rank_at(p, d, t) for d in range(R * S)], timeout=timeout)
             if (p, t) == (coord["pp"], coord["tp"]):
                 dp_group = g
-    return Layout(rank, coord["pp"], P, dp_i, R * S, coord["tp"], T, pp_ranks, pp_group, dp_group, mesh)
+    return Layout(
+        rank, coord["pp"], P, dp_i, R * S, coord["tp"], T, pp_ranks, pp_group, dp_group, mesh
+    )

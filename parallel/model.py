@@ -48,9 +48,13 @@ class Parts:
     cfg: ParallelConfig  # the layout and step settings it was parallelized with
     layout: Layout  # this rank's place in the mesh and its process groups
     device: torch.device  # where this rank's parameters live (they do not move after parallelize)
-    named_held: tuple[tuple[str, nn.Parameter], ...]  # this rank's parameters by name (a tied one under each name)
+    named_held: tuple[
+        tuple[str, nn.Parameter], ...
+    ]  # this rank's parameters by name (a tied one under each name)
     trainable: tuple[nn.Parameter, ...]  # the distinct held parameters that take gradients
-    sharded: Sharded = field(default_factory=Sharded)  # what parallelize_spmd applied (TP plan, FSDP units)
+    sharded: Sharded = field(
+        default_factory=Sharded
+    )  # what parallelize_spmd applied (TP plan, FSDP units)
     fsdp_ids: frozenset[int] = frozenset()  # ids of the parameters whose gradients FSDP reduces
     step_sync: StepSync | None = None  # FSDP units driven once per call (microbatches, pipeline)
     # averages a flat gradient of what FSDP does not reduce over the data-parallel ranks, in place
@@ -58,13 +62,21 @@ class Parts:
     grad_reducer: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     partition: Partition | None = None  # the pipeline's stage assignment (None: pp == 1)
     plan: Plan | None = None  # the replay plan of the example's input structure (pp > 1)
-    stages: Mapping[int, EagerStage] = field(default_factory=dict)  # this rank's stages (empty: pp == 1)
+    stages: Mapping[int, EagerStage] = field(
+        default_factory=dict
+    )  # this rank's stages (empty: pp == 1)
     order: tuple[Action, ...] | None = None  # this rank's schedule actions, in order
     transport: Transport | None = None  # the pipeline's point-to-point sends and receives
     local_stages: tuple[int, ...] = (0,)  # the stage indices this rank runs
-    replicated: tuple[str, ...] = ()  # canonical names held by more than one pipeline rank (tied weights)
-    replicated_numel: Mapping[str, int] = field(default_factory=dict)  # their sizes (a rank not holding one sends zeros)
-    loss_group: Any = None  # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
+    replicated: tuple[
+        str, ...
+    ] = ()  # canonical names held by more than one pipeline rank (tied weights)
+    replicated_numel: Mapping[str, int] = field(
+        default_factory=dict
+    )  # their sizes (a rank not holding one sends zeros)
+    loss_group: Any = (
+        None  # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
+    )
     # further input structures (``parallelize(structures=...)``): name -> this rank's stages, each
     # replaying the model on its own plan (``plans[name]``); names without a pipeline map to nothing
     structures: Mapping[str, Mapping[int, EagerStage]] = field(default_factory=dict)
@@ -114,8 +126,9 @@ class ParallelModel(nn.Module):
         return self.partition is None or (self.partition.num_stages - 1) in self.local_stages
 
     # --- parameters by original names
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
-                         ) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters (FSDP's sharded ones, also while a unit is gathered)."""
         seen: set[int] = set()
         for name, p in self._parts.named_held:
@@ -143,10 +156,14 @@ class ParallelModel(nn.Module):
         keys = self._local_keys()
         return {k: v for k, v in self.module.state_dict(keep_vars=False).items() if k in keys}
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = False, assign: bool = False):  # type: ignore[override]
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = False, assign: bool = False
+    ):  # type: ignore[override]
         """Load the entries this rank holds (a full or a per-rank state dict both work)."""
         keys = self._local_keys()
-        return self.module.load_state_dict({k: v for k, v in state_dict.items() if k in keys}, strict=False)
+        return self.module.load_state_dict(
+            {k: v for k, v in state_dict.items() if k in keys}, strict=False
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -161,9 +178,15 @@ class ParallelModel(nn.Module):
         return self.module(*args, **kwargs)
 
     # --- training
-    def train_step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                   weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None, structure: str | None = None,
-                   sync: bool = True) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: Any,
+        target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None,
+        structure: str | None = None,
+        sync: bool = True,
+    ) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
 
         ``inputs``: tuple of positional or dict of keyword arguments; dim 0 of every tensor is
@@ -191,7 +214,9 @@ class ParallelModel(nn.Module):
         mbs = split_microbatches(inputs, m)
         tgts = split_microbatches(target, m)
         # a weight_fn may answer with an accelerator's tensor: kept there (reading it is a host sync)
-        w = [_weight(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)]
+        w = [
+            _weight(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)
+        ]
         total_w = sum(w)
         if not isinstance(total_w, torch.Tensor) and total_w <= 0:
             raise ValueError("microbatch weights sum to zero")
@@ -207,7 +232,9 @@ class ParallelModel(nn.Module):
                 params = [unsharded.get(id(p), p) for p in self._parts.trainable]
                 for st in self.all_stages():
                     st.params = params
-        elif self.sharded.fsdp_units:  # FSDP's own hooks run the step: they reduce-scatter only if sync
+        elif (
+            self.sharded.fsdp_units
+        ):  # FSDP's own hooks run the step: they reduce-scatter only if sync
             for u in self.sharded.fsdp_units:
                 u.set_requires_gradient_sync(sync, recurse=False)
         if not stages:  # no pipeline: gradient accumulation over the microbatches
@@ -223,17 +250,26 @@ class ParallelModel(nn.Module):
         else:
             self.transport.wait_s = 0.0
             with _gc_paused(self.cfg.gc_pause):
-                self._run_schedule(stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast)
+                self._run_schedule(
+                    stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast
+                )
             self.transport.flush()
         t0 = time.perf_counter()
         if self.step_sync is not None:
             self.step_sync.finish(reduce=sync)
         if sync:
             self._sync_grads()
-        if self.is_last_stage and losses[0].device.type == "cpu" and not isinstance(total_w, torch.Tensor):
+        if (
+            self.is_last_stage
+            and losses[0].device.type == "cpu"
+            and not isinstance(total_w, torch.Tensor)
+        ):
             # four ops, not 3m: on a CPU rank each costs microseconds on the step's critical path
             lw = torch.tensor(w, dtype=torch.float32, device=losses[0].device)
-            step_loss = torch.dot(torch.stack([losses[i] for i in range(m)]).float().reshape(m), lw) / total_w
+            step_loss = (
+                torch.dot(torch.stack([losses[i] for i in range(m)]).float().reshape(m), lw)
+                / total_w
+            )
         elif self.is_last_stage:  # an accelerator: no host tensor of weights to copy in every step
             step_loss = sum(losses[i].float().reshape(()) * (w[i] / total_w) for i in range(m))
         else:
@@ -243,7 +279,9 @@ class ParallelModel(nn.Module):
             rec(Event(rank, "sync", -1, -1, t0, time.perf_counter()))
         return step_loss
 
-    def _run_schedule(self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast) -> None:
+    def _run_schedule(
+        self, stages, mbs, tgts, w, total_w, loss_fn, losses, rec, rank, no_cast
+    ) -> None:
         """This rank's actions of the schedule, in order (receives happen inside them); the
         backwards under ``no_cast`` (``_autocast_off``)."""
         for a in self.order:
@@ -265,7 +303,9 @@ class ParallelModel(nn.Module):
                         st.backward_input(a.mb)
                     elif a.kind == "W":
                         st.backward_weight(a.mb)
-            if rec:  # receives happen at the start of an action: the event is the compute after them
+            if (
+                rec
+            ):  # receives happen at the start of an action: the event is the compute after them
                 waited = self.transport.wait_s - w0
                 if waited > 0:
                     rec(Event(rank, "wait", a.stage, a.mb, t0, t0 + waited))
@@ -277,8 +317,10 @@ class ParallelModel(nn.Module):
         if structure is None:
             return self.stages
         if structure not in self.structure_names:
-            raise KeyError(f"no input structure {structure!r}: parallelize(..., structures=...) named "
-                           f"{sorted(self.structure_names)}")
+            raise KeyError(
+                f"no input structure {structure!r}: parallelize(..., structures=...) named "
+                f"{sorted(self.structure_names)}"
+            )
         return self.structures.get(structure, self.stages)  # no pipeline: the model runs as it is
 
     def all_stages(self) -> Iterator[Any]:
@@ -292,7 +334,9 @@ class ParallelModel(nn.Module):
         pipeline (a collective over the pipeline group; picklable objects)."""
         if not self.stages or not dist.is_initialized():
             return obj
-        last = self.layout.pp_ranks[stage_rank(self.partition.num_stages - 1, self.layout.pp_size, self.cfg.schedule)]
+        last = self.layout.pp_ranks[
+            stage_rank(self.partition.num_stages - 1, self.layout.pp_size, self.cfg.schedule)
+        ]
         box = [obj]
         dist.broadcast_object_list(box, src=last, group=self.layout.pp_group)
         return box[0]
@@ -327,10 +371,16 @@ class ParallelModel(nn.Module):
             for n in parts.replicated:
                 p = params[n]
                 mine = id(p) in self._held
-                flat.append(_local(p.grad).reshape(-1) if mine and p.grad is not None else
-                            torch.zeros(parts.replicated_numel[n], dtype=p.dtype, device=self._device()))
-            summed = flat_collective(flat, lambda buf: dist.all_reduce(buf, group=self.layout.pp_group),
-                                     write_back=False)
+                flat.append(
+                    _local(p.grad).reshape(-1)
+                    if mine and p.grad is not None
+                    else torch.zeros(
+                        parts.replicated_numel[n], dtype=p.dtype, device=self._device()
+                    )
+                )
+            summed = flat_collective(
+                flat, lambda buf: dist.all_reduce(buf, group=self.layout.pp_group), write_back=False
+            )
             for n, g in zip(parts.replicated, summed, strict=True):
                 p = params[n]
                 if id(p) in self._held:
@@ -366,17 +416,28 @@ class ParallelModel(nn.Module):
             stage_rank = self.partition.stage_rank
             params = dict(self.module.named_parameters(remove_duplicate=False))
             for n in self._parts.replicated:
-                copies[id(params[n])] = len({stage_rank[s] for s in self.partition.param_stages.get(n, [0])})
+                copies[id(params[n])] = len(
+                    {stage_rank[s] for s in self.partition.param_stages.get(n, [0])}
+                )
         also = list(also)
         pp = self.layout.pp_size if dist.is_initialized() else 1
         copies.update({id(q): pp for q in also})  # every pipeline rank holds them alike
-        return clip_grad_norm_([*self.parameters(), *also], max_norm, group=self.layout.pp_group if pp > 1 else None,
-                               copies=copies)
+        return clip_grad_norm_(
+            [*self.parameters(), *also],
+            max_norm,
+            group=self.layout.pp_group if pp > 1 else None,
+            copies=copies,
+        )
 
     # --- evaluation
     @torch.no_grad()
-    def predict(self, inputs: Any, output_fn: Callable[[Any, Any], Any] | None = None,
-                extra: Any = None, structure: str | None = None) -> list[Any]:
+    def predict(
+        self,
+        inputs: Any,
+        output_fn: Callable[[Any, Any], Any] | None = None,
+        extra: Any = None,
+        structure: str | None = None,
+    ) -> list[Any]:
         """Forward-only over the pipeline: ``output_fn(output, extra_microbatch)`` on the last stage
         for each microbatch (default: the output itself); the list of results (picklable) is
         broadcast to every rank of the pipeline. ``structure``: as in ``train_step``."""
@@ -406,7 +467,6 @@ class ParallelModel(nn.Module):
         return self.from_last_stage(res)
 
 
-
 def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
     """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them (CPU
     tensors, every rank on one host), else None (the process group). After a pipelined step
@@ -419,7 +479,9 @@ def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
     from parallel.kernels import comm
 
     hosts = hosts_of()  # collective on every rank before any rank-local answer
-    ok, _ = should_use_shm(torch.empty(0, device=device), hosts=hosts, op="pipeline loss all_reduce")
+    ok, _ = should_use_shm(
+        torch.empty(0, device=device), hosts=hosts, op="pipeline loss all_reduce"
+    )
     oks: list = [None] * dist.get_world_size()
     dist.all_gather_object(oks, ok)
     return comm.ShmGroup(timeout_s=timeout_s) if all(oks) else None
@@ -444,7 +506,6 @@ def _gc_paused(on: bool):
     finally:
         if on and was:
             gc.enable()
-
 
 
 def _weight(w) -> float | torch.Tensor:

@@ -30,7 +30,10 @@ from .cost import CostConfig, StageCosts
 from .trace import TraceResult, trace_model
 from .units import Unit, UnitBuilder, cut_bytes, layer_units
 
-OBJECTIVE_WEIGHT = {"speed": 0.0, "memory": 0.8}  # memory weight per objective (see README of cost.py)
+OBJECTIVE_WEIGHT = {
+    "speed": 0.0,
+    "memory": 0.8,
+}  # memory weight per objective (see README of cost.py)
 REFINE_FRACTION = 8  # descend into a unit above 1/8 of the ideal stage time: fine enough to balance
 REFINE_SLACK = 0.02  # stop descending once the largest stage is within 2% of the ideal
 REFINE_ROUNDS = 32  # bound on descend-and-resolve rounds after the first cut
@@ -118,10 +121,16 @@ class Partition:
 
     # --- output
     def table(self) -> str:
-        head = f"{'stage':>5} {'rank':>4} {'units':>5} {'first unit':<28} {'last unit':<28} " \
-               f"{'time ms':>8} {'params MB':>9} {'act MB':>7} {'mem MB':>8} {'in KB':>8} {'out KB':>8} {'cost':>6}"
-        lines = [f"Partition ({self.method}, objective={self.objective}, schedule={self.cost_config.schedule}, "
-                 f"{self.num_stages} stages, {len(self.units)} units)", head, "-" * len(head)]
+        head = (
+            f"{'stage':>5} {'rank':>4} {'units':>5} {'first unit':<28} {'last unit':<28} "
+            f"{'time ms':>8} {'params MB':>9} {'act MB':>7} {'mem MB':>8} {'in KB':>8} {'out KB':>8} {'cost':>6}"
+        )
+        lines = [
+            f"Partition ({self.method}, objective={self.objective}, schedule={self.cost_config.schedule}, "
+            f"{self.num_stages} stages, {len(self.units)} units)",
+            head,
+            "-" * len(head),
+        ]
         for s in self.stages:
             lines.append(
                 f"{s.stage:>5} {s.rank:>4} {s.num_units:>5} {_short(s.first):<28} {_short(s.last):<28} "
@@ -130,7 +139,9 @@ class Partition:
             )
         for g in self.shared:
             sync = "gradients all-reduced over stages" if g.grad_sync else "no sync needed"
-            lines.append(f"shared {g.params} used by {g.modules}: {g.policy} on stages {g.stages} ({sync})")
+            lines.append(
+                f"shared {g.params} used by {g.modules}: {g.policy} on stages {g.stages} ({sync})"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -160,7 +171,7 @@ class Partition:
 
 def _short(name: str, width: int = 28) -> str:
     name = name or "<root>"
-    return name if len(name) <= width else "…" + name[-(width - 1):]
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -203,12 +214,16 @@ def _forbidden_cuts(units: list[Unit], trace: TraceResult, policy: str) -> set[i
     return bad
 
 
-def _costs(units: list[Unit], trace: TraceResult, cfg: CostConfig, k: int, policy: str) -> StageCosts:
+def _costs(
+    units: list[Unit], trace: TraceResult, cfg: CostConfig, k: int, policy: str
+) -> StageCosts:
     adj = _with_replicas(units, trace, policy)
     return StageCosts(adj, cut_bytes(units, trace), cfg, trace.timed, k)
 
 
-def _largest_module_error(units: list[Unit], costs: StageCosts, cap: float, k: int) -> InfeasiblePartition:
+def _largest_module_error(
+    units: list[Unit], costs: StageCosts, cap: float, k: int
+) -> InfeasiblePartition:
     i = max(range(len(units)), key=lambda j: costs.unit_memory(j))
     u = units[i]
     cfg = costs.cfg
@@ -223,7 +238,9 @@ def _largest_module_error(units: list[Unit], costs: StageCosts, cap: float, k: i
     )
 
 
-def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[list[Unit], StageCosts, list[int]]:
+def _refine(
+    trace: TraceResult, k: int, cfg: CostConfig, policy: str
+) -> tuple[list[Unit], StageCosts, list[int]]:
     """Descend the tree until the units can be balanced, then solve exactly."""
     b = UnitBuilder(trace)
     units = b.root()
@@ -237,7 +254,10 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
     def too_big(u: Unit) -> bool:
         if _unit_time(u, cfg, timed) > target / REFINE_FRACTION:
             return True
-        return cap is not None and u.param_bytes * state + u.buffer_bytes + u.act_bytes * worst_inflight > cap
+        return (
+            cap is not None
+            and u.param_bytes * state + u.buffer_bytes + u.act_bytes * worst_inflight > cap
+        )
 
     # phase A: one sweep down the tree (each unit expanded at most once)
     changed = True
@@ -257,11 +277,14 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             raise InfeasiblePartition(
                 f"the model has only {sum(u.kind == 'module' for u in units)} placeable modules "
                 f"({[u.name for u in units if u.kind == 'module']}); cannot give each of {k} stages one "
-                "(use fewer stages)")
+                "(use fewer stages)"
+            )
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
-        units[i:i + 1] = b.expand(units[i])
+        units[i : i + 1] = b.expand(units[i])
 
-    def settle(units: list[Unit], bounds: list[int], best: float, tol: float) -> tuple[list[Unit], list[int], float]:
+    def settle(
+        units: list[Unit], bounds: list[int], best: float, tol: float
+    ) -> tuple[list[Unit], list[int], float]:
         """Merge back what lies on one stage (``_coarsen``: the other stages no longer replay its
         own code) and solve again on the merged units, until nothing merges."""
         while True:
@@ -269,8 +292,13 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
             if len(merged) == len(units):
                 return units, bounds, best
             units = merged
-            bounds, best = minmax_partition(_costs(units, trace, cfg, k, policy), k, cap,
-                                            _forbidden_cuts(units, trace, policy), tolerance=tol)
+            bounds, best = minmax_partition(
+                _costs(units, trace, cfg, k, policy),
+                k,
+                cap,
+                _forbidden_cuts(units, trace, policy),
+                tolerance=tol,
+            )
 
     # phase B: solve; descend into the bottleneck (or an over-cap unit) while that helps. A finer
     # cut is not always better: the expanded container's own code is replayed on every later
@@ -290,18 +318,23 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
                     raise InfeasiblePartition(
                         "shared parameters with shared='colocate' force units "
                         f"{sorted(forbidden)[0] - 1}..{sorted(forbidden)[-1]} onto one stage; "
-                        "use shared='replicate' or fewer stages") from None
+                        "use shared='replicate' or fewer stages"
+                    ) from None
                 raise _largest_module_error(units, costs, cap or 0.0, k) from None
             i = max(cand, key=lambda j: costs.unit_memory(j))
-            units[i:i + 1] = b.expand(units[i])
+            units[i : i + 1] = b.expand(units[i])
             continue
         settled, _, settled_best = settle(list(units), bounds, best, 0.0)
         if settled_best < best_cost * (1 - 1e-9):
             best_units, best_cost = settled, settled_best
         # ideal: the units spread evenly, each stage also replaying all container code
         replay = costs.PS[-1] * (k - 1) / costs.total_time
-        ideal = ((1 - cfg.memory_weight) * (1 + replay) + cfg.memory_weight
-                 * (costs.PM[-1] + costs.PA[-1] * costs.inflight.mean()) / costs.total_mem) / k
+        ideal = (
+            (1 - cfg.memory_weight) * (1 + replay)
+            + cfg.memory_weight
+            * (costs.PM[-1] + costs.PA[-1] * costs.inflight.mean())
+            / costs.total_mem
+        ) / k
         if best <= (1 + REFINE_SLACK) * ideal:
             break
         s = max(range(k), key=lambda t: costs.cost(t, bounds[t], bounds[t + 1], cap))
@@ -310,14 +343,16 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
         if not cand:
             break
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
-        units[i:i + 1] = b.expand(units[i])
+        units[i : i + 1] = b.expand(units[i])
     # the hand-written layer list (what the baselines cut) is also a candidate: it exposes less
     # container code than a deep descent, so it may balance better
     layers = layer_units(b)
     if sum(u.kind == "module" for u in layers) >= k:
         lc = _costs(layers, trace, cfg, k, policy)
         try:
-            _, lbest = minmax_partition(lc, k, cap, _forbidden_cuts(layers, trace, policy), tolerance=0.0)
+            _, lbest = minmax_partition(
+                lc, k, cap, _forbidden_cuts(layers, trace, policy), tolerance=0.0
+            )
             if lbest < best_cost * (1 - 1e-9):
                 best_units, best_cost = layers, lbest
         except InfeasiblePartition:
@@ -325,7 +360,9 @@ def _refine(trace: TraceResult, k: int, cfg: CostConfig, policy: str) -> tuple[l
     if best_units is not None:
         units = best_units
     costs = _costs(units, trace, cfg, k, policy)
-    bounds, best = minmax_partition(costs, k, cap, _forbidden_cuts(units, trace, policy), tolerance=COMM_TOLERANCE)
+    bounds, best = minmax_partition(
+        costs, k, cap, _forbidden_cuts(units, trace, policy), tolerance=COMM_TOLERANCE
+    )
     units, bounds, _ = settle(units, bounds, best, COMM_TOLERANCE)
     return units, _costs(units, trace, cfg, k, policy), bounds
 
@@ -337,7 +374,9 @@ def _stage_of_units(bounds: Sequence[int]) -> list[int]:
     return out
 
 
-def _coarsen(b: UnitBuilder, units: list[Unit], unit_stage: list[int]) -> tuple[list[Unit], list[int]]:
+def _coarsen(
+    b: UnitBuilder, units: list[Unit], unit_stage: list[int]
+) -> tuple[list[Unit], list[int]]:
     """Merge back each expanded module whose units all sit, in one run, on one stage (the search
     expands modules to balance the stages, and most expansions end up wholly on one side of every
     cut). Placement is unchanged; what changes is the replay: the other stages intercept the whole
@@ -349,26 +388,39 @@ def _coarsen(b: UnitBuilder, units: list[Unit], unit_stage: list[int]) -> tuple[
     def depth(name: str) -> int:
         return name.count(".") + 1 if name else 0
 
-    expanded = sorted({u.module for u in units if u.kind == "self" and u.module}, key=depth, reverse=True)
+    expanded = sorted(
+        {u.module for u in units if u.kind == "self" and u.module}, key=depth, reverse=True
+    )
     for name in expanded:
         top = mods[name]
         if top.calls != 1:
             continue
         sub = set(b.subtree(name))
-        if any(mods[m].calls and (mods[m].first_seq < top.first_seq or mods[m].last_seq > top.last_seq)
-               for m in sub):
+        if any(
+            mods[m].calls and (mods[m].first_seq < top.first_seq or mods[m].last_seq > top.last_seq)
+            for m in sub
+        ):
             continue
         idx = [j for j, v in enumerate(units) if v.module in sub]
         lo, hi = idx[0], idx[-1]
-        if hi - lo + 1 != len(idx) or len(set(unit_stage[lo:hi + 1])) != 1:
+        if hi - lo + 1 != len(idx) or len(set(unit_stage[lo : hi + 1])) != 1:
             continue
-        units = units[:lo] + [b.module_unit(name)] + units[hi + 1:]
-        unit_stage = unit_stage[:lo] + [unit_stage[lo]] + unit_stage[hi + 1:]
+        units = units[:lo] + [b.module_unit(name)] + units[hi + 1 :]
+        unit_stage = unit_stage[:lo] + [unit_stage[lo]] + unit_stage[hi + 1 :]
     return units, unit_stage
 
 
-def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: list[int], costs: StageCosts,
-              k: int, cfg: CostConfig, objective: str, policy: str) -> Partition:
+def _assemble(
+    method: str,
+    trace: TraceResult,
+    units: list[Unit],
+    unit_stage: list[int],
+    costs: StageCosts,
+    k: int,
+    cfg: CostConfig,
+    objective: str,
+    policy: str,
+) -> Partition:
     from .cost import rank_of_stage
 
     units = costs.units  # replica-adjusted: what the balancer saw
@@ -393,8 +445,15 @@ def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: li
         for p in g.params:
             param_stages.setdefault(trace.param_alias.get(p, p), set()).update(st)
         one_rank = len({ranks[s] for s in st}) <= 1
-        shared.append(SharedPlacement(list(g.params), list(g.modules), st,
-                                      "colocated" if one_rank else "replicated", not one_rank))
+        shared.append(
+            SharedPlacement(
+                list(g.params),
+                list(g.modules),
+                st,
+                "colocated" if one_rank else "replicated",
+                not one_rank,
+            )
+        )
     for alias, canon in trace.param_alias.items():
         param_stages[alias] = param_stages.get(canon, set())
     # exact per-stage report
@@ -418,24 +477,56 @@ def _assemble(method: str, trace: TraceResult, units: list[Unit], unit_stage: li
         mem = pbytes * state + buf + act * float(costs.inflight[s])
         w = cfg.memory_weight
         cost = (1 - w) * time / costs.total_time + w * mem / costs.total_mem if idx else 0.0
-        reports.append(StageReport(
-            s, ranks[s], units[idx[0]].name if idx else "", units[idx[-1]].name if idx else "", len(idx),
-            time, ctime, pbytes, act, mem, int(comm_in[s]), int(comm_out[s]), cost))
+        reports.append(
+            StageReport(
+                s,
+                ranks[s],
+                units[idx[0]].name if idx else "",
+                units[idx[-1]].name if idx else "",
+                len(idx),
+                time,
+                ctime,
+                pbytes,
+                act,
+                mem,
+                int(comm_in[s]),
+                int(comm_out[s]),
+                cost,
+            )
+        )
     return Partition(
-        method=method, num_stages=k, objective=objective, cost_config=cfg, timed=trace.timed, units=units,
-        unit_stage=list(unit_stage), cut_bytes=[int(c) for c in costs.cut], stage_rank=ranks,
+        method=method,
+        num_stages=k,
+        objective=objective,
+        cost_config=cfg,
+        timed=trace.timed,
+        units=units,
+        unit_stage=list(unit_stage),
+        cut_bytes=[int(c) for c in costs.cut],
+        stage_rank=ranks,
         module_stages={m: sorted(v) for m, v in module_stages.items()},
-        param_stages={p: sorted(v) for p, v in param_stages.items()}, shared=shared, stages=reports,
+        param_stages={p: sorted(v) for p, v in param_stages.items()},
+        shared=shared,
+        stages=reports,
     )
 
 
-def _make_config(num_stages: int, objective: str, memory_cap_bytes: float | None, cost_config: CostConfig | None,
-                 memory_weight: float | None, schedule: str | None, microbatches: int | None,
-                 stages_per_rank: int | None) -> CostConfig:
+def _make_config(
+    num_stages: int,
+    objective: str,
+    memory_cap_bytes: float | None,
+    cost_config: CostConfig | None,
+    memory_weight: float | None,
+    schedule: str | None,
+    microbatches: int | None,
+    stages_per_rank: int | None,
+) -> CostConfig:
     if objective not in OBJECTIVE_WEIGHT:
         raise ValueError(f"objective must be one of {sorted(OBJECTIVE_WEIGHT)}, got {objective!r}")
     cfg = cost_config or CostConfig()
-    upd: dict[str, Any] = {"memory_weight": OBJECTIVE_WEIGHT[objective] if memory_weight is None else memory_weight}
+    upd: dict[str, Any] = {
+        "memory_weight": OBJECTIVE_WEIGHT[objective] if memory_weight is None else memory_weight
+    }
     if memory_cap_bytes is not None:
         upd["memory_cap"] = float(memory_cap_bytes)
     if schedule is not None:
@@ -448,7 +539,9 @@ def _make_config(num_stages: int, objective: str, memory_cap_bytes: float | None
         upd["stages_per_rank"] = stages_per_rank
     cfg = dataclasses.replace(cfg, **upd)
     if num_stages % cfg.stages_per_rank:
-        raise ValueError(f"{num_stages} stages do not divide into {cfg.stages_per_rank} stages per rank")
+        raise ValueError(
+            f"{num_stages} stages do not divide into {cfg.stages_per_rank} stages per rank"
+        )
     return cfg
 
 
@@ -478,21 +571,33 @@ def partition_trace(
     (``_coarsen``)."""
     if shared not in ("replicate", "colocate"):
         raise ValueError("shared must be 'replicate' or 'colocate'")
-    cfg = _make_config(num_stages, objective, memory_cap_bytes, cost_config, memory_weight, schedule,
-                       microbatches, stages_per_rank)
+    cfg = _make_config(
+        num_stages,
+        objective,
+        memory_cap_bytes,
+        cost_config,
+        memory_weight,
+        schedule,
+        microbatches,
+        stages_per_rank,
+    )
     if manual is not None:
         return _manual(trace, num_stages, cfg, objective, shared, manual)
 
     def solve(c: CostConfig) -> Partition:
         units, costs, bounds = _refine(trace, num_stages, c, shared)
-        return _assemble("auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared)
+        return _assemble(
+            "auto", trace, units, _stage_of_units(bounds), costs, num_stages, cfg, objective, shared
+        )
 
     part = solve(cfg)
     if cfg.memory_cap is not None and cfg.stages_per_rank > 1 and part.max_memory > cfg.memory_cap:
         # several stages share a rank: solve again with the cap split between them
         part = solve(dataclasses.replace(cfg, memory_cap=cfg.memory_cap / cfg.stages_per_rank))
         if part.max_memory > cfg.memory_cap:
-            raise InfeasiblePartition(f"no placement keeps every rank under {cfg.memory_cap / 2**20:.1f} MiB")
+            raise InfeasiblePartition(
+                f"no placement keeps every rank under {cfg.memory_cap / 2**20:.1f} MiB"
+            )
     return part
 
 
@@ -519,8 +624,14 @@ def auto_partition(
     return partition_trace(trace, num_stages, objective, memory_cap_bytes, **kwargs)
 
 
-def _manual(trace: TraceResult, k: int, cfg: CostConfig, objective: str, policy: str,
-            manual: Sequence[str] | Sequence[Sequence[str]]) -> Partition:
+def _manual(
+    trace: TraceResult,
+    k: int,
+    cfg: CostConfig,
+    objective: str,
+    policy: str,
+    manual: Sequence[str] | Sequence[Sequence[str]],
+) -> Partition:
     b = UnitBuilder(trace)
     per_stage = not isinstance(manual[0], str) if len(manual) else False
     names = [m for group in manual for m in group] if per_stage else list(manual)
@@ -530,8 +641,11 @@ def _manual(trace: TraceResult, k: int, cfg: CostConfig, objective: str, policy:
     units = b.root()
 
     def split_needed(u: Unit) -> bool:  # a named module must be a unit of its own (or inside one)
-        return u.kind == "module" and u.expandable and any(
-            m != u.name and (u.name == "" or m.startswith(u.name + ".")) for m in names)
+        return (
+            u.kind == "module"
+            and u.expandable
+            and any(m != u.name and (u.name == "" or m.startswith(u.name + ".")) for m in names)
+        )
 
     while any(split_needed(u) for u in units):
         units = [x for u in units for x in (b.expand(u) if split_needed(u) else [u])]
@@ -555,14 +669,21 @@ def _manual(trace: TraceResult, k: int, cfg: CostConfig, objective: str, policy:
             raise ValueError(f"{len(manual)} split points make {len(manual) + 1} stages, not {k}")
         starts = [where[m] for m in manual]
         if starts != sorted(set(starts)) or (starts and starts[0] == 0):
-            raise ValueError(f"split points must be distinct and in execution order: {list(manual)}")
+            raise ValueError(
+                f"split points must be distinct and in execution order: {list(manual)}"
+            )
         stages = _stage_of_units([0, *starts, len(units)])
     costs = _costs(units, trace, cfg, k, policy)
     return _assemble("manual", trace, units, stages, costs, k, cfg, objective, policy)
 
 
-def baseline_partition(trace: TraceResult, num_stages: int, method: str, cost_config: CostConfig | None = None,
-                       units: list[Unit] | None = None) -> Partition:
+def baseline_partition(
+    trace: TraceResult,
+    num_stages: int,
+    method: str,
+    cost_config: CostConfig | None = None,
+    units: list[Unit] | None = None,
+) -> Partition:
     """The partitions users of other libraries get, over the hand-written list of layers
     (``layer_units``): "uniform" (DeepSpeed: equal layer count), "parameters" (DeepSpeed:
     balanced parameter count) and "time" (torchgpipe ``balance_by_time``: balanced measured
@@ -579,8 +700,17 @@ def baseline_partition(trace: TraceResult, num_stages: int, method: str, cost_co
     else:
         raise ValueError(f"unknown baseline {method!r}")
     costs = _costs(units, trace, cfg, num_stages, "replicate")
-    return _assemble(method, trace, units, _stage_of_units(bounds), costs, num_stages, cfg, "speed", "replicate")
+    return _assemble(
+        method, trace, units, _stage_of_units(bounds), costs, num_stages, cfg, "speed", "replicate"
+    )
 
 
-__all__ = ["Partition", "StageReport", "SharedPlacement", "auto_partition", "partition_trace",
-           "baseline_partition", "InfeasiblePartition"]
+__all__ = [
+    "Partition",
+    "StageReport",
+    "SharedPlacement",
+    "auto_partition",
+    "partition_trace",
+    "baseline_partition",
+    "InfeasiblePartition",
+]

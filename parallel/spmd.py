@@ -37,7 +37,9 @@ class Sharded:
 
     tp_plan: TPPlan | None = None  # the TP plan applied (None: tp == 1)
     fsdp_units: list[nn.Module] = field(default_factory=list)  # FSDP modules, innermost first
-    fsdp_root: bool = False  # the whole model is one FSDP root (pp == 1): its own hooks run the step
+    fsdp_root: bool = (
+        False  # the whole model is one FSDP root (pp == 1): its own hooks run the step
+    )
 
 
 @dataclass
@@ -57,9 +59,18 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return [mods[b] for _, blocks in find_block_lists(model) for b in blocks]
 
 
-def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, example_inputs: Any = None, *,
-                     plan: TPPlan | None = None, blocks: list[nn.Module] | None = None,
-                     loss_parallel: bool = False, seq_dim: int = 1, part: StagePart | None = None) -> Sharded:
+def parallelize_spmd(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    mesh: DeviceMesh,
+    example_inputs: Any = None,
+    *,
+    plan: TPPlan | None = None,
+    blocks: list[nn.Module] | None = None,
+    loss_parallel: bool = False,
+    seq_dim: int = 1,
+    part: StagePart | None = None,
+) -> Sharded:
     """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in place.
 
     ``mesh``: the 4-D mesh of ``parallel.mesh.build_mesh`` (or any mesh with dims named tp,
@@ -69,23 +80,35 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
     restricted to the part (``stage_plan``), and FSDP shards the part's units only."""
     blocks = find_blocks(model) if blocks is None else blocks
     if part is not None:  # a pipeline rank: only the blocks it holds
-        blocks = [b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())]
+        blocks = [
+            b for b in blocks if all(id(p) in part.held and p.numel() for p in b.parameters())
+        ]
         held_names = _names_of(model, part.held), _names_of(model, part.replicated)
     out = Sharded()
     # 1. tensor parallel first: it changes the modules' forwards and turns parameters into DTensors
     #    on the tp mesh, which the later steps must see
     if mesh["tp"].size() > 1:
         if part is None:
-            out.tp_plan = apply_tp(model, mesh["tp"], example_inputs, plan=plan,
-                                   sequence_parallel=cfg.sequence_parallel, loss_parallel=loss_parallel,
-                                   seq_dim=seq_dim)
+            out.tp_plan = apply_tp(
+                model,
+                mesh["tp"],
+                example_inputs,
+                plan=plan,
+                sequence_parallel=cfg.sequence_parallel,
+                loss_parallel=loss_parallel,
+                seq_dim=seq_dim,
+            )
         else:  # read off and checked on the whole model before the split (``stage_plan``)
-            ctx = apply_plan(model, plan, mesh["tp"], sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim)
+            ctx = apply_plan(
+                model, plan, mesh["tp"], sequence_parallel=cfg.sequence_parallel, seq_dim=seq_dim
+            )
             out.tp_plan = dataclasses.replace(plan, log=ctx.log)
             # TP put new (DTensor) parameter objects in place of the ones ``part`` names by id:
             # without this, FSDP took every TP-sharded module for another rank's and left it
             # whole on each data-parallel rank
-            part = dataclasses.replace(part, held=_ids_of(model, held_names[0]), replicated=_ids_of(model, held_names[1]))
+            part = dataclasses.replace(
+                part, held=_ids_of(model, held_names[0]), replicated=_ids_of(model, held_names[1])
+            )
     # 2. activation checkpointing / offload inside each block's forward, so FSDP's hooks stay
     #    outside: the recomputation runs while FSDP holds the block's gathered parameters
     ac_blocks = checkpoint_candidates(model, blocks, cfg.ac_skip)
@@ -97,17 +120,22 @@ def parallelize_spmd(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, ex
         apply_compile(blocks, cfg.compile_backend)
     # 4. FSDP2 last: it shards whatever parameters (plain or TP DTensors) the steps above left
     dp = dp_mesh(mesh)
-    if part is None:  # replicas alone (dp_shard == 1) are plain data parallel: ParallelModel averages
+    if (
+        part is None
+    ):  # replicas alone (dp_shard == 1) are plain data parallel: ParallelModel averages
         if cfg.dp_shard > 1 or cfg.cpu_offload or cfg.mixed_precision != "fp32":
-            apply_fsdp(model, dp, blocks, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload)
+            apply_fsdp(
+                model, dp, blocks, mixed_precision=cfg.mixed_precision, cpu_offload=cfg.cpu_offload
+            )
             out.fsdp_units, out.fsdp_root = [*blocks, model], True
     elif cfg.dp_shard > 1:
         out.fsdp_units = _shard_part(model, dp, blocks, part, cfg)
     return out
 
 
-def _shard_part(model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part: StagePart,
-                cfg: ParallelConfig) -> list[nn.Module]:
+def _shard_part(
+    model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part: StagePart, cfg: ParallelConfig
+) -> list[nn.Module]:
     """FSDP2 on a pipeline rank's units (``fsdp.fsdp_units``). ``reshard_after_forward=False``: a
     unit's parameters stay gathered between its microbatch forwards and backwards, so the step
     gathers each once instead of twice per microbatch (torchtitan turns it off under PP too); the
@@ -118,10 +146,20 @@ def _shard_part(model: nn.Module, dp: DeviceMesh, blocks: list[nn.Module], part:
     covered = {id(p) for u in units for p in u.parameters()}
     left = sum(p.numel() for p in model.parameters() if id(p) in part.held and id(p) not in covered)
     for u in units:
-        shard_unit(u, mesh=dp, reshard_after_forward=False, shard_placement_fn=_placement_fn,
-                   mp_policy=mixed_precision_policy(cfg.mixed_precision))
-    log.info("fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
-             "(container-owned, tied or held by several stages)", len(units), tuple(dp.shape), left)
+        shard_unit(
+            u,
+            mesh=dp,
+            reshard_after_forward=False,
+            shard_placement_fn=_placement_fn,
+            mp_policy=mixed_precision_policy(cfg.mixed_precision),
+        )
+    log.info(
+        "fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
+        "(container-owned, tied or held by several stages)",
+        len(units),
+        tuple(dp.shape),
+        left,
+    )
     return units
 
 
@@ -140,10 +178,14 @@ def discover_tp_plan(model: nn.Module, cfg: ParallelConfig, example_inputs: Any)
     split: pairs are read off the dataflow of the full forward)."""
     from parallel.tp import discover_plan
 
-    return discover_plan(model, cfg.tp, example_inputs=example_inputs, sequence_parallel=cfg.sequence_parallel)
+    return discover_plan(
+        model, cfg.tp, example_inputs=example_inputs, sequence_parallel=cfg.sequence_parallel
+    )
 
 
-def stage_plan(model: nn.Module, plan: TPPlan, rank_of: dict[str, set[int]], me: int) -> tuple[TPPlan, list[str]]:
+def stage_plan(
+    model: nn.Module, plan: TPPlan, rank_of: dict[str, set[int]], me: int
+) -> tuple[TPPlan, list[str]]:
     """The part of the whole-model ``plan`` that this pipeline rank applies: entries whose modules
     are held by this rank alone. A pair whose column and row halves sit on different pipeline
     ranks (or on several) is left replicated, so every tensor crossing a cut is a plain,
@@ -153,6 +195,7 @@ def stage_plan(model: nn.Module, plan: TPPlan, rank_of: dict[str, set[int]], me:
     the pipeline runs its attention's own code on each stage up to the cut, and on the stages
     that do not hold the projections it reads stand-ins shaped like their sharded outputs. Needs
     ``model``'s unsharded weights (call it before other ranks' parameters are freed)."""
+
     def holders(mod: str) -> set[int]:
         return {r for n, rs in rank_of.items() if n == mod or n.startswith(mod + ".") for r in rs}
 

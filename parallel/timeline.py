@@ -24,7 +24,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868", "loss": "#8172b3", "sync": "#937860", "wait": "#dddddd"}
+COLORS = {
+    "F": "#4c72b0",
+    "B": "#dd8452",
+    "I": "#c44e52",
+    "W": "#55a868",
+    "loss": "#8172b3",
+    "sync": "#937860",
+    "wait": "#dddddd",
+}
 COMPUTE = ("F", "B", "I", "W", "loss")
 
 
@@ -76,12 +84,23 @@ def to_chrome_trace(events: list[Event], path: str, metadata: dict | None = None
     t0 = min(e.start for e in events)
     out = []
     for r in sorted({e.rank for e in events}):
-        out.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+        out.append(
+            {"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}}
+        )
     for e in events:
         name = f"{e.kind}{e.mb}" if e.mb >= 0 else e.kind
-        out.append({"name": name, "cat": e.kind, "ph": "X", "pid": e.rank, "tid": 0,
-                    "ts": (e.start - t0) * 1e6, "dur": max((e.end - e.start) * 1e6, 0.01),
-                    "args": {"stage": e.stage, "microbatch": e.mb}})
+        out.append(
+            {
+                "name": name,
+                "cat": e.kind,
+                "ph": "X",
+                "pid": e.rank,
+                "tid": 0,
+                "ts": (e.start - t0) * 1e6,
+                "dur": max((e.end - e.start) * 1e6, 0.01),
+                "args": {"stage": e.stage, "microbatch": e.mb},
+            }
+        )
     trace = {"traceEvents": out, "displayTimeUnit": "ms"}
     if metadata:
         trace["otherData"] = metadata
@@ -97,8 +116,16 @@ def from_chrome_trace(trace: list[dict]) -> list[Event]:
             continue
         args = e.get("args", {})
         start = e["ts"] / 1e6
-        out.append(Event(e["pid"], e.get("cat", e["name"]), args.get("stage", -1), args.get("microbatch", -1),
-                         start, start + e["dur"] / 1e6))
+        out.append(
+            Event(
+                e["pid"],
+                e.get("cat", e["name"]),
+                args.get("stage", -1),
+                args.get("microbatch", -1),
+                start,
+                start + e["dur"] / 1e6,
+            )
+        )
     return out
 
 
@@ -112,9 +139,19 @@ def figure(events: list[Event], title: str = ""):
     for e in events:
         y = ranks.index(e.rank)
         x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
-        ax.barh(y, w, left=x, height=0.8, color=COLORS.get(e.kind, "#999999"), edgecolor="black", linewidth=0.3)
+        ax.barh(
+            y,
+            w,
+            left=x,
+            height=0.8,
+            color=COLORS.get(e.kind, "#999999"),
+            edgecolor="black",
+            linewidth=0.3,
+        )
         if e.mb >= 0 and w > 0:
-            ax.text(x + w / 2, y, f"{e.kind}{e.mb}", ha="center", va="center", fontsize=6, color="white")
+            ax.text(
+                x + w / 2, y, f"{e.kind}{e.mb}", ha="center", va="center", fontsize=6, color="white"
+            )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms")
@@ -176,11 +213,19 @@ def summary(events: list[Event]) -> dict:
     p, m = len(ranks), max(len({e.mb for e in comp if e.mb >= 0}), 1)
     v = max(len(stages) // max(p, 1), 1)
     t0, t1 = _span(comp)
-    return {"bubble_fraction": bubble_fraction(events), "theory_bubble": theory_bubble(p, m, v),
-            "ranks": ranks, "microbatches": m, "stages_per_rank": v, "step_s": t1 - t0}
+    return {
+        "bubble_fraction": bubble_fraction(events),
+        "theory_bubble": theory_bubble(p, m, v),
+        "ranks": ranks,
+        "microbatches": m,
+        "stages_per_rank": v,
+        "step_s": t1 - t0,
+    }
 
 
-def write_run_timeline(events: list[Event], out_dir: str | Path, group=None, title: str = "") -> dict | None:
+def write_run_timeline(
+    events: list[Event], out_dir: str | Path, group=None, title: str = ""
+) -> dict | None:
     """One step's events of every rank of ``group`` (a pipeline), merged on its first rank and
     written to ``out_dir``: ``timeline.json`` (Chrome trace; ``summary`` under "otherData") and
     ``timeline.png`` (``plot``). Returns the summary on the group's first rank, None on the others.

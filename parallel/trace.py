@@ -173,7 +173,11 @@ def _tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     if isinstance(obj, list | tuple):
         return [t for v in obj for t in _tensors(v, depth + 1)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name, None), depth + 1)]
+        return [
+            t
+            for f in dataclasses.fields(obj)
+            for t in _tensors(getattr(obj, f.name, None), depth + 1)
+        ]
     return []
 
 
@@ -222,8 +226,21 @@ class _ParamUse(TorchFunctionMode):
         self.tracer = tracer
 
     # metadata reads (``w.dtype``, ``w.shape``, ``w.size()``) are not uses of the values
-    _METADATA = frozenset({"__get__", "size", "dim", "numel", "stride", "is_floating_point",
-                           "element_size", "data_ptr", "is_contiguous", "get_device", "__len__"})
+    _METADATA = frozenset(
+        {
+            "__get__",
+            "size",
+            "dim",
+            "numel",
+            "stride",
+            "is_floating_point",
+            "element_size",
+            "data_ptr",
+            "is_contiguous",
+            "get_device",
+            "__len__",
+        }
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -330,10 +347,15 @@ class _Tracer:
                 key = _storage_key(t)
                 rec = self.producer.get(key)
                 # innermost producer wins; a later, non-nested call re-returning it takes over
-                if rec is None or self.tensors[rec].producer == EXTERNAL or \
-                        self.calls[self.tensors[rec].producer].seq < call.seq:
+                if (
+                    rec is None
+                    or self.tensors[rec].producer == EXTERNAL
+                    or self.calls[self.tensors[rec].producer].seq < call.seq
+                ):
                     self.producer[key] = len(self.tensors)
-                    self.tensors.append(TensorFlow(cid, [], _nbytes(t), list(t.shape), str(t.dtype)))
+                    self.tensors.append(
+                        TensorFlow(cid, [], _nbytes(t), list(t.shape), str(t.dtype))
+                    )
                     self.keep.append(t)
         self.overhead += _now() - t0
 
@@ -414,7 +436,9 @@ class _Tracer:
         return t
 
 
-def _run(model: nn.Module, inputs: tuple | dict, loss_fn: Callable[[Any], torch.Tensor]) -> tuple[float, float]:
+def _run(
+    model: nn.Module, inputs: tuple | dict, loss_fn: Callable[[Any], torch.Tensor]
+) -> tuple[float, float]:
     t0 = _now()
     out = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
     loss = loss_fn(out)
@@ -437,7 +461,9 @@ def trace_model(
     forward+backward passes (median per module). On the meta device nothing is timed and FLOPs
     stand in for compute. Gradients accumulated by tracing are cleared afterwards."""
     if not isinstance(example_inputs, Mapping):
-        example_inputs = tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
+        example_inputs = (
+            tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
+        )
     loss_fn = loss_fn or default_loss
     tr = _Tracer(model)
     p0 = next(iter(model.parameters()), None)
@@ -445,7 +471,11 @@ def trace_model(
     tr.device = device
     timed = device.type != "meta"
     global _clock
-    _clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    _clock = (
+        time.thread_time
+        if device.type == "cpu" and torch.get_num_threads() == 1
+        else time.perf_counter
+    )
     handles = []
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(tr.pre, with_kwargs=True))
@@ -468,7 +498,12 @@ def trace_model(
             totals: list[tuple[float, float]] = []
             for _ in range(passes if timed else 0):
                 t = _Tracer.__new__(_Tracer)
-                t.__dict__.update({k: struct.__dict__[k] for k in ("model", "names", "canon_mod", "param_name", "param_ptrs")})
+                t.__dict__.update(
+                    {
+                        k: struct.__dict__[k]
+                        for k in ("model", "names", "canon_mod", "param_name", "param_ptrs")
+                    }
+                )
                 t.reset()
                 t.timing = True
                 t.device = device
@@ -495,7 +530,9 @@ def _swap_hooks(handles: list, model: nn.Module, tr: _Tracer) -> None:
         handles.append(m.register_forward_hook(tr.post, with_kwargs=True))
 
 
-BACKWARD_FLOPS = 2.0  # backward / forward FLOPs of a layer: a gradient for its input and one for its weight
+BACKWARD_FLOPS = (
+    2.0  # backward / forward FLOPs of a layer: a gradient for its input and one for its weight
+)
 
 
 def _count_flops(model: nn.Module, inputs: tuple | dict, loss_fn: Callable) -> dict[str, float]:
@@ -519,7 +556,7 @@ def _count_flops(model: nn.Module, inputs: tuple | dict, loss_fn: Callable) -> d
     for k, v in fc.get_flop_counts().items():
         if k == "Global":
             continue
-        name = "" if k == root else k[len(root) + 1:] if k.startswith(root + ".") else None
+        name = "" if k == root else k[len(root) + 1 :] if k.startswith(root + ".") else None
         if name is not None:
             out[name] = (1.0 + BACKWARD_FLOPS) * float(sum(v.values()))
     return out
@@ -529,7 +566,9 @@ def _median(runs: list[dict[str, float]], name: str) -> float:
     return statistics.median(r.get(name, 0.0) for r in runs) if runs else 0.0
 
 
-def _build_result(model, tr: _Tracer, fwd_runs, bwd_runs, totals, flops, device, timed, passes) -> TraceResult:
+def _build_result(
+    model, tr: _Tracer, fwd_runs, bwd_runs, totals, flops, device, timed, passes
+) -> TraceResult:
     modules: dict[str, ModuleNode] = {}
     for name, mod in model.named_modules():
         parent = None if name == "" else (name.rsplit(".", 1)[0] if "." in name else "")

@@ -66,7 +66,10 @@ class UnitBuilder:
         """Subtree totals. A container never called itself (``ModuleList``) sums its children."""
         n = self.mods[name]
         kids = [self._incl[c] for c in n.children]
-        s = {k: sum(d[k] for d in kids) for k in ("fwd", "bwd", "flops", "pbytes", "pnumel", "bbytes", "act")}
+        s = {
+            k: sum(d[k] for d in kids)
+            for k in ("fwd", "bwd", "flops", "pbytes", "pnumel", "bbytes", "act")
+        }
         out = {
             "fwd": n.fwd_time if n.calls else s["fwd"],
             "bwd": n.bwd_time if n.calls else s["bwd"],
@@ -104,9 +107,19 @@ class UnitBuilder:
         sub = self.subtree(name)
         params = [p for m in sub for p in self.mods[m].params]
         return Unit(
-            name=name, kind="module", module=name, seq=n.first_seq, modules=sub, params=params,
-            fwd_time=inc["fwd"], bwd_time=inc["bwd"], flops=inc["flops"], param_bytes=int(inc["pbytes"]),
-            param_numel=int(inc["pnumel"]), buffer_bytes=int(inc["bbytes"]), act_bytes=int(inc["act"]),
+            name=name,
+            kind="module",
+            module=name,
+            seq=n.first_seq,
+            modules=sub,
+            params=params,
+            fwd_time=inc["fwd"],
+            bwd_time=inc["bwd"],
+            flops=inc["flops"],
+            param_bytes=int(inc["pbytes"]),
+            param_numel=int(inc["pnumel"]),
+            buffer_bytes=int(inc["bbytes"]),
+            act_bytes=int(inc["act"]),
             expandable=self.is_expandable(name),
         )
 
@@ -129,8 +142,11 @@ class UnitBuilder:
             return self.mods[c].first_seq > n.first_seq and self.mods[c].last_seq < n.last_seq
 
         def called_from_outside(c: str) -> bool:
-            return all(not n.first_seq <= self.trace.calls[i].seq <= n.last_seq and self._caller[i] in ancestors
-                       for i in self._calls_of.get(c, []))
+            return all(
+                not n.first_seq <= self.trace.calls[i].seq <= n.last_seq
+                and self._caller[i] in ancestors
+                for i in self._calls_of.get(c, [])
+            )
 
         return bool(kids) and all(nested(c) or called_from_outside(c) for c in kids)
 
@@ -145,7 +161,9 @@ class UnitBuilder:
         kids = self._called_children(name)
         kid_units = [self.module_unit(c) for c in kids]
         inside = {m for u in kid_units for m in u.modules}
-        own = [m for m in self.subtree(name) if m not in inside]  # the module, idle containers, never-called children
+        own = [
+            m for m in self.subtree(name) if m not in inside
+        ]  # the module, idle containers, never-called children
         own_params = [p for m in own for p in self.mods[m].params]
         first_use = self.trace.param_first_use
         used = [p for p in own_params if p in first_use]
@@ -153,11 +171,26 @@ class UnitBuilder:
         out = list(kid_units)
         for p in used:  # a parent's own parameter goes where it is first used
             b, k = self._param_size(p)
-            out.append(Unit(name=p, kind="param", module=self.trace.param_owner[p], seq=first_use[p],
-                            params=[p], param_bytes=b, param_numel=k))
+            out.append(
+                Unit(
+                    name=p,
+                    kind="param",
+                    module=self.trace.param_owner[p],
+                    seq=first_use[p],
+                    params=[p],
+                    param_bytes=b,
+                    param_numel=k,
+                )
+            )
         inc = self._incl[name]
-        me = Unit(name=f"{name}.{SELF}" if name else SELF, kind="self", module=name, seq=n.first_seq,
-                  modules=own, params=unused)
+        me = Unit(
+            name=f"{name}.{SELF}" if name else SELF,
+            kind="self",
+            module=name,
+            seq=n.first_seq,
+            modules=own,
+            params=unused,
+        )
         me.fwd_time = max(inc["fwd"] - sum(u.fwd_time for u in kid_units), 0.0)
         me.bwd_time = max(inc["bwd"] - sum(u.bwd_time for u in kid_units), 0.0)
         me.flops = max(inc["flops"] - sum(u.flops for u in kid_units), 0.0)
@@ -183,7 +216,10 @@ def layer_units(builder: UnitBuilder) -> list[Unit]:
     mods = builder.mods
 
     def holds_list(name: str) -> bool:
-        return any(mods[m].type in ("ModuleList", "Sequential") and m != name for m in builder.subtree(name))
+        return any(
+            mods[m].type in ("ModuleList", "Sequential") and m != name
+            for m in builder.subtree(name)
+        )
 
     units = builder.root()
     changed = True
@@ -191,7 +227,12 @@ def layer_units(builder: UnitBuilder) -> list[Unit]:
         changed = False
         out = []
         for u in units:
-            if u.kind == "module" and u.expandable and holds_list(u.name) and mods[u.name].type not in ("ModuleList",):
+            if (
+                u.kind == "module"
+                and u.expandable
+                and holds_list(u.name)
+                and mods[u.name].type not in ("ModuleList",)
+            ):
                 out.extend(builder.expand(u))
                 changed = True
             else:

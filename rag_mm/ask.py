@@ -105,12 +105,20 @@ def read_queries(path: Path) -> list[Query]:
             row = json.loads(line)
         except ValueError as exc:
             raise AskError(f"{where} is not JSON ({exc})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("image"), str) or not isinstance(row.get("question"), str):
-            raise AskError(f'{where}: expected {{"image": path, "question": text}} (optional "question_id")')
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("image"), str)
+            or not isinstance(row.get("question"), str)
+        ):
+            raise AskError(
+                f'{where}: expected {{"image": path, "question": text}} (optional "question_id")'
+            )
         qid = row.get("question_id")
         if qid is not None and (not isinstance(qid, int | str) or isinstance(qid, bool)):
             raise AskError(f"{where}: question_id must be a number or a string")
-        image = Path(row["image"]) if Path(row["image"]).is_absolute() else path.parent / row["image"]
+        image = (
+            Path(row["image"]) if Path(row["image"]).is_absolute() else path.parent / row["image"]
+        )
         try:
             queries.append(check_query(Query(image, row["question"], qid), "image", "question"))
         except AskError as exc:
@@ -139,8 +147,12 @@ def choose_checkpoint(run_dir: Path, step: int | None) -> Path:
         return ckpt
     ckpt = root / f"step_{step:08d}"
     if not ckpt.is_dir():
-        have = sorted(int(p.name[5:]) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-        raise AskError(f"--checkpoint {step}: no {ckpt} (steps there: {', '.join(map(str, have)) or 'none'})")
+        have = sorted(
+            int(p.name[5:]) for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()
+        )
+        raise AskError(
+            f"--checkpoint {step}: no {ckpt} (steps there: {', '.join(map(str, have)) or 'none'})"
+        )
     why = checkpoint.verify(ckpt)
     if why:
         raise AskError(f"--checkpoint {step}: {ckpt} is damaged: {why}")
@@ -154,7 +166,9 @@ def document_sources(urls: list[str], store) -> dict[int, dict]:
     import webdataset as wds
 
     found: dict[int, dict] = {}
-    pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=wds.ignore_and_continue))
+    pipe = wds.DataPipeline(
+        wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=wds.ignore_and_continue)
+    )
     for n, sample in enumerate(pipe):
         try:
             meta = json.loads(sample["json"]) if "json" in sample else {}
@@ -165,7 +179,10 @@ def document_sources(urls: list[str], store) -> dict[int, dict]:
             continue
         if doc_id is not None:
             origin = meta.get("source") if isinstance(meta.get("source"), str) else None
-            found.setdefault(doc_id, {"source": f"{sample.get('__url__')}#{sample.get('__key__')}", "origin": origin})
+            found.setdefault(
+                doc_id,
+                {"source": f"{sample.get('__url__')}#{sample.get('__key__')}", "origin": origin},
+            )
     return found
 
 
@@ -180,8 +197,10 @@ class Asker:
         except EvalError as exc:
             raise AskError(str(exc)) from None
         if cfg.retriever.mode == "oracle":
-            raise AskError(f"{run_dir} reads each query's gold document (retriever.mode=oracle), which a new "
-                           "question does not name: ask a run with a learned retriever or a closed-book one")
+            raise AskError(
+                f"{run_dir} reads each query's gold document (retriever.mode=oracle), which a new "
+                "question does not name: ask a run with a learned retriever or a closed-book one"
+            )
         self.ckpt = choose_checkpoint(run_dir, step)
         try:
             self.parts, self.step, self.device = load_run(cfg, self.ckpt)
@@ -189,9 +208,18 @@ class Asker:
             raise AskError(str(exc)) from None
         m = cfg.model
         # the evaluation stream's decoding: one sample at a time, no augmentation
-        self.stream = QueryStream(StreamSpec(urls=["<ask>"], image_size=m.image_size, max_question=m.max_question,
-                                             max_answer=m.max_answer, batch_size=1, augment=False, train=False,
-                                             tokenizer=reader_tokenizer(m)))
+        self.stream = QueryStream(
+            StreamSpec(
+                urls=["<ask>"],
+                image_size=m.image_size,
+                max_question=m.max_question,
+                max_answer=m.max_answer,
+                batch_size=1,
+                augment=False,
+                train=False,
+                tokenizer=reader_tokenizer(m),
+            )
+        )
         self.sources: dict[int, dict] | None = None  # read on the first retrieval
 
     def close(self) -> None:
@@ -200,8 +228,12 @@ class Asker:
 
     def sample(self, q: Query) -> dict:
         """``q`` decoded as the pipeline decodes an evaluation sample (no answer to score)."""
-        raw = {"__key__": "ask", "png": q.image.read_bytes(), "txt": q.question,
-               "json": json.dumps({"answer": ""})}
+        raw = {
+            "__key__": "ask",
+            "png": q.image.read_bytes(),
+            "txt": q.question,
+            "json": json.dumps({"answer": ""}),
+        }
         out = self.stream._decode(raw, SkipCounter())
         if out is None:  # checked before the model was built; changed on disk since
             raise AskError(f"{q.image} could not be decoded")
@@ -216,20 +248,30 @@ class Asker:
         show = top_k or rag.rcfg.top_k
         res = []
         for start in range(0, len(queries), self.cfg.data.eval_batch_size):
-            chunk = queries[start:start + self.cfg.data.eval_batch_size]
+            chunk = queries[start : start + self.cfg.data.eval_batch_size]
             batch = collate([self.sample(q) for q in chunk])
             x = batch_inputs(batch, self.device)
             q = {k: x[k] for k in ("image", "q_ids", "q_len")}
             _, ids, ret = rag.reader_inputs(q, search_k=show if learned else 0, grad=False)
             sims = ret[3] if ret is not None else None  # (B, max(k, show)) nearest first
             # what evaluate()'s forward hands its greedy decoding: the ids and the scaled scores of the k read
-            scores = rag.retriever.scale().to(sims.device) * sims[:, :rag.rcfg.top_k] if sims is not None else None
+            scores = (
+                rag.retriever.scale().to(sims.device) * sims[:, : rag.rcfg.top_k]
+                if sims is not None
+                else None
+            )
             out = SimpleNamespace(doc_ids=ids, scores=scores)
             answers = _greedy(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
             for i, (query, answer) in enumerate(zip(chunk, answers)):
                 docs = self._documents(ids[i, :show], sims[i, :show]) if learned else []
-                row = {"answer": tok.decode(answer), "documents": docs, "checkpoint": str(self.ckpt), "step": self.step,
-                       "image": str(query.image), "question": query.question}
+                row = {
+                    "answer": tok.decode(answer),
+                    "documents": docs,
+                    "checkpoint": str(self.ckpt),
+                    "step": self.step,
+                    "image": str(query.image),
+                    "question": query.question,
+                }
                 if query.question_id is not None:
                     row = {"question_id": query.question_id, **row}
                 res.append(row)
@@ -239,7 +281,9 @@ class Asker:
         """The retrieved documents (ids (k,), similarities (k,)) as output rows."""
         store = self.parts.store
         if self.sources is None:
-            self.sources = document_sources(expand_urls(self.cfg.data.root, self.cfg.data.corpus), store)
+            self.sources = document_sources(
+                expand_urls(self.cfg.data.root, self.cfg.data.corpus), store
+            )
         keep = ids >= 0  # faiss pads a short result list with -1
         ids, sims = ids[keep], sims[keep]
         rows = store.rows(ids)
@@ -253,16 +297,31 @@ class Asker:
 
 # ------------------------------------------------------------------------------ command line
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rag_mm.ask",
-                                description="Answer a question about a picture with a trained run.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run directory (rag_mm.train's run_dir)")
+    p = argparse.ArgumentParser(
+        prog="python -m rag_mm.ask",
+        description="Answer a question about a picture with a trained run.",
+    )
+    p.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="a run directory (rag_mm.train's run_dir)"
+    )
     p.add_argument("--image", type=Path, help="the picture (any format PIL reads)")
     p.add_argument("--question", help="the question about it")
-    p.add_argument("--questions", type=Path, metavar="FILE.jsonl",
-                   help='one {"image", "question"[, "question_id"]} per line; prints one JSON line each')
-    p.add_argument("--top-k", type=int, help="documents to show (default: as many as the reader reads)")
+    p.add_argument(
+        "--questions",
+        type=Path,
+        metavar="FILE.jsonl",
+        help='one {"image", "question"[, "question_id"]} per line; prints one JSON line each',
+    )
+    p.add_argument(
+        "--top-k", type=int, help="documents to show (default: as many as the reader reads)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--checkpoint", type=int, metavar="STEP", help="the checkpoint of this step (default: newest valid)")
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="STEP",
+        help="the checkpoint of this step (default: newest valid)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: the run's device setting")
     return p
 

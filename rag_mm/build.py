@@ -24,7 +24,11 @@ from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val", "test")  # the query splits a stream can read (data.<split> shard patterns)
+SPLITS = (
+    "train",
+    "val",
+    "test",
+)  # the query splits a stream can read (data.<split> shard patterns)
 
 
 @dataclass
@@ -49,39 +53,64 @@ def build_rag(cfg, device: torch.device) -> RagParts:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if "corpus" in data_splits(cfg):
-        store = DocumentStore.load(expand_urls(cfg.data.root, cfg.data.corpus), m.image_size, m.max_doc_text,
-                                   tokenizer=reader_tokenizer(m))
+        store = DocumentStore.load(
+            expand_urls(cfg.data.root, cfg.data.corpus),
+            m.image_size,
+            m.max_doc_text,
+            tokenizer=reader_tokenizer(m),
+        )
         log.info("document memory: %d documents (%s dropped)", len(store), store.skipped or "none")
     else:  # closed book reads no document
         store = DocumentStore.empty(m.image_size, m.max_doc_text)
     retriever = memory = None
     if cfg.retriever.mode == "learned":
         retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
-        memory = RetrievalMemory(retriever, store.images, store.text_ids, store.text_len, store.ids,
-                                 factory=cfg.retriever.index_factory, batch_size=cfg.retriever.encode_batch_size,
-                                 device=device)
+        memory = RetrievalMemory(
+            retriever,
+            store.images,
+            store.text_ids,
+            store.text_len,
+            store.ids,
+            factory=cfg.retriever.index_factory,
+            batch_size=cfg.retriever.encode_batch_size,
+            device=device,
+        )
     rag = RagModel(reader, store, cfg.retriever, retriever, memory)
     return RagParts(tok, store, reader, retriever, memory, rag)
 
 
-def make_stream(cfg, split: str, train: bool, rank: int = 0, world_size: int = 1, skip_batches: int = 0):
+def make_stream(
+    cfg, split: str, train: bool, rank: int = 0, world_size: int = 1, skip_batches: int = 0
+):
     """The loader over ``data.<split>``: this rank's share of it, training batches (shuffled,
     augmented when ``data.augment``) or evaluation batches, ``skip_batches`` already drawn."""
     c = cfg
     spec = StreamSpec(
         urls=expand_urls(c.data.root, getattr(c.data, split)),
-        image_size=c.model.image_size, max_question=c.model.max_question, max_answer=c.model.max_answer,
+        image_size=c.model.image_size,
+        max_question=c.model.max_question,
+        max_answer=c.model.max_answer,
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
-        seed=c.seed, shuffle_buffer=c.data.shuffle_buffer, augment=train and c.data.augment,
-        colour_jitter=c.data.colour_jitter, crop_pad=c.data.crop_pad,
-        zoom_out=c.data.zoom_out, train=train,
-        rank=rank, world_size=world_size, skip_batches=skip_batches, tokenizer=reader_tokenizer(c.model),
+        seed=c.seed,
+        shuffle_buffer=c.data.shuffle_buffer,
+        augment=train and c.data.augment,
+        colour_jitter=c.data.colour_jitter,
+        crop_pad=c.data.crop_pad,
+        zoom_out=c.data.zoom_out,
+        train=train,
+        rank=rank,
+        world_size=world_size,
+        skip_batches=skip_batches,
+        tokenizer=reader_tokenizer(c.model),
     )
     return make_loader(spec, c.data.num_workers)
 
 
 def batch_inputs(batch: dict, device) -> dict:
     """A loader batch -> the RagModel's keyword inputs on ``device`` (``gold``: the gold doc ids)."""
-    x = {k: batch[k].to(device, non_blocking=True) for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
+    x = {
+        k: batch[k].to(device, non_blocking=True)
+        for k in ("image", "q_ids", "q_len", "a_ids", "a_len")
+    }
     x["gold"] = batch["doc_id"].to(device, non_blocking=True)
     return x

@@ -45,7 +45,9 @@ class ModelConfig:
     # hf, random init: the LM's config, ``model_type`` plus the fields that family's config takes
     # (a preset in conf/model/ fills it); ignored when ``pretrained`` or ``lm_config`` is set
     lm: dict[str, Any] = field(default_factory=dict)
-    lm_config: str | None = None  # hf, random init: a local config.json (or its directory) instead of ``lm``
+    lm_config: str | None = (
+        None  # hf, random init: a local config.json (or its directory) instead of ``lm``
+    )
     # hf, random init: the LM embeds the tokenizer's ids only (a Llama preset's 128,256 rows for a
     # 49,408-token tokenizer are 161 M dead parameters with gradients and AdamW state); false keeps
     # the preset's vocabulary (a checkpoint saved with it)
@@ -57,7 +59,9 @@ class ModelConfig:
     # a local Hugging Face tokenizer directory; None: ``pretrained``'s own tokenizer when it holds
     # one, else the bundled CLIP BPE (randomly initialised readers)
     tokenizer: str | None = None
-    projector: str = "mlp2x_gelu"  # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
+    projector: str = (
+        "mlp2x_gelu"  # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
+    )
     # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
@@ -78,7 +82,9 @@ class ModelConfig:
     # and memorise the rest per picture; two views differing in those share only the thing's form.
     # 0: off (the demo's facts come from documents, not from form)
     vision_ssl_steps: int = 0
-    vision_ssl_lr: float = 1e-3  # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
+    vision_ssl_lr: float = (
+        1e-3  # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
+    )
     # pictures per SimCLR step on each rank (0: data.batch_size): every other picture of the batch
     # is a negative, and SimCLR's features improve with more of them
     vision_ssl_batch: int = 0
@@ -92,8 +98,12 @@ class ModelConfig:
     max_answer: int = 8  # answer tokens kept, EOT included
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
     max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
-    attention_backend: str = "auto"  # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
-    tie_embeddings: bool = True  # LM head shares the token embedding (GPT-2 style), halves vocab params
+    attention_backend: str = (
+        "auto"  # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
+    )
+    tie_embeddings: bool = (
+        True  # LM head shares the token embedding (GPT-2 style), halves vocab params
+    )
     copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
     # weight of the copy head's pointer supervision (rag_mm/model/copy_head.py): where the answer
     # token is in a document or the question, the copy distribution alone must name it and the
@@ -167,7 +177,9 @@ class LaunchConfig:
     """How the app starts its ranks: the keys only the app reads (the layout itself is the
     ``parallel`` group, the runtime's own ``parallel.ParallelConfig``)."""
 
-    backend: str = "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    backend: str = (
+        "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    )
     # collective timeout: a dead rank fails the job instead of hanging it (the process group's, the
     # mesh's sub-groups', the pipeline's receives and the watchdog's)
     timeout_s: int = 600
@@ -224,38 +236,65 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     """Reject values that cannot work, naming every bad key at once. Runs before any work."""
     e: list[str] = []
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.retriever
-    for key in ("dim", "layers", "heads", "mlp_ratio", "vision_width", "vision_layers", "vision_head_width",
-                "patch_size", "image_size", "max_doc_text", "max_question", "max_answer", "max_segment_len", "max_docs"):
+    for key in (
+        "dim",
+        "layers",
+        "heads",
+        "mlp_ratio",
+        "vision_width",
+        "vision_layers",
+        "vision_head_width",
+        "patch_size",
+        "image_size",
+        "max_doc_text",
+        "max_question",
+        "max_answer",
+        "max_segment_len",
+        "max_docs",
+    ):
         _positive(e, f"model.{key}", getattr(m, key))
     if m.dim > 0 and m.heads > 0 and m.dim % m.heads:
         e.append(f"model.heads ({m.heads}) must divide model.dim ({m.dim})")
     if m.image_size > 0 and m.patch_size > 0 and m.image_size % m.patch_size:
         e.append(f"model.patch_size ({m.patch_size}) must divide model.image_size ({m.image_size})")
     if m.vision_width > 0 and m.vision_head_width > 0 and m.vision_width % m.vision_head_width:
-        e.append(f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})")
+        e.append(
+            f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})"
+        )
     e += _model_family_problems(cfg)
     if m.vision_ssl_steps < 0:
         e.append(f"model.vision_ssl_steps must be >= 0 (got {m.vision_ssl_steps})")
     if m.vision_ssl_batch < 0 or m.vision_ssl_batch == 1:
-        e.append(f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
-                 "SimCLR needs other pictures as negatives")
+        e.append(
+            f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
+            "SimCLR needs other pictures as negatives"
+        )
     if not 0 <= m.vision_ssl_rotate <= 180:
-        e.append(f"model.vision_ssl_rotate must be within 0-180 degrees "
-                 f"(got {m.vision_ssl_rotate})")
+        e.append(
+            f"model.vision_ssl_rotate must be within 0-180 degrees (got {m.vision_ssl_rotate})"
+        )
     if m.vision_ssl_steps and m.vision_ssl_lr <= 0:
         e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
     if o.vision_lr_scale < 0:
         e.append(f"optim.vision_lr_scale must be >= 0 (got {o.vision_lr_scale})")
     if o.vision_lr_scale != 1 and m.family == "hf_vlm":
-        e.append("optim.vision_lr_scale works on rag_mm's open_clip tower (family native or hf): set it to 1 "
-                 "for a VLM")
+        e.append(
+            "optim.vision_lr_scale works on rag_mm's open_clip tower (family native or hf): set it to 1 "
+            "for a VLM"
+        )
     if m.vision_ssl_steps and m.family == "hf_vlm":
-        e.append("model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a VLM's "
-                 "tower is inside its transformers model: set it to 0")
+        e.append(
+            "model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a VLM's "
+            "tower is inside its transformers model: set it to 0"
+        )
     if m.attention_backend not in ATTENTION_BACKENDS:
-        e.append(f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})")
+        e.append(
+            f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})"
+        )
     if m.max_answer < 2:
-        e.append(f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})")
+        e.append(
+            f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})"
+        )
     for key in ("batch_size", "eval_batch_size", "shuffle_buffer"):
         _positive(e, f"data.{key}", getattr(d, key))
     if d.global_batch_size < 0:
@@ -267,9 +306,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if d.crop_pad < 0:
         e.append(f"data.crop_pad must be >= 0 (got {d.crop_pad})")
     if d.zoom_out < 1.0:
-        e.append(f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the picture's")
+        e.append(
+            f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the picture's"
+        )
     if not d.corpus and r.mode != "none":
-        e.append(f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none runs without one)")
+        e.append(
+            f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none runs without one)"
+        )
     _positive(e, "optim.lr", o.lr)
     _positive(e, "optim.grad_accum", o.grad_accum)
     if o.warmup_steps < 0:
@@ -284,9 +327,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     if r.top_k > m.max_docs:
         e.append(f"retriever.top_k ({r.top_k}) must be <= model.max_docs ({m.max_docs})")
     if r.rerank and r.rerank < r.top_k:
-        e.append(f"retriever.rerank ({r.rerank}) must be 0 or >= retriever.top_k ({r.top_k}): the candidates the top-k is chosen from")
+        e.append(
+            f"retriever.rerank ({r.rerank}) must be 0 or >= retriever.top_k ({r.top_k}): the candidates the top-k is chosen from"
+        )
     if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
-        e.append(f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})")
+        e.append(
+            f"retriever.patch_size ({r.patch_size}) must divide model.image_size ({m.image_size})"
+        )
     for key in ("max_steps", "log_every"):
         _positive(e, key, getattr(cfg, key))
     for key in ("eval_every", "ckpt_every", "stop_after_steps", "threads"):
@@ -318,26 +365,36 @@ def _model_family_problems(cfg: Any) -> list[str]:
     if m.family == "native":
         for key in ("pretrained", "lm_config", "adapter", "vlm_config"):
             if getattr(m, key):
-                e.append(f"model.{key} needs model.family={'hf_vlm' if key == 'vlm_config' else 'hf'} "
-                         "(got model.family=native)")
+                e.append(
+                    f"model.{key} needs model.family={'hf_vlm' if key == 'vlm_config' else 'hf'} "
+                    "(got model.family=native)"
+                )
         return e
     if m.family == "hf_vlm":
         return e + _vlm_problems(m) + _tokenizer_fusion_problems(cfg)
     if m.vlm_config:
         e.append("model.vlm_config needs model.family=hf_vlm (model=hf_vlm)")
     if not (m.pretrained or m.lm_config or m.lm):
-        e.append("model.family=hf needs model.pretrained (a local directory), model.lm_config "
-                 "(a config.json) or model.lm (a preset, e.g. model=hf_tiny)")
+        e.append(
+            "model.family=hf needs model.pretrained (a local directory), model.lm_config "
+            "(a config.json) or model.lm (a preset, e.g. model=hf_tiny)"
+        )
     if m.pretrained and not (Path(m.pretrained) / "config.json").is_file():
-        e.append(f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
-                 "(save one with save_pretrained; nothing is downloaded)")
-    if m.lm_config and not (Path(m.lm_config).is_file() or (Path(m.lm_config) / "config.json").is_file()):
+        e.append(
+            f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
+            "(save one with save_pretrained; nothing is downloaded)"
+        )
+    if m.lm_config and not (
+        Path(m.lm_config).is_file() or (Path(m.lm_config) / "config.json").is_file()
+    ):
         e.append(f"model.lm_config={m.lm_config!r}: no such config.json")
     if m.lm and not m.pretrained and not m.lm_config:
         if "model_type" not in m.lm:
             e.append("model.lm needs a model_type (e.g. llama, qwen2, gpt2)")
         elif not known_model_type(m.lm["model_type"]):
-            e.append(f"model.lm.model_type={m.lm['model_type']!r} is no model type of transformers {transformers_version()}")
+            e.append(
+                f"model.lm.model_type={m.lm['model_type']!r} is no model type of transformers {transformers_version()}"
+            )
     for key in ("adapter", "vision_checkpoint"):
         if getattr(m, key) and not Path(getattr(m, key)).is_file():
             e.append(f"model.{key}={getattr(m, key)!r}: no such file")
@@ -350,8 +407,10 @@ def _tokenizer_fusion_problems(cfg: Any) -> list[str]:
     """A learned retriever that reads text reads CLIP BPE ids: the reader's tokenizer must be CLIP's."""
     m = cfg.model
     if reader_tokenizer(m) and cfg.retriever.mode == "learned" and cfg.retriever.fusion != "image":
-        return ["the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
-                f"{reader_tokenizer(m)!r}: set retriever.fusion=image"]
+        return [
+            "the retriever's text tower reads CLIP BPE ids, and the reader's tokenizer is "
+            f"{reader_tokenizer(m)!r}: set retriever.fusion=image"
+        ]
     return []
 
 
@@ -363,17 +422,28 @@ def _vlm_problems(m: Any) -> list[str]:
 
     e = []
     if not (m.pretrained or m.vlm_config):
-        e.append(f"model.family=hf_vlm needs model.pretrained (a local directory) or model.vlm_config "
-                 f"(one of {names()} or a config.json)")
+        e.append(
+            f"model.family=hf_vlm needs model.pretrained (a local directory) or model.vlm_config "
+            f"(one of {names()} or a config.json)"
+        )
     if m.pretrained and not (Path(m.pretrained) / "config.json").is_file():
-        e.append(f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
-                 "(save one with save_pretrained; nothing is downloaded)")
+        e.append(
+            f"model.pretrained={m.pretrained!r} is not a directory holding config.json "
+            "(save one with save_pretrained; nothing is downloaded)"
+        )
     v = m.vlm_config
-    if v and not m.pretrained and v not in names() and not (Path(v).is_file() or (Path(v) / "config.json").is_file()):
+    if (
+        v
+        and not m.pretrained
+        and v not in names()
+        and not (Path(v).is_file() or (Path(v) / "config.json").is_file())
+    ):
         e.append(f"model.vlm_config={v!r} is none of {names()} and no config.json")
     for key in ("lm_config", "adapter", "vision_checkpoint"):
         if getattr(m, key):
-            e.append(f"model.{key} is not read by model.family=hf_vlm (the VLM brings its own tower and projector)")
+            e.append(
+                f"model.{key} is not read by model.family=hf_vlm (the VLM brings its own tower and projector)"
+            )
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         e.append(f"model.tokenizer={m.tokenizer!r} is not a directory")
     return e
@@ -417,25 +487,35 @@ def layout_problems(cfg: Any, world_size: int) -> list[str]:
     reader's and the data's rules on top of it."""
     m, d = cfg.model, cfg.data
     layout = runtime_config(cfg)
-    e = [f"parallel.{x}" if x.split(" ", 1)[0].split("=", 1)[0] in PARALLEL_KEYS else f"parallel: {x}"
-         for x in layout.problems(world_size)]
+    e = [
+        f"parallel.{x}"
+        if x.split(" ", 1)[0].split("=", 1)[0] in PARALLEL_KEYS
+        else f"parallel: {x}"
+        for x in layout.problems(world_size)
+    ]
     tp = layout.tp
     if tp > 1 and m.family == "native" and m.heads > 0 and m.heads % tp:
         e.append(f"parallel.tp ({tp}) must divide model.heads ({m.heads})")
     vh = m.vision_width // m.vision_head_width if m.vision_head_width > 0 else 0
     if tp > 1 and vh and vh % tp:
-        e.append(f"parallel.tp ({tp}) must divide the vision heads (model.vision_width / "
-                 f"model.vision_head_width = {vh})")
+        e.append(
+            f"parallel.tp ({tp}) must divide the vision heads (model.vision_width / "
+            f"model.vision_head_width = {vh})"
+        )
     if e:
         return e
     layout.validate(world_size)
     if d.global_batch_size > 0 and d.global_batch_size % layout.dp:
-        e.append(f"data.global_batch_size ({d.global_batch_size}) must be divisible by the {layout.dp} "
-                 "data-parallel replicas")
+        e.append(
+            f"data.global_batch_size ({d.global_batch_size}) must be divisible by the {layout.dp} "
+            "data-parallel replicas"
+        )
     if not layout.whole_model:  # the runtime splits each batch into parallel.microbatches
         for key in ("batch_size", "eval_batch_size"):
             if getattr(d, key) % layout.microbatches:
-                e.append(f"parallel.microbatches ({layout.microbatches}) must divide data.{key} ({getattr(d, key)})")
+                e.append(
+                    f"parallel.microbatches ({layout.microbatches}) must divide data.{key} ({getattr(d, key)})"
+                )
     return e
 
 
@@ -482,13 +562,19 @@ def resolve_batch(cfg: Any, world_size: int) -> None:
 def _data_hint(cfg: Any, split: str) -> str:
     """How the missing shards of ``data.<split>`` are made: the demo world, or a user's data through
     the converter (``corpus`` for the document memory, ``vqa`` / ``hf`` for the query splits)."""
-    if cfg.data.train == DataConfig.train:  # the knowledge world's layout (conf/data/knowledge_world.yaml)
+    if (
+        cfg.data.train == DataConfig.train
+    ):  # the knowledge world's layout (conf/data/knowledge_world.yaml)
         return f"generate the demo data with `python -m rag_mm.data.knowledge_world out={cfg.data.root}`"
     if split == "corpus":
-        return (f"write the document memory with `python scripts/convert.py corpus --docs DIR --out {cfg.data.root}`, "
-                "which prints the data.corpus override; a closed-book run needs none: retriever=none data.corpus=null")
-    return (f"write the {split} queries with `python scripts/convert.py vqa|hf ... --split {split} --out {cfg.data.root}`, "
-            "which prints the data.* overrides")
+        return (
+            f"write the document memory with `python scripts/convert.py corpus --docs DIR --out {cfg.data.root}`, "
+            "which prints the data.corpus override; a closed-book run needs none: retriever=none data.corpus=null"
+        )
+    return (
+        f"write the {split} queries with `python scripts/convert.py vqa|hf ... --split {split} --out {cfg.data.root}`, "
+        "which prints the data.* overrides"
+    )
 
 
 def data_splits(cfg: Any) -> tuple[str, ...]:
@@ -512,7 +598,9 @@ def shard_problems(cfg: Any) -> list[str]:
             )
         unusable = unusable_local_shards(urls)
         if unusable:
-            e.append(f"data.{split}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}")
+            e.append(
+                f"data.{split}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}"
+            )
     return e
 
 
@@ -523,7 +611,11 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
-def compose(overrides: list[str] | None = None, config_dir: str | None = None, return_hydra_config: bool = False):
+def compose(
+    overrides: list[str] | None = None,
+    config_dir: str | None = None,
+    return_hydra_config: bool = False,
+):
     """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests, notebooks);
     with ``return_hydra_config`` its ``hydra`` node too (the output directory Hydra would create)."""
     from pathlib import Path
@@ -534,5 +626,8 @@ def compose(overrides: list[str] | None = None, config_dir: str | None = None, r
     register_configs()
     conf = config_dir or str(Path(__file__).resolve().parents[1] / "conf")
     with initialize_config_dir(config_dir=conf, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides or []),
-                             return_hydra_config=return_hydra_config)
+        return hydra_compose(
+            config_name="config",
+            overrides=list(overrides or []),
+            return_hydra_config=return_hydra_config,
+        )

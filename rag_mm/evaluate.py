@@ -59,10 +59,22 @@ RECALL_AT = (1, 5, 10)  # recall@k reported for the gold document
 
 
 @torch.no_grad()
-def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | None = None,
-             n_examples: int = 0, tokenizer=None, replicas: int = 1, prior: BlindPrior | None = None,
-             ablation: bool = True, split: str = "", predictions: list[tuple[str, str]] | None = None,
-             stop: Callable[[], bool] | None = None, name: str = "evaluation") -> dict:
+def evaluate(
+    rag,
+    loader,
+    device,
+    max_batches: int = 0,
+    examples_path: Path | None = None,
+    n_examples: int = 0,
+    tokenizer=None,
+    replicas: int = 1,
+    prior: BlindPrior | None = None,
+    ablation: bool = True,
+    split: str = "",
+    predictions: list[tuple[str, str]] | None = None,
+    stop: Callable[[], bool] | None = None,
+    name: str = "evaluation",
+) -> dict:
     """Run the RagModel over ``loader``: answer accuracy and NLL, and recall@k when it retrieves.
 
     Every rank evaluates its share of the split; the sums are all-reduced (and divided by
@@ -109,7 +121,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     # faiss pads short result lists with id -1 too)
     width = 4 + len(RECALL_AT)
     acc = torch.zeros(2 * width, dtype=torch.float64)
-    typed = torch.zeros(len(ANSWER_TYPES), len(TYPED), dtype=torch.float64)  # per answer type, the TYPED sums
+    typed = torch.zeros(
+        len(ANSWER_TYPES), len(TYPED), dtype=torch.float64
+    )  # per answer type, the TYPED sums
     whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     store = getattr(rag, "store", None)
@@ -118,7 +132,9 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     warned = False
     examples: list[dict] = []
     # (a stop puts the model back in its mode before Stopped leaves the loop)
-    for batch in _batches(loader, max_batches, stop, name, before_stop=lambda: rag.train(was_training)):
+    for batch in _batches(
+        loader, max_batches, stop, name, before_stop=lambda: rag.train(was_training)
+    ):
         out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k)
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
@@ -139,27 +155,54 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
         B = len(correct)
         golds = batch.get("answer") or [""] * B
         answers = batch.get("answers") or [None] * B
-        types = torch.tensor([ANSWER_TYPES.index(answer_type(t, g))
-                              for t, g in zip(batch.get("answer_type") or [None] * B, golds)])  # (B,)
+        types = torch.tensor(
+            [
+                ANSWER_TYPES.index(answer_type(t, g))
+                for t, g in zip(batch.get("answer_type") or [None] * B, golds)
+            ]
+        )  # (B,)
         _add(typed, "n", types, torch.ones(B))
         _add(typed, "correct", types, correct)
         if prior is not None:
-            _add(typed, "prior", types, torch.tensor([prior.score(q, g, a) for q, g, a
-                                                      in zip(batch["question"], golds, answers)]))
+            _add(
+                typed,
+                "prior",
+                types,
+                torch.tensor(
+                    [prior.score(q, g, a) for q, g, a in zip(batch["question"], golds, answers)]
+                ),
+            )
         rows = [r for r, a in enumerate(answers) if a]
         vqa_rows = bool(rows) and whole
         preds = None
         if predictions is not None:  # every query's greedy answer, decoded once for both uses
             preds = _greedy(rag, batch, out, device, torch.arange(B), tok)
             max_answer = rag.reader.cfg.max_answer
-            predictions += [(key, _answer_text(ids, a or [], tok, max_answer))
-                            for key, ids, a in zip(batch["key"], preds, answers)]
+            predictions += [
+                (key, _answer_text(ids, a or [], tok, max_answer))
+                for key, ids, a in zip(batch["key"], preds, answers)
+            ]
         if vqa_rows:
-            _add_vqa(typed, "", rag, batch, out, device, rows, types, tok, [preds[r] for r in rows] if preds is not None else None)
-        elif rows and not warned:  # every rank has the same layout, so the same (fixed-size) sums below
+            _add_vqa(
+                typed,
+                "",
+                rag,
+                batch,
+                out,
+                device,
+                rows,
+                types,
+                tok,
+                [preds[r] for r in rows] if preds is not None else None,
+            )
+        elif (
+            rows and not warned
+        ):  # every rank has the same layout, so the same (fixed-size) sums below
             warned = True
-            log.warning("vqa_acc not computed: greedy answers need the whole reader on each rank "
-                        "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate")
+            log.warning(
+                "vqa_acc not computed: greedy answers need the whole reader on each rank "
+                "(parallel.pp, tp and dp_shard 1); evaluate the run with python -m rag_mm.evaluate"
+            )
         kvqas = batch.get("kvqa") or [None] * B
         krows = [r for r, kv in enumerate(kvqas) if kv]
         if krows and whole:  # knowledge-VQA queries: greedy answers, scored by the source's rule
@@ -168,8 +211,14 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
             else:
                 kp = _greedy(rag, batch, out, device, torch.tensor(krows), tok)
             max_answer = rag.reader.cfg.max_answer
-            know.add_answers(batch, krows, [_answer_text(ids, kvqas[r]["aliases"], tok, max_answer)
-                                            for r, ids in zip(krows, kp)])
+            know.add_answers(
+                batch,
+                krows,
+                [
+                    _answer_text(ids, kvqas[r]["aliases"], tok, max_answer)
+                    for r, ids in zip(krows, kp)
+                ],
+            )
         if out.doc_ids is not None and store is not None and len(store):
             oracle = rag.rcfg.mode == "oracle"
             read = out.doc_ids[:, :1] if oracle else out.doc_ids
@@ -211,8 +260,14 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     by_kind = kinds.results(replicas)
     if by_kind:
         res["by_attribute"] = by_kind
-    res["by_type"] = {name: {"n": int(row[TYPED["n"]]), **_picture_metrics(row, prior is not None, ablation, typed=True)}
-                      for name, row in zip(ANSWER_TYPES, typed) if row[TYPED["n"]] > 0}
+    res["by_type"] = {
+        name: {
+            "n": int(row[TYPED["n"]]),
+            **_picture_metrics(row, prior is not None, ablation, typed=True),
+        }
+        for name, row in zip(ANSWER_TYPES, typed)
+        if row[TYPED["n"]] > 0
+    }
     if split and _is_main():
         _report(split, res)
     if examples_path is not None and examples:
@@ -221,7 +276,13 @@ def evaluate(rag, loader, device, max_batches: int = 0, examples_path: Path | No
     return res
 
 
-def _batches(loader, max_batches: int, stop: Callable[[], bool] | None, name: str, before_stop: Callable[[], None]):
+def _batches(
+    loader,
+    max_batches: int,
+    stop: Callable[[], bool] | None,
+    name: str,
+    before_stop: Callable[[], None],
+):
     """The loader's batches (the first ``max_batches`` when > 0). With ``stop``, before each batch
     every rank says in one all-reduce whether it has a batch and whether its ``stop()`` is set: a
     rank whose share of the split ran out keeps answering until every share has, so all ranks
@@ -233,7 +294,9 @@ def _batches(loader, max_batches: int, stop: Callable[[], bool] | None, name: st
             batch = next(it, None)
             exhausted = batch is None
         if stop is not None:
-            have, halt = all_reduce_sum(torch.tensor([float(batch is not None), float(bool(stop()))])).tolist()
+            have, halt = all_reduce_sum(
+                torch.tensor([float(batch is not None), float(bool(stop()))])
+            ).tolist()
             if halt:
                 before_stop()
                 raise Stopped(f"{name} stopped after {done} batch{'' if done == 1 else 'es'}")
@@ -249,26 +312,45 @@ def _batches(loader, max_batches: int, stop: Callable[[], bool] | None, name: st
 
 # The per-answer-type sums evaluate() all-reduces, by column: queries, exact-match correct, summed VQA
 # accuracy and the queries it sums over, summed blind-prior score, and the same for the blanked picture.
-TYPED = {name: i for i, name in enumerate(
-    ("n", "correct", "vqa", "n_vqa", "prior", "correct_blank", "vqa_blank", "n_vqa_blank"))}
+TYPED = {
+    name: i
+    for i, name in enumerate(
+        ("n", "correct", "vqa", "n_vqa", "prior", "correct_blank", "vqa_blank", "n_vqa_blank")
+    )
+}
 MIN_GAIN = 0.02  # accuracy over the blind prior, and lost by blanking the picture, below which evaluate() warns
 
 
 def _add(typed: torch.Tensor, col: str, types: torch.Tensor, values) -> None:
     """Add each query's ``values`` (B,) into its answer type's row of column ``col``."""
     v = torch.as_tensor(values, dtype=torch.float64)
-    typed[:, TYPED[col]] += torch.zeros(len(ANSWER_TYPES), dtype=torch.float64).index_add_(0, types, v)
+    typed[:, TYPED[col]] += torch.zeros(len(ANSWER_TYPES), dtype=torch.float64).index_add_(
+        0, types, v
+    )
 
 
-def _add_vqa(typed, suffix: str, rag, batch, out, device, rows: list[int], types, tok,
-             preds: list[list[int]] | None = None) -> None:
+def _add_vqa(
+    typed,
+    suffix: str,
+    rag,
+    batch,
+    out,
+    device,
+    rows: list[int],
+    types,
+    tok,
+    preds: list[list[int]] | None = None,
+) -> None:
     """Greedily decode the queries ``rows`` (those with human answers) as ``out`` read them (or take
     their decoded ``preds``) and add their VQA accuracy to columns ``vqa<suffix>`` / ``n_vqa<suffix>``."""
     if preds is None:
         preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
     answers = batch["answers"]
-    scores = [vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r]) for r, ids in zip(rows, preds)]
+    scores = [
+        vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r])
+        for r, ids in zip(rows, preds)
+    ]
     _add(typed, f"vqa{suffix}", types[rows], scores)
     _add(typed, f"n_vqa{suffix}", types[rows], torch.ones(len(rows)))
 
@@ -281,7 +363,9 @@ def _blank(batch: dict) -> dict:
     return {**batch, "image": img.mean(dim=(0, 2, 3), keepdim=True).expand_as(img).contiguous()}
 
 
-def _picture_metrics(sums: torch.Tensor, has_prior: bool, ablation: bool, typed: bool = False) -> dict:
+def _picture_metrics(
+    sums: torch.Tensor, has_prior: bool, ablation: bool, typed: bool = False
+) -> dict:
     """blind_prior, acc_blank, vqa_acc_blank and image_drop from one row of TYPED sums (a type's or
     the total); ``typed`` adds the row's acc and vqa_acc (the split's own come from the main sums)."""
     n, n_vqa = float(sums[TYPED["n"]]), float(sums[TYPED["n_vqa"]])
@@ -299,7 +383,9 @@ def _picture_metrics(sums: torch.Tensor, has_prior: bool, ablation: bool, typed:
         if n_vqa and n_blank:  # accuracy as the headline is: VQA accuracy where the queries have it
             res["image_drop"] = float(sums[TYPED["vqa"]]) / n_vqa - res["vqa_acc_blank"]
         else:
-            res["image_drop"] = (float(sums[TYPED["correct"]] - sums[TYPED["correct_blank"]]) / n) if n else None
+            res["image_drop"] = (
+                (float(sums[TYPED["correct"]] - sums[TYPED["correct_blank"]]) / n) if n else None
+            )
     return res
 
 
@@ -321,27 +407,50 @@ def _report(split: str, res: dict) -> None:
     """One INFO line per split (accuracy, blind prior, accuracy by answer type, image drop) and one
     warning when the reader does not beat the blind prior or barely needs the picture."""
     accuracy, prior, drop = headline(res), res.get("blind_prior"), res.get("image_drop")
-    by_type = ", ".join(f"{name} {_fmt(headline(t))} (n={t['n']}, prior {_fmt(t.get('blind_prior'))})"
-                        for name, t in res["by_type"].items())
-    log.info("%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
-             split, accuracy, _fmt(prior), by_type or "none",
-             _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))), _fmt(drop))
+    by_type = ", ".join(
+        f"{name} {_fmt(headline(t))} (n={t['n']}, prior {_fmt(t.get('blind_prior'))})"
+        for name, t in res["by_type"].items()
+    )
+    log.info(
+        "%s: accuracy %.3f, blind prior %s, by answer type: %s; blanked picture %s, image drop %s",
+        split,
+        accuracy,
+        _fmt(prior),
+        by_type or "none",
+        _fmt(res.get("vqa_acc_blank", res.get("acc_blank"))),
+        _fmt(drop),
+    )
     if res.get("by_attribute"):
-        log.info("%s: by kind of question, seen / held out: %s", split, ", ".join(
-            f"{kind} {_fmt(r['acc_seen'])} / {_fmt(r['acc_heldout'])}" for kind, r in res["by_attribute"].items()))
+        log.info(
+            "%s: by kind of question, seen / held out: %s",
+            split,
+            ", ".join(
+                f"{kind} {_fmt(r['acc_seen'])} / {_fmt(r['acc_heldout'])}"
+                for kind, r in res["by_attribute"].items()
+            ),
+        )
     retrieval = retrieval_line(res, RECALL_AT)
     if retrieval:
         log.info("%s: %s", split, retrieval)
     problems = []
     if prior is not None and accuracy < prior + MIN_GAIN:
         where = "below" if accuracy < prior - MIN_GAIN else f"within {MIN_GAIN * 100:.0f} points of"
-        problems.append(f"accuracy {accuracy:.3f} is {where} the blind prior {prior:.3f} (answering from the question alone)")
+        problems.append(
+            f"accuracy {accuracy:.3f} is {where} the blind prior {prior:.3f} (answering from the question alone)"
+        )
     if drop is not None and drop < MIN_GAIN:
-        problems.append(f"the picture is barely used: blanking it costs {drop:.3f}" if drop >= 0 else
-                        f"the picture is not used: blanking it raises accuracy by {-drop:.3f}")
+        problems.append(
+            f"the picture is barely used: blanking it costs {drop:.3f}"
+            if drop >= 0
+            else f"the picture is not used: blanking it raises accuracy by {-drop:.3f}"
+        )
     if problems:
-        hint = ("; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer patch "
-                "grid (model.patch_size, as +experiment=vqa sets it) is the usual cure" if drop is not None and drop < MIN_GAIN else "")
+        hint = (
+            "; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer patch "
+            "grid (model.patch_size, as +experiment=vqa sets it) is the usual cure"
+            if drop is not None and drop < MIN_GAIN
+            else ""
+        )
         log.warning("%s: %s%s", split, " / ".join(problems), hint)
 
 
@@ -364,12 +473,23 @@ def _greedy(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list
     r = rows.to(device)
     docs = {}
     if out.doc_ids is not None:
-        docs = {name: t.to(device) for name, t in rag.store.fetch(out.doc_ids[rows, :rag.rcfg.top_k]).items()}
+        docs = {
+            name: t.to(device)
+            for name, t in rag.store.fetch(out.doc_ids[rows, : rag.rcfg.top_k]).items()
+        }
     prior = None
     if rag.rcfg.reader_prior and out.scores is not None:  # as the evaluated forward read them
         prior = torch.log_softmax(out.scores[rows].to(device), -1)
-    return rag.reader.generate(x["image"][r], x["q_ids"][r], x["q_len"][r], docs.get("doc_image"),
-                               docs.get("doc_ids"), docs.get("doc_len"), eot_id=tokenizer.eot_id, doc_prior=prior)
+    return rag.reader.generate(
+        x["image"][r],
+        x["q_ids"][r],
+        x["q_len"][r],
+        docs.get("doc_image"),
+        docs.get("doc_ids"),
+        docs.get("doc_len"),
+        eot_id=tokenizer.eot_id,
+        doc_prior=prior,
+    )
 
 
 def _answer_text(ids: list[int], answers: list[str], tokenizer, max_answer: int) -> str:
@@ -393,13 +513,25 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     rows = rag.store.rows(ids)
     res = []
     for i in range(n):
-        res.append({
-            "key": batch["key"][i], "question": batch["question"][i], "answer": batch["answer"][i],
-            "prediction": tokenizer.decode(pred[i]), "heldout": bool(batch["heldout"][i]),
-            "gold_doc_id": int(batch["doc_id"][i]), "query_image": _png_b64(batch["image"][i]),
-            "retrieved": [{"doc_id": int(ids[i, j]), "passage": rag.store.passages[int(rows[i, j])],
-                           "image": _png_b64(rag.store.images[int(rows[i, j])])} for j in range(ids.shape[1])],
-        })
+        res.append(
+            {
+                "key": batch["key"][i],
+                "question": batch["question"][i],
+                "answer": batch["answer"][i],
+                "prediction": tokenizer.decode(pred[i]),
+                "heldout": bool(batch["heldout"][i]),
+                "gold_doc_id": int(batch["doc_id"][i]),
+                "query_image": _png_b64(batch["image"][i]),
+                "retrieved": [
+                    {
+                        "doc_id": int(ids[i, j]),
+                        "passage": rag.store.passages[int(rows[i, j])],
+                        "image": _png_b64(rag.store.images[int(rows[i, j])]),
+                    }
+                    for j in range(ids.shape[1])
+                ],
+            }
+        )
     return res
 
 
@@ -407,8 +539,10 @@ class EvalError(Exception):
     """Bad input to the command line: its message goes to stderr, the exit status is 2."""
 
 
-USAGE = ("usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] "
-         "[modes=all|closed_book,learned,oracle] [key=value ...]")
+USAGE = (
+    "usage: python -m rag_mm.evaluate RUN_DIR [split=test] [predictions=PATH.json] "
+    "[modes=all|closed_book,learned,oracle] [key=value ...]"
+)
 OWN = ("split", "predictions", "modes")  # the command's own arguments; the rest: config overrides
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")  # a dotted config key, then its value
 
@@ -442,10 +576,15 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
         raise EvalError(why)
     for o in overrides:
         if not OVERRIDE.match(o):
-            raise EvalError(f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)")
+            raise EvalError(
+                f"bad override {o!r}: expected key=value (e.g. data.eval_batch_size=64)"
+            )
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(cfg_path),
-                              OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.merge(
+            OmegaConf.structured(TrainConfig),
+            OmegaConf.load(cfg_path),
+            OmegaConf.from_dotlist(overrides),
+        )
     except (OmegaConfBaseException, YAMLError) as exc:
         raise EvalError(f"bad config or override: {exc}".rstrip()) from None
     cfg.run_dir = str(run_dir)
@@ -455,7 +594,9 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
         validate(cfg, world_size=1)
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
-    skip = () if queries else tuple(f"data.{split}:" for split in SPLITS)  # shard_problems names its key first
+    skip = (
+        () if queries else tuple(f"data.{split}:" for split in SPLITS)
+    )  # shard_problems names its key first
     problems = [p for p in path_problems(cfg, training=False) if not p.startswith(skip)]
     if problems:
         raise EvalError("invalid paths:\n  - " + "\n  - ".join(problems))
@@ -474,7 +615,9 @@ def load_model_state(rag: torch.nn.Module, ckpt: Path) -> dict:
 
     state = {"model": get_model_state_dict(rag)}  # the names and shapes Trainer._state saves
     try:
-        ts = checkpoint.load(ckpt, state)  # in one process: DCP's note that it assumes so is filtered there
+        ts = checkpoint.load(
+            ckpt, state
+        )  # in one process: DCP's note that it assumes so is filtered there
     except CheckpointException as exc:  # DCP's message carries each rank's stack: keep the errors
         why = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
         raise EvalError(f"cannot load {ckpt} into the model the config builds: {why}") from None
@@ -515,8 +658,13 @@ def load_run(cfg, ckpt: Path) -> tuple[RagParts, int, torch.device]:
     return parts, step, device
 
 
-def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | None = None,
-        modes: str | None = None) -> dict:
+def run(
+    run_dir: Path,
+    split: str,
+    overrides: list[str],
+    predictions: Path | None = None,
+    modes: str | None = None,
+) -> dict:
     """Build the run's model, load its newest valid checkpoint and evaluate ``split``;
     ``predictions``: where every query's greedy answer goes, in the VQA results format; ``modes``
     (``rag_mm.eval.modes``): also evaluate closed book / learned / oracle on the same weights, the
@@ -525,7 +673,9 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
         raise EvalError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     cfg = load_config(run_dir, overrides)
     wanted = _modes(cfg, split, modes) if modes else []
-    if cfg.retriever.mode == "oracle":  # it reads each query's gold document: checked before any work
+    if (
+        cfg.retriever.mode == "oracle"
+    ):  # it reads each query's gold document: checked before any work
         from rag_mm.checks.gold import oracle_problem
 
         why = oracle_problem(cfg, split)
@@ -544,19 +694,42 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
         examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
         # the blind prior's table: cached in the run directory (the trainer's final evaluation made it)
         writable = writable_dir_problem("RUN_DIR", run_dir) is None
-        prior = load_or_build(expand_urls(cfg.data.root, cfg.data.train), run_dir / CACHE_NAME if writable else None)
-        metrics = evaluate(parts.rag, make_stream(cfg, split, train=False), device, examples_path=examples,
-                           n_examples=cfg.retriever.eval_examples, tokenizer=parts.tok, prior=prior, split=split,
-                           predictions=answered)
+        prior = load_or_build(
+            expand_urls(cfg.data.root, cfg.data.train), run_dir / CACHE_NAME if writable else None
+        )
+        metrics = evaluate(
+            parts.rag,
+            make_stream(cfg, split, train=False),
+            device,
+            examples_path=examples,
+            n_examples=cfg.retriever.eval_examples,
+            tokenizer=parts.tok,
+            prior=prior,
+            split=split,
+            predictions=answered,
+        )
         if wanted:  # the other modes on the same weights, without the picture ablation (fast)
             from rag_mm.eval.modes import NAMES, compare
 
             def other(name: str) -> dict:
-                return evaluate(parts.rag, make_stream(cfg, split, train=False), device,
-                                tokenizer=parts.tok, prior=prior, ablation=False)
+                return evaluate(
+                    parts.rag,
+                    make_stream(cfg, split, train=False),
+                    device,
+                    tokenizer=parts.tok,
+                    prior=prior,
+                    ablation=False,
+                )
 
-            metrics["modes"] = compare(parts.rag, split, wanted, NAMES.get(cfg.retriever.mode),
-                                       metrics, other, run_dir / "metrics.json")
+            metrics["modes"] = compare(
+                parts.rag,
+                split,
+                wanted,
+                NAMES.get(cfg.retriever.mode),
+                metrics,
+                other,
+                run_dir / "metrics.json",
+            )
     except DataError as exc:  # no usable sample in the split
         raise EvalError(f"{data_key(cfg, exc.urls)}: {exc}") from None
     finally:
@@ -564,7 +737,9 @@ def run(run_dir: Path, split: str, overrides: list[str], predictions: Path | Non
             parts.memory.close()
     if predictions is not None:
         try:
-            write_predictions(predictions, answered, expand_urls(cfg.data.root, getattr(cfg.data, split)))
+            write_predictions(
+                predictions, answered, expand_urls(cfg.data.root, getattr(cfg.data, split))
+            )
         except PredictionError as exc:
             raise EvalError(f"predictions: {exc}") from None
     return {"split": split, "step": step, **metrics}
@@ -604,7 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(json_safe(res), allow_nan=False))  # strict JSON: null where there is nothing to average
+    print(
+        json.dumps(json_safe(res), allow_nan=False)
+    )  # strict JSON: null where there is nothing to average
     return 0
 
 

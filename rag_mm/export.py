@@ -37,13 +37,26 @@ def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
     reader.lm.save_pretrained(out / "lm", safe_serialization=True)
     if isinstance(tokenizer, HFTokenizer):
         tokenizer._tok.save_pretrained(out / "lm")
-    torch.save({f"visual.{k}": v.detach().cpu() for k, v in reader.vision.state_dict().items()}, out / "open_clip_visual.pt")
-    save_file({k: v.detach().cpu().contiguous() for k, v in reader.adapter_state().items()}, out / "adapter.safetensors")
-    overrides = [f"model.pretrained={out / 'lm'}", f"model.vision_checkpoint={out / 'open_clip_visual.pt'}",
-                 f"model.adapter={out / 'adapter.safetensors'}", f"model.projector={model_cfg.projector}",
-                 f"model.copy_head={str(bool(model_cfg.copy_head)).lower()}", f"model.max_docs={model_cfg.max_docs}",
-                 *(f"model.{f}={getattr(model_cfg, f)}" for f in VISION_FIELDS)]
-    (out / "import.json").write_text(json.dumps({"overrides": overrides}, indent=1, allow_nan=False) + "\n")
+    torch.save(
+        {f"visual.{k}": v.detach().cpu() for k, v in reader.vision.state_dict().items()},
+        out / "open_clip_visual.pt",
+    )
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in reader.adapter_state().items()},
+        out / "adapter.safetensors",
+    )
+    overrides = [
+        f"model.pretrained={out / 'lm'}",
+        f"model.vision_checkpoint={out / 'open_clip_visual.pt'}",
+        f"model.adapter={out / 'adapter.safetensors'}",
+        f"model.projector={model_cfg.projector}",
+        f"model.copy_head={str(bool(model_cfg.copy_head)).lower()}",
+        f"model.max_docs={model_cfg.max_docs}",
+        *(f"model.{f}={getattr(model_cfg, f)}" for f in VISION_FIELDS),
+    ]
+    (out / "import.json").write_text(
+        json.dumps({"overrides": overrides}, indent=1, allow_nan=False) + "\n"
+    )
     return overrides
 
 
@@ -54,8 +67,10 @@ def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
 
     cfg = load_config(run_dir, overrides)
     if cfg.model.family != "hf":
-        raise EvalError(f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader (model.family=hf) "
-                        "exports to Hugging Face and open_clip files")
+        raise EvalError(
+            f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader (model.family=hf) "
+            "exports to Hugging Face and open_clip files"
+        )
     ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
     if ckpt is None:
         raise EvalError(f"no valid checkpoint in {run_dir / 'checkpoints'}")

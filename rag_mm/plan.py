@@ -52,8 +52,15 @@ from rag_mm.config import ConfigError, compose, runtime_config, validate
 
 log = logging.getLogger(__name__)
 
-SAMPLES = 2  # samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
-OWN_KEYS = ("cluster", "global_batch", "format", "top")  # command-line keys that are not training overrides
+SAMPLES = (
+    2  # samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
+)
+OWN_KEYS = (
+    "cluster",
+    "global_batch",
+    "format",
+    "top",
+)  # command-line keys that are not training overrides
 FORMATS = ("table", "json")
 AUTO_TOP = 3  # layouts the start-up log shows
 
@@ -63,12 +70,19 @@ def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
     documents per query (none in closed-book mode)."""
     m, k = cfg.model, cfg.retriever.top_k
     img, lq, la, lt = m.image_size, m.max_question, m.max_answer, m.max_doc_text
-    x = {"image": torch.zeros(samples, 3, img, img),  # (B, 3, H, W)
-         "q_ids": torch.zeros(samples, lq, dtype=torch.long), "q_len": torch.full((samples,), lq),
-         "a_ids": torch.zeros(samples, la, dtype=torch.long), "a_len": torch.full((samples,), la)}
+    x = {
+        "image": torch.zeros(samples, 3, img, img),  # (B, 3, H, W)
+        "q_ids": torch.zeros(samples, lq, dtype=torch.long),
+        "q_len": torch.full((samples,), lq),
+        "a_ids": torch.zeros(samples, la, dtype=torch.long),
+        "a_len": torch.full((samples,), la),
+    }
     if k > 0:
-        x |= {"doc_image": torch.zeros(samples, k, 3, img, img),  # (B, k, 3, H, W)
-              "doc_ids": torch.zeros(samples, k, lt, dtype=torch.long), "doc_len": torch.full((samples, k), lt)}
+        x |= {
+            "doc_image": torch.zeros(samples, k, 3, img, img),  # (B, k, 3, H, W)
+            "doc_ids": torch.zeros(samples, k, lt, dtype=torch.long),
+            "doc_len": torch.full((samples, k), lt),
+        }
     return x
 
 
@@ -89,7 +103,9 @@ def tp_divisor(cfg: Any) -> int:
     return math.gcd(m.heads, vision_heads)
 
 
-def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")):
+def plan(
+    cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")
+):
     """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per step."""
     from parallel import plan_layout
     from rag_mm.config import reader_tokenizer
@@ -99,12 +115,23 @@ def plan(cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, .
     model_cfg = OmegaConf.to_object(cfg.model) if OmegaConf.is_config(cfg.model) else cfg.model
     # on the meta device: no weight is allocated or initialised (an 8B preset plans on a laptop),
     # and the planner reads only the trace's FLOPs and bytes, which the meta device gives
-    reader = build_reader(model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size, meta=True)
+    reader = build_reader(
+        model_cfg, get_tokenizer(reader_tokenizer(model_cfg)).vocab_size, meta=True
+    )
     example = {k: v.to("meta") for k, v in example_inputs(cfg).items()}
     run = runtime_config(cfg)  # the fields the planner does not choose stay the run's
-    return plan_layout(reader, example, cluster, global_batch=global_batch, tp_divisor=tp_divisor(cfg),
-                       precisions=precisions, checkpointing=(run.activation_checkpointing != "none",),
-                       offload=(run.cpu_offload,), passes=0, base=run)
+    return plan_layout(
+        reader,
+        example,
+        cluster,
+        global_batch=global_batch,
+        tp_divisor=tp_divisor(cfg),
+        precisions=precisions,
+        checkpointing=(run.activation_checkpointing != "none",),
+        offload=(run.cpu_offload,),
+        passes=0,
+        base=run,
+    )
 
 
 def default_global_batch(cfg: Any, world: int) -> int:
@@ -133,8 +160,11 @@ def layout_overrides(cfg: Any, est) -> list[str]:
     ``optim.grad_accum`` and ``optim.precision`` (bf16: autocast)."""
     c, run = est.config, runtime_config(cfg)
     o = [f"parallel.{d}={getattr(c, d)}" for d in DEGREES]
-    o += [f"parallel.{f.name}={_yaml(getattr(c, f.name))}" for f in dataclasses.fields(c)
-          if f.name not in DEGREES and getattr(c, f.name) != getattr(run, f.name)]
+    o += [
+        f"parallel.{f.name}={_yaml(getattr(c, f.name))}"
+        for f in dataclasses.fields(c)
+        if f.name not in DEGREES and getattr(c, f.name) != getattr(run, f.name)
+    ]
     per_replica = est.microbatch_size * c.microbatches
     if per_replica:
         o.append(f"data.batch_size={per_replica}")
@@ -203,12 +233,21 @@ def resolve_auto(cfg: Any, world: int, local_world: int | None = None):
     best = runnable(cfg, p, world, 1)
     if not best:
         why = "; ".join(f"{lay.key}: {', '.join(lay.reasons)}" for lay in p.layouts[:3])
-        raise ConfigError(f"parallel=auto: no layout of the reader fits {world} rank(s) of {cluster.name} "
-                          f"(global batch {gb}): {why or 'none considered'}")
+        raise ConfigError(
+            f"parallel=auto: no layout of the reader fits {world} rank(s) of {cluster.name} "
+            f"(global batch {gb}): {why or 'none considered'}"
+        )
     lay, overrides = best[0]
     apply(cfg, overrides)
-    log.info("parallel=auto: %s for %d rank(s), global batch %d (%s)\n%s\nparallel=auto overrides: %s",
-             lay.key, world, gb, "; ".join(lay.reasons), p.table(AUTO_TOP, rejected=0), " ".join(overrides))
+    log.info(
+        "parallel=auto: %s for %d rank(s), global batch %d (%s)\n%s\nparallel=auto overrides: %s",
+        lay.key,
+        world,
+        gb,
+        "; ".join(lay.reasons),
+        p.table(AUTO_TOP, rejected=0),
+        " ".join(overrides),
+    )
     return lay
 
 
@@ -221,7 +260,12 @@ class UsageError(ValueError):
 
 def parse(argv: list[str]) -> tuple[list[str], str, dict[str, Any], dict[str, Any]]:
     """argv -> (training overrides, cluster preset, cluster field overrides, options)."""
-    train, preset, fields, opts = [], "local", {}, {"global_batch": None, "format": "table", "top": 10}
+    train, preset, fields, opts = (
+        [],
+        "local",
+        {},
+        {"global_batch": None, "format": "table", "top": 10},
+    )
     known = {f.name for f in dataclasses.fields(Cluster)} - {"name", "peak_flops"}
     for a in argv:
         if "=" not in a:
@@ -265,8 +309,11 @@ def command(train: list[str], overrides: list[str], cluster: Cluster) -> str:
     """The launch line of a layout: the training overrides (those the layout sets dropped) and its own."""
     keys = {_split(o)[0] for o in overrides}
     args = [a for a in train if _split(a)[0] not in keys] + overrides
-    launch = "python -m rag_mm.train" if cluster.world == 1 else \
-        f"torchrun --nnodes={cluster.nodes} --nproc_per_node={cluster.devices_per_node} -m rag_mm.train"
+    launch = (
+        "python -m rag_mm.train"
+        if cluster.world == 1
+        else f"torchrun --nnodes={cluster.nodes} --nproc_per_node={cluster.devices_per_node} -m rag_mm.train"
+    )
     return f"{launch} {shlex.join(args)}"
 
 
@@ -299,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(p.table(opts["top"]))
     best = runnable(cfg, p, cluster.world, 3)
-    print("\nbest layouts, as rag_mm runs them:" if best else "\nno fitting layout that rag_mm accepts")
+    print(
+        "\nbest layouts, as rag_mm runs them:"
+        if best
+        else "\nno fitting layout that rag_mm accepts"
+    )
     for i, (lay, o) in enumerate(best, 1):
         print(f"{i}. {lay.key} ({'; '.join(lay.reasons)})\n   {command(train, o, cluster)}")
     return 0

@@ -1,8 +1,8 @@
 """The main job.
 
-    python -m rag_mm.train +experiment=demo                         # one process
-    torchrun --nproc_per_node=2 -m rag_mm.train +experiment=demo    # data parallel, one node
-    python -m rag_mm.train --multirun hydra/launcher=slurm +experiment=demo   # SLURM via submitit
+python -m rag_mm.train +experiment=demo                         # one process
+torchrun --nproc_per_node=2 -m rag_mm.train +experiment=demo    # data parallel, one node
+python -m rag_mm.train --multirun hydra/launcher=slurm +experiment=demo   # SLURM via submitit
 """
 
 from __future__ import annotations
@@ -87,10 +87,14 @@ def main(cfg: DictConfig) -> None:
     from rag_mm.distributed.env import world_size_from_env
 
     try:  # reject bad values and paths before any heavy import or work
-        if cfg.launch.auto_layout:  # plan the layout for this world and set it on cfg (every rank picks the same)
+        if (
+            cfg.launch.auto_layout
+        ):  # plan the layout for this world and set it on cfg (every rank picks the same)
             from rag_mm.plan import resolve_auto
 
-            resolve_auto(cfg, world_size_from_env(), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+            resolve_auto(
+                cfg, world_size_from_env(), int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+            )
         else:  # (parallel=auto sets the per-replica batch that keeps the global one itself)
             resolve_batch(cfg, world_size_from_env())
         validate(cfg, world_size_from_env())
@@ -103,11 +107,15 @@ def main(cfg: DictConfig) -> None:
         trainer = Trainer(cfg)
     except ConfigError as exc:
         _fail(exc, cfg)
-    requeue = preemption.SubmititRequeue(trainer._on_sigterm)  # submitit's USR2: checkpoint, then requeue
+    requeue = preemption.SubmititRequeue(
+        trainer._on_sigterm
+    )  # submitit's USR2: checkpoint, then requeue
     try:
         trainer.restore()
         summary = trainer.fit()
-    except ConfigError as exc:  # a split whose every shard or sample is unreadable (rag_mm.data.DataError)
+    except (
+        ConfigError
+    ) as exc:  # a split whose every shard or sample is unreadable (rag_mm.data.DataError)
         trainer.metrics.close()
         trainer.watch.close()
         _fail(exc, cfg)
@@ -118,14 +126,21 @@ def main(cfg: DictConfig) -> None:
         if found is not None:  # a full or read-only disk: one message, no traceback
             _close_after_disk_fault(trainer)
             if trainer.env.is_main:
-                print(f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",
-                      file=sys.stderr, flush=True)
-            if isinstance(exc, disk.WriteFailed):  # raised on every rank: wait for rank 0's message and clean-up
+                print(
+                    f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if isinstance(
+                exc, disk.WriteFailed
+            ):  # raised on every rank: wait for rank 0's message and clean-up
                 from rag_mm.distributed.env import barrier
 
                 barrier()  # (a launcher stops the other ranks as soon as one exits)
             sys.exit(1)
-        if trainer.env.world_size > 1:  # name the stuck rank and the operation, not only gloo's message
+        if (
+            trainer.env.world_size > 1
+        ):  # name the stuck rank and the operation, not only gloo's message
             logging.getLogger(__name__).error("%s", trainer.watch.explain(exc))
         trainer.metrics.close()  # no close(): its final barrier would wait on the dead or stuck peer
         trainer.watch.close()

@@ -62,8 +62,13 @@ class _Step:
 def accuracy_line(m: dict) -> str:
     """A split's exact-match accuracy with its seen / held-out parts; a group the split does not
     have (VQA data holds no held-out entities) is named as absent, not printed as nan."""
-    parts = [f"{name} {m[key]:.3f}" if m[n] else f"no {name} entities" for name, key, n in
-             (("seen", "acc_seen", "n_seen"), ("held-out", "acc_heldout", "n_heldout"))]
+    parts = [
+        f"{name} {m[key]:.3f}" if m[n] else f"no {name} entities"
+        for name, key, n in (
+            ("seen", "acc_seen", "n_seen"),
+            ("held-out", "acc_heldout", "n_heldout"),
+        )
+    ]
     return f"acc {m['acc']:.3f} ({', '.join(parts)})"
 
 
@@ -71,7 +76,9 @@ class Trainer:
     def __init__(self, cfg, log_metrics: bool = True) -> None:
         """``cfg`` as the entry point hands it over: values validated, paths and shards checked
         (``rag_mm.train``: ``config.validate``, ``paths.check_paths``), once per start."""
-        gold_queries = gold.check(cfg)  # settings that need gold documents, against the data's first samples
+        gold_queries = gold.check(
+            cfg
+        )  # settings that need gold documents, against the data's first samples
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -79,7 +86,9 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.env = init_distributed(cfg.device, cfg.launch.backend, cfg.launch.timeout_s)
         self.device = self.env.device
-        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.launch.timeout_s)  # names a stuck rank
+        self.watch = Watchdog(
+            self.env.rank, self.env.world_size, cfg.launch.timeout_s
+        )  # names a stuck rank
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -87,17 +96,30 @@ class Trainer:
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
         self.rag.gold_queries = gold_queries
-        self.ckpt_bytes = disk.checkpoint_bytes(self.rag)  # the whole model, before it is spread over ranks
+        self.ckpt_bytes = disk.checkpoint_bytes(
+            self.rag
+        )  # the whole model, before it is spread over ranks
         self._check_disk()
         retriever = parts.retriever
         vision_records = []
-        if cfg.model.vision_ssl_steps and starts_fresh(cfg, self.ckpt_dir):  # before the reader is spread
+        if cfg.model.vision_ssl_steps and starts_fresh(
+            cfg, self.ckpt_dir
+        ):  # before the reader is spread
             self.watch.at("vision warm-up (gradient all_reduce)", 0)
-            vision_records = warm_up_vision(cfg, self.model.vision, self.env.rank, self.env.world_size, self.device)
-        if cfg.optim.vision_lr_scale == 0:  # frozen before the reader is spread: no gradient, no optimizer state
+            vision_records = warm_up_vision(
+                cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
+            )
+        if (
+            cfg.optim.vision_lr_scale == 0
+        ):  # frozen before the reader is spread: no gradient, no optimizer state
             self.model.vision.requires_grad_(False)
-        self.spread = SpreadRag(self.rag, cfg, self.device)  # the reader over the ranks, as cfg.parallel says
-        self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size  # a replica shares a batch
+        self.spread = SpreadRag(
+            self.rag, cfg, self.device
+        )  # the reader over the ranks, as cfg.parallel says
+        self.data_rank, self.data_size = (
+            self.spread.dp_rank,
+            self.spread.dp_size,
+        )  # a replica shares a batch
         # backend=auto's attention kernels, chosen by measurement before the first step: a collective
         # (rank 0 times the candidates or reads its cache, every rank runs its choices)
         self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
@@ -105,30 +127,54 @@ class Trainer:
         self.opt = build_optimizer(self.spread, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
-        self.consumed = 0  # training batches this rank has drawn (resume replays the stream past them)
-        self.skipped: dict[int, dict[str, int]] = {}  # per loader worker: cumulative dropped samples
+        self.consumed = (
+            0  # training batches this rank has drawn (resume replays the stream past them)
+        )
+        self.skipped: dict[
+            int, dict[str, int]
+        ] = {}  # per loader worker: cumulative dropped samples
         self.train_time = 0.0
-        self.warmup_time = 0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
-        self._drift = [[0, 0], [0, 0]]  # [hits, queries] on a fresh / stale index (``_count_drift``)
-        self.pipeline: dict | None = None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
-        self.metrics = MetricsLogger(self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress)
+        self.warmup_time = (
+            0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
+        )
+        self._drift = [
+            [0, 0],
+            [0, 0],
+        ]  # [hits, queries] on a fresh / stale index (``_count_drift``)
+        self.pipeline: dict | None = (
+            None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
+        )
+        self.metrics = MetricsLogger(
+            self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress
+        )
         for rec in vision_records:
             self.metrics.log(rec, prefix="vision_warmup")
         self._stop_signal = False
         self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
-        self._prior: BlindPrior | None = None  # the blind prior's table, read at the first evaluation
+        self._prior: BlindPrior | None = (
+            None  # the blind prior's table, read at the first evaluation
+        )
         self._prior_ready = False
         n_params = sum(p.numel() for p in self.model.parameters())
         n_retr = sum(p.numel() for p in retriever.parameters()) if retriever is not None else 0
-        log.info("reader: %.2f M parameters, retriever: %.2f M, world size %d, device %s",
-                 n_params / 1e6, n_retr / 1e6, self.env.world_size, self.device)
+        log.info(
+            "reader: %.2f M parameters, retriever: %.2f M, world size %d, device %s",
+            n_params / 1e6,
+            n_retr / 1e6,
+            self.env.world_size,
+            self.device,
+        )
 
     def _check_disk(self) -> None:
         """Warn (or with ``disk_check=stop`` refuse to start) when run_dir's file system cannot hold
         keep_checkpoints + 1 checkpoints; the main rank looks, every rank hears."""
         if self.cfg.disk_check == "off":
             return
-        problem = disk.space_problem(self.ckpt_dir, self.ckpt_bytes, self.cfg.keep_checkpoints) if self.env.is_main else None
+        problem = (
+            disk.space_problem(self.ckpt_dir, self.ckpt_bytes, self.cfg.keep_checkpoints)
+            if self.env.is_main
+            else None
+        )
         problem = broadcast_object(problem)
         if problem is None:
             return
@@ -149,7 +195,9 @@ class Trainer:
         self.watch.at("index refresh (all_gather of document embeddings)", self.step)
         asked = itertools.count()
 
-        def stop() -> bool:  # asked before each forward pass; the fault point is after the first one
+        def stop() -> (
+            bool
+        ):  # asked before each forward pass; the fault point is after the first one
             if next(asked) == 1:
                 faults.inject("refresh", self.step, self.env.rank)
             return self._stop_agreed()
@@ -157,8 +205,10 @@ class Trainer:
         try:  # a stop signal ends it between two forward passes, on every rank together
             self.memory.refresh(background=r.refresh_background, step=self.step, stop=stop)
         except RefreshInterrupted as exc:
-            raise preemption.Stopped(f"index refresh at step {self.step} stopped after {exc.done} of its "
-                                     f"{exc.total} passes") from None
+            raise preemption.Stopped(
+                f"index refresh at step {self.step} stopped after {exc.done} of its "
+                f"{exc.total} passes"
+            ) from None
         if self.memory.refresh_seconds:
             log.info("index refresh at step %d: %.2fs", self.step, self.memory.refresh_seconds[-1])
 
@@ -178,15 +228,22 @@ class Trainer:
             table, stopped = None, False
             if self.env.is_main:  # a stop signal ends the read between two shards
                 try:
-                    prior = load_or_build(expand_urls(self.cfg.data.root, self.cfg.data.train), self.run_dir / CACHE_NAME,
-                                          stop=lambda: self._stop_signal)
+                    prior = load_or_build(
+                        expand_urls(self.cfg.data.root, self.cfg.data.train),
+                        self.run_dir / CACHE_NAME,
+                        stop=lambda: self._stop_signal,
+                    )
                     table = prior.to_json("") if prior is not None else None
                 except preemption.Stopped:
                     stopped = True
             self.watch.at("blind prior (broadcast of the table)", self.step)
-            table, stopped = broadcast_object((table, stopped))  # plain JSON data, checked again on arrival
+            table, stopped = broadcast_object(
+                (table, stopped)
+            )  # plain JSON data, checked again on arrival
             if stopped:
-                raise preemption.Stopped("reading the blind prior's table from the training shards stopped")
+                raise preemption.Stopped(
+                    "reading the blind prior's table from the training shards stopped"
+                )
             self._prior = BlindPrior.from_json(table) if table is not None else None
             self._prior_ready = True
         return self._prior
@@ -210,16 +267,29 @@ class Trainer:
                 faults.inject("eval", self.step, self.env.rank)
             return self._stop_signal
 
-        return evaluate(self.spread, self._stream(split, train=False), self.device, max_batches,
-                        examples_path=examples, n_examples=self.cfg.retriever.eval_examples, tokenizer=self.tok,
-                        replicas=self.env.world_size // self.data_size, prior=prior, ablation=final,
-                        split=split if final else "", stop=stop, name=f"evaluation of {split} at step {self.step}")
+        return evaluate(
+            self.spread,
+            self._stream(split, train=False),
+            self.device,
+            max_batches,
+            examples_path=examples,
+            n_examples=self.cfg.retriever.eval_examples,
+            tokenizer=self.tok,
+            replicas=self.env.world_size // self.data_size,
+            prior=prior,
+            ablation=final,
+            split=split if final else "",
+            stop=stop,
+            name=f"evaluation of {split} at step {self.step}",
+        )
 
     # ------------------------------------------------------------------------------ checkpoints
     def _state(self) -> tuple[dict, dict]:
         """(state, strided) as ``checkpoint.savable`` makes them: each rank its part (its stages',
         its shards), under the RagModel's names."""
-        return checkpoint.savable(self.spread.model_state(), self.opt, self.spread.named_parameters())
+        return checkpoint.savable(
+            self.spread.model_state(), self.opt, self.spread.named_parameters()
+        )
 
     def save(self) -> Path:
         trainer_state = {
@@ -230,8 +300,14 @@ class Trainer:
             "skipped": self.skipped,
         }
         self.watch.at("checkpoint save (DCP write + barriers)")
-        path = checkpoint.save(self.ckpt_dir, self.step, self._state()[0], trainer_state, self.cfg.keep_checkpoints,
-                               self.env.is_main)
+        path = checkpoint.save(
+            self.ckpt_dir,
+            self.step,
+            self._state()[0],
+            trainer_state,
+            self.cfg.keep_checkpoints,
+            self.env.is_main,
+        )
         self._saved_step = self.step
         log.info("checkpoint saved: %s", path)
         return path
@@ -248,7 +324,9 @@ class Trainer:
             return
         state, strided = self._state()
         ts = checkpoint.load(path, state)
-        checkpoint.scatter_strided(state, strided)  # loaded in place; gathered TP blocks scattered back
+        checkpoint.scatter_strided(
+            state, strided
+        )  # loaded in place; gathered TP blocks scattered back
         self.sched.load_state_dict(ts["scheduler"])
         # the optimizer's state is saved per parameter, its groups come from the config: their
         # learning rate is the schedule's at the restored step (a scheduler's load sets none)
@@ -261,7 +339,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ training
     def _on_sigterm(self, signum, frame) -> None:
-        log.warning("received signal %d: checkpointing after this step (or batch), then exiting", signum)
+        log.warning(
+            "received signal %d: checkpointing after this step (or batch), then exiting", signum
+        )
         self._stop_signal = True
 
     def _stop_agreed(self) -> bool:
@@ -276,7 +356,11 @@ class Trainer:
         if self._saved_step is None or self._saved_step != self.step:
             after = "nothing checkpointed yet: resume=auto starts over"
         else:
-            then = "runs the final evaluation" if self.step >= self.cfg.max_steps else "continues from it"
+            then = (
+                "runs the final evaluation"
+                if self.step >= self.cfg.max_steps
+                else "continues from it"
+            )
             after = f"checkpoint of step {self.step} saved: resume=auto {then}"
         log.warning("stopping at step %d (%s); %s", self.step, why, after)
         return {"stopped_at": self.step, "loss": loss.item()}
@@ -300,9 +384,16 @@ class Trainer:
     def _no_queries(self) -> dict:
         """Inputs without queries: the warm-up's step when pseudo-queries alone make its loss."""
         none = torch.zeros(0, dtype=torch.long, device=self.device)
-        return {"image": torch.zeros(0, device=self.device), "q_ids": none, "q_len": none, "gold": none}
+        return {
+            "image": torch.zeros(0, device=self.device),
+            "q_ids": none,
+            "q_len": none,
+            "gold": none,
+        }
 
-    def _step(self, it, autocast, loss: str, guard: NonFiniteGuard, sched=None, accum: int = 1) -> _Step | None:
+    def _step(
+        self, it, autocast, loss: str, guard: NonFiniteGuard, sched=None, accum: int = 1
+    ) -> _Step | None:
         """One optimizer step: the training step of every phase. ``accum`` micro-steps, each the
         forward and backward of one batch (gradients synchronised over the ranks once, on the last:
         ``SpreadRag.train_step(sync=...)``), the one gradient clipper, the non-finite check every
@@ -318,7 +409,9 @@ class Trainer:
         for i in range(accum):
             inputs = self._next_inputs(it) if reads else self._no_queries()
             with autocast:  # train_step keeps it on the forwards only
-                out = self.spread.train_step(inputs, scale=1 / accum, sync=i == accum - 1, loss=loss)
+                out = self.spread.train_step(
+                    inputs, scale=1 / accum, sync=i == accum - 1, loss=loss
+                )
             loss_sum += out.loss / accum
             if out.retriever_loss is not None:
                 r_loss_sum += out.retriever_loss / accum
@@ -351,8 +444,13 @@ class Trainer:
         refresh_before = sum(self.memory.refresh_seconds)
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
         window: list[_Step] = []
-        log.info("retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s", r.warmup_steps, r.warmup_lr,
-                 r.bank_negatives, "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)")
+        log.info(
+            "retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s",
+            r.warmup_steps,
+            r.warmup_lr,
+            r.bank_negatives,
+            "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)",
+        )
         for i in range(1, r.warmup_steps + 1):
             self.watch.at("retriever warm-up (gradient all_reduce)", i)
             done = self._step(it, autocast, "retriever", guard)
@@ -360,30 +458,48 @@ class Trainer:
                 window.append(done)
             faults.inject("warmup", i, self.env.rank)
             if self._stop_agreed():
-                raise preemption.Stopped(f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "
-                                         "(it is not checkpointed)")
+                raise preemption.Stopped(
+                    f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "
+                    "(it is not checkpointed)"
+                )
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
             if i % c.log_every == 0 or i == r.warmup_steps:
                 guard.flush()  # the device path's skipped steps: logged now, abort if too many
             if (i % c.log_every == 0 or i == r.warmup_steps) and window:
                 n_hit = sum(s.n_hit for s in window)
-                recall = float(sum(s.hits for s in window)) / n_hit if n_hit else None  # queries naming their gold document
+                recall = (
+                    float(sum(s.hits for s in window)) / n_hit if n_hit else None
+                )  # queries naming their gold document
                 per_step = c.data.batch_size * self.data_size if labelled else r.pseudo_queries
-                rec = {"step": i, "loss": float(sum(s.loss for s in window)) / len(window), f"train_recall@{r.top_k}": recall,
-                       "samples_per_s": len(window) * per_step / (time.perf_counter() - window_t)}
+                rec = {
+                    "step": i,
+                    "loss": float(sum(s.loss for s in window)) / len(window),
+                    f"train_recall@{r.top_k}": recall,
+                    "samples_per_s": len(window) * per_step / (time.perf_counter() - window_t),
+                }
                 self.metrics.log(rec, prefix="warmup")
-                log.info("retriever warm-up %d/%d: loss %.3f, train recall@%d %s", i, r.warmup_steps, rec["loss"],
-                         r.top_k, "n/a (no gold documents)" if recall is None else f"{recall:.3f}")
+                log.info(
+                    "retriever warm-up %d/%d: loss %.3f, train recall@%d %s",
+                    i,
+                    r.warmup_steps,
+                    rec["loss"],
+                    r.top_k,
+                    "n/a (no gold documents)" if recall is None else f"{recall:.3f}",
+                )
                 window, window_t = [], time.perf_counter()
-        refreshed = sum(self.memory.refresh_seconds) - refresh_before  # counted as refresh time, not warm-up
+        refreshed = (
+            sum(self.memory.refresh_seconds) - refresh_before
+        )  # counted as refresh time, not warm-up
         self.warmup_time = time.perf_counter() - t0 - refreshed
 
     def fit(self) -> dict:
         c = self.cfg
         prev = signal.signal(signal.SIGTERM, self._on_sigterm)
         autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if c.optim.precision == "bf16" else contextlib.nullcontext()
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if c.optim.precision == "bf16"
+            else contextlib.nullcontext()
         )
         it = iter(self._stream("train", train=True, skip_batches=self.consumed))
         accum = c.optim.grad_accum
@@ -397,7 +513,9 @@ class Trainer:
         timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
         r = c.retriever
         refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
-        loss_sum = torch.full((), float("nan"))  # no step trained by this process (resumed at max_steps): null
+        loss_sum = torch.full(
+            (), float("nan")
+        )  # no step trained by this process (resumed at max_steps): null
         try:
             try:  # before the first step: the index and the retriever warm-up (neither is checkpointed)
                 self._ensure_index()
@@ -432,22 +550,38 @@ class Trainer:
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
                     elapsed = time.perf_counter() - window_t
                     rec = {
-                        "step": self.step, "loss": loss.item(), "lr": self.sched.get_last_lr()[0],
-                        "grad_norm": float(gnorm), "samples_per_s": samples_per_step * window_steps / elapsed,
+                        "step": self.step,
+                        "loss": loss.item(),
+                        "lr": self.sched.get_last_lr()[0],
+                        "grad_norm": float(gnorm),
+                        "samples_per_s": samples_per_step * window_steps / elapsed,
                         "skipped": sum(self._skipped_total().values()),
                     }
                     if self.memory is not None:
                         rec["retriever_loss"] = float(r_loss_sum)
-                        rec[f"train_recall@{r.top_k}"] = float(done.hits) / done.n_hit if done.n_hit else None
+                        rec[f"train_recall@{r.top_k}"] = (
+                            float(done.hits) / done.n_hit if done.n_hit else None
+                        )
                     self.metrics.log(rec)
-                    self.metrics.progress(self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s")
+                    self.metrics.progress(
+                        self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s"
+                    )
                     window_t, window_steps = time.perf_counter(), 0
-                if c.eval_every and self.step % c.eval_every == 0 and self.step < c.max_steps and not abandoned:
-                    abandoned, val = self._abandonable(lambda: self.evaluate_split("val", final=False))
+                if (
+                    c.eval_every
+                    and self.step % c.eval_every == 0
+                    and self.step < c.max_steps
+                    and not abandoned
+                ):
+                    abandoned, val = self._abandonable(
+                        lambda: self.evaluate_split("val", final=False)
+                    )
                     if not abandoned:
                         self.metrics.log({"step": self.step, **val}, prefix="val")
                         log.info("step %d val: %s", self.step, accuracy_line(val))
-                if self.step == timeline_step:  # after the step's timing and logging: not counted in them
+                if (
+                    self.step == timeline_step
+                ):  # after the step's timing and logging: not counted in them
                     self.watch.at("pipeline timeline (gather of events)", self.step)
                     self._write_timeline()
                 self.watch.at("all_reduce: stop-signal agreement", self.step)
@@ -457,16 +591,22 @@ class Trainer:
                 if (c.ckpt_every and self.step % c.ckpt_every == 0) or stopping:
                     self.save()
                 if stopping:
-                    return self._stopped("signal" if self._stop_signal else "stop_after_steps", loss_sum)
+                    return self._stopped(
+                        "signal" if self._stop_signal else "stop_after_steps", loss_sum
+                    )
             if self._saved_step != self.step:
                 self.save()
             self.watch.at("all_reduce: stop-signal agreement", self.step)
-            if self._stop_agreed():  # a signal during the last step's checkpoint: no final evaluation
+            if (
+                self._stop_agreed()
+            ):  # a signal during the last step's checkpoint: no final evaluation
                 return self._stopped("signal; the final evaluation was not run", loss_sum)
             try:
                 return self.finish(loss_sum.item())
             except preemption.Stopped as why:  # the checkpoint of the last step is on disk already
-                return self._stopped(f"signal: {why}; the final evaluation was not finished", loss_sum)
+                return self._stopped(
+                    f"signal: {why}; the final evaluation was not finished", loss_sum
+                )
         finally:
             signal.signal(signal.SIGTERM, prev)
 
@@ -481,12 +621,18 @@ class Trainer:
             return True, None
 
     def _write_timeline(self) -> None:
-        self.pipeline = self.spread.write_timeline(self.run_dir)  # rank 0 writes it and gets the summary
+        self.pipeline = self.spread.write_timeline(
+            self.run_dir
+        )  # rank 0 writes it and gets the summary
         if self.pipeline is not None:
             self.pipeline["step"] = self.step
-            log.info("pipeline timeline of step %d in %s: bubble %.1f%% (GPipe / 1F1B theory %.1f%%)", self.step,
-                     self.run_dir / "timeline.png", 100 * self.pipeline["bubble_fraction"],
-                     100 * self.pipeline["theory_bubble"])
+            log.info(
+                "pipeline timeline of step %d in %s: bubble %.1f%% (GPipe / 1F1B theory %.1f%%)",
+                self.step,
+                self.run_dir / "timeline.png",
+                100 * self.pipeline["bubble_fraction"],
+                100 * self.pipeline["theory_bubble"],
+            )
 
     def finish(self, last_loss: float) -> dict:
         """Final evaluation on val and test; metrics.json in the run directory."""
@@ -500,12 +646,18 @@ class Trainer:
             "final_train_loss": last_loss,
             "train_time_s": self.train_time,
             "retriever_warmup_time_s": self.warmup_time,
-            "samples_per_s": self.step * self.cfg.data.batch_size * self.cfg.optim.grad_accum * self.data_size / max(self.train_time, 1e-9),
+            "samples_per_s": self.step
+            * self.cfg.data.batch_size
+            * self.cfg.optim.grad_accum
+            * self.data_size
+            / max(self.train_time, 1e-9),
             "world_size": self.env.world_size,
             "retrieval": self.cfg.retriever.mode,
             "val": val,
             "test": test,
-            "chance_accuracy": world.get("chance_accuracy"),  # None (null) when the data does not say
+            "chance_accuracy": world.get(
+                "chance_accuracy"
+            ),  # None (null) when the data does not say
             "skipped_samples": self._skipped_total(),
             "skipped_documents": self.store.skipped,
             **self._refresh_summary(),
@@ -514,12 +666,17 @@ class Trainer:
             summary["pipeline"] = self.pipeline
         stats = self.spread.pmodel.grad_reduce_stats
         if stats is not None:  # bytes this rank sent between hosts (nccl-tests bus factors)
-            summary["grad_reduce"] = {"kind": self.cfg.parallel.grad_reduce, "inter_host_bytes": stats.inter_bytes,
-                                      "inter_host_calls": stats.inter_calls}
+            summary["grad_reduce"] = {
+                "kind": self.cfg.parallel.grad_reduce,
+                "inter_host_bytes": stats.inter_bytes,
+                "inter_host_calls": stats.inter_calls,
+            }
         summary = json_safe(summary)  # strict JSON: null, not NaN, for a mean over no queries
         if self.env.is_main:
             self.metrics.log({"step": self.step, **summary["test"]}, prefix="test")
-            (self.run_dir / "metrics.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
+            (self.run_dir / "metrics.json").write_text(
+                json.dumps(summary, indent=1, allow_nan=False)
+            )
         return summary
 
     def _count_drift(self, done: _Step) -> None:
@@ -527,7 +684,9 @@ class Trainer:
         between two refreshes (a fresh index) against the second (stale: the query tower has moved
         on since the memory was embedded). Their difference is the recall the refresh schedule
         loses to staleness (recall drift; this rank's queries)."""
-        since = (self.step - 1) % self.cfg.retriever.refresh_every  # steps searched on this index before
+        since = (
+            self.step - 1
+        ) % self.cfg.retriever.refresh_every  # steps searched on this index before
         half = int(since >= self.cfg.retriever.refresh_every / 2)
         self._drift[half][0] += int(done.hits)  # CPU tensor: the search's ids are on the host
         self._drift[half][1] += done.n_hit
@@ -540,13 +699,19 @@ class Trainer:
         total = sum(secs)
         (fh, fn), (sh, sn) = self._drift
         fresh, stale = (fh / fn if fn else None), (sh / sn if sn else None)
-        return {"index_refreshes": len(secs), "refresh_time_s": total,
-                f"train_recall@{self.cfg.retriever.top_k}_fresh_index": fresh,
-                f"train_recall@{self.cfg.retriever.top_k}_stale_index": stale,
-                "recall_drift": fresh - stale if fresh is not None and stale is not None else None,
-                "refresh_fraction": total / max(total + self.train_time + self.warmup_time, 1e-9) if not self.cfg.retriever.refresh_background else None,
-                "refresh_mode": "off" if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
-                else ("background" if self.cfg.retriever.refresh_background else "sync")}
+        return {
+            "index_refreshes": len(secs),
+            "refresh_time_s": total,
+            f"train_recall@{self.cfg.retriever.top_k}_fresh_index": fresh,
+            f"train_recall@{self.cfg.retriever.top_k}_stale_index": stale,
+            "recall_drift": fresh - stale if fresh is not None and stale is not None else None,
+            "refresh_fraction": total / max(total + self.train_time + self.warmup_time, 1e-9)
+            if not self.cfg.retriever.refresh_background
+            else None,
+            "refresh_mode": "off"
+            if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
+            else ("background" if self.cfg.retriever.refresh_background else "sync"),
+        }
 
     def close(self) -> None:
         if self.memory is not None:
@@ -557,5 +722,3 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         cleanup()
-
-

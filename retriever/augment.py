@@ -16,9 +16,16 @@ import torch
 import torch.nn.functional as F
 
 
-def random_views(images: torch.Tensor, generator: torch.Generator | None = None, *, max_rotation_deg: float = 15.0,
-                 scale: tuple[float, float] = (0.75, 1.1), max_shift: float = 0.12, colour: float = 0.25,
-                 noise: float = 0.1) -> torch.Tensor:
+def random_views(
+    images: torch.Tensor,
+    generator: torch.Generator | None = None,
+    *,
+    max_rotation_deg: float = 15.0,
+    scale: tuple[float, float] = (0.75, 1.1),
+    max_shift: float = 0.12,
+    colour: float = 0.25,
+    noise: float = 0.1,
+) -> torch.Tensor:
     """(N, 3, H, W) normalised pictures -> (N, 3, H, W) random views: rotation, zoom and shift
     (one affine warp, border pixels repeated), per-channel brightness and Gaussian noise, all in
     the normalised space (std units)."""
@@ -31,7 +38,9 @@ def random_views(images: torch.Tensor, generator: torch.Generator | None = None,
     zoom = scale[0] + (scale[1] - scale[0]) * u(N)  # > 1 enlarges the content
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
-    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)  # (N, 2, 3)
+    theta = torch.stack(
+        [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
+    )  # (N, 2, 3)
     grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
     out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
     out = out + colour * (2 * u(N, 3, 1, 1) - 1)
@@ -65,7 +74,9 @@ def _smooth_texture(N: int, H: int, W: int, u, randn) -> torch.Tensor:
     and a little grain."""
     a, b = 2 * u(N, 3, 1, 1) - 1, 2 * u(N, 3, 1, 1) - 1  # end colours, about +-1 std
     t = torch.linspace(0, 1, H, device=a.device).view(1, 1, H, 1).expand(N, 1, H, W)
-    blotch = F.interpolate(randn(N, 3, 4, 4) * 0.5, size=(H, W), mode="bilinear", align_corners=False)
+    blotch = F.interpolate(
+        randn(N, 3, 4, 4) * 0.5, size=(H, W), mode="bilinear", align_corners=False
+    )
     return a + (b - a) * t + blotch + 0.1 * randn(N, 3, H, W)
 
 
@@ -82,7 +93,9 @@ def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     return y.view(N, C, H, W)
 
 
-def photo_views(images: torch.Tensor, style: ViewStyle, generator: torch.Generator | None = None) -> torch.Tensor:
+def photo_views(
+    images: torch.Tensor, style: ViewStyle, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """(N, 3, H, W) normalised memory pictures -> (N, 3, H, W) views in ``style``: the warp of
     ``random_views``, then (with probability ``style.background``) the plain background swapped
     for a random texture, then a blur. The background is what matches the picture's border
@@ -94,11 +107,22 @@ def photo_views(images: torch.Tensor, style: ViewStyle, generator: torch.Generat
     u = lambda *s: torch.rand(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731
     randn = lambda *s: torch.randn(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731
     H, W = images.shape[-2:]
-    out = random_views(images, generator, max_rotation_deg=style.max_rotation_deg, scale=style.scale,
-                       max_shift=style.max_shift, colour=0.0, noise=0.0)
+    out = random_views(
+        images,
+        generator,
+        max_rotation_deg=style.max_rotation_deg,
+        scale=style.scale,
+        max_shift=style.max_shift,
+        colour=0.0,
+        noise=0.0,
+    )
     if style.background > 0:
-        ring = torch.cat([images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1)
-        ground = ring.median(-1).values[..., None, None]  # (N, 3, 1, 1) the plain background's colour
+        ring = torch.cat(
+            [images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1
+        )
+        ground = ring.median(-1).values[
+            ..., None, None
+        ]  # (N, 3, 1, 1) the plain background's colour
         # the warp repeats border pixels, so a shrunken picture is framed by its background colour
         near = ((out - ground).abs().amax(1, keepdim=True) < 0.35).to(out.dtype)  # (N, 1, H, W)
         # the ground is what of it connects to the frame (a white heart inside a white-framed

@@ -15,7 +15,9 @@ PSEUDO_VIEWS = ("jitter", "photo")  # retriever/augment.py VIEW_STYLES
 class RetrieverConfig:
     """Which documents the reader sees, and, in learned mode, the dual encoder that picks them."""
 
-    mode: str = "oracle"  # oracle (gold document) | none (closed book) | learned (dual encoder + faiss)
+    mode: str = (
+        "oracle"  # oracle (gold document) | none (closed book) | learned (dual encoder + faiss)
+    )
     top_k: int = 1  # documents per query given to the reader
     # -- dual encoder (open_clip towers) -------------------------------------------------------
     embed_dim: int = 64  # joint embedding size searched by faiss
@@ -28,14 +30,20 @@ class RetrieverConfig:
     text_layers: int = 1  # text depth; questions and passages are short
     text_heads: int = 2  # text attention heads
     context_length: int = 32  # text tokens incl. start/end markers (CLIP uses 77; ours are short)
-    fusion: str = "sum"  # how image and text embeddings combine: sum (learned weights) | image | text
+    fusion: str = (
+        "sum"  # how image and text embeddings combine: sum (learned weights) | image | text
+    )
     shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
     checkpoint: str | None = None  # local open_clip state dict to initialise both towers
     reader_prior: bool = True  # the reader's copy attention weighs each document by its retrieval probability (RAG-token style)
     # -- training --------------------------------------------------------------------------------
-    loss: str = "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
+    loss: str = (
+        "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
+    )
     loss_weight: float = 1.0  # lambda: total = reader NLL + lambda * retriever loss
-    contrastive_steps: int = -1  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
+    contrastive_steps: int = (
+        -1
+    )  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
     bank_negatives: int = 1024  # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0: none)
     pseudo_queries: int = 0  # random views of memory pictures added as queries to each contrastive term (retriever/augment.py)
@@ -45,8 +53,12 @@ class RetrieverConfig:
     pseudo_view: str = "jitter"
     warmup_steps: int = 0  # retriever-only contrastive steps before joint training: the reader learns nothing from a random retriever
     warmup_lr: float = 2e-3  # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
-    gold_temperature: float = 0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
-    query_side_only: bool = False  # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
+    gold_temperature: float = (
+        0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
+    )
+    query_side_only: bool = (
+        False  # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
+    )
     # -- index and refresh -----------------------------------------------------------------------
     index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
     refresh_every: int = 50  # steps between re-embedding the memory (0 = never)
@@ -67,7 +79,9 @@ def validate(cfg) -> list[str]:
     if cfg.loss not in LOSSES:
         e.append(f"retriever.loss must be one of {LOSSES} (got {cfg.loss!r})")
     if cfg.vision_tower not in VISION_TOWERS:
-        e.append(f"retriever.vision_tower must be one of {VISION_TOWERS} (got {cfg.vision_tower!r})")
+        e.append(
+            f"retriever.vision_tower must be one of {VISION_TOWERS} (got {cfg.vision_tower!r})"
+        )
     if cfg.pseudo_view not in PSEUDO_VIEWS:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:
@@ -78,8 +92,18 @@ def validate(cfg) -> list[str]:
         e.append(f"retriever.top_k must be >= 1 with retriever.mode=learned (got {cfg.top_k})")
     if cfg.top_k < 0:
         e.append(f"retriever.top_k must be >= 0 (got {cfg.top_k})")
-    for key in ("embed_dim", "vision_width", "vision_layers", "vision_head_width", "patch_size", "text_width",
-                "text_layers", "text_heads", "context_length", "encode_batch_size"):
+    for key in (
+        "embed_dim",
+        "vision_width",
+        "vision_layers",
+        "vision_head_width",
+        "patch_size",
+        "text_width",
+        "text_layers",
+        "text_heads",
+        "context_length",
+        "encode_batch_size",
+    ):
         if getattr(cfg, key) <= 0:
             e.append(f"retriever.{key} must be positive (got {getattr(cfg, key)})")
     if cfg.gold_temperature <= 0:
@@ -92,5 +116,7 @@ def validate(cfg) -> list[str]:
     if cfg.refresh_every < 0:
         e.append(f"retriever.refresh_every must be >= 0 (got {cfg.refresh_every})")
     if cfg.text_width % max(cfg.text_heads, 1):
-        e.append(f"retriever.text_heads ({cfg.text_heads}) must divide retriever.text_width ({cfg.text_width})")
+        e.append(
+            f"retriever.text_heads ({cfg.text_heads}) must divide retriever.text_width ({cfg.text_width})"
+        )
     return e

@@ -41,8 +41,13 @@ def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -
 def _vision_cfg(cfg: RetrieverConfig, image_size: int) -> CLIPVisionCfg:
     """open_clip picks the tower by the type of ``layers``: an int builds a ViT, a 4-tuple a ModifiedResNet."""
     layers = cfg.vision_layers if cfg.vision_tower == "vit" else (cfg.vision_layers,) * 4
-    return CLIPVisionCfg(layers=layers, width=cfg.vision_width, head_width=cfg.vision_head_width,
-                         patch_size=cfg.patch_size, image_size=image_size)
+    return CLIPVisionCfg(
+        layers=layers,
+        width=cfg.vision_width,
+        head_width=cfg.vision_head_width,
+        patch_size=cfg.patch_size,
+        image_size=image_size,
+    )
 
 
 class Encoder(nn.Module):
@@ -54,14 +59,26 @@ class Encoder(nn.Module):
         self.clip = open_clip.CLIP(
             embed_dim=cfg.embed_dim,
             vision_cfg=_vision_cfg(cfg, image_size),
-            text_cfg=CLIPTextCfg(context_length=cfg.context_length, vocab_size=VOCAB, width=cfg.text_width,
-                                 heads=cfg.text_heads, layers=cfg.text_layers),
+            text_cfg=CLIPTextCfg(
+                context_length=cfg.context_length,
+                vocab_size=VOCAB,
+                width=cfg.text_width,
+                heads=cfg.text_heads,
+                layers=cfg.text_layers,
+            ),
         )
         del self.clip.logit_scale  # the dual encoder keeps its own temperature
         # A tower the fusion never calls would hold parameters that get no gradient (DDP rejects
         # those) and cost memory: drop it. A checkpoint's keys for it are then reported as unexpected.
         if self.fusion == "image":
-            for name in ("transformer", "token_embedding", "ln_final", "positional_embedding", "text_projection", "attn_mask"):
+            for name in (
+                "transformer",
+                "token_embedding",
+                "ln_final",
+                "positional_embedding",
+                "text_projection",
+                "attn_mask",
+            ):
                 delattr(self.clip, name)
         elif self.fusion == "text":
             del self.clip.visual
@@ -70,7 +87,12 @@ class Encoder(nn.Module):
             state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
             state = state.get("state_dict", state)
             missing, unexpected = self.clip.load_state_dict(state, strict=False)
-            log.info("retriever tower: loaded %s (missing %d, unexpected %d)", cfg.checkpoint, len(missing), len(unexpected))
+            log.info(
+                "retriever tower: loaded %s (missing %d, unexpected %d)",
+                cfg.checkpoint,
+                len(missing),
+                len(unexpected),
+            )
 
     def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """image (N, 3, H, W), text (N, ctx) open_clip tokens -> (N, embed_dim), unit norm."""
@@ -97,7 +119,9 @@ class DualEncoder(nn.Module):
         self.logit_scale = nn.Parameter(torch.tensor(2.6592))
         if cfg.query_side_only:
             if cfg.shared_towers:
-                raise ValueError("retriever.query_side_only needs separate towers (retriever.shared_towers=false)")
+                raise ValueError(
+                    "retriever.query_side_only needs separate towers (retriever.shared_towers=false)"
+                )
             self.doc.requires_grad_(False)
 
     def scale(self) -> torch.Tensor:

@@ -70,7 +70,9 @@ def fingerprint(*parts: Any) -> str:
         elif isinstance(p, torch.Tensor):
             t = p.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-d tensors too
+            h.update(
+                t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            )  # 0-d tensors too
         elif isinstance(p, np.ndarray):
             h.update(f"{p.dtype}{p.shape}".encode())
             h.update(np.ascontiguousarray(p).tobytes())
@@ -138,7 +140,9 @@ def read_index_file(path: Path) -> tuple[IndexMetadata, np.ndarray, np.ndarray |
     blob = np.frombuffer(data, dtype=np.uint8, count=faiss_n, offset=header_end)
     ids = None
     if ids_n:
-        ids = np.frombuffer(data, dtype="<i8", count=ids_n // 8, offset=header_end + faiss_n).astype(np.int64)
+        ids = np.frombuffer(
+            data, dtype="<i8", count=ids_n // 8, offset=header_end + faiss_n
+        ).astype(np.int64)
     return meta, blob, ids
 
 

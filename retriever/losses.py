@@ -11,8 +11,14 @@ import torch
 import torch.nn.functional as F
 
 
-def contrastive(q: torch.Tensor, d: torch.Tensor, q_doc: torch.Tensor, scale: torch.Tensor,
-                hard: torch.Tensor | None = None, hard_doc: torch.Tensor | None = None) -> torch.Tensor:
+def contrastive(
+    q: torch.Tensor,
+    d: torch.Tensor,
+    q_doc: torch.Tensor,
+    scale: torch.Tensor,
+    hard: torch.Tensor | None = None,
+    hard_doc: torch.Tensor | None = None,
+) -> torch.Tensor:
     """InfoNCE of queries against the batch's gold documents (both directions, as CLIP), plus
     optional hard negatives for the query side (DPR, Karpukhin et al. 2020).
 
@@ -35,12 +41,16 @@ def _kl_to(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return F.kl_div(F.log_softmax(scores, -1), target.detach(), reduction="batchmean")
 
 
-def perplexity_distillation(scores: torch.Tensor, reader_nll: torch.Tensor, temperature: float) -> torch.Tensor:
+def perplexity_distillation(
+    scores: torch.Tensor, reader_nll: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """PDist: the target is softmax(-NLL_i / tau), the reader's answer NLL with document i alone."""
     return _kl_to(F.softmax(-reader_nll.detach() / temperature, -1), scores)
 
 
-def attention_distillation(scores: torch.Tensor, doc_attention: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def attention_distillation(
+    scores: torch.Tensor, doc_attention: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """ADist: the target is the reader's attention mass on each document (from the answer positions)."""
     target = doc_attention.detach().clamp_min(1e-9)
     if temperature != 1.0:

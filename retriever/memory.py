@@ -28,19 +28,37 @@ log = logging.getLogger(__name__)
 
 
 class RetrievalMemory:
-    def __init__(self, encoder, images: torch.Tensor, text_ids: torch.Tensor, text_len: torch.Tensor,
-                 doc_ids: torch.Tensor, *, factory: str = "Flat", batch_size: int = 256, device=None,
-                 corpus_hash: str = "") -> None:
+    def __init__(
+        self,
+        encoder,
+        images: torch.Tensor,
+        text_ids: torch.Tensor,
+        text_len: torch.Tensor,
+        doc_ids: torch.Tensor,
+        *,
+        factory: str = "Flat",
+        batch_size: int = 256,
+        device=None,
+        corpus_hash: str = "",
+    ) -> None:
         self.encoder = encoder  # DualEncoder; only .embed_docs is used
-        self.images, self.text_ids, self.text_len = images, text_ids, text_len  # (N, ...) on the host
+        self.images, self.text_ids, self.text_len = (
+            images,
+            text_ids,
+            text_len,
+        )  # (N, ...) on the host
         self.doc_ids = doc_ids.numpy().astype(np.int64)  # (N,) ids returned by searches
         self.factory = factory
         self.batch_size = batch_size
         self.device = device or torch.device("cpu")
         self.corpus_hash = corpus_hash
         self.index = DocumentIndex()
-        self.refresh_seconds: list[float] = []  # wall time of each refresh (embedding + index build)
-        self.embeddings: torch.Tensor | None = None  # (N, E) of the last refresh: the negatives bank
+        self.refresh_seconds: list[
+            float
+        ] = []  # wall time of each refresh (embedding + index build)
+        self.embeddings: torch.Tensor | None = (
+            None  # (N, E) of the last refresh: the negatives bank
+        )
         self._cancelled = False  # set by cancel(): a background refresh stops at its next batch
 
     def __len__(self) -> int:
@@ -60,18 +78,29 @@ class RetrievalMemory:
         out = [torch.zeros(0, self._dim())]
         starts = range(rows.start, rows.stop, self.batch_size)
         for i, s in enumerate(starts):
-            if encoder is not None and self._cancelled:  # the background refresh's copy: no collectives
+            if (
+                encoder is not None and self._cancelled
+            ):  # the background refresh's copy: no collectives
                 raise RefreshInterrupted(i, len(starts))
             idx = slice(s, min(rows.stop, s + self.batch_size))
-            out.append(enc.embed_docs(self.images[idx].to(self.device), self.text_ids[idx].to(self.device),
-                                      self.text_len[idx].to(self.device)).float().cpu())
+            out.append(
+                enc.embed_docs(
+                    self.images[idx].to(self.device),
+                    self.text_ids[idx].to(self.device),
+                    self.text_len[idx].to(self.device),
+                )
+                .float()
+                .cpu()
+            )
         return torch.cat(out)
 
     def _dim(self) -> int:
         return int(self.encoder.cfg.embed_dim)
 
     # ------------------------------------------------------------------------------ refresh
-    def refresh(self, background: bool = False, step: int = 0, stop: Callable[[], bool] | None = None) -> None:
+    def refresh(
+        self, background: bool = False, step: int = 0, stop: Callable[[], bool] | None = None
+    ) -> None:
         """Re-embed the memory and swap the new index in (now, or when the worker finishes).
         ``stop()`` is asked before each forward pass of a synchronous refresh (every rank asks,
         so it may be a collective) and ends it with ``RefreshInterrupted`` when True; a
@@ -80,7 +109,9 @@ class RetrievalMemory:
         if background and self.index.rebuilding:
             log.info("index refresh at step %d skipped: the previous one is still running", step)
             return
-        frozen = _FrozenDocSide(self.encoder) if background else None  # training changes the live weights
+        frozen = (
+            _FrozenDocSide(self.encoder) if background else None
+        )  # training changes the live weights
 
         def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
             if frozen is not None:  # no collectives off the main thread: this rank embeds it all
@@ -88,8 +119,14 @@ class RetrievalMemory:
             # in passes of batch_size rows, as one process embeds them, each split over the ranks with
             # the encoder's batch statistics spanning them: in training mode the ResNet tower's
             # BatchNorm normalises each pass as one process does
-            return embed_sharded(lambda rows: self.embed(rows=rows), len(self), self._dim(), chunk=self.batch_size,
-                                 jointly=lambda: Replicas.world().spanning(self.encoder), should_stop=stop)
+            return embed_sharded(
+                lambda rows: self.embed(rows=rows),
+                len(self),
+                self._dim(),
+                chunk=self.batch_size,
+                jointly=lambda: Replicas.world().spanning(self.encoder),
+                should_stop=stop,
+            )
 
         start = time.perf_counter()
 
@@ -98,9 +135,17 @@ class RetrievalMemory:
             self.refresh_seconds.append(time.perf_counter() - start)
 
         # factory None is "auto": build_index picks default_factory(N, E).
-        self.index.rebuild(embed, self.doc_ids, background=background, on_swap=keep,
-                           factory=None if self.factory == "auto" else self.factory, metric="ip",
-                           search_params=None, encoder_hash=f"step{step}", corpus_hash=self.corpus_hash)
+        self.index.rebuild(
+            embed,
+            self.doc_ids,
+            background=background,
+            on_swap=keep,
+            factory=None if self.factory == "auto" else self.factory,
+            metric="ip",
+            search_params=None,
+            encoder_hash=f"step{step}",
+            corpus_hash=self.corpus_hash,
+        )
 
     def wait(self) -> None:
         """Wait for a background refresh; raises what it raised (nothing when it was cancelled)."""
@@ -118,21 +163,29 @@ class RetrievalMemory:
         self.wait()
         self.index.close()
 
-    def negatives(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def negatives(
+        self, n: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``n`` memory rows drawn without replacement (all when n >= N), as (embeddings (n, E),
         document ids (n,)) from the last refresh: MoCo-style bank negatives (He et al. 2020),
         detached and as stale as the index, so they cost no encoder pass."""
         bank = self.embeddings
         if bank is None:
             raise RuntimeError("the memory has no embeddings yet: refresh() first")
-        rows = torch.randperm(len(bank), generator=generator)[:n] if n < len(bank) else torch.arange(len(bank))
+        rows = (
+            torch.randperm(len(bank), generator=generator)[:n]
+            if n < len(bank)
+            else torch.arange(len(bank))
+        )
         return bank[rows], torch.from_numpy(self.doc_ids)[rows]
 
     # ------------------------------------------------------------------------------ search
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E)."""
         scores, ids = self.index.search(queries.detach().float().cpu().numpy(), k)
-        return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(np.ascontiguousarray(ids))
+        return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
+            np.ascontiguousarray(ids)
+        )
 
 
 class _FrozenDocSide:

@@ -32,7 +32,9 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 # the differentiable all-gather: all_gather_single_autograd from torch 2.14, all_gather_tensor_autograd before
-_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_gather_autograd = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
 
 
 def _sum_autograd(x: torch.Tensor, group) -> torch.Tensor:
@@ -42,12 +44,15 @@ def _sum_autograd(x: torch.Tensor, group) -> torch.Tensor:
     if hasattr(funcol, "all_reduce_backward"):
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
     import torch.distributed.nn.functional as dist_nn
+
     return dist_nn.all_reduce(x.contiguous(), group=group)
 
 
 @dataclass(frozen=True)
 class Replicas:
-    group: Any = None  # process group with one rank of every replica (None: one replica, nothing to gather)
+    group: Any = (
+        None  # process group with one rank of every replica (None: one replica, nothing to gather)
+    )
     rank: int = 0  # this replica's index in ``group``: its rows come at that place in a gather
     size: int = 1  # replicas in ``group``
 
@@ -71,7 +76,11 @@ class Replicas:
         these replicas. Each replica must then make the same sequence of training-mode passes (each
         pass all-reduces its statistics), as the replicas of one training step do. Nests: the
         previous span is restored on exit."""
-        norms = [m for m in module.modules() if isinstance(m, ReplicaBatchNorm)] if module is not None else []
+        norms = (
+            [m for m in module.modules() if isinstance(m, ReplicaBatchNorm)]
+            if module is not None
+            else []
+        )
         before = [m.span for m in norms]
         for m in norms:
             m.span = self
@@ -98,8 +107,12 @@ class Replicas:
         for x in xs:
             if x.shape[0] < longest:
                 x = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
-            rows = _gather_autograd(x.contiguous(), 0, self.group)  # (size * longest, ...); backward sums into each owner
-            out.append(torch.cat([rows[r * longest:r * longest + c] for r, c in enumerate(counts)]))
+            rows = _gather_autograd(
+                x.contiguous(), 0, self.group
+            )  # (size * longest, ...); backward sums into each owner
+            out.append(
+                torch.cat([rows[r * longest : r * longest + c] for r, c in enumerate(counts)])
+            )
         return tuple(out)
 
 
@@ -114,7 +127,9 @@ class ReplicaBatchNorm(_BatchNorm):
     backward all-reduces the gradients of the sums, so each replica's rows receive the gradient
     that flows through the statistics from every replica, as in one process."""
 
-    span: Replicas | None = None  # the replicas the statistics span now (None: this replica's rows alone)
+    span: Replicas | None = (
+        None  # the replicas the statistics span now (None: this replica's rows alone)
+    )
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -128,19 +143,27 @@ class ReplicaBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]  # every axis but the channels
         shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) -> broadcast over (N, C, *)
         xf = x.float()  # statistics in fp32 whatever the activations' dtype
-        rows = xf.new_tensor([xf.numel() // max(xf.shape[1], 1)])  # values per channel on this replica
+        rows = xf.new_tensor(
+            [xf.numel() // max(xf.shape[1], 1)]
+        )  # values per channel on this replica
         total = _sum_autograd(torch.cat([xf.sum(dims), rows]), rep.group)  # (C + 1,)
         n = total[-1].detach()
         mean = total[:-1] / n  # (C,)
         centred = xf - mean.view(shape)
-        var = _sum_autograd((centred * centred).sum(dims), rep.group) / n  # (C,) biased, as BatchNorm normalises
+        var = (
+            _sum_autograd((centred * centred).sum(dims), rep.group) / n
+        )  # (C,) biased, as BatchNorm normalises
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
-                f = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                f = (
+                    1.0 / float(self.num_batches_tracked)
+                    if self.momentum is None
+                    else self.momentum
+                )
                 self.running_mean.lerp_(mean.detach().to(self.running_mean.dtype), f)
                 unbiased = var.detach() * (n / (n - 1).clamp_min(1))  # what BatchNorm keeps
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), f)
@@ -151,9 +174,16 @@ def replica_batch_norms(module: nn.Module) -> nn.Module:
     """``module`` with each BatchNorm (1d, 2d, 3d) under it replaced by a ``ReplicaBatchNorm``
     holding the same parameters and buffers (an optimizer or checkpoint sees no change)."""
     for name, child in module.named_children():
-        if isinstance(child, _BatchNorm) and not isinstance(child, (ReplicaBatchNorm, nn.SyncBatchNorm)):
-            new = ReplicaBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                   child.track_running_stats)
+        if isinstance(child, _BatchNorm) and not isinstance(
+            child, (ReplicaBatchNorm, nn.SyncBatchNorm)
+        ):
+            new = ReplicaBatchNorm(
+                child.num_features,
+                child.eps,
+                child.momentum,
+                child.affine,
+                child.track_running_stats,
+            )
             new._parameters, new._buffers = child._parameters, child._buffers  # the same tensors
             new.train(child.training)
             setattr(module, name, new)

@@ -36,9 +36,14 @@ class Searchable(Protocol):
     def search(self, queries: Any, k: int) -> tuple[Any, Any]: ...
 
 
-def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: int, chunk: int | None = None,
-                  jointly: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                  should_stop: Callable[[], bool] | None = None) -> torch.Tensor:
+def embed_sharded(
+    embed: Callable[[range], torch.Tensor],
+    num_rows: int,
+    dim: int,
+    chunk: int | None = None,
+    jointly: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    should_stop: Callable[[], bool] | None = None,
+) -> torch.Tensor:
     """``embed(rows)`` -> (len(rows), dim) over all ``num_rows`` rows, split across the ranks; the
     (num_rows, dim) whole on every rank.
 
@@ -71,7 +76,7 @@ def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: in
     for i, p in enumerate(passes):
         check(i)
         if len(p) < W:
-            out[p.start:p.stop] = embed(p)
+            out[p.start : p.stop] = embed(p)
             continue
         bounds = [shard_bounds(len(p), i, W) for i in range(W)]
         start, stop = bounds[r]
@@ -82,7 +87,7 @@ def embed_sharded(embed: Callable[[range], torch.Tensor], num_rows: int, dim: in
         buf[: len(mine)] = mine
         parts = [torch.zeros_like(buf) for _ in range(W)]
         dist.all_gather(parts, buf)
-        out[p.start:p.stop] = torch.cat([part[: b - a] for part, (a, b) in zip(parts, bounds)])
+        out[p.start : p.stop] = torch.cat([part[: b - a] for part, (a, b) in zip(parts, bounds)])
     return out
 
 

@@ -37,7 +37,9 @@ def average_grads(module: nn.Module | None) -> None:
     once per optimizer step, after the last accumulated backward: the mean is linear, so
     averaging the accumulated sum equals averaging each micro-step."""
     if _spread(module):
-        flat_collective([q.grad for q in module.parameters() if q.grad is not None], all_reduce_mean_)
+        flat_collective(
+            [q.grad for q in module.parameters() if q.grad is not None], all_reduce_mean_
+        )
 
 
 @torch.no_grad()
@@ -58,12 +60,17 @@ def check_copies(module: nn.Module | None) -> None:
     summation order."""
     if not _spread(module):
         return
-    bits = [q.detach().reshape(-1).contiguous().view(torch.int32).long().sum() for q in module.parameters()
-            if q.dtype == torch.float32]
+    bits = [
+        q.detach().reshape(-1).contiguous().view(torch.int32).long().sum()
+        for q in module.parameters()
+        if q.dtype == torch.float32
+    ]
     mine = torch.stack(bits).sum().reshape(1)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     sums = [int(t) for t in every]
     if len(set(sums)) > 1:
-        raise RuntimeError(f"the retriever copies differ between ranks (parameter checksums {sums}): the ranks of "
-                           "a pipeline would retrieve different documents")
+        raise RuntimeError(
+            f"the retriever copies differ between ranks (parameter checksums {sums}): the ranks of "
+            "a pipeline would retrieve different documents"
+        )

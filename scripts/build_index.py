@@ -54,8 +54,12 @@ class BuildConfig:
     max_text: int = 40  # document tokens kept
     batch_size: int = 256  # documents per forward pass
     threads: int = 0  # torch/faiss threads (0 = default)
-    save_embeddings: str = ""  # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)  # tower sizes when no checkpoint config
+    save_embeddings: str = (
+        ""  # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
+    )
+    retriever: RetrieverConfig = field(
+        default_factory=RetrieverConfig
+    )  # tower sizes when no checkpoint config
 
 
 def _dist() -> tuple[int, int]:
@@ -73,8 +77,16 @@ def _fail(message: str) -> SystemExit:
 def _shard_problems(key: str, root: str, pattern: str) -> list[str]:
     urls = expand_urls(root, pattern)
     missing, unusable = missing_local_shards(urls), unusable_local_shards(urls)
-    e = [f"{key}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]}"] if missing else []
-    return e + ([f"{key}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}"] if unusable else [])
+    e = (
+        [f"{key}: {len(missing)} of {len(urls)} shards not found, e.g. {missing[0]}"]
+        if missing
+        else []
+    )
+    return e + (
+        [f"{key}: {len(unusable)} of {len(urls)} shards unusable, e.g. {unusable[0]}"]
+        if unusable
+        else []
+    )
 
 
 def check_args(cfg: BuildConfig) -> list[str]:
@@ -89,9 +101,17 @@ def check_args(cfg: BuildConfig) -> list[str]:
             why = paths.file_problem("checkpoint", saved) if saved.exists() else None
             if why is None and saved.exists():
                 try:
-                    OmegaConf.merge(OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever)
+                    OmegaConf.merge(
+                        OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever
+                    )
                     int(OmegaConf.load(saved).model.image_size)
-                except (OmegaConfBaseException, YAMLError, AttributeError, TypeError, ValueError) as exc:  # damaged or foreign
+                except (
+                    OmegaConfBaseException,
+                    YAMLError,
+                    AttributeError,
+                    TypeError,
+                    ValueError,
+                ) as exc:  # damaged or foreign
                     why = f"checkpoint: the run's saved config {saved} is unusable ({paths.short_error(exc)})"
             e += [why] if why else []
             if ckpt.latest_valid(p / "checkpoints") is None:
@@ -101,7 +121,9 @@ def check_args(cfg: BuildConfig) -> list[str]:
     e += paths.output_file_problems("out", cfg.out, must_be="index")
     if cfg.save_embeddings:
         where = Path(cfg.save_embeddings + "docs.npy").parent  # np.save creates no directory
-        why = paths.dir_problem("save_embeddings", where) or paths.writable_dir_problem("save_embeddings", where)
+        why = paths.dir_problem("save_embeddings", where) or paths.writable_dir_problem(
+            "save_embeddings", where
+        )
         e += [why] if why else []
     return e
 
@@ -114,7 +136,9 @@ def load_encoder(cfg: BuildConfig) -> tuple[DualEncoder, str]:
         if (p / "checkpoints").is_dir():  # a run directory
             saved = p / ".hydra" / "config.yaml"
             if saved.is_file():
-                rcfg = OmegaConf.merge(OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever)
+                rcfg = OmegaConf.merge(
+                    OmegaConf.structured(RetrieverConfig), OmegaConf.load(saved).retriever
+                )
                 cfg.image_size = int(OmegaConf.load(saved).model.image_size)
             path = ckpt.latest_valid(p / "checkpoints")
             if path is None:
@@ -132,15 +156,19 @@ def load_encoder(cfg: BuildConfig) -> tuple[DualEncoder, str]:
         state = {"model": {f"retriever.{k}": v for k, v in enc.state_dict().items()}}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except CheckpointException as exc:  # e.g. a run without a learned retriever: no retriever.* entries
+        except (
+            CheckpointException
+        ) as exc:  # e.g. a run without a learned retriever: no retriever.* entries
             why = "; ".join(f"{type(err).__name__}: {err}" for err, _ in exc.failures.values())
             raise _fail(f"checkpoint {path} holds no retriever this config builds: {why}") from None
-        enc.load_state_dict({k[len("retriever."):]: v for k, v in state["model"].items()})
+        enc.load_state_dict({k[len("retriever.") :]: v for k, v in state["model"].items()})
     return enc.eval(), str(path or "fresh")
 
 
 @torch.no_grad()
-def encode(enc: DualEncoder, store: DocumentStore, rows: range, batch: int, progress: bool) -> torch.Tensor:
+def encode(
+    enc: DualEncoder, store: DocumentStore, rows: range, batch: int, progress: bool
+) -> torch.Tensor:
     from rich.progress import Progress
 
     out = []
@@ -156,13 +184,18 @@ def encode(enc: DualEncoder, store: DocumentStore, rows: range, batch: int, prog
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BuildConfig), OmegaConf.from_dotlist(argv)))
+        cfg = OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(BuildConfig), OmegaConf.from_dotlist(argv))
+        )
     except Exception as exc:
         print(f"build_index: error: {exc}", file=sys.stderr)
         return 2
     problems = check_args(cfg)
     if problems:
-        print("build_index: error: invalid arguments:\n  - " + "\n  - ".join(problems), file=sys.stderr)
+        print(
+            "build_index: error: invalid arguments:\n  - " + "\n  - ".join(problems),
+            file=sys.stderr,
+        )
         return 2
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -178,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     progress = rank == 0 and sys.stderr.isatty()
     # each rank encodes a contiguous 1/W; all-gather assembles the whole, which rank 0 indexes
-    emb = embed_sharded(lambda rows: encode(enc, store, rows, cfg.batch_size, progress), N, enc.cfg.embed_dim)
+    emb = embed_sharded(
+        lambda rows: encode(enc, store, rows, cfg.batch_size, progress), N, enc.cfg.embed_dim
+    )
     encode_s = time.perf_counter() - t0
     if rank != 0:
         dist.destroy_process_group()
@@ -188,19 +223,36 @@ def main(argv: list[str] | None = None) -> int:
     ids = store.ids.numpy()
     factory = default_factory(N, x.shape[1]) if cfg.factory == "auto" else cfg.factory
     t0 = time.perf_counter()
-    index = build_index(x, ids, factory=factory, metric="ip", encoder_hash=fingerprint(enc.state_dict()),
-                        corpus_hash=fingerprint(ids, store.passages))
+    index = build_index(
+        x,
+        ids,
+        factory=factory,
+        metric="ip",
+        encoder_hash=fingerprint(enc.state_dict()),
+        corpus_hash=fingerprint(ids, store.passages),
+    )
     build_s = time.perf_counter() - t0
     saved = index.save(cfg.out)
-    loaded = FaissIndex.load(saved, dim=x.shape[1], encoder_hash=index.meta.encoder_hash, corpus_hash=index.meta.corpus_hash)
+    loaded = FaissIndex.load(
+        saved,
+        dim=x.shape[1],
+        encoder_hash=index.meta.encoder_hash,
+        corpus_hash=index.meta.corpus_hash,
+    )
 
     # queries: real query shards through the query tower, or held-out documents' own embeddings
     gold = None
     if cfg.queries:
         from rag_mm.data.pipeline import StreamSpec, make_loader
 
-        spec = StreamSpec(urls=expand_urls(cfg.root, cfg.queries), image_size=cfg.image_size, max_question=24,
-                          max_answer=8, batch_size=cfg.batch_size, train=False)
+        spec = StreamSpec(
+            urls=expand_urls(cfg.root, cfg.queries),
+            image_size=cfg.image_size,
+            max_question=24,
+            max_answer=8,
+            batch_size=cfg.batch_size,
+            train=False,
+        )
         qs, gold = [], []
         with torch.no_grad():
             try:
@@ -225,9 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     _, truth = exact.search(q, k)
     recall_vs_exact = float(np.mean([len(set(f) & set(t)) / k for f, t in zip(found, truth)]))
     report = {
-        "index": str(saved), "factory": factory, "num_docs": N, "dim": int(x.shape[1]), "encoder": source,
-        "world_size": world, "encode_s": round(encode_s, 3), "build_s": round(build_s, 3),
-        "queries": int(len(q)), "queries_per_s": round(len(q) / max(search_s, 1e-9), 1),
+        "index": str(saved),
+        "factory": factory,
+        "num_docs": N,
+        "dim": int(x.shape[1]),
+        "encoder": source,
+        "world_size": world,
+        "encode_s": round(encode_s, 3),
+        "build_s": round(build_s, 3),
+        "queries": int(len(q)),
+        "queries_per_s": round(len(q) / max(search_s, 1e-9), 1),
         f"recall@{k}_vs_exact": recall_vs_exact,
     }
     if gold is not None:

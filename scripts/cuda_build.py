@@ -54,7 +54,9 @@ TOOLKIT_WHEELS = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-
 RUNTIME_WHEEL = "nvidia-cuda-runtime"
 CACHE_ENV = "RAG_MM_CUDA_TOOLKIT_CACHE"
 # TORCH_LIBRARY_IMPL(ns, CUDA, m) { m.impl("op", ...); ... } in a .cu file
-IMPL_BLOCK = re.compile(r"TORCH_LIBRARY_IMPL\(\s*(\w+)\s*,\s*CUDA\s*,\s*\w+\s*\)\s*\{(.*?)\n\}", re.S)
+IMPL_BLOCK = re.compile(
+    r"TORCH_LIBRARY_IMPL\(\s*(\w+)\s*,\s*CUDA\s*,\s*\w+\s*\)\s*\{(.*?)\n\}", re.S
+)
 IMPL_OP = re.compile(r"\.impl\(\s*\"([\w.]+)\"")
 
 
@@ -77,8 +79,12 @@ def extensions() -> list[Extension]:
     from parallel.kernels import _attention_ops, comm
 
     return [
-        Extension(_attention_ops.EXT_NAME, _attention_ops.CPU_SOURCES, _attention_ops.CUDA_SOURCES,
-                  _attention_ops.CUDA_FLAGS),
+        Extension(
+            _attention_ops.EXT_NAME,
+            _attention_ops.CPU_SOURCES,
+            _attention_ops.CUDA_SOURCES,
+            _attention_ops.CUDA_FLAGS,
+        ),
         Extension("rmm_comm", comm.CPU_SOURCES, comm.CUDA_SOURCES),  # the name comm.load builds
     ]
 
@@ -86,7 +92,11 @@ def extensions() -> list[Extension]:
 def orphan_sources(exts: list[Extension], csrc: Path) -> list[str]:
     """The .cu files under csrc/ that no extension builds (they would never be compiled)."""
     owned = {s for e in exts for s in e.cuda_sources}
-    return sorted(str(p.relative_to(csrc)) for p in csrc.rglob("*.cu") if str(p.relative_to(csrc)) not in owned)
+    return sorted(
+        str(p.relative_to(csrc))
+        for p in csrc.rglob("*.cu")
+        if str(p.relative_to(csrc)) not in owned
+    )
 
 
 # ------------------------------------------------------------------------------------ toolkit
@@ -95,15 +105,21 @@ def wheel_specs() -> list[str]:
     import torch
 
     if torch.version.cuda is None:
-        raise BuildError(f"torch {torch.__version__} is a CPU-only build: CUDA sources cannot be built against it")
+        raise BuildError(
+            f"torch {torch.__version__} is a CPU-only build: CUDA sources cannot be built against it"
+        )
     try:
         runtime = importlib.metadata.version(RUNTIME_WHEEL)
     except importlib.metadata.PackageNotFoundError:
-        raise BuildError(f"torch {torch.__version__} (CUDA {torch.version.cuda}) did not come with the "
-                         f"{RUNTIME_WHEEL} wheel: point --cuda-home at a CUDA {torch.version.cuda} toolkit") from None
+        raise BuildError(
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) did not come with the "
+            f"{RUNTIME_WHEEL} wheel: point --cuda-home at a CUDA {torch.version.cuda} toolkit"
+        ) from None
     major_minor = ".".join(runtime.split(".")[:2])
     if major_minor != ".".join(torch.version.cuda.split(".")[:2]):
-        raise BuildError(f"{RUNTIME_WHEEL} {runtime} does not match torch's CUDA {torch.version.cuda}")
+        raise BuildError(
+            f"{RUNTIME_WHEEL} {runtime} does not match torch's CUDA {torch.version.cuda}"
+        )
     return [f"{w}=={major_minor}.*" for w in TOOLKIT_WHEELS] + [f"{RUNTIME_WHEEL}=={runtime}"]
 
 
@@ -111,7 +127,9 @@ def toolkit_cache() -> Path:
     root = os.environ.get(CACHE_ENV)
     if root:
         return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_mm" / "cuda-toolkit"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_mm" / "cuda-toolkit"
+    )
 
 
 def _cuda_home_in(target: Path) -> Path | None:
@@ -148,18 +166,36 @@ def fetch_toolkit(cache: Path) -> Path:
     tmp = cache / f".{folder.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"cuda_build: installing {' '.join(specs)} into {folder}", flush=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-           "--no-compile", "--target", str(tmp), *specs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--no-compile",
+        "--target",
+        str(tmp),
+        *specs,
+    ]
     proc = subprocess.run(cmd, stdin=subprocess.DEVNULL)
     home = _cuda_home_in(tmp)
     if proc.returncode != 0 or home is None:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildError(f"pip could not install the CUDA toolkit wheels ({' '.join(specs)}): exit status "
-                         f"{proc.returncode}; without network, pass --cuda-home with an installed toolkit")
+        raise BuildError(
+            f"pip could not install the CUDA toolkit wheels ({' '.join(specs)}): exit status "
+            f"{proc.returncode}; without network, pass --cuda-home with an installed toolkit"
+        )
     complete_layout(home)
-    versions = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(tmp)])}
-    (tmp / "toolkit.json").write_text(json.dumps(dict(specs=specs, cuda_home=str(home.relative_to(tmp)),
-                                                      installed=versions), indent=1))
+    versions = {
+        d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[str(tmp)])
+    }
+    (tmp / "toolkit.json").write_text(
+        json.dumps(
+            dict(specs=specs, cuda_home=str(home.relative_to(tmp)), installed=versions), indent=1
+        )
+    )
     try:
         tmp.rename(folder)  # atomic: a concurrent run that finished first keeps its folder
     except OSError:
@@ -177,7 +213,9 @@ def resolve_toolkit(cuda_home: str | None) -> Path:
         from torch.utils.cpp_extension import CUDA_HOME
 
         if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
-            raise BuildError("no CUDA toolkit on this machine (no $CUDA_HOME, no nvcc on PATH, no /usr/local/cuda)")
+            raise BuildError(
+                "no CUDA toolkit on this machine (no $CUDA_HOME, no nvcc on PATH, no /usr/local/cuda)"
+            )
         return Path(CUDA_HOME)
     if cuda_home:
         home = Path(cuda_home)
@@ -191,7 +229,9 @@ def nvcc_version(home: Path) -> str:
     proc = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        raise BuildError(f"{home / 'bin' / 'nvcc'} --version failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        raise BuildError(
+            f"{home / 'bin' / 'nvcc'} --version failed: {(proc.stderr or proc.stdout).strip()[-500:]}"
+        )
     return next((ln for ln in lines if "release" in ln), lines[-1]).strip()
 
 
@@ -210,8 +250,14 @@ def op_table(namespaces: set[str]) -> dict[str, list[str]]:
     import torch
 
     table = {}
-    for op in sorted(n for n in torch._C._dispatch_get_all_op_names() if n.split("::")[0] in namespaces):
-        keys = [key for key in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+    for op in sorted(
+        n for n in torch._C._dispatch_get_all_op_names() if n.split("::")[0] in namespaces
+    ):
+        keys = [
+            key
+            for key in ("CPU", "CUDA")
+            if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+        ]
         # a kernel for every backend (ops without tensor arguments, such as segment control)
         if torch._C._dispatch_has_kernel_for_dispatch_key(op, "CompositeImplicitAutograd"):
             keys.append("any")
@@ -228,10 +274,23 @@ def build_all(exts: list[Extension], *, verbose: bool = True) -> tuple[list[dict
     for ext in exts:
         print(f"\n== {ext.name}: {', '.join(ext.cpu_sources + ext.cuda_sources)}", flush=True)
         t0 = time.monotonic()
-        res = load_extension(ext.name, ext.cpu_sources, ext.cuda_sources, extra_cuda_cflags=ext.cuda_flags,
-                             require_cuda=True, verbose=verbose)
-        rec = dict(name=ext.name, ok=res.ok, reason=res.reason, archs=res.archs, build_dir=res.build_dir,
-                   cuda_sources=ext.cuda_sources, wall_s=round(time.monotonic() - t0, 1))
+        res = load_extension(
+            ext.name,
+            ext.cpu_sources,
+            ext.cuda_sources,
+            extra_cuda_cflags=ext.cuda_flags,
+            require_cuda=True,
+            verbose=verbose,
+        )
+        rec = dict(
+            name=ext.name,
+            ok=res.ok,
+            reason=res.reason,
+            archs=res.archs,
+            build_dir=res.build_dir,
+            cuda_sources=ext.cuda_sources,
+            wall_s=round(time.monotonic() - t0, 1),
+        )
         if res.ok:
             want = declared_cuda_ops([CSRC / s for s in ext.cuda_sources])
             import torch
@@ -239,16 +298,26 @@ def build_all(exts: list[Extension], *, verbose: bool = True) -> tuple[list[dict
             have = set(torch._C._dispatch_get_registrations_for_dispatch_key("CUDA"))
             rec["cuda_ops"], rec["missing_cuda_ops"] = want, [op for op in want if op not in have]
             if not want:
-                rec["missing_cuda_ops"] = ["(the CUDA sources register no TORCH_LIBRARY_IMPL(..., CUDA, ...) kernel)"]
+                rec["missing_cuda_ops"] = [
+                    "(the CUDA sources register no TORCH_LIBRARY_IMPL(..., CUDA, ...) kernel)"
+                ]
             if rec["missing_cuda_ops"]:
                 rec["ok"] = False
-                rec["reason"] = f"built, but CUDA kernels missing from the dispatcher: {', '.join(rec['missing_cuda_ops'])}"
+                rec["reason"] = (
+                    f"built, but CUDA kernels missing from the dispatcher: {', '.join(rec['missing_cuda_ops'])}"
+                )
         if not rec["ok"]:
             status = 1
-            print(f"cuda_build: FAILED: {ext.name} ({', '.join(ext.cuda_sources)}): {rec['reason']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"cuda_build: FAILED: {ext.name} ({', '.join(ext.cuda_sources)}): {rec['reason']}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"cuda_build: {ext.name}: {res.reason} in {rec['wall_s']} s ({res.build_dir})", flush=True)
+            print(
+                f"cuda_build: {ext.name}: {res.reason} in {rec['wall_s']} s ({res.build_dir})",
+                flush=True,
+            )
         records.append(rec)
     return records, status
 
@@ -271,29 +340,56 @@ def plan_only(args: argparse.Namespace) -> int:
     exts = extensions()
     orphans = orphan_sources(exts, _build.CSRC)
     archs = _build.cuda_archs() if home else list(_build.DEFAULT_CUDA_ARCHS)
-    print(f"cuda_build (plan only): toolkit {version or why}; architectures sm_{', sm_'.join(archs)}")
+    print(
+        f"cuda_build (plan only): toolkit {version or why}; architectures sm_{', sm_'.join(archs)}"
+    )
     for e in exts:
         print(f"  {e.name}: CPU {', '.join(e.cpu_sources)}; CUDA {', '.join(e.cuda_sources)}")
     if orphans:
         print(f"cuda_build: FAILED: no extension builds {', '.join(orphans)}", file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(
-            plan_only=True, ok=not orphans, nvcc=version, toolkit_problem=why, archs=archs, orphan_sources=orphans,
-            extensions=[vars(e) for e in exts], cuda_sources=[s for e in exts for s in e.cuda_sources]), indent=1))
+        args.json.write_text(
+            json.dumps(
+                dict(
+                    plan_only=True,
+                    ok=not orphans,
+                    nvcc=version,
+                    toolkit_problem=why,
+                    archs=archs,
+                    orphan_sources=orphans,
+                    extensions=[vars(e) for e in exts],
+                    cuda_sources=[s for e in exts for s in e.cuda_sources],
+                ),
+                indent=1,
+            )
+        )
     return 1 if orphans else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cuda-home", default=None,
-                    help="a CUDA toolkit to build with instead of the PyPI one; 'auto': the one torch finds")
-    ap.add_argument("--archs", default=None, help="comma-separated architectures, as 80,90 (default: _build.cuda_archs)")
-    ap.add_argument("--quiet", action="store_true", help="hide the compiler commands (errors are still shown)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--cuda-home",
+        default=None,
+        help="a CUDA toolkit to build with instead of the PyPI one; 'auto': the one torch finds",
+    )
+    ap.add_argument(
+        "--archs",
+        default=None,
+        help="comma-separated architectures, as 80,90 (default: _build.cuda_archs)",
+    )
+    ap.add_argument(
+        "--quiet", action="store_true", help="hide the compiler commands (errors are still shown)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
-    ap.add_argument("--plan-only", action="store_true",
-                    help="resolve the toolkit (no download) and list what would be built; compile nothing")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="resolve the toolkit (no download) and list what would be built; compile nothing",
+    )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     # The build's logger filter (torch's "No CUDA runtime is found" note) before cpp_extension loads.
@@ -315,39 +411,60 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import ninja
 
-            os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, os.environ.get("PATH")]))
+            os.environ["PATH"] = os.pathsep.join(
+                filter(None, [ninja.BIN_DIR, os.environ.get("PATH")])
+            )
         except ImportError:
             print("cuda_build: ninja is not installed (pip install ninja)", file=sys.stderr)
             return 2
     from torch.utils import cpp_extension
 
     if Path(cpp_extension.CUDA_HOME or "") != home:
-        print(f"cuda_build: torch.utils.cpp_extension was imported before CUDA_HOME was set "
-              f"(it uses {cpp_extension.CUDA_HOME})", file=sys.stderr)
+        print(
+            f"cuda_build: torch.utils.cpp_extension was imported before CUDA_HOME was set "
+            f"(it uses {cpp_extension.CUDA_HOME})",
+            file=sys.stderr,
+        )
         return 2
     exts = extensions()
     orphans = orphan_sources(exts, _build.CSRC)
     archs = _build.cuda_archs()
-    print(f"cuda_build: nvcc {version} ({home}); architectures sm_{', sm_'.join(archs)}; cache {_build.cache_dir()}",
-          flush=True)
+    print(
+        f"cuda_build: nvcc {version} ({home}); architectures sm_{', sm_'.join(archs)}; cache {_build.cache_dir()}",
+        flush=True,
+    )
     records, status = build_all(exts, verbose=not args.quiet)
     if orphans:
         status = 1
-        print(f"cuda_build: FAILED: no extension builds {', '.join(orphans)} (add it to an extension's "
-              f"CUDA_SOURCES)", file=sys.stderr)
+        print(
+            f"cuda_build: FAILED: no extension builds {', '.join(orphans)} (add it to an extension's "
+            f"CUDA_SOURCES)",
+            file=sys.stderr,
+        )
     table = op_table({op.split("::")[0] for r in records for op in r.get("cuda_ops", [])})
     if table:
         print("\ncuda_build: ops loaded from the CUDA builds (backends with a kernel):")
         for op, keys in table.items():
             print(f"  {op:<32} {' '.join(keys)}")
-    summary = dict(ok=status == 0, nvcc=version, cuda_home=str(home), archs=archs, extensions=records,
-                   orphan_sources=orphans, ops=table, wall_s=round(time.monotonic() - t0, 1))
+    summary = dict(
+        ok=status == 0,
+        nvcc=version,
+        cuda_home=str(home),
+        archs=archs,
+        extensions=records,
+        orphan_sources=orphans,
+        ops=table,
+        wall_s=round(time.monotonic() - t0, 1),
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))
     built = sum(r["ok"] for r in records)
-    print(f"\ncuda_build: {'ok' if status == 0 else 'FAILED'}: {built}/{len(records)} extensions with CUDA "
-          f"for sm_{', sm_'.join(archs)} in {summary['wall_s']} s", flush=True)
+    print(
+        f"\ncuda_build: {'ok' if status == 0 else 'FAILED'}: {built}/{len(records)} extensions with CUDA "
+        f"for sm_{', sm_'.join(archs)} in {summary['wall_s']} s",
+        flush=True,
+    )
     return status
 
 

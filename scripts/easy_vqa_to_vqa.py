@@ -38,7 +38,9 @@ def package_data() -> Path:
     try:
         import easy_vqa
     except ImportError:
-        sys.exit("easy_vqa_to_vqa: error: the easy-vqa package is not installed (pip install easy-vqa)")
+        sys.exit(
+            "easy_vqa_to_vqa: error: the easy-vqa package is not installed (pip install easy-vqa)"
+        )
     return Path(easy_vqa.__file__).parent / "data"
 
 
@@ -63,8 +65,14 @@ def rewrite(src: Path, out: Path, val_images: int) -> dict:
             if name == "train":
                 passages.setdefault(offset + image, []).append(f"{question} {answer}.")
             qs.append({"question_id": qid, "image_id": offset + image, "question": question})
-            anns.append({"question_id": qid, "image_id": offset + image, "multiple_choice_answer": answer,
-                         "answers": [{"answer": answer, "answer_id": j + 1} for j in range(ANNOTATORS)]})
+            anns.append(
+                {
+                    "question_id": qid,
+                    "image_id": offset + image,
+                    "multiple_choice_answer": answer,
+                    "answers": [{"answer": answer, "answer_id": j + 1} for j in range(ANNOTATORS)],
+                }
+            )
         offset += n_images
     for image, lines in passages.items():
         doc = out / "docs" / f"{image:012d}"
@@ -82,8 +90,15 @@ def rewrite(src: Path, out: Path, val_images: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON files and images/")
-    p.add_argument("--src", type=Path, help="easy-VQA's data folder (default: the installed package's)")
-    p.add_argument("--val-images", type=int, default=400, help="training pictures held out as validation (default 400)")
+    p.add_argument(
+        "--src", type=Path, help="easy-VQA's data folder (default: the installed package's)"
+    )
+    p.add_argument(
+        "--val-images",
+        type=int,
+        default=400,
+        help="training pictures held out as validation (default 400)",
+    )
     args = p.parse_args(argv)
     counts = rewrite(args.src or package_data(), args.out, args.val_images)
     print(json.dumps({"out": str(args.out), "questions": counts}))

@@ -45,16 +45,31 @@ VENDORS = ("google", "apple", "twitter", "facebook")
 SKIP_CATEGORIES = {"Component"}
 # The five kinds of question, each with three phrasings, and the fact each one asks for.
 QUESTIONS: dict[str, tuple[str, ...]] = {
-    "name": ("what is this emoji called?", "what is the name of this emoji?",
-             "which emoji is this?"),
-    "short_name": ("what is the short code of this emoji?", "which short name does this emoji have?",
-                   "what do you type to get this emoji?"),
-    "code": ("what is the code point of this emoji?", "which unicode code point is this emoji?",
-             "what is the hex code of this emoji?"),
-    "category": ("which category is this emoji in?", "what is the category of this emoji?",
-                 "in which group of emoji is this one?"),
-    "version": ("in which unicode version was this emoji added?", "since which version does this emoji exist?",
-                "when was this emoji added to unicode?"),
+    "name": (
+        "what is this emoji called?",
+        "what is the name of this emoji?",
+        "which emoji is this?",
+    ),
+    "short_name": (
+        "what is the short code of this emoji?",
+        "which short name does this emoji have?",
+        "what do you type to get this emoji?",
+    ),
+    "code": (
+        "what is the code point of this emoji?",
+        "which unicode code point is this emoji?",
+        "what is the hex code of this emoji?",
+    ),
+    "category": (
+        "which category is this emoji in?",
+        "what is the category of this emoji?",
+        "in which group of emoji is this one?",
+    ),
+    "version": (
+        "in which unicode version was this emoji added?",
+        "since which version does this emoji exist?",
+        "when was this emoji added to unicode?",
+    ),
 }
 
 
@@ -73,15 +88,21 @@ def facts(entry: dict) -> dict[str, str]:
 def passage(f: dict[str, str]) -> str:
     """The document text: every fact after its label, the labels told apart by their last two
     tokens (a fact's key in the copy head carries the two tokens before it)."""
-    return (f"name: {f['name']}. short code: {f['short_name']}. code point: {f['code']}. "
-            f"category: {f['category']}. group: {f['subcategory']}. unicode version: {f['version']}.")
+    return (
+        f"name: {f['name']}. short code: {f['short_name']}. code point: {f['code']}. "
+        f"category: {f['category']}. group: {f['subcategory']}. unicode version: {f['version']}."
+    )
 
 
 def _background(size: int, rng: random.Random) -> Image.Image:
     """A textured background: a colour gradient with blotches and grain, unlike any emoji."""
     nrng = np.random.default_rng(rng.randrange(2**32))
     a, b = nrng.uniform(0, 255, 3), nrng.uniform(0, 255, 3)
-    t = np.linspace(0, 1, size)[:, None, None] if rng.random() < 0.5 else np.linspace(0, 1, size)[None, :, None]
+    t = (
+        np.linspace(0, 1, size)[:, None, None]
+        if rng.random() < 0.5
+        else np.linspace(0, 1, size)[None, :, None]
+    )
     img = a + (b - a) * t  # (size, 1 or size, 3) gradient
     img = np.broadcast_to(img, (size, size, 3)).copy()
     coarse = nrng.normal(0, 40, (4, 4, 3))  # low-frequency blotches
@@ -121,28 +142,55 @@ def _png(img: Image.Image) -> bytes:
 
 def _package(root: Path, vendor: str) -> Path:
     """The unpacked ``emoji-datasource-<vendor>`` package under ``root`` (npm's or ``npm pack``'s layout)."""
-    for cand in (root / f"emoji-datasource-{vendor}" / "package", root / f"emoji-datasource-{vendor}",
-                 root / "node_modules" / f"emoji-datasource-{vendor}", root / vendor / "package"):
+    for cand in (
+        root / f"emoji-datasource-{vendor}" / "package",
+        root / f"emoji-datasource-{vendor}",
+        root / "node_modules" / f"emoji-datasource-{vendor}",
+        root / vendor / "package",
+    ):
         if (cand / "emoji.json").is_file() and (cand / "img" / vendor / "64").is_dir():
             return cand
-    raise FileNotFoundError(f"no unpacked emoji-datasource-{vendor} package (emoji.json and img/{vendor}/64/) "
-                            f"under {root}")
+    raise FileNotFoundError(
+        f"no unpacked emoji-datasource-{vendor} package (emoji.json and img/{vendor}/64/) "
+        f"under {root}"
+    )
 
 
-def build(packages: Path, out: Path, num_entities: int, heldout_fraction: float, image_size: int,
-          train_per_entity: int, val_per_entity: int, test_per_entity: int, memory_vendor: str,
-          seed: int, shard_size: int) -> dict:
+def build(
+    packages: Path,
+    out: Path,
+    num_entities: int,
+    heldout_fraction: float,
+    image_size: int,
+    train_per_entity: int,
+    val_per_entity: int,
+    test_per_entity: int,
+    memory_vendor: str,
+    seed: int,
+    shard_size: int,
+) -> dict:
     """Write the set; return the summary also written to ``world.json``."""
     pkgs = {v: _package(packages, v) for v in VENDORS}
     entries = json.loads((pkgs[memory_vendor] / "emoji.json").read_text())
     # one code point each: a sequence's code (flags, ZWJ families) is a list, too long an answer
-    usable = [e for e in entries if e["category"] not in SKIP_CATEGORIES and e.get("short_name") and "-" not in e["unified"]
-              and all(e.get(f"has_img_{v}") and (pkgs[v] / "img" / v / "64" / e["image"]).is_file() for v in VENDORS)]
+    usable = [
+        e
+        for e in entries
+        if e["category"] not in SKIP_CATEGORIES
+        and e.get("short_name")
+        and "-" not in e["unified"]
+        and all(
+            e.get(f"has_img_{v}") and (pkgs[v] / "img" / v / "64" / e["image"]).is_file()
+            for v in VENDORS
+        )
+    ]
     rng = random.Random(seed)
     usable.sort(key=lambda e: e["unified"])
     rng.shuffle(usable)
     if num_entities > len(usable):
-        raise ValueError(f"num_entities={num_entities} but only {len(usable)} emoji have pictures from every vendor")
+        raise ValueError(
+            f"num_entities={num_entities} but only {len(usable)} emoji have pictures from every vendor"
+        )
     chosen = usable[:num_entities]
     n_heldout = int(round(heldout_fraction * num_entities))
     heldout = set(range(n_heldout))  # doc ids 0 .. n_heldout-1 after the shuffle: a random quarter
@@ -154,19 +202,38 @@ def build(packages: Path, out: Path, num_entities: int, heldout_fraction: float,
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, int] = {}
     (out / "corpus").mkdir(exist_ok=True)
-    with wds.ShardWriter(str(out / "corpus" / "corpus-%06d.tar"), maxcount=shard_size, verbose=0) as sink:
+    with wds.ShardWriter(
+        str(out / "corpus" / "corpus-%06d.tar"), maxcount=shard_size, verbose=0
+    ) as sink:
         for doc_id, e in enumerate(chosen):
             f = facts(e)
-            sink.write({"__key__": f"doc{doc_id:06d}", "png": _png(clean(pic(e, memory_vendor), image_size)),
-                        "txt": passage(f), "json": json.dumps({"doc_id": doc_id, "name": f["name"]})})
+            sink.write(
+                {
+                    "__key__": f"doc{doc_id:06d}",
+                    "png": _png(clean(pic(e, memory_vendor), image_size)),
+                    "txt": passage(f),
+                    "json": json.dumps({"doc_id": doc_id, "name": f["name"]}),
+                }
+            )
     counts["corpus"] = len(chosen)
     answers: dict[str, Counter] = {k: Counter() for k in QUESTIONS}
-    for split, per_entity in (("train", train_per_entity), ("val", val_per_entity), ("test", test_per_entity)):
+    for split, per_entity in (
+        ("train", train_per_entity),
+        ("val", val_per_entity),
+        ("test", test_per_entity),
+    ):
         srng = random.Random(f"{seed}-{split}")
-        jobs = [d for d in range(len(chosen)) if split != "train" or d not in heldout for _ in range(per_entity)]
+        jobs = [
+            d
+            for d in range(len(chosen))
+            if split != "train" or d not in heldout
+            for _ in range(per_entity)
+        ]
         srng.shuffle(jobs)
         (out / split).mkdir(exist_ok=True)
-        with wds.ShardWriter(str(out / split / f"{split}-%06d.tar"), maxcount=shard_size, verbose=0) as sink:
+        with wds.ShardWriter(
+            str(out / split / f"{split}-%06d.tar"), maxcount=shard_size, verbose=0
+        ) as sink:
             for i, doc_id in enumerate(jobs):
                 e = chosen[doc_id]
                 kind = srng.choice(list(QUESTIONS))
@@ -174,17 +241,38 @@ def build(packages: Path, out: Path, num_entities: int, heldout_fraction: float,
                 if split == "train":
                     answers[kind][answer] += 1
                 view = photo_like(pic(e, srng.choice(query_vendors)), image_size, srng)
-                meta = {"answer": answer, "doc_id": doc_id, "attribute": kind, "heldout": doc_id in heldout}
-                sink.write({"__key__": f"{split}{i:07d}", "png": _png(view), "txt": srng.choice(QUESTIONS[kind]),
-                            "json": json.dumps(meta)})
+                meta = {
+                    "answer": answer,
+                    "doc_id": doc_id,
+                    "attribute": kind,
+                    "heldout": doc_id in heldout,
+                }
+                sink.write(
+                    {
+                        "__key__": f"{split}{i:07d}",
+                        "png": _png(view),
+                        "txt": srng.choice(QUESTIONS[kind]),
+                        "json": json.dumps(meta),
+                    }
+                )
         counts[split] = len(jobs)
     # guessing each kind's most frequent training answer: the closed-book floor of a reader that
     # cannot tell emoji apart
-    chance = sum(c.most_common(1)[0][1] / max(1, sum(c.values())) for c in answers.values() if c) / len(QUESTIONS)
+    chance = sum(
+        c.most_common(1)[0][1] / max(1, sum(c.values())) for c in answers.values() if c
+    ) / len(QUESTIONS)
     summary = {
-        "source": {v: json.loads((pkgs[v] / "package.json").read_text()).get("version") for v in VENDORS},
-        "config": dict(num_entities=num_entities, heldout_fraction=heldout_fraction, image_size=image_size,
-                       memory_vendor=memory_vendor, query_vendors=query_vendors, seed=seed),
+        "source": {
+            v: json.loads((pkgs[v] / "package.json").read_text()).get("version") for v in VENDORS
+        },
+        "config": dict(
+            num_entities=num_entities,
+            heldout_fraction=heldout_fraction,
+            image_size=image_size,
+            memory_vendor=memory_vendor,
+            query_vendors=query_vendors,
+            seed=seed,
+        ),
         "counts": counts,
         "heldout_doc_ids": sorted(heldout),
         "chance_accuracy": chance,
@@ -195,17 +283,33 @@ def build(packages: Path, out: Path, num_entities: int, heldout_fraction: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--packages", type=Path, required=True, help="folder holding the unpacked npm packages")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--packages", type=Path, required=True, help="folder holding the unpacked npm packages"
+    )
     ap.add_argument("--out", type=Path, required=True, help="output root (data.root)")
-    ap.add_argument("--num-entities", type=int, default=256, help="emoji in the memory (default 256)")
-    ap.add_argument("--heldout-fraction", type=float, default=0.25, help="emoji never in training queries")
-    ap.add_argument("--image-size", type=int, default=48, help="pixels per side of every picture (default 48)")
-    ap.add_argument("--train-per-entity", type=int, default=24, help="training queries per seen emoji")
+    ap.add_argument(
+        "--num-entities", type=int, default=256, help="emoji in the memory (default 256)"
+    )
+    ap.add_argument(
+        "--heldout-fraction", type=float, default=0.25, help="emoji never in training queries"
+    )
+    ap.add_argument(
+        "--image-size", type=int, default=48, help="pixels per side of every picture (default 48)"
+    )
+    ap.add_argument(
+        "--train-per-entity", type=int, default=24, help="training queries per seen emoji"
+    )
     ap.add_argument("--val-per-entity", type=int, default=2, help="validation queries per emoji")
     ap.add_argument("--test-per-entity", type=int, default=8, help="test queries per emoji")
-    ap.add_argument("--memory-vendor", choices=VENDORS, default="google", help="whose pictures the memory holds")
-    ap.add_argument("--seed", type=int, default=0, help="decides the emoji, the split, views and questions")
+    ap.add_argument(
+        "--memory-vendor", choices=VENDORS, default="google", help="whose pictures the memory holds"
+    )
+    ap.add_argument(
+        "--seed", type=int, default=0, help="decides the emoji, the split, views and questions"
+    )
     ap.add_argument("--shard-size", type=int, default=1024, help="samples per shard")
     a = ap.parse_args(argv)
     try:
@@ -213,12 +317,27 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--heldout-fraction must be in [0, 1), got {a.heldout_fraction}")
         if min(a.num_entities, a.image_size, a.shard_size) <= 0:
             raise ValueError("--num-entities, --image-size and --shard-size must be positive")
-        s = build(a.packages, a.out, a.num_entities, a.heldout_fraction, a.image_size, a.train_per_entity,
-                  a.val_per_entity, a.test_per_entity, a.memory_vendor, a.seed, a.shard_size)
+        s = build(
+            a.packages,
+            a.out,
+            a.num_entities,
+            a.heldout_fraction,
+            a.image_size,
+            a.train_per_entity,
+            a.val_per_entity,
+            a.test_per_entity,
+            a.memory_vendor,
+            a.seed,
+            a.shard_size,
+        )
     except (OSError, ValueError, KeyError) as exc:
         print(f"emoji_kvqa: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": str(a.out), **s["counts"], "chance_accuracy": round(s["chance_accuracy"], 4)}))
+    print(
+        json.dumps(
+            {"out": str(a.out), **s["counts"], "chance_accuracy": round(s["chance_accuracy"], 4)}
+        )
+    )
     return 0
 
 

@@ -72,10 +72,30 @@ from typing import IO, Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "scripts" / "bench"
 # Modules the project imports at run time besides torch; the checks need the first three.
-MODULES = ("numpy", "faiss", "pytest", "yaml", "omegaconf", "hydra", "webdataset", "ftfy", "regex",
-           "safetensors", "tokenizers", "huggingface_hub", "transformers", "timm", "open_clip",
-           "torchvision", "PIL", "matplotlib")
-BENCHES = ("attention", "train_throughput")  # scripts/bench/*.py run with --device; each has a Step in plan()
+MODULES = (
+    "numpy",
+    "faiss",
+    "pytest",
+    "yaml",
+    "omegaconf",
+    "hydra",
+    "webdataset",
+    "ftfy",
+    "regex",
+    "safetensors",
+    "tokenizers",
+    "huggingface_hub",
+    "transformers",
+    "timm",
+    "open_clip",
+    "torchvision",
+    "PIL",
+    "matplotlib",
+)
+BENCHES = (
+    "attention",
+    "train_throughput",
+)  # scripts/bench/*.py run with --device; each has a Step in plan()
 STEPS = ("cuda_build", "pytest", "attention", "mfu_demo", "mfu_1b", "demo")
 KILL_GRACE_S = 10
 
@@ -95,14 +115,17 @@ def junit_figures(path: Path) -> dict[str, Any]:
     """Counts, failures (test, kind, message) and skip reasons of a pytest JUnit XML file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    figures: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in suites)
-                               for k in ("tests", "failures", "errors", "skipped")}
+    figures: dict[str, Any] = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
+    }
     figures["problems"], skips = [], Counter()
     for case in root.iter("testcase"):
         test = f"{case.get('classname')}::{case.get('name')}"
         for kind in ("failure", "error"):
             for el in case.findall(kind):
-                figures["problems"].append(dict(test=test, kind=kind, message=(el.get("message") or "")[:500]))
+                figures["problems"].append(
+                    dict(test=test, kind=kind, message=(el.get("message") or "")[:500])
+                )
         for el in case.findall("skipped"):
             skips[el.get("message") or ""] += 1
     figures["skip_reasons"] = dict(skips)
@@ -127,20 +150,26 @@ def attention_headline(f: dict[str, Any]) -> str:
 
 def cuda_build_headline(f: dict[str, Any]) -> str:
     if f.get("plan_only"):
-        return (f"plan: {len(f['extensions'])} extensions, CUDA sources {', '.join(f['cuda_sources'])}, "
-                f"toolkit {f.get('nvcc') or 'none'}")
+        return (
+            f"plan: {len(f['extensions'])} extensions, CUDA sources {', '.join(f['cuda_sources'])}, "
+            f"toolkit {f.get('nvcc') or 'none'}"
+        )
     bad = [e["name"] for e in f["extensions"] if not e["ok"]]
     cuda = sorted(op for op, keys in f["ops"].items() if "CUDA" in keys)
-    return (f"nvcc {f['nvcc']}, sm_{', sm_'.join(f['archs'])}: {len(f['extensions']) - len(bad)}/{len(f['extensions'])} "
-            f"built{' (FAILED: ' + ', '.join(bad) + ')' if bad else ''}; CUDA ops: {', '.join(cuda)}")
+    return (
+        f"nvcc {f['nvcc']}, sm_{', sm_'.join(f['archs'])}: {len(f['extensions']) - len(bad)}/{len(f['extensions'])} "
+        f"built{' (FAILED: ' + ', '.join(bad) + ')' if bad else ''}; CUDA ops: {', '.join(cuda)}"
+    )
 
 
 def mfu_headline(f: dict[str, Any]) -> str:
     mfu = "n/a" if f["mfu"] is None else f"{f['mfu']:.1%}"
-    return (f"{f['model']} {f['precision']} batch {f['batch']}: MFU {mfu} of "
-            f"{f['peak_datasheet_TFLOPs']} TFLOP/s ({f['part']}), "
-            f"{f['mfu_measured_peak']:.1%} of the measured {f['matmul_TFLOPs']}, "
-            f"{f['samples_per_s']} samples/s, {f['step_ms']} ms/step")
+    return (
+        f"{f['model']} {f['precision']} batch {f['batch']}: MFU {mfu} of "
+        f"{f['peak_datasheet_TFLOPs']} TFLOP/s ({f['part']}), "
+        f"{f['mfu_measured_peak']:.1%} of the measured {f['matmul_TFLOPs']}, "
+        f"{f['samples_per_s']} samples/s, {f['step_ms']} ms/step"
+    )
 
 
 def demo_headline(f: dict[str, Any]) -> str:
@@ -149,8 +178,10 @@ def demo_headline(f: dict[str, Any]) -> str:
     def num(x) -> str:  # metrics.json writes null for a mean over no queries
         return "n/a" if x is None else f"{x:.3f}"
 
-    return (f"{f['step']} steps, test exact match {num(t['acc'])} (held-out {num(t.get('acc_heldout'))}), "
-            f"recall@5 {num(t.get('recall@5'))}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}")
+    return (
+        f"{f['step']} steps, test exact match {num(t['acc'])} (held-out {num(t.get('acc_heldout'))}), "
+        f"recall@5 {num(t.get('recall@5'))}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}"
+    )
 
 
 def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
@@ -164,74 +195,180 @@ def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
     work = ROOT / "runs" / "gpu_check_work"
     data = ROOT / "data" / "knowledge_world"
     world: list[str] = []
-    if args.dry_run:  # the plumbing only: a small world (its generation and final evaluation take seconds)
+    if (
+        args.dry_run
+    ):  # the plumbing only: a small world (its generation and final evaluation take seconds)
         data = work / "data_small"
-        world = ["num_entities=32", "train_queries_per_entity=4", "val_queries_per_entity=1",
-                 "test_queries_per_entity=1"]
+        world = [
+            "num_entities=32",
+            "train_queries_per_entity=4",
+            "val_queries_per_entity=1",
+            "test_queries_per_entity=1",
+        ]
     elif not (data / "corpus").is_dir():
         data = work / "data"
     py = sys.executable
-    train = [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rag_mm.train",
-             "+experiment=demo", f"data.root={data}", f"run_dir={work / 'demo'}", "resume=never"]
+    train = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "rag_mm.train",
+        "+experiment=demo",
+        f"data.root={data}",
+        f"run_dir={work / 'demo'}",
+        "resume=never",
+    ]
     if args.dry_run:
-        train += ["device=cpu", "launch.backend=gloo", "max_steps=2", "retriever.warmup_steps=2",
-                  "eval_every=0", "ckpt_every=0", "data.train=train/train-000000.tar"]  # the one shard
+        train += [
+            "device=cpu",
+            "launch.backend=gloo",
+            "max_steps=2",
+            "retriever.warmup_steps=2",
+            "eval_every=0",
+            "ckpt_every=0",
+            "data.train=train/train-000000.tar",
+        ]  # the one shard
     else:
         train += ["device=cuda", "launch.backend=nccl"]
     gen = [py, "-m", "rag_mm.data.knowledge_world", f"out={data}", *world]
-    program = "\n".join([
-        "import pathlib, shutil, subprocess, sys",
-        f"if not pathlib.Path({str(data / 'corpus')!r}).is_dir():",
-        f"    rc = subprocess.run({gen!r}).returncode",
-        "    if rc: sys.exit(rc)",
-        f"rc = subprocess.run({train!r}).returncode",
-        "if rc: sys.exit(rc)",
-        f"shutil.copy({str(work / 'demo' / 'metrics.json')!r}, {str(out / 'demo_metrics.json')!r})",
-    ])
+    program = "\n".join(
+        [
+            "import pathlib, shutil, subprocess, sys",
+            f"if not pathlib.Path({str(data / 'corpus')!r}).is_dir():",
+            f"    rc = subprocess.run({gen!r}).returncode",
+            "    if rc: sys.exit(rc)",
+            f"rc = subprocess.run({train!r}).returncode",
+            "if rc: sys.exit(rc)",
+            f"shutil.copy({str(work / 'demo' / 'metrics.json')!r}, {str(out / 'demo_metrics.json')!r})",
+        ]
+    )
     return [py, "-c", program]
 
 
 def gpu_test_files() -> list[str]:
     """Test files that use the gpu marker (``@pytest.mark.gpu`` or a module-level pytestmark)."""
     marker = re.compile(r"\bmark\.gpu\b")
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if marker.search(p.read_text(errors="replace")))
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if marker.search(p.read_text(errors="replace"))
+    )
 
 
 def benches_with_device() -> list[str]:
     """Bench scripts whose argparse has a --device option."""
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if '"--device"' in p.read_text(errors="replace"))
+    return sorted(
+        p.stem for p in BENCH_DIR.glob("*.py") if '"--device"' in p.read_text(errors="replace")
+    )
 
 
 def plan(args: argparse.Namespace, out: Path) -> list[Step]:
     """The steps for this run, in order."""
     py = sys.executable
     if args.dry_run:
-        attention = ["--device", "cpu", "--quick", "--no-flex", "--dtypes", "float32", "--head-dims", "64",
-                     "--reps", "1"]
+        attention = [
+            "--device",
+            "cpu",
+            "--quick",
+            "--no-flex",
+            "--dtypes",
+            "float32",
+            "--head-dims",
+            "64",
+            "--reps",
+            "1",
+        ]
     else:
         attention = ["--device", "cuda", "--quick" if args.quick else "--backward"]
     throughput = [py, str(BENCH_DIR / "train_throughput.py")]
     if args.dry_run:  # the plumbing on the CPU: one step of the demo reader and of a tiny HF reader
         mfu_demo = ["--device", "cpu", "--steps", "1", "--batch", "2"]
-        mfu_1b = ["--device", "cpu", "--steps", "1", "--batch", "2", "--checkpointing", "model=hf_tiny"]
+        mfu_1b = [
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--checkpointing",
+            "model=hf_tiny",
+        ]
     else:  # the demo reader, and the ~1B HF reader preset in bf16 with block checkpointing
         mfu_demo = ["--device", "cuda", "--precision", "bf16", "--steps", "20", "--batch", "32"]
-        mfu_1b = ["--device", "cuda", "--precision", "bf16", "--steps", "10", "--batch", "8", "--checkpointing",
-                  *(["--compile"] if args.compile else []), "model=llama3_2_1b", "retriever.top_k=2"]
-    cuda_build = [py, str(ROOT / "scripts" / "cuda_build.py"), "--cuda-home", "auto", "--quiet",
-                  "--json", str(out / "cuda_build.json"), *(["--plan-only"] if args.dry_run else [])]
+        mfu_1b = [
+            "--device",
+            "cuda",
+            "--precision",
+            "bf16",
+            "--steps",
+            "10",
+            "--batch",
+            "8",
+            "--checkpointing",
+            *(["--compile"] if args.compile else []),
+            "model=llama3_2_1b",
+            "retriever.top_k=2",
+        ]
+    cuda_build = [
+        py,
+        str(ROOT / "scripts" / "cuda_build.py"),
+        "--cuda-home",
+        "auto",
+        "--quiet",
+        "--json",
+        str(out / "cuda_build.json"),
+        *(["--plan-only"] if args.dry_run else []),
+    ]
     steps = [
         Step("cuda_build", cuda_build, "cuda_build.json", json_figures, cuda_build_headline),
-        Step("pytest", [py, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
-                        f"--junitxml={out / 'pytest_gpu.xml'}", *gpu_test_files()],
-             "pytest_gpu.xml", junit_figures, junit_headline),
-        Step("attention", [py, str(BENCH_DIR / "attention.py"), *attention, "--out", str(out / "bench_attention.json")],
-             "bench_attention.json", json_figures, attention_headline),
-        Step("mfu_demo", [*throughput, "--out", str(out / "mfu_demo.json"), *mfu_demo],
-             "mfu_demo.json", json_figures, mfu_headline),
-        Step("mfu_1b", [*throughput, "--out", str(out / "mfu_1b.json"), *mfu_1b],
-             "mfu_1b.json", json_figures, mfu_headline),
+        Step(
+            "pytest",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                f"--junitxml={out / 'pytest_gpu.xml'}",
+                *gpu_test_files(),
+            ],
+            "pytest_gpu.xml",
+            junit_figures,
+            junit_headline,
+        ),
+        Step(
+            "attention",
+            [
+                py,
+                str(BENCH_DIR / "attention.py"),
+                *attention,
+                "--out",
+                str(out / "bench_attention.json"),
+            ],
+            "bench_attention.json",
+            json_figures,
+            attention_headline,
+        ),
+        Step(
+            "mfu_demo",
+            [*throughput, "--out", str(out / "mfu_demo.json"), *mfu_demo],
+            "mfu_demo.json",
+            json_figures,
+            mfu_headline,
+        ),
+        Step(
+            "mfu_1b",
+            [*throughput, "--out", str(out / "mfu_1b.json"), *mfu_1b],
+            "mfu_1b.json",
+            json_figures,
+            mfu_headline,
+        ),
         Step("demo", demo_command(args, out), "demo_metrics.json", json_figures, demo_headline),
     ]
     return [s for s in steps if not args.only or s.name in args.only]
@@ -252,20 +389,31 @@ def machine() -> dict[str, Any]:
     from torch.utils.cpp_extension import CUDA_HOME
 
     info: dict[str, Any] = dict(
-        host=platform.node(), python=platform.python_version(), executable=sys.executable,
-        torch=torch.__version__, torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
+        host=platform.node(),
+        python=platform.python_version(),
+        executable=sys.executable,
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        cuda_available=torch.cuda.is_available(),
     )
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
-        info.update(device=props.name, capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                    memory_gib=round(props.total_memory / 2**30, 1), device_count=torch.cuda.device_count(),
-                    cudnn=torch.backends.cudnn.version(),
-                    driver=(output_lines(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-                            or [None])[0])
+        info.update(
+            device=props.name,
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            memory_gib=round(props.total_memory / 2**30, 1),
+            device_count=torch.cuda.device_count(),
+            cudnn=torch.backends.cudnn.version(),
+            driver=(
+                output_lines(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+                or [None]
+            )[0],
+        )
     nvcc = Path(CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc"
     info.update(
         nvcc=(output_lines([str(nvcc), "--version"]) or [None])[-1],
-        ninja=shutil.which("ninja"), cxx=shutil.which(os.environ.get("CXX", "c++")),
+        ninja=shutil.which("ninja"),
+        cxx=shutil.which(os.environ.get("CXX", "c++")),
         missing_modules=[m for m in MODULES if importlib.util.find_spec(m) is None],
     )
     return info
@@ -292,7 +440,9 @@ def _tee(src: IO[str], log: IO[str]) -> None:
     log.flush()
 
 
-def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO[str]) -> dict[str, Any]:
+def run_step(
+    step: Step, env: dict[str, str], timeout: float, out: Path, log: IO[str]
+) -> dict[str, Any]:
     """Run one step in its own process group under ``timeout`` seconds; its figures if it wrote them."""
     cmd = shlex.join(step.argv)
     banner = f"\n== {step.name} (timeout {timeout:.0f} s): {cmd}\n"
@@ -301,8 +451,17 @@ def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO
     path = out / step.artefact
     path.unlink(missing_ok=True)  # figures must come from this run
     t0 = time.monotonic()
-    proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        step.argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
     tee.start()
     timed_out = False
@@ -318,8 +477,15 @@ def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 continue
     tee.join(timeout=KILL_GRACE_S)
-    res: dict[str, Any] = dict(name=step.name, command=cmd, rc=proc.returncode, timed_out=timed_out,
-                               wall_s=round(time.monotonic() - t0, 1), artefact=step.artefact, figures=None)
+    res: dict[str, Any] = dict(
+        name=step.name,
+        command=cmd,
+        rc=proc.returncode,
+        timed_out=timed_out,
+        wall_s=round(time.monotonic() - t0, 1),
+        artefact=step.artefact,
+        figures=None,
+    )
     if path.exists():
         try:
             res["figures"] = step.parse(path)
@@ -331,48 +497,88 @@ def run_step(step: Step, env: dict[str, str], timeout: float, out: Path, log: IO
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check"),
-                    help="folder for the results (default: $OUT, else runs/gpu_check)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="run the steps on the CPU (--device cpu, smallest settings) to test the plumbing")
-    ap.add_argument("--quick", action="store_true", help="attention bench: seq 512 and 1024, forward only")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check"),
+        help="folder for the results (default: $OUT, else runs/gpu_check)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run the steps on the CPU (--device cpu, smallest settings) to test the plumbing",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="attention bench: seq 512 and 1024, forward only"
+    )
     ap.add_argument("--compile", action="store_true", help="mfu_1b: torch.compile each block")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=None,
-                    help=f"comma-separated steps to run, of {', '.join(STEPS)} (default: all)")
-    ap.add_argument("--timeout", type=float, default=540, help="seconds per step before it is killed")
-    ap.add_argument("--budget", type=float, default=560,
-                    help="seconds for all steps together; a step gets at most what is left")
-    ap.add_argument("--ext-cache", type=Path, default=ROOT / "build" / "gpu_ext",
-                    help="where C++/CUDA extensions are built (RAG_MM_EXT_CACHE, unless already set)")
+    ap.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=None,
+        help=f"comma-separated steps to run, of {', '.join(STEPS)} (default: all)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=540, help="seconds per step before it is killed"
+    )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=560,
+        help="seconds for all steps together; a step gets at most what is left",
+    )
+    ap.add_argument(
+        "--ext-cache",
+        type=Path,
+        default=ROOT / "build" / "gpu_ext",
+        help="where C++/CUDA extensions are built (RAG_MM_EXT_CACHE, unless already set)",
+    )
     args = ap.parse_args()
     if args.only and not set(args.only) <= set(STEPS):
-        ap.error(f"--only: unknown step(s) {sorted(set(args.only) - set(STEPS))}; known: {', '.join(STEPS)}")
+        ap.error(
+            f"--only: unknown step(s) {sorted(set(args.only) - set(STEPS))}; known: {', '.join(STEPS)}"
+        )
     deadline = time.monotonic() + args.budget
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
 
     info = machine()
-    print(f"python {info['python']}  torch {info['torch']} (CUDA {info['torch_cuda']})  "
-          f"nvcc: {info['nvcc']}  ninja: {info['ninja']}  c++: {info['cxx']}")
+    print(
+        f"python {info['python']}  torch {info['torch']} (CUDA {info['torch_cuda']})  "
+        f"nvcc: {info['nvcc']}  ninja: {info['ninja']}  c++: {info['cxx']}"
+    )
     if info["cuda_available"]:
-        print(f"device: {info['device']}  capability {info['capability']}  {info['memory_gib']} GiB  "
-              f"driver {info['driver']}  cudnn {info['cudnn']}")
+        print(
+            f"device: {info['device']}  capability {info['capability']}  {info['memory_gib']} GiB  "
+            f"driver {info['driver']}  cudnn {info['cudnn']}"
+        )
     else:
         print("device: none (torch.cuda.is_available() is False)")
     if info["missing_modules"]:
         print(f"missing modules: {', '.join(info['missing_modules'])}")
     unregistered = sorted(set(benches_with_device()) - set(BENCHES))
     if unregistered:
-        print(f"note: bench(es) with a --device option that this script does not run: {', '.join(unregistered)}")
-    summary: dict[str, Any] = dict(mode="dry-run (CPU)" if args.dry_run else "gpu", machine=info,
-                                   benches_not_run=unregistered, steps=[])
+        print(
+            f"note: bench(es) with a --device option that this script does not run: {', '.join(unregistered)}"
+        )
+    summary: dict[str, Any] = dict(
+        mode="dry-run (CPU)" if args.dry_run else "gpu",
+        machine=info,
+        benches_not_run=unregistered,
+        steps=[],
+    )
 
     if not info["cuda_available"] and not args.dry_run:
         summary |= dict(error="no CUDA device: the GPU checks were not run")
         (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-        print("gpu_check: no CUDA device (torch.cuda.is_available() is False): the GPU checks were "
-              "not run; --dry-run runs the same steps on the CPU", file=sys.stderr)
+        print(
+            "gpu_check: no CUDA device (torch.cuda.is_available() is False): the GPU checks were "
+            "not run; --dry-run runs the same steps on the CPU",
+            file=sys.stderr,
+        )
         return 2
 
     env = child_env(args.ext_cache.resolve())
@@ -380,8 +586,15 @@ def main() -> int:
         for step in plan(args, out):
             left = deadline - time.monotonic()
             if left < 1:
-                summary["steps"].append(dict(name=step.name, command=shlex.join(step.argv), rc=None,
-                                             ok=False, skipped="budget exhausted"))
+                summary["steps"].append(
+                    dict(
+                        name=step.name,
+                        command=shlex.join(step.argv),
+                        rc=None,
+                        ok=False,
+                        skipped="budget exhausted",
+                    )
+                )
                 continue
             summary["steps"].append(run_step(step, env, min(args.timeout, left), out, log))
     summary["ok"] = all(s["ok"] for s in summary["steps"])

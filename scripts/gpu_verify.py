@@ -354,8 +354,10 @@ def summary(data: dict) -> str:
                 f"loss {r['loss'][0]:.4f}"
             )
         elif name == "probe" and r:
-            extra = (f"{r.get('name', r['device'])} ({r['part']}), "
-                     f"matmul {r['matmul_bf16_tflops']} TFLOP/s")
+            extra = (
+                f"{r.get('name', r['device'])} ({r['part']}), "
+                f"matmul {r['matmul_bf16_tflops']} TFLOP/s"
+            )
         elif name == "attention" and r:
             extra = ", ".join(
                 f"{k} {v.get('fwdbwd_ms', v.get('not_run', v.get('error', '')))}"

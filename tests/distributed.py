@@ -36,7 +36,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue, t
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
         out = fn(rank, world, *args)
         # pickled here, by value: a tensor put on a torch.multiprocessing queue travels as a shared
         # file descriptor that this process must still be alive to hand over, and a rank that
@@ -57,7 +59,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) ->
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, timeout_s)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, timeout_s))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

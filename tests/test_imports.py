@@ -118,7 +118,9 @@ def test_graph_sees_every_package():
     graph = import_graph()
     for pkg in PACKAGES:
         assert pkg in graph
-    assert "parallel.tp.plan" in graph["parallel.tp.verify"]  # a plain ``from parallel.tp.plan import``
+    assert (
+        "parallel.tp.plan" in graph["parallel.tp.verify"]
+    )  # a plain ``from parallel.tp.plan import``
     assert "parallel.tp.verify" in graph["parallel.api"]  # a relative ``from .tp.verify import``
 
 
@@ -133,8 +135,13 @@ def test_no_import_cycles():
 
 def test_parallel_never_imports_the_app():
     graph = import_graph()
-    bad = [f"{m} imports {t}" for m in sorted(graph) if m.split(".")[0] == "parallel"
-           for t in sorted(graph[m]) if t.split(".")[0] in APP]
+    bad = [
+        f"{m} imports {t}"
+        for m in sorted(graph)
+        if m.split(".")[0] == "parallel"
+        for t in sorted(graph[m])
+        if t.split(".")[0] in APP
+    ]
     assert not bad, "parallel/ imports the app:\n  " + "\n  ".join(bad)
 
 

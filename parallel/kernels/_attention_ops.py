@@ -62,14 +62,20 @@ def load() -> BuildResult:
 def _eager_cpu(t: torch.Tensor) -> bool:
     """A real CPU tensor outside tracing: where the ISA may be read and set (no fake / functional
     tensors, no torch.compile graph)."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-            and not torch.compiler.is_compiling() and hasattr(torch.ops.rag_attn, "cpu_isa"))
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and hasattr(torch.ops.rag_attn, "cpu_isa")
+    )
 
 
 _pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
 
 
-_isa_ops: tuple | None = None  # (cpu_isa, cpu_set_isa) overloads, resolved once (the packet lookup costs ~1 us)
+_isa_ops: tuple | None = (
+    None  # (cpu_isa, cpu_set_isa) overloads, resolved once (the packet lookup costs ~1 us)
+)
 
 
 def _isa_op_pair():
@@ -145,7 +151,17 @@ def _register_python_side() -> None:
         q, k, v, out, lse, seg_offsets, cu_seqlens = ctx.saved_tensors
         with cpu_isa_pinned(ctx.isa if _eager_cpu(q) else None):
             dq, dk, dv = torch.ops.rag_attn.bwd(
-                grad_out, q, k, v, out, lse, seg_offsets, cu_seqlens, ctx.max_seqlen, ctx.causal, ctx.scale
+                grad_out,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                seg_offsets,
+                cu_seqlens,
+                ctx.max_seqlen,
+                ctx.causal,
+                ctx.scale,
             )
         return dq, dk, dv, None, None, None, None, None
 
@@ -154,5 +170,7 @@ def _register_python_side() -> None:
 
 def fused_forward(q, k, v, *, seg_offsets=None, cu_seqlens=None, max_seqlen=0, causal=False, scale):
     """Differentiable call of ``rag_attn::fwd``; returns the output only."""
-    out, _ = torch.ops.rag_attn.fwd(q, k, v, seg_offsets, cu_seqlens, int(max_seqlen), bool(causal), float(scale))
+    out, _ = torch.ops.rag_attn.fwd(
+        q, k, v, seg_offsets, cu_seqlens, int(max_seqlen), bool(causal), float(scale)
+    )
     return out

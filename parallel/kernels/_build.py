@@ -47,7 +47,9 @@ def cache_dir() -> Path:
         base = Path(root)
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_mm" / "ext"
-    tag = f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    tag = (
+        f"torch{torch.__version__.split('+')[0]}-py{sys.version_info.major}{sys.version_info.minor}"
+    )
     path = base / tag
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -83,8 +85,12 @@ def toolkit_archs() -> set[str]:
     if CUDA_HOME is None:
         return set()
     try:
-        proc = subprocess.run([str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-code"], capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [str(Path(CUDA_HOME) / "bin" / "nvcc"), "--list-gpu-code"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return set()
     return set(re.findall(r"\bsm_(\d+)\b", proc.stdout)) if proc.returncode == 0 else set()
@@ -94,7 +100,10 @@ def cuda_archs() -> list[str]:
     """Architectures to compile CUDA sources for, as ``["80", "90"]`` (see DEFAULT_CUDA_ARCHS)."""
     env = os.environ.get(ARCHS_ENV)
     if env:
-        return sorted({a.strip().replace(".", "").removeprefix("sm_") for a in env.split(",") if a.strip()}, key=int)
+        return sorted(
+            {a.strip().replace(".", "").removeprefix("sm_") for a in env.split(",") if a.strip()},
+            key=int,
+        )
     if torch.cuda.is_available():
         caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
         return sorted((f"{major}{minor}" for major, minor in caps), key=int)
@@ -142,7 +151,11 @@ def _first_error(exc: Exception) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for pick in (lambda ln: _ERROR_LINE.search(ln), lambda ln: "error" in ln.lower()):
         for ln in lines:
-            if pick(ln) and "ninja" not in ln.lower() and not ln.startswith("Error building extension"):
+            if (
+                pick(ln)
+                and "ninja" not in ln.lower()
+                and not ln.startswith("Error building extension")
+            ):
                 return ln[:500]
     return lines[-1][:500] if lines else repr(exc)
 
@@ -166,7 +179,9 @@ def _cpu_signature() -> str:
         info = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
     except OSError:
         return platform.processor()
-    return "\n".join(next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags"))
+    return "\n".join(
+        next((ln for ln in info if ln.startswith(k)), "") for k in ("model name", "flags")
+    )
 
 
 def build_key(sources: list[str], flags: list, with_cuda: bool) -> str:
@@ -177,13 +192,21 @@ def build_key(sources: list[str], flags: list, with_cuda: bool) -> str:
     torch's ninja build decides by file times, so a fresh clone (new times) would recompile an
     unchanged tree: a library whose key matches is loaded without asking ninja."""
     h = hashlib.sha256()
-    files = [Path(s) for s in sources] + sorted(p for p in CSRC.rglob("*") if p.suffix in HEADER_SUFFIXES)
+    files = [Path(s) for s in sources] + sorted(
+        p for p in CSRC.rglob("*") if p.suffix in HEADER_SUFFIXES
+    )
     for path in files:
         rel = str(path.relative_to(CSRC)) if path.is_relative_to(CSRC) else str(path)
         h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
     cxx = os.environ.get("CXX", "c++")
-    env = dict(flags=flags, with_cuda=with_cuda, torch=torch.__version__, torch_cuda=torch.version.cuda,
-               cxx=_first_line([cxx, "--version"]), cpu=_cpu_signature())
+    env = dict(
+        flags=flags,
+        with_cuda=with_cuda,
+        torch=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        cxx=_first_line([cxx, "--version"]),
+        cpu=_cpu_signature(),
+    )
     if with_cuda:
         from torch.utils.cpp_extension import CUDA_HOME
 
@@ -242,7 +265,9 @@ def load_extension(
     # (C++17 up to torch 2.9, C++20 from 2.10 on); forcing c++17 breaks the 2.10+ headers.
     cflags = ["-O3", "-fopenmp", "-march=native"] + (extra_cflags or [])
     # --threads=0: nvcc compiles the architectures in parallel, one per core
-    cuda_cflags = ["-O3", "--use_fast_math", "--threads=0"] + arch_flags(archs) + (extra_cuda_cflags or [])
+    cuda_cflags = (
+        ["-O3", "--use_fast_math", "--threads=0"] + arch_flags(archs) + (extra_cuda_cflags or [])
+    )
     ldflags = ["-fopenmp"] + (extra_ldflags or [])
     lib_name = name + ("_cuda" if with_cuda else "")
     library, key_file = build_dir / f"{lib_name}.so", build_dir / KEY_FILE
@@ -253,17 +278,38 @@ def load_extension(
         if library.exists() and key_file.exists() and key_file.read_text() == key:
             torch.ops.load_library(str(library))
             if verbose:
-                print(f"{lib_name}: sources, headers, flags and compilers unchanged: loaded {library}", flush=True)
-            res = BuildResult(name, True, "cached build" + what, with_cuda, sources, archs, str(build_dir))
+                print(
+                    f"{lib_name}: sources, headers, flags and compilers unchanged: loaded {library}",
+                    flush=True,
+                )
+            res = BuildResult(
+                name, True, "cached build" + what, with_cuda, sources, archs, str(build_dir)
+            )
         else:
             key_file.unlink(missing_ok=True)
-            load(name=lib_name, sources=sources, extra_cflags=cflags, extra_cuda_cflags=cuda_cflags,
-                 extra_ldflags=ldflags, build_directory=str(build_dir), with_cuda=with_cuda,
-                 is_python_module=False, verbose=verbose)
+            load(
+                name=lib_name,
+                sources=sources,
+                extra_cflags=cflags,
+                extra_cuda_cflags=cuda_cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(build_dir),
+                with_cuda=with_cuda,
+                is_python_module=False,
+                verbose=verbose,
+            )
             key_file.write_text(key)
             res = BuildResult(name, True, "built" + what, with_cuda, sources, archs, str(build_dir))
     except Exception as exc:  # compiler errors, missing headers, linker errors
-        res = BuildResult(name, False, f"build failed: {_first_error(exc)}", with_cuda, sources, archs, str(build_dir))
+        res = BuildResult(
+            name,
+            False,
+            f"build failed: {_first_error(exc)}",
+            with_cuda,
+            sources,
+            archs,
+            str(build_dir),
+        )
         log.warning("%s: %s", name, res.reason)
     _RESULTS[name] = res
     return res

@@ -73,8 +73,10 @@ def _layout(causal: bool, seg_offsets) -> str:
 
 
 # ----------------------------------------------------------------------------- backend switch
-_FUSED_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float64),
-                 "cuda": (torch.float32, torch.bfloat16, torch.float16)}
+_FUSED_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float64),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+}
 
 
 def fused_available() -> tuple[bool, str]:
@@ -178,16 +180,24 @@ def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> 
     mask (and so leaves its flash kernel), and its Triton kernels are autotuned upstream; else the
     fused CUDA kernel (also block-skipping); else SDPA."""
     if layout in ("dense", "causal"):
-        return "sdpa", f"{layout} on CUDA: SDPA's flash/cuDNN kernels are the fastest for unmasked attention"
+        return (
+            "sdpa",
+            f"{layout} on CUDA: SDPA's flash/cuDNN kernels are the fastest for unmasked attention",
+        )
     ok, why = _flex_gate(q)
     if ok:
         return "flex", f"{layout} on CUDA: flex skips masked blocks ({why})"
     if fused_ok:
-        return "fused", f"{layout} on CUDA: flex unavailable ({why}); fused kernel skips masked blocks"
+        return (
+            "fused",
+            f"{layout} on CUDA: flex unavailable ({why}); fused kernel skips masked blocks",
+        )
     return "sdpa", f"{layout} on CUDA: flex unavailable ({why}), fused unavailable ({fused_why})"
 
 
-def select_backend(requested: str, q: torch.Tensor, layout: str = "dense", *, grad: bool = False) -> tuple[str, str]:
+def select_backend(
+    requested: str, q: torch.Tensor, layout: str = "dense", *, grad: bool = False
+) -> tuple[str, str]:
     """Resolve ``requested`` to a concrete backend and a human-readable reason.
 
     ``auto`` is measured (``_tuned``: the fastest correct candidate for the call's key, cached on
@@ -243,7 +253,11 @@ def _cpu_fixed_rule(q: torch.Tensor, layout: str) -> tuple[str, str]:
     row = CPU_AUTO_TABLE.get(cap, CPU_AUTO_TABLE["generic"])
     table = cap if cap in CPU_AUTO_TABLE else f"generic (no row for {cap})"
     choice = row[layout]
-    faster = "SDPA is faster than the fused kernel" if choice == "sdpa" else "the fused kernel is faster than SDPA"
+    faster = (
+        "SDPA is faster than the fused kernel"
+        if choice == "sdpa"
+        else "the fused kernel is faster than SDPA"
+    )
     return choice, f"{layout} {str(q.dtype).removeprefix('torch.')} on a {table} CPU: {faster}"
 
 
@@ -295,9 +309,18 @@ def _machine(device: str) -> tuple[str, dict]:
 
 
 def _tune_key(q: torch.Tensor, layout: str, grad: bool) -> _tune.Key:
-    S = q.shape[0] if layout == "packed" else q.shape[-2]  # packed: (T, H, D), T tokens; else (B, H, S, D)
-    return _tune.Key("fwd+bwd" if grad else "fwd", layout, str(q.dtype).removeprefix("torch."), int(q.shape[-1]),
-                     _tune.seq_bucket(S), torch.get_num_threads(), q.device.type)
+    S = (
+        q.shape[0] if layout == "packed" else q.shape[-2]
+    )  # packed: (T, H, D), T tokens; else (B, H, S, D)
+    return _tune.Key(
+        "fwd+bwd" if grad else "fwd",
+        layout,
+        str(q.dtype).removeprefix("torch."),
+        int(q.shape[-1]),
+        _tune.seq_bucket(S),
+        torch.get_num_threads(),
+        q.device.type,
+    )
 
 
 def _tuned(q: torch.Tensor, layout: str, grad: bool, fixed, fused_ok: bool) -> tuple[str, str]:
@@ -336,8 +359,17 @@ _resolved_fast: dict[tuple, tuple] = {}
 
 def _fast_key(q: torch.Tensor, layout: str, grad: bool) -> tuple:
     S = q.shape[0] if layout == "packed" else q.shape[-2]
-    return (q.device, q.dtype, q.shape[-1], S, layout, grad, torch.get_num_threads(),
-            os.environ.get(_tune.ENV), os.environ.get("RAG_ATTN_ISA"))
+    return (
+        q.device,
+        q.dtype,
+        q.shape[-1],
+        S,
+        layout,
+        grad,
+        torch.get_num_threads(),
+        os.environ.get(_tune.ENV),
+        os.environ.get("RAG_ATTN_ISA"),
+    )
 
 
 def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict | None, str]:
@@ -356,8 +388,10 @@ def _record(q: torch.Tensor, key: _tune.Key, names, force: bool) -> tuple[dict |
     # activation-checkpointed block the block's hooks would otherwise capture the candidates'
     # saved tensors, and each candidate's backward would recompute the whole block (on CUDA from
     # the autograd device thread, which then waits on the tuner's lock: a hang).
-    with torch.autocast(q.device.type, enabled=False), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with (
+        torch.autocast(q.device.type, enabled=False),
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+    ):
         return _tune.tune(key, mid, desc, *_tune.attention_case(key, names, _run_named)), "measured"
 
 
@@ -419,7 +453,7 @@ def _run_named(name: str, q, k, v, kw: dict):
 
 
 def _split(chosen: str) -> tuple[str, str | None]:
-    """"fused:avx2" -> ("fused", "avx2"); a plain backend -> (backend, None)."""
+    """ "fused:avx2" -> ("fused", "avx2"); a plain backend -> (backend, None)."""
     name, _, isa = chosen.partition(":")
     return name, isa or None
 
@@ -445,15 +479,17 @@ def _resolve(backend: str, q, layout: str, grad: bool) -> tuple[str, str]:
         return _override[-1], "override_backend"
     if torch.compiler.is_compiling():  # decided once per compiled graph, as a constant
         S = q.shape[0] if layout == "packed" else q.shape[-2]
-        choice = _traced_choice(backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout,
-                                grad)
+        choice = _traced_choice(
+            backend, str(q.device), q.dtype, int(q.shape[-1]), int(S), layout, grad
+        )
         return choice, "compiled"
     return select_backend(backend, q, layout, grad=grad)
 
 
 @torch._dynamo.assume_constant_result
-def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int,
-                   layout: str, grad: bool) -> str:
+def _traced_choice(
+    backend: str, device: str, dtype: torch.dtype, head_dim: int, seq: int, layout: str, grad: bool
+) -> str:
     """The backend for a call inside torch.compile: what an eager call of the same key chooses
     (run in Python while the graph is traced, its answer a constant of the graph, so resolving it
     breaks no graph; a cached measurement decides, else the fixed rule)."""
@@ -468,15 +504,19 @@ def _traced_choice(backend: str, device: str, dtype: torch.dtype, head_dim: int,
     return chosen
 
 
-def attention(q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None):
+def attention(
+    q, k, v, *, causal: bool = False, seg_offsets=None, backend: str = "auto", scale=None
+):
     """Attention over ``(B, H, S, D)`` tensors through the chosen backend (see module doc).
 
     Grouped-query attention: k and v may have ``Hkv`` heads where ``Hkv`` divides q's ``H``; query
     heads ``g * H / Hkv .. (g + 1) * H / Hkv - 1`` share K/V head ``g`` (HF's ``repeat_kv``).
     q, k and v must share one dtype."""
     if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1]:
-        raise ValueError(f"attention: k and v need one head count dividing q's (q {q.shape[1]}, "
-                         f"k {k.shape[1]}, v {v.shape[1]} heads)")
+        raise ValueError(
+            f"attention: k and v need one head count dividing q's (q {q.shape[1]}, "
+            f"k {k.shape[1]}, v {v.shape[1]} heads)"
+        )
     layout = _layout(causal, seg_offsets)
     chosen, reason = _resolve(backend, q, layout, _needs_grad(q, k, v))
     _log_once(layout, q.dtype, chosen, reason)
@@ -501,13 +541,20 @@ def _attention_with(chosen: str, q, k, v, causal, seg_offsets, scale):
         if seg_offsets is not None:
             seg_offsets = seg_offsets.to(device=q.device, dtype=torch.int32)
         with pinned_isa(isa):
-            return fused_forward(q, k, v, seg_offsets=seg_offsets, causal=causal and seg_offsets is None,
-                                 scale=_scale(q, scale))
+            return fused_forward(
+                q,
+                k,
+                v,
+                seg_offsets=seg_offsets,
+                causal=causal and seg_offsets is None,
+                scale=_scale(q, scale),
+            )
     return sdpa_attention(q, k, v, causal=causal, seg_offsets=seg_offsets, scale=scale)
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, backend: str = "auto",
-                     scale=None):
+def varlen_attention(
+    q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, backend: str = "auto", scale=None
+):
     """Packed variable-length attention over ``(T, H, D)`` tensors (FlashAttention's varlen API).
 
     ``cu_seqlens`` (int32, ``(B + 1,)``) holds the sequence boundaries; ``max_seqlen`` the longest
@@ -531,6 +578,7 @@ def _varlen_with(chosen: str, q, k, v, cu_seqlens, max_seqlen, causal, scale):
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         with pinned_isa(isa):
-            return fused_forward(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal,
-                                 scale=_scale(q, scale))
+            return fused_forward(
+                q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, causal=causal, scale=_scale(q, scale)
+            )
     return sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, scale=scale)

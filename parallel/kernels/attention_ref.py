@@ -19,14 +19,18 @@ def layout_mask(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     B = seg_offsets.shape[0]
     pos = torch.arange(seq_len, device=seg_offsets.device)  # (S,)
     # segment id of every position: number of interior boundaries at or before it
-    seg = torch.searchsorted(seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True)  # (B, S)
+    seg = torch.searchsorted(
+        seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True
+    )  # (B, S)
     n_seg = seg_offsets.shape[1] - 1
     query_seg = n_seg - 1
     valid = pos[None, :] < seg_offsets[:, -1:]  # (B, S)
     q_seg, k_seg = seg[:, :, None], seg[:, None, :]  # (B, S, 1), (B, 1, S)
     same_doc = (q_seg == k_seg) & (q_seg < query_seg)
     query_to_docs = (q_seg == query_seg) & (k_seg < query_seg)
-    query_causal = (q_seg == query_seg) & (k_seg == query_seg) & (pos[None, None, :] <= pos[None, :, None])
+    query_causal = (
+        (q_seg == query_seg) & (k_seg == query_seg) & (pos[None, None, :] <= pos[None, :, None])
+    )
     allowed = (same_doc | query_to_docs | query_causal) & valid[:, :, None] & valid[:, None, :]
     return allowed[:, None]  # (B, 1, S, S)
 
@@ -39,11 +43,15 @@ def sdpa_safe_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask | (empty & eye)
 
 
-def reference_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: float | None = None):
+def reference_attention(
+    q, k, v, *, causal: bool = False, seg_offsets=None, scale: float | None = None
+):
     """Plain PyTorch attention with an explicit (S, S) score matrix; the ground truth for tests."""
     S = q.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math for 16-bit inputs, fp64 stays fp64
+    acc = torch.promote_types(
+        q.dtype, torch.float32
+    )  # fp32 math for 16-bit inputs, fp64 stays fp64
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, S, S)
     allowed = None
     if seg_offsets is not None:
@@ -66,7 +74,9 @@ def sdpa_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: fl
     return out * valid
 
 
-def reference_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, scale: float | None = None):
+def reference_varlen_attention(
+    q, k, v, cu_seqlens, *, causal: bool = False, scale: float | None = None
+):
     """Packed ``(T, H, D)`` reference: plain attention on every sequence; tokens past the last one -> 0."""
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
@@ -83,12 +93,16 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> to
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
     pos = torch.arange(max_seqlen, device=x.device)
     valid = pos[None, :] < lens[:, None]  # (B, M)
-    idx = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))  # (B, M)
+    idx = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(
+        max=max(x.shape[0] - 1, 0)
+    )  # (B, M)
     padded = x[idx] * valid[:, :, None, None]  # (B, M, H, D)
     return padded.transpose(1, 2)
 
 
-def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, scale=None):
+def sdpa_varlen_attention(
+    q, k, v, cu_seqlens, max_seqlen: int, *, causal: bool = False, scale=None
+):
     """Packed attention the usual way: pad to ``max_seqlen``, mask padded keys, SDPA, unpack."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     pos = torch.arange(max_seqlen, device=q.device)

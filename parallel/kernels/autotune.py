@@ -107,8 +107,10 @@ class Key:
     device: str  # "cpu" | "cuda"
 
     def __str__(self) -> str:
-        return (f"{self.op}/{self.layout}/{self.dtype}/d{self.head_dim}/s{self.seq_bucket}"
-                f"/t{self.threads}/{self.device}")
+        return (
+            f"{self.op}/{self.layout}/{self.dtype}/d{self.head_dim}/s{self.seq_bucket}"
+            f"/t{self.threads}/{self.device}"
+        )
 
     def shape_id(self) -> str:
         """The key without the thread count: what ``share`` pins, so a rank whose thread count
@@ -152,7 +154,10 @@ def can_time(q: torch.Tensor) -> tuple[bool, str]:
     if modes:  # a FLOP counter, a profiler mode: timings there are skewed and it would see them
         return False, f"inside a dispatch mode ({', '.join(modes)})"
     if type(q) not in (torch.Tensor, torch.nn.Parameter) or q.is_meta:
-        return False, f"{type(q).__name__} on {q.device} (fake, meta or subclass tensors are never timed)"
+        return (
+            False,
+            f"{type(q).__name__} on {q.device} (fake, meta or subclass tensors are never timed)",
+        )
     if q.device.type not in ("cpu", "cuda"):
         return False, f"no timing on {q.device.type}"
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -167,7 +172,11 @@ def cache_path() -> Path:
     p = os.environ.get(CACHE_ENV)
     if p:
         return Path(p)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rag_mm" / "attn_autotune.json"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "rag_mm"
+        / "attn_autotune.json"
+    )
 
 
 def _cpu_description() -> tuple[str, str]:
@@ -176,16 +185,26 @@ def _cpu_description() -> tuple[str, str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine(), ""
-    field = lambda name: next((ln.split(":", 1)[1].strip() for ln in text.splitlines()  # noqa: E731
-                               if ln.split(":", 1)[0].strip() == name), "")
+    field = lambda name: next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in text.splitlines()  # noqa: E731
+            if ln.split(":", 1)[0].strip() == name
+        ),
+        "",
+    )
     return field("model name") or platform.machine(), field("flags") or field("Features")
 
 
 def machine(device: str, isa_cap: str | None) -> tuple[str, dict]:
     """(hash, description) of what a cached choice depends on besides its key."""
     model, flags = _cpu_description()
-    desc = {"cpu": model, "torch": torch.__version__, "isa_cap": isa_cap,
-            "flags_sha": hashlib.sha256(flags.encode()).hexdigest()[:12]}
+    desc = {
+        "cpu": model,
+        "torch": torch.__version__,
+        "isa_cap": isa_cap,
+        "flags_sha": hashlib.sha256(flags.encode()).hexdigest()[:12],
+    }
     if device == "cuda" and torch.cuda.is_available():
         desc["gpu"] = torch.cuda.get_device_name()
         desc["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
@@ -223,7 +242,9 @@ def _write(mid: str, desc: dict, key: str, record: dict) -> None:
     except OSError as e:
         if not _write_failed:
             _write_failed = True
-            log.warning("attention autotune: cannot write %s (%s); choices kept in memory only", path, e)
+            log.warning(
+                "attention autotune: cannot write %s (%s); choices kept in memory only", path, e
+            )
 
 
 def reset() -> None:
@@ -294,13 +315,19 @@ def attention_case(key: Key, names, run) -> tuple[dict, list[torch.Tensor], floa
     kw: dict = {"causal": key.layout == "causal"}
     if key.layout == "packed":  # S is the total token count T here
         lens = [S // 2, S // 4, S // 8, S - S // 2 - S // 4 - S // 8]
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu = torch.tensor(
+            [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev
+        )
         shape, kw = (S, h, D), {"cu_seqlens": cu, "max_seqlen": max(lens)}
     else:
         shape = (1, h, S, D)
         if key.layout == "retrieval":
             doc = max(1, S // 10)
-            kw = {"seg_offsets": torch.tensor([[i * doc for i in range(9)] + [S]], dtype=torch.int32, device=dev)}
+            kw = {
+                "seg_offsets": torch.tensor(
+                    [[i * doc for i in range(9)] + [S]], dtype=torch.int32, device=dev
+                )
+            }
     q, k, v, g = (rnd(*shape) for _ in range(4))
     grad = key.op == "fwd+bwd"
     inputs = [t.requires_grad_(grad) for t in (q, k, v)]
@@ -345,8 +372,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(key: Key, candidates: dict[str, Callable[[], list[torch.Tensor]]], reference: list[torch.Tensor],
-            tol: float) -> dict:
+def measure(
+    key: Key,
+    candidates: dict[str, Callable[[], list[torch.Tensor]]],
+    reference: list[torch.Tensor],
+    tol: float,
+) -> dict:
     """Check, then time, every candidate; return the record of the fastest correct one.
 
     Each candidate returns the tensors to compare with ``reference`` (the output, plus the input
@@ -375,27 +406,48 @@ def measure(key: Key, candidates: dict[str, Callable[[], list[torch.Tensor]]], r
         finalists = {n: ok[n] for n, t in times.items() if min(t) <= best * (1 + RUNOFF_MARGIN)}
         if len(finalists) > 1:
             extra = {n: [] for n in finalists}
-            rounds += _time_rounds(finalists, extra, clock, key.device, RUNOFF_MIN_REPS, 10 * RUNOFF_MIN_REPS,
-                                   RUNOFF_BUDGET_S, RUNOFF_CAP_S)
+            rounds += _time_rounds(
+                finalists,
+                extra,
+                clock,
+                key.device,
+                RUNOFF_MIN_REPS,
+                10 * RUNOFF_MIN_REPS,
+                RUNOFF_BUDGET_S,
+                RUNOFF_CAP_S,
+            )
             for n, t in extra.items():
                 times[n] += t
     ms = {name: round(min(t) * 1e3, 4) for name, t in times.items()}
     choice = min(ms, key=ms.get) if ms else None
     stats["measured"] += 1
-    return {"choice": choice, "ms": ms, "rejected": rejected, "rounds": rounds,
-            "median_ms": {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()},
-            "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "choice": choice,
+        "ms": ms,
+        "rejected": rejected,
+        "rounds": rounds,
+        "median_ms": {name: round(statistics.median(t) * 1e3, 4) for name, t in times.items()},
+        "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
-def _time_rounds(fns: dict, times: dict, clock, device: str, min_reps: int, max_reps: int, budget_s: float,
-                 cap_s: float) -> int:
+def _time_rounds(
+    fns: dict,
+    times: dict,
+    clock,
+    device: str,
+    min_reps: int,
+    max_reps: int,
+    budget_s: float,
+    cap_s: float,
+) -> int:
     """Time ``fns`` interleaved into ``times`` (name -> an empty list, filled with seconds per call)
     until each has ``min_reps`` calls and ``budget_s`` of them, or ``cap_s`` over all, or ``max_reps`` rounds; the rounds run."""
     order, total, rounds = list(fns.items()), 0.0, 0
     while order and rounds < max_reps:
         # rotated every round: a call right after another candidate (its allocations, its cache
         # footprint) runs differently, so each candidate takes each position in turn
-        for name, fn in order[rounds % len(order):] + order[: rounds % len(order)]:
+        for name, fn in order[rounds % len(order) :] + order[: rounds % len(order)]:
             _sync(device)
             t = clock()
             fn()
@@ -409,7 +461,9 @@ def _time_rounds(fns: dict, times: dict, clock, device: str, min_reps: int, max_
     return rounds
 
 
-def tune(key: Key, mid: str, desc: dict, candidates: dict, reference: list[torch.Tensor], tol: float) -> dict:
+def tune(
+    key: Key, mid: str, desc: dict, candidates: dict, reference: list[torch.Tensor], tol: float
+) -> dict:
     """Measure ``key`` and cache the record (memory and file); logs the choice once, at INFO."""
     global _generation
     with _lock:
@@ -417,8 +471,14 @@ def tune(key: Key, mid: str, desc: dict, candidates: dict, reference: list[torch
         _section(mid)[str(key)] = rec
         _write(mid, desc, str(key), rec)
         _generation += 1
-    log.info("attention autotune %s -> %s (fastest call, ms: %s%s; cache %s)", key, rec["choice"], rec["ms"],
-             f"; rejected {rec['rejected']}" if rec["rejected"] else "", cache_path())
+    log.info(
+        "attention autotune %s -> %s (fastest call, ms: %s%s; cache %s)",
+        key,
+        rec["choice"],
+        rec["ms"],
+        f"; rejected {rec['rejected']}" if rec["rejected"] else "",
+        cache_path(),
+    )
     return rec
 
 

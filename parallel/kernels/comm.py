@@ -35,7 +35,12 @@ from parallel.kernels._build import BuildResult, load_extension
 
 log = logging.getLogger(__name__)
 
-CPU_SOURCES = ["comm/comm.cpp", "comm/cpu/shm_segment.cpp", "comm/cpu/shm_collectives.cpp", "comm/cpu/quant.cpp"]
+CPU_SOURCES = [
+    "comm/comm.cpp",
+    "comm/cpu/shm_segment.cpp",
+    "comm/cpu/shm_collectives.cpp",
+    "comm/cpu/quant.cpp",
+]
 CUDA_SOURCES = ["comm/cuda/quant.cu"]
 SHM_DTYPES = (torch.float32, torch.bfloat16)
 # 1 MiB halves: a chunk stays in a core's L2 (1-2 MiB on current x86 server cores) between one
@@ -83,12 +88,26 @@ def cuda_compile_check(out_dir: str, arch: str = "90") -> tuple[bool, str]:
     std = "-std=c++20" if (major, minor) >= (2, 10) else "-std=c++17"
     nvcc = os.path.join(ce.CUDA_HOME, "bin", "nvcc")
     for src in CUDA_SOURCES:
-        cmd = [nvcc, "-c", str(CSRC / src), "-o", os.path.join(out_dir, os.path.basename(src) + ".o"), std,
-               "-O3", "--use_fast_math", "--expt-relaxed-constexpr", "--compiler-options", "-fPIC",
-               f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DTORCH_EXTENSION_NAME=rmm_comm",
-               "-DTORCH_API_INCLUDE_EXTENSION_H", "-D__CUDA_NO_HALF_OPERATORS__",
-               "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        cmd = [
+            nvcc,
+            "-c",
+            str(CSRC / src),
+            "-o",
+            os.path.join(out_dir, os.path.basename(src) + ".o"),
+            std,
+            "-O3",
+            "--use_fast_math",
+            "--expt-relaxed-constexpr",
+            "--compiler-options",
+            "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            "-DTORCH_EXTENSION_NAME=rmm_comm",
+            "-DTORCH_API_INCLUDE_EXTENSION_H",
+            "-D__CUDA_NO_HALF_OPERATORS__",
+            "-D__CUDA_NO_HALF_CONVERSIONS__",
+            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        ]
         cmd += [f"-I{p}" for p in incs]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -162,7 +181,9 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int = 256
     return dequantize_int8_ref(q, scales, block_size)
 
 
-def dequantize_sum_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int = 256) -> torch.Tensor:
+def dequantize_sum_int8(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int = 256
+) -> torch.Tensor:
     """Dequantise ``(G, ..., n)`` payloads and sum them over the leading dim, in fp32."""
     if _use_ext(q):
         return torch.ops.rmm_comm.dequantize_sum_int8(q, scales, block_size)
@@ -178,11 +199,15 @@ def _register_python_parts() -> None:
 
     @torch.library.register_fake(lib + "quantize_int8")
     def _(x, block_size):
-        return torch.empty_like(x, dtype=torch.int8), x.new_empty(scales_shape(x, block_size), dtype=torch.float32)
+        return torch.empty_like(x, dtype=torch.int8), x.new_empty(
+            scales_shape(x, block_size), dtype=torch.float32
+        )
 
     @torch.library.register_fake(lib + "quantize_int8_ef")
     def _(x, error, block_size):
-        return torch.empty_like(x, dtype=torch.int8), x.new_empty(scales_shape(x, block_size), dtype=torch.float32)
+        return torch.empty_like(x, dtype=torch.int8), x.new_empty(
+            scales_shape(x, block_size), dtype=torch.float32
+        )
 
     @torch.library.register_fake(lib + "dequantize_int8")
     def _(q, scales, block_size):
@@ -272,7 +297,9 @@ class ShmGroup:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.chunk_bytes = int(chunk_bytes or os.environ.get("RAG_MM_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES))
+        self.chunk_bytes = int(
+            chunk_bytes or os.environ.get("RAG_MM_SHM_CHUNK_BYTES", DEFAULT_CHUNK_BYTES)
+        )
         self.chunk_bytes = max(4096, self.chunk_bytes // 64 * 64)
         timeout_s = _timeout() if timeout_s is None else timeout_s
         self.handle = -1
@@ -293,7 +320,9 @@ class ShmGroup:
         try:
             if self.rank != 0:
                 try:
-                    self.handle = ops.group_open(name, self.rank, self.world, self.chunk_bytes, False, timeout_s)
+                    self.handle = ops.group_open(
+                        name, self.rank, self.world, self.chunk_bytes, False, timeout_s
+                    )
                 except RuntimeError as e:
                     ok, err = False, str(e)
             oks: list = [None] * self.world
@@ -366,11 +395,19 @@ class ShmChannel:
 
     NAME_BYTES = 128
 
-    def __init__(self, src: int, dst: int, slot_bytes: int = 1 << 20, slots: int = 4,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        src: int,
+        dst: int,
+        slot_bytes: int = 1 << 20,
+        slots: int = 4,
+        timeout_s: float | None = None,
+    ):
         me = dist.get_rank()
         if me not in (src, dst) or src == dst:
-            raise ValueError(f"ShmChannel({src}, {dst}) must be built by rank {src} and rank {dst}, not {me}")
+            raise ValueError(
+                f"ShmChannel({src}, {dst}) must be built by rank {src} and rank {dst}, not {me}"
+            )
         self.src, self.dst, self.handle = src, dst, -1
         self.slot_bytes = max(64, slot_bytes // 64 * 64)
         timeout_s = _timeout() if timeout_s is None else timeout_s
@@ -380,8 +417,9 @@ class ShmChannel:
             if built:
                 try:
                     name = _segment_name("chn")
-                    self.handle = torch.ops.rmm_comm.channel_open(name, 0, self.slot_bytes, slots, True,
-                                                                 timeout_s, src, dst)
+                    self.handle = torch.ops.rmm_comm.channel_open(
+                        name, 0, self.slot_bytes, slots, True, timeout_s, src, dst
+                    )
                 except RuntimeError as e:
                     name, why = "", str(e)
             msg = f"{name}|{host_id()}".encode()
@@ -405,8 +443,9 @@ class ShmChannel:
             ok = bool(name) and peer_host == host_id() and built
             if ok:
                 try:
-                    self.handle = torch.ops.rmm_comm.channel_open(name, 1, self.slot_bytes, slots, False,
-                                                                 timeout_s, src, dst)
+                    self.handle = torch.ops.rmm_comm.channel_open(
+                        name, 1, self.slot_bytes, slots, False, timeout_s, src, dst
+                    )
                 except RuntimeError as e:
                     ok, why = False, str(e)
             elif peer_host != host_id():
@@ -425,7 +464,11 @@ class ShmChannel:
     def recv(self, out: torch.Tensor) -> torch.Tensor:
         """Fill ``out`` (any layout) with the next tensor sent; returns ``out``."""
         if self.uses_shm and out.device.type == "cpu":
-            tgt = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+            tgt = (
+                out
+                if out.is_contiguous()
+                else torch.empty_like(out, memory_format=torch.contiguous_format)
+            )
             torch.ops.rmm_comm.recv_(tgt, self.handle)
         else:
             tgt = out if out.is_contiguous() else out.contiguous()
@@ -454,6 +497,16 @@ class ShmChannel:
 
 
 __all__ = [
-    "ShmChannel", "ShmGroup", "available", "dequantize_int8", "dequantize_int8_ref", "dequantize_sum_int8",
-    "dequantize_sum_int8_ref", "group_hosts", "host_id", "load", "quantize_int8", "quantize_int8_ref",
+    "ShmChannel",
+    "ShmGroup",
+    "available",
+    "dequantize_int8",
+    "dequantize_int8_ref",
+    "dequantize_sum_int8",
+    "dequantize_sum_int8_ref",
+    "group_hosts",
+    "host_id",
+    "load",
+    "quantize_int8",
+    "quantize_int8_ref",
 ]

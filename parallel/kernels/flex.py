@@ -67,7 +67,10 @@ RECOMPILE_LIMIT = 64
 def available() -> tuple[bool, str]:
     """Whether this torch has flex_attention, and why not."""
     if _flex_attention is None:
-        return False, f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= 2.5)"
+        return (
+            False,
+            f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= 2.5)",
+        )
     return True, f"flex_attention of torch {torch.__version__}"
 
 
@@ -116,7 +119,9 @@ def retrieval_segments(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(B, n_seg + 1) offsets -> (B, S) int32 segment ids (documents, QUERY_SEG, PAD_SEG)."""
     pos = torch.arange(seq_len, device=seg_offsets.device, dtype=seg_offsets.dtype)
     B, n_seg = seg_offsets.shape[0], seg_offsets.shape[1] - 1
-    idx = torch.searchsorted(seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True)
+    idx = torch.searchsorted(
+        seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True
+    )
     seg = torch.where(idx == n_seg - 1, QUERY_SEG, idx)  # (B, S)
     return torch.where(idx >= n_seg, PAD_SEG, seg).to(torch.int32)
 
@@ -158,7 +163,9 @@ def _drop(key, ref) -> None:
             del _cache[key]
 
 
-def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=None, cu_seqlens=None):
+def block_mask_for(
+    *, seq_len: int, device, causal: bool = False, seg_offsets=None, cu_seqlens=None
+):
     """The ``BlockMask`` of one layout (None for dense attention), built on ``device``.
 
     Offsets layouts are cached by the offsets tensor itself (its identity and version, never its
@@ -171,7 +178,9 @@ def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=No
 
         def build():
             seg = retrieval_segments(seg_offsets.to(device), seq_len)
-            return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, seq_len, seq_len, device=device)
+            return create_block_mask(
+                _retrieval_mask_mod(seg), seg.shape[0], None, seq_len, seq_len, device=device
+            )
 
         return _cached(key, build, owner=seg_offsets)
     if cu_seqlens is not None:
@@ -184,8 +193,10 @@ def block_mask_for(*, seq_len: int, device, causal: bool = False, seg_offsets=No
 
         return _cached(key, build, owner=cu_seqlens)
     if causal:
-        return _cached(("causal", seq_len, str(device)), lambda: create_block_mask(
-            _causal, None, None, seq_len, seq_len, device=device))
+        return _cached(
+            ("causal", seq_len, str(device)),
+            lambda: create_block_mask(_causal, None, None, seq_len, seq_len, device=device),
+        )
     return None
 
 
@@ -218,7 +229,11 @@ def _disable_compile(device: torch.device, why: str) -> None:
     with _compile_lock:
         if device.type not in _compile_off:
             _compile_off[device.type] = why
-            log.warning("flex attention on %s runs eager (unfused, materializes the scores): %s", device.type, why)
+            log.warning(
+                "flex attention on %s runs eager (unfused, materializes the scores): %s",
+                device.type,
+                why,
+            )
 
 
 def _compiled():
@@ -233,13 +248,21 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     errs: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
     import torch._inductor.exc as inductor_exc
 
-    errs += [e for e in (getattr(inductor_exc, "InductorError", None), getattr(inductor_exc, "CppCompileError", None))
-             if e is not None]
+    errs += [
+        e
+        for e in (
+            getattr(inductor_exc, "InductorError", None),
+            getattr(inductor_exc, "CppCompileError", None),
+        )
+        if e is not None
+    ]
     return tuple(errs)
 
 
 def _eager(q, k, v, block_mask, scale):
-    with warnings.catch_warnings():  # "called without torch.compile()": the choice is logged once instead
+    with (
+        warnings.catch_warnings()
+    ):  # "called without torch.compile()": the choice is logged once instead
         warnings.simplefilter("ignore", UserWarning)
         return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
 
@@ -258,12 +281,19 @@ def _run(q, k, v, block_mask, scale, compiled: bool | None):
         small = q.shape[-2] < CPU_COMPILE_MIN_SEQ or q.shape[-1] < CPU_COMPILE_MIN_HEAD
         compiled = ok and not (q.device.type == "cpu" and small)
     if compiled:
-        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        limit = (
+            "recompile_limit"
+            if hasattr(torch._dynamo.config, "recompile_limit")
+            else "cache_size_limit"
+        )
         try:
             with torch._dynamo.config.patch(**{limit: RECOMPILE_LIMIT}):
                 return _compiled()(q, k, v, block_mask=block_mask, scale=scale, **_gqa(q, k))
         except _compile_errors() as e:
-            _disable_compile(q.device, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            _disable_compile(
+                q.device,
+                f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            )
     return _eager(q, k, v, block_mask, scale)
 
 
@@ -323,7 +353,9 @@ def _call(q, k, v, block_mask, scale, compiled):
 
 
 # ----------------------------------------------------------------------------- entry points
-def flex_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale=None, compiled: bool | None = None):
+def flex_attention(
+    q, k, v, *, causal: bool = False, seg_offsets=None, scale=None, compiled: bool | None = None
+):
     """``(B, H, S, D)`` attention, dense / causal / retrieval layout (see ``attention.attention``).
 
     ``compiled``: None compiles where possible (see module doc), False forces eager flex.
@@ -331,15 +363,19 @@ def flex_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale=Non
     _require()
     S = q.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    cpu_grad = (q.device.type == "cpu" and torch.is_grad_enabled()
-                and any(t.requires_grad for t in (q, k, v)))
+    cpu_grad = (
+        q.device.type == "cpu"
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (q, k, v))
+    )
     if torch.compiler.is_compiling() and not cpu_grad:  # (flex has no CPU backward: see _FlexCPU)
         # inside a compiled block: the mask is built in the graph from the offsets (no cache to
         # look up) and flex_attention is traced into it, so Inductor writes its kernels there
         mask = _build_block_mask(S, q.device, causal and seg_offsets is None, seg_offsets)
         return _flex_attention(q, k, v, block_mask=mask, scale=scale, **_gqa(q, k))
-    mask = block_mask_for(seq_len=S, device=q.device, causal=causal and seg_offsets is None,
-                          seg_offsets=seg_offsets)
+    mask = block_mask_for(
+        seq_len=S, device=q.device, causal=causal and seg_offsets is None, seg_offsets=seg_offsets
+    )
     return _call(q, k, v, mask, scale, compiled)
 
 
@@ -352,7 +388,9 @@ def _build_block_mask(S: int, device, causal: bool, seg_offsets):
     return None
 
 
-def flex_varlen_attention(q, k, v, cu_seqlens, *, causal: bool = False, scale=None, compiled: bool | None = None):
+def flex_varlen_attention(
+    q, k, v, cu_seqlens, *, causal: bool = False, scale=None, compiled: bool | None = None
+):
     """Packed ``(T, H, D)`` attention over the sequences of ``cu_seqlens`` (zero past the last)."""
     _require()
     T = q.shape[0]

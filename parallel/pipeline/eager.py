@@ -68,13 +68,21 @@ class PipelinePlanError(RuntimeError):
 class _Ctx:
     """State of one replay of the model's forward on one stage."""
 
-    def __init__(self, stage: int, names: list[str] | None, call_stage: list[int] | None,
-                 stub: Callable[[int], Any] | None, last_call: int | None):
+    def __init__(
+        self,
+        stage: int,
+        names: list[str] | None,
+        call_stage: list[int] | None,
+        stub: Callable[[int], Any] | None,
+        last_call: int | None,
+    ):
         self.stage = stage  # -1: record mode (every call real)
         self.names = names
         self.call_stage = call_stage
         self.stub = stub
-        self.last_call = last_call  # raise _StageDone at the first call after this index (None: run to the end)
+        self.last_call = (
+            last_call  # raise _StageDone at the first call after this index (None: run to the end)
+        )
         self.idx = 0
         self.depth = 0
         # per real call: its output flattened (spec, tensors) when the call returns, before the
@@ -97,7 +105,8 @@ class _Ctx:
                 raise PipelinePlanError(
                     f"module call #{idx} is {name!r} but the traced example called {want!r}: the eager "
                     "pipeline needs the same sequence of top-level module calls in every microbatch "
-                    "(pass example inputs with the same structure as the training batches)")
+                    "(pass example inputs with the same structure as the training batches)"
+                )
         else:
             self.seen.append(name)
         real = self.stage < 0 or self.call_stage[idx] == self.stage
@@ -187,8 +196,11 @@ class Plan:
         lines = []
         for s in range(self.num_stages):
             calls = [self.names[i] for i in range(len(self.names)) if self.call_stage[i] == s]
-            lines.append(f"stage {s}: {len(calls)} calls; sends {len(self.send[s])} tensors to stage {s + 1}"
-                         if s + 1 < self.num_stages else f"stage {s}: {len(calls)} calls (last)")
+            lines.append(
+                f"stage {s}: {len(calls)} calls; sends {len(self.send[s])} tensors to stage {s + 1}"
+                if s + 1 < self.num_stages
+                else f"stage {s}: {len(calls)} calls (last)"
+            )
         return "\n".join(lines)
 
 
@@ -199,8 +211,9 @@ def _batch_of(args: tuple, kwargs: Mapping) -> int | None:
     return None
 
 
-def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, args: tuple,
-               kwargs: dict) -> Plan:
+def build_plan(
+    replayer: Replayer, head_stage: dict[str, int], num_stages: int, args: tuple, kwargs: dict
+) -> Plan:
     """Record the call sequence on the example and find each stage's needs (see module doc)."""
     with torch.enable_grad():
         ref = _Ctx(-1, None, None, None, None)
@@ -218,7 +231,10 @@ def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, 
         if n in seen and i > 0 and _stateless(replayer.model.get_submodule(n)):
             call_stage[i] = call_stage[i - 1]
         seen.add(n)
-    last_call = [max((i for i, s in enumerate(call_stage) if s == st), default=-1) for st in range(num_stages)]
+    last_call = [
+        max((i for i, s in enumerate(call_stage) if s == st), default=-1)
+        for st in range(num_stages)
+    ]
     specs, leaves = [], []
     for i in range(len(names)):
         sp, lv = ref.outputs[i]
@@ -227,7 +243,11 @@ def build_plan(replayer: Replayer, head_stage: dict[str, int], num_stages: int, 
     del ref
     need: list[set[tuple[int, int]]] = []
     for st in range(num_stages):
-        need.append(_probe(replayer, st, num_stages, names, call_stage, last_call, specs, leaves, args, kwargs))
+        need.append(
+            _probe(
+                replayer, st, num_stages, names, call_stage, last_call, specs, leaves, args, kwargs
+            )
+        )
     return Plan(num_stages, names, call_stage, last_call, specs, _batch_of(args, kwargs), need)
 
 
@@ -235,7 +255,9 @@ def _stateless(mod: nn.Module) -> bool:
     return next(mod.parameters(), None) is None and next(mod.buffers(), None) is None
 
 
-def _probe(replayer, st, k, names, call_stage, last_call, specs, leaves, args, kwargs) -> set[tuple[int, int]]:
+def _probe(
+    replayer, st, k, names, call_stage, last_call, specs, leaves, args, kwargs
+) -> set[tuple[int, int]]:
     is_last = st == k - 1
     if last_call[st] < 0 and not is_last:
         return set()
@@ -268,9 +290,12 @@ def _probe(replayer, st, k, names, call_stage, last_call, specs, leaves, args, k
     if later:
         raise PipelinePlanError(
             f"stage {st} depends on the outputs of {later}, placed on later stages: this placement is not a "
-            "pipeline; use another partition (e.g. shared='colocate' or manual split points)")
+            "pipeline; use another partition (e.g. shared='colocate' or manual split points)"
+        )
     need = {key for key in got if call_stage[key[0]] < st}
-    need |= {key for key, x in made.items() if not x.is_floating_point() and call_stage[key[0]] < st}
+    need |= {
+        key for key, x in made.items() if not x.is_floating_point() and call_stage[key[0]] < st
+    }
     return need
 
 
@@ -290,8 +315,15 @@ class EagerStage:
     """One pipeline stage of the eager path: forward / backward (full, or input then weight) of
     one microbatch, with its receives and sends."""
 
-    def __init__(self, index: int, plan: Plan, replayer: Replayer, transport: Transport,
-                 params: list[torch.Tensor], device: torch.device):
+    def __init__(
+        self,
+        index: int,
+        plan: Plan,
+        replayer: Replayer,
+        transport: Transport,
+        params: list[torch.Tensor],
+        device: torch.device,
+    ):
         self.index = index
         self.plan = plan
         self.replayer = replayer
@@ -312,9 +344,13 @@ class EagerStage:
         recv_list: list[torch.Tensor] = []
         if s > 0:
             order = plan.send[s - 1]
-            meta, tensors = self.transport.recv_fwd(s - 1, s, mb, lambda m: self._recv_specs(m, order))
+            meta, tensors = self.transport.recv_fwd(
+                s - 1, s, mb, lambda m: self._recv_specs(m, order)
+            )
             for key, t, sp in zip(order, tensors, self._recv_specs(meta, order)):
-                leaf = t  # a fresh receive buffer (or a same-rank hand-over, detached by the sender)
+                leaf = (
+                    t  # a fresh receive buffer (or a same-rank hand-over, detached by the sender)
+                )
                 if grad and sp.requires_grad and leaf.is_floating_point():
                     leaf.requires_grad_(True)
                 recv_leaves[key] = leaf
@@ -324,14 +360,18 @@ class EagerStage:
         def stub(i: int) -> Any:
             if plan.call_stage[i] < s:
                 sp = meta[i]
-                lv = [recv_leaves[(i, j)] if (i, j) in recv_leaves else self._placeholder(ts)
-                      for j, ts in enumerate(self._call_specs(meta, i))]
+                lv = [
+                    recv_leaves[(i, j)] if (i, j) in recv_leaves else self._placeholder(ts)
+                    for j, ts in enumerate(self._call_specs(meta, i))
+                ]
             else:  # a later stage's call before our last one: shaped like the example
                 sp = plan.templates[i]
                 lv = [self._placeholder(ts, batch) for ts in tensor_specs(sp)]
             return unflatten(sp, lv)
 
-        ctx = _Ctx(s, plan.names, plan.call_stage, stub, None if self.is_last else plan.last_call[s])
+        ctx = _Ctx(
+            s, plan.names, plan.call_stage, stub, None if self.is_last else plan.last_call[s]
+        )
         out = None
         if self.is_last or plan.last_call[s] >= 0:
             with torch.set_grad_enabled(grad):
@@ -341,7 +381,10 @@ class EagerStage:
             own = ctx.outputs
             meta_out = dict(meta)
             meta_out.update({i: sp for i, (sp, _) in own.items()})
-            tensors_out = [own[i][1][j] if plan.call_stage[i] == s else recv_leaves[(i, j)] for (i, j) in plan.send[s]]
+            tensors_out = [
+                own[i][1][j] if plan.call_stage[i] == s else recv_leaves[(i, j)]
+                for (i, j) in plan.send[s]
+            ]
             self.transport.send_fwd(s, s + 1, mb, meta_out, tensors_out)
             sent = [t for t in tensors_out if t.requires_grad]
         if grad:
@@ -369,7 +412,12 @@ class EagerStage:
         """One NaN (or zero) tensor per shape, reused by every microbatch: placeholders are
         never read (the plan sends whatever a stage needs), only looked at."""
         shape = ts.shape
-        if batch is not None and self.plan.template_batch is not None and shape and shape[0] == self.plan.template_batch:
+        if (
+            batch is not None
+            and self.plan.template_batch is not None
+            and shape
+            and shape[0] == self.plan.template_batch
+        ):
             shape = (batch, *shape[1:])
         key = (shape, ts.dtype)
         t = self._ph_cache.get(key)
@@ -387,7 +435,11 @@ class EagerStage:
         st = self.state[mb]
         if st.grads is None:
             specs = [TensorSpec(tuple(t.shape), t.dtype, True) for t in st.sent]
-            st.grads = self.transport.recv_bwd(self.index + 1, self.index, mb, specs) if not self.is_last else []
+            st.grads = (
+                self.transport.recv_bwd(self.index + 1, self.index, mb, specs)
+                if not self.is_last
+                else []
+            )
         roots: list[torch.Tensor] = list(st.sent)
         grads: list[torch.Tensor | None] = list(st.grads)
         if st.loss is not None:

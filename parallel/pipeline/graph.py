@@ -64,11 +64,15 @@ class GraphPlan:
         for key in _keys(self.output):
             if key[0] == "v":
                 last_use[key] = k - 1
-        self.send = [sorted(key for key, t in last_use.items() if key[1] <= s < t) for s in range(k)]
+        self.send = [
+            sorted(key for key, t in last_use.items() if key[1] <= s < t) for s in range(k)
+        ]
 
     def describe(self) -> str:
-        return "\n".join(f"graph stage {s}: {len(self.inputs[s])} inputs; sends {len(self.send[s])} tensors"
-                         for s in range(self.num_stages))
+        return "\n".join(
+            f"graph stage {s}: {len(self.inputs[s])} inputs; sends {len(self.send[s])} tensors"
+            for s in range(self.num_stages)
+        )
 
 
 def _keys(tree: Any) -> list[Key]:
@@ -89,29 +93,39 @@ def split_spec(partition, num_stages: int) -> dict[str, Any]:
         if first is None:
             raise GraphPathError(f"stage {s} holds no unit")
         if first.kind != "module" or not first.module:
-            raise GraphPathError(f"stage {s} starts with {first.name!r} ({first.kind}), not at a module call: "
-                                 "a split point needs a module boundary")
+            raise GraphPathError(
+                f"stage {s} starts with {first.name!r} ({first.kind}), not at a module call: "
+                "a split point needs a module boundary"
+            )
         spec[first.module] = SplitPoint.BEGINNING
     if any(s1 < s0 for s0, s1 in zip(partition.unit_stage, partition.unit_stage[1:])):
         raise GraphPathError("the partition is not contiguous in execution order")
     return spec
 
 
-def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, kwargs: dict) -> GraphPlan:
+def build_graph_plan(
+    model: nn.Module, partition, num_stages: int, args: tuple, kwargs: dict
+) -> GraphPlan:
     """Export and split ``model`` on one microbatch; raises ``GraphPathError`` with the reason."""
     from torch.distributed.pipelining import pipeline
 
     spec = split_spec(partition, num_stages)
-    if any(not isinstance(v, torch.Tensor) for v in list(args) + list(kwargs.values()) if v is not None):
+    if any(
+        not isinstance(v, torch.Tensor) for v in list(args) + list(kwargs.values()) if v is not None
+    ):
         raise GraphPathError("the graph path takes tensor inputs only")
     try:
         pipe = pipeline(model, mb_args=tuple(args), mb_kwargs=dict(kwargs) or None, split_spec=spec)
     except Exception as e:  # noqa: BLE001 - every export failure means: use the eager path
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise GraphPathError(f"torch.export / pipeline() rejected the model: {type(e).__name__}: {msg[:300]}") from e
+        raise GraphPathError(
+            f"torch.export / pipeline() rejected the model: {type(e).__name__}: {msg[:300]}"
+        ) from e
     if pipe.num_stages != num_stages:
-        raise GraphPathError(f"the split has {pipe.num_stages} stages, the partition {num_stages} "
-                             "(a split point inside code that export inlined or removed)")
+        raise GraphPathError(
+            f"the split has {pipe.num_stages} stages, the partition {num_stages} "
+            "(a split point inside code that export inlined or removed)"
+        )
     root = pipe.split_gm.graph
     val: dict[Any, Key] = {}
     placeholders: list[str] = []
@@ -129,7 +143,9 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
             stage_of_node[node] = s
             for a in node.args:
                 if a not in val:
-                    raise GraphPathError(f"stage {s} takes an input the graph path cannot route: {a}")
+                    raise GraphPathError(
+                        f"stage {s} takes an input the graph path cannot route: {a}"
+                    )
                 inputs[s].append(val[a])
             if node.kwargs:
                 raise GraphPathError(f"stage {s} takes keyword inputs")
@@ -146,7 +162,9 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
             if isinstance(out, tuple | list) and len(out) == 1:
                 output = output[0]
         else:
-            raise GraphPathError(f"unexpected node in the split root graph: {node.op} {node.target}")
+            raise GraphPathError(
+                f"unexpected node in the split root graph: {node.op} {node.target}"
+            )
     arg_of = _match_placeholders(model, root, placeholders, args, kwargs)
     out_spec = _output_spec(model, args, kwargs, len(_keys(output)))
     mods = [pipe.get_stage_module(s) for s in range(num_stages)]
@@ -154,14 +172,18 @@ def build_graph_plan(model: nn.Module, partition, num_stages: int, args: tuple, 
     for s, m in enumerate(mods):
         for p in m.parameters():
             if owner.setdefault(id(p), s) != s:
-                raise GraphPathError("a parameter is used by two stages (tied weights): the eager path "
-                                     "places and synchronises shared parameters")
+                raise GraphPathError(
+                    "a parameter is used by two stages (tied weights): the eager path "
+                    "places and synchronises shared parameters"
+                )
     names = dict(model.named_parameters())
     for s, m in enumerate(mods):
         for n, p in m.named_parameters():
             if names.get(n) is not p:
                 raise GraphPathError(f"stage {s}'s parameter {n!r} is not the model's own object")
-    return GraphPlan(num_stages, mods, inputs, n_out, tuple_out, output, out_spec, placeholders, arg_of)
+    return GraphPlan(
+        num_stages, mods, inputs, n_out, tuple_out, output, out_spec, placeholders, arg_of
+    )
 
 
 def _output_spec(model: nn.Module, args: tuple, kwargs: dict, n_flat: int) -> Any:
@@ -181,8 +203,10 @@ def _output_spec(model: nn.Module, args: tuple, kwargs: dict, n_flat: int) -> An
     leaves, spec = pytree.tree_flatten(out)
     if len(leaves) != n_flat or not all(isinstance(t, torch.Tensor) for t in leaves):
         kinds = sorted({type(t).__name__ for t in leaves})
-        raise GraphPathError(f"the model returns {len(leaves)} leaves ({', '.join(kinds)}) but the split graph "
-                             f"{n_flat} tensors: its output structure cannot be rebuilt")
+        raise GraphPathError(
+            f"the model returns {len(leaves)} leaves ({', '.join(kinds)}) but the split graph "
+            f"{n_flat} tensors: its output structure cannot be rebuilt"
+        )
     return spec
 
 
@@ -202,8 +226,12 @@ def _match_placeholders(model, root, placeholders, args, kwargs) -> dict[str, st
     for i, p in enumerate(placeholders):
         name = p if p in named else (tensors[i] if len(placeholders) == len(tensors) else None)
         v, want = named.get(name), vals.get(p)
-        if not isinstance(v, torch.Tensor) or (want is not None and tuple(v.shape) != tuple(want.shape)):
-            raise GraphPathError(f"cannot match the exported input {p!r} to an argument of forward()")
+        if not isinstance(v, torch.Tensor) or (
+            want is not None and tuple(v.shape) != tuple(want.shape)
+        ):
+            raise GraphPathError(
+                f"cannot match the exported input {p!r} to an argument of forward()"
+            )
         out[p] = name
     return out
 
@@ -212,8 +240,15 @@ class GraphStage(EagerStage):
     """One stage of the graph path: runs its GraphModule on the received and the model inputs;
     sends, receives and backward are ``EagerStage``'s."""
 
-    def __init__(self, index: int, gplan: GraphPlan, model: nn.Module, transport: Transport,
-                 params: list[torch.Tensor], device: torch.device):
+    def __init__(
+        self,
+        index: int,
+        gplan: GraphPlan,
+        model: nn.Module,
+        transport: Transport,
+        params: list[torch.Tensor],
+        device: torch.device,
+    ):
         super().__init__(index, gplan, None, transport, params, device)
         self.gplan = gplan
         self.model = model

@@ -53,15 +53,27 @@ def messages(order: dict[int, list[Action]], stage_ranks: list[int]) -> tuple[di
             s = a.stage
             if a.kind == "F":
                 if s > 0 and stage_ranks[s - 1] != stage_ranks[s]:
-                    recvs.setdefault((stage_ranks[s - 1], stage_ranks[s]), []).append(("f", s - 1, a.mb))
+                    recvs.setdefault((stage_ranks[s - 1], stage_ranks[s]), []).append(
+                        ("f", s - 1, a.mb)
+                    )
                 if s < k - 1 and stage_ranks[s + 1] != stage_ranks[s]:
-                    sends.setdefault((stage_ranks[s], stage_ranks[s + 1]), []).append(("f", s, a.mb))
+                    sends.setdefault((stage_ranks[s], stage_ranks[s + 1]), []).append(
+                        ("f", s, a.mb)
+                    )
             elif a.kind in ("B", "I", "W"):
-                if s < k - 1 and stage_ranks[s + 1] != stage_ranks[s] and (s, a.mb) not in got_grads:
+                if (
+                    s < k - 1
+                    and stage_ranks[s + 1] != stage_ranks[s]
+                    and (s, a.mb) not in got_grads
+                ):
                     got_grads.add((s, a.mb))  # W reuses the gradients I received
-                    recvs.setdefault((stage_ranks[s + 1], stage_ranks[s]), []).append(("b", s + 1, a.mb))
+                    recvs.setdefault((stage_ranks[s + 1], stage_ranks[s]), []).append(
+                        ("b", s + 1, a.mb)
+                    )
                 if a.kind != "W" and s > 0 and stage_ranks[s - 1] != stage_ranks[s]:
-                    sends.setdefault((stage_ranks[s], stage_ranks[s - 1]), []).append(("b", s, a.mb))
+                    sends.setdefault((stage_ranks[s], stage_ranks[s - 1]), []).append(
+                        ("b", s, a.mb)
+                    )
     return sends, recvs
 
 
@@ -81,8 +93,10 @@ def plan_lanes(orders: list[dict[int, list[Action]]], stage_ranks: list[int]) ->
                 key = (*pair, *edge)
                 if keys != [k for k in got if k[:2] == edge]:
                     bad.add(key)
-                    why.append(f"rank {pair[1]} receives stage {edge[1]}'s {'activations' if edge[0] == 'f' else 'gradients'} "
-                               "in another order than they are sent")
+                    why.append(
+                        f"rank {pair[1]} receives stage {edge[1]}'s {'activations' if edge[0] == 'f' else 'gradients'} "
+                        "in another order than they are sent"
+                    )
                     continue
                 n = max(sum(lanes.get(key, (0, 0))), len(keys))  # the larger step of the two orders
                 lanes[key] = (n, 0) if edge[0] == "f" else (0, n)
@@ -91,8 +105,13 @@ def plan_lanes(orders: list[dict[int, list[Action]]], stage_ranks: list[int]) ->
     return lanes, "; ".join(sorted(set(why)))
 
 
-def ring_size(fwd: int, bwd: int, budget: int | None = None, slot: int = SLOT_BYTES,
-              max_limit: int = MAX_LIMIT) -> tuple[int, int]:
+def ring_size(
+    fwd: int,
+    bwd: int,
+    budget: int | None = None,
+    slot: int = SLOT_BYTES,
+    max_limit: int = MAX_LIMIT,
+) -> tuple[int, int]:
     """(slots, limit bytes): a ring that holds one step of the lane (see the module doc)."""
     budget = LANE_BUDGET if budget is None else budget
     n = fwd + bwd
@@ -102,7 +121,14 @@ def ring_size(fwd: int, bwd: int, budget: int | None = None, slot: int = SLOT_BY
     return max(1, 2 * fwd + q * n), q * slot
 
 
-def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[int], rank: int, timeout_s: float, mode: str = "auto") -> tuple[dict, str]:
+def open_lanes(
+    train_order: dict[int, list[Action]],
+    m: int,
+    stage_ranks: list[int],
+    rank: int,
+    timeout_s: float,
+    mode: str = "auto",
+) -> tuple[dict, str]:
     """This rank's shared-memory channels, {(peer global rank, True: to it / False: from it, kind,
     sending stage): channel} (each with ``.limit``, the largest message it carries; an edge not in
     it goes over gloo), and the line that says what was chosen. A collective over the ranks of
@@ -118,11 +144,13 @@ def open_lanes(train_order: dict[int, list[Action]], m: int, stage_ranks: list[i
             raise RuntimeError(f"p2p='shm' but the shared-memory extension is unavailable: {why}")
         return {}, f"process group (shared-memory extension unavailable: {why})"
     k = len(stage_ranks)
-    pred = {r: forward_only([s for s in range(k) if stage_ranks[s] == r], m) for r in set(stage_ranks)}
+    pred = {
+        r: forward_only([s for s in range(k) if stage_ranks[s] == r], m) for r in set(stage_ranks)
+    }
     lanes, why = plan_lanes([train_order, pred], stage_ranks)
     out: dict[tuple, object] = {}
     used, other = [], []
-    for (a, b, kind, stage) in sorted(lanes):  # the same order on every rank: handshakes cannot cross
+    for a, b, kind, stage in sorted(lanes):  # the same order on every rank: handshakes cannot cross
         if rank not in (a, b):
             continue
         slots, limit = ring_size(*lanes[(a, b, kind, stage)])

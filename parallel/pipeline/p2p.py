@@ -70,7 +70,9 @@ def pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     for t, o in zip(tensors, offs):
         if t.numel():
-            buf[o:o + t.numel() * t.element_size()].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            buf[o : o + t.numel() * t.element_size()].copy_(
+                t.detach().contiguous().reshape(-1).view(torch.uint8)
+            )
     return buf
 
 
@@ -87,7 +89,7 @@ def unpack(buf: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
     out = []
     for s, o in zip(specs, offs):
         n = _numel(s.shape) * _itemsize(s.dtype)
-        out.append(buf[o:o + n].view(s.dtype).view(s.shape))
+        out.append(buf[o : o + n].view(s.dtype).view(s.shape))
     return out
 
 
@@ -106,7 +108,9 @@ class Transport:
         self.last_meta: dict[int, tuple[Any, int]] = {}  # dst stage -> (last meta sent, its id)
         self.recv_meta: dict[tuple[int, int], Any] = {}  # (src stage, id) -> meta
         self.wait_s = 0.0  # seconds spent blocked in receives this step (for the timeline)
-        self.lanes: dict[tuple, Any] = {}  # (peer, outgoing, kind, sending stage) -> ShmChannel (lanes.py)
+        self.lanes: dict[
+            tuple, Any
+        ] = {}  # (peer, outgoing, kind, sending stage) -> ShmChannel (lanes.py)
         # one forward header buffer per edge for headers that go through a ring: a ring
         # send copies at once and a received header is read at once, so the buffer can be reused;
         # written and read through its numpy view. Why: a step has m headers each way, and every
@@ -134,17 +138,25 @@ class Transport:
         return ch
 
     # --- low level
-    def _isend(self, t: torch.Tensor, dst_stage: int, tag: int, edge: tuple, small: bool = False) -> None:
+    def _isend(
+        self, t: torch.Tensor, dst_stage: int, tag: int, edge: tuple, small: bool = False
+    ) -> None:
         ch = self._lane(edge, t.numel() * t.element_size(), small)
         if ch is not None:  # a copy into the ring, which has room for the whole step (lanes.py)
             try:
                 ch.send(t)
             except RuntimeError as e:
-                raise PipelineError(f"rank {self.rank}: a shared-memory pipeline send failed: {e}") from e
+                raise PipelineError(
+                    f"rank {self.rank}: a shared-memory pipeline send failed: {e}"
+                ) from e
             return
-        self.pending.append((dist.isend(t, self.stage_rank[dst_stage], group=self.group, tag=tag), t))
+        self.pending.append(
+            (dist.isend(t, self.stage_rank[dst_stage], group=self.group, tag=tag), t)
+        )
 
-    def _recv(self, t: torch.Tensor, src_stage: int, tag: int, what: str, edge: tuple, small: bool = False) -> None:
+    def _recv(
+        self, t: torch.Tensor, src_stage: int, tag: int, what: str, edge: tuple, small: bool = False
+    ) -> None:
         peer = self.stage_rank[src_stage]
         t0 = time.perf_counter()
         ch = self._lane(edge, t.numel() * t.element_size(), small)
@@ -159,7 +171,8 @@ class Transport:
         except Exception as e:  # noqa: BLE001 - re-raised with the pipeline context
             raise PipelineError(
                 f"rank {self.rank}: receiving {what} from rank {peer} (stage {src_stage}) failed - "
-                f"the peer died, hung or raised: {type(e).__name__}: {e}") from e
+                f"the peer died, hung or raised: {type(e).__name__}: {e}"
+            ) from e
         self.wait_s += time.perf_counter() - t0
 
     def flush(self) -> None:
@@ -169,7 +182,9 @@ class Transport:
             try:
                 work.wait(self.timeout)
             except Exception as e:  # noqa: BLE001
-                raise PipelineError(f"rank {self.rank}: a pipeline send failed: {type(e).__name__}: {e}") from e
+                raise PipelineError(
+                    f"rank {self.rank}: a pipeline send failed: {type(e).__name__}: {e}"
+                ) from e
         for ch in self.lanes.values():  # this rank's messages of the step are all through
             ch.rewind()
 
@@ -179,7 +194,9 @@ class Transport:
             self.local[("f", dst, mb)] = (meta, [t.detach() for t in tensors])
             return
         last = self.last_meta.get(dst)
-        if last is not None and last[0] == meta:  # the usual case: same structure as the last bundle
+        if (
+            last is not None and last[0] == meta
+        ):  # the usual case: same structure as the last bundle
             blob, new, meta_id = b"", False, last[1]
         else:  # pickle only when the structure changed (a comparison costs far less than pickling)
             blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
@@ -190,8 +207,12 @@ class Transport:
             meta_id = self.sent_meta[key]
             self.last_meta[dst] = (meta, meta_id)
         payload = pack(tensors, self.device) if tensors else None
-        fields = (payload.numel() * payload.element_size() if payload is not None else 0,
-                  meta_id, len(blob) if new else 0, len(tensors))
+        fields = (
+            payload.numel() * payload.element_size() if payload is not None else 0,
+            meta_id,
+            len(blob) if new else 0,
+            len(tensors),
+        )
         edge = (self.stage_rank[dst], True, "f", src)
         reuse = self._header(edge)
         if reuse is not None:
@@ -201,8 +222,13 @@ class Transport:
             header = torch.tensor(fields, dtype=torch.int64)
         self._isend(header, dst, _tag(src, mb, KIND_HEADER), edge)
         if new:
-            self._isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst, _tag(src, mb, KIND_META), edge,
-                        small=True)
+            self._isend(
+                torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+                dst,
+                _tag(src, mb, KIND_META),
+                edge,
+                small=True,
+            )
         if payload is not None:
             self._isend(payload, dst, _tag(src, mb, KIND_FWD), edge)
 
@@ -214,17 +240,27 @@ class Transport:
         edge = (self.stage_rank[src], False, "f", src)
         reuse = self._header(edge)
         header, view = reuse if reuse is not None else (torch.empty(4, dtype=torch.int64), None)
-        self._recv(header, src, _tag(src, mb, KIND_HEADER), f"the forward header of microbatch {mb}", edge)
+        self._recv(
+            header, src, _tag(src, mb, KIND_HEADER), f"the forward header of microbatch {mb}", edge
+        )
         _, meta_id, meta_len, n = view.tolist() if view is not None else header.tolist()
         if meta_len:
             blob = torch.empty(meta_len, dtype=torch.uint8)
-            self._recv(blob, src, _tag(src, mb, KIND_META), f"the forward metadata of microbatch {mb}", edge,
-                       small=True)
+            self._recv(
+                blob,
+                src,
+                _tag(src, mb, KIND_META),
+                f"the forward metadata of microbatch {mb}",
+                edge,
+                small=True,
+            )
             self.recv_meta[(src, meta_id)] = pickle.loads(blob.numpy().tobytes())
         meta = self.recv_meta[(src, meta_id)]
         specs = specs_of(meta)
         if len(specs) != n:
-            raise PipelineError(f"stage {dst}: expected {len(specs)} tensors from stage {src}, header says {n}")
+            raise PipelineError(
+                f"stage {dst}: expected {len(specs)} tensors from stage {src}, header says {n}"
+            )
         if not specs:
             return meta, []
         buf = alloc(specs, self.device)
@@ -237,7 +273,12 @@ class Transport:
         if self.stage_rank[dst] == self.rank:
             self.local[("b", dst, mb)] = grads
             return
-        self._isend(pack(grads, self.device), dst, _tag(src, mb, KIND_BWD), (self.stage_rank[dst], True, "b", src))
+        self._isend(
+            pack(grads, self.device),
+            dst,
+            _tag(src, mb, KIND_BWD),
+            (self.stage_rank[dst], True, "b", src),
+        )
 
     def recv_bwd(self, src: int, dst: int, mb: int, specs: list[TensorSpec]) -> list[torch.Tensor]:
         if not specs:
@@ -245,5 +286,11 @@ class Transport:
         if self.stage_rank[src] == self.rank:
             return self.local.pop(("b", dst, mb))
         buf = alloc(specs, self.device)
-        self._recv(buf, src, _tag(src, mb, KIND_BWD), f"gradients of microbatch {mb}", (self.stage_rank[src], False, "b", src))
+        self._recv(
+            buf,
+            src,
+            _tag(src, mb, KIND_BWD),
+            f"gradients of microbatch {mb}",
+            (self.stage_rank[src], False, "b", src),
+        )
         return unpack(buf, specs)

@@ -86,10 +86,22 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]
 
     cls = getattr(S, TORCH_SCHEDULES[schedule], None)
     if cls is None:
-        raise ValueError(f"schedule {schedule!r} is not in this torch release ({torch.__version__})")
+        raise ValueError(
+            f"schedule {schedule!r} is not in this torch release ({torch.__version__})"
+        )
     stub = nn.Linear(1, 1)  # some schedules inspect stage.submod for torch.compile
-    stages = [SimpleNamespace(group_size=p, group_rank=0, num_stages=p * v, stage_index=i * p, submod=stub,
-                              is_first=False, is_last=False) for i in range(v)]
+    stages = [
+        SimpleNamespace(
+            group_size=p,
+            group_rank=0,
+            num_stages=p * v,
+            stage_index=i * p,
+            submod=stub,
+            is_first=False,
+            is_last=False,
+        )
+        for i in range(v)
+    ]
     sched = cls(stages, m)
     out: dict[int, list[Action]] = {}
     for r, acts in sched.pipeline_order.items():
@@ -98,14 +110,22 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]
             if a is None:
                 continue
             kind = str(a.computation_type)
-            kind = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}.get(
-                getattr(a.computation_type, "name", kind), kind.split(".")[-1])
+            kind = {
+                "FORWARD": "F",
+                "FULL_BACKWARD": "B",
+                "BACKWARD_INPUT": "I",
+                "BACKWARD_WEIGHT": "W",
+            }.get(getattr(a.computation_type, "name", kind), kind.split(".")[-1])
             if kind in ("F", "B", "I", "W"):
                 seq.append(Action(kind, a.stage_index, a.microbatch_index))
             elif kind in ("OVERLAP_F_B",):  # DualPipeV's fused pair: run its parts in order
                 for sub in a.sub_actions or ():
-                    k2 = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}[
-                        sub.computation_type.name]
+                    k2 = {
+                        "FORWARD": "F",
+                        "FULL_BACKWARD": "B",
+                        "BACKWARD_INPUT": "I",
+                        "BACKWARD_WEIGHT": "W",
+                    }[sub.computation_type.name]
                     seq.append(Action(k2, sub.stage_index, sub.microbatch_index))
         out[r] = seq
     return out
@@ -117,7 +137,9 @@ def torch_order(schedule: str, p: int, v: int, m: int) -> dict[int, list[Action]
 DRAIN_DEPTH = 2
 
 
-def split_last_backward(order: dict[int, list[Action]], depth: int | None = None) -> dict[int, list[Action]]:
+def split_last_backward(
+    order: dict[int, list[Action]], depth: int | None = None
+) -> dict[int, list[Action]]:
     """Every rank but the first runs its last ``depth`` backwards as I, and their W after the last I.
 
     Why: the step ends with the drain - rank r's last backward, its gradient handed to rank
@@ -141,11 +163,13 @@ def split_last_backward(order: dict[int, list[Action]], depth: int | None = None
         new = [Action("I", a.stage, a.mb) if i in split else a for i, a in enumerate(acts)]
         last = max(split)
         ws = [Action("W", acts[i].stage, acts[i].mb) for i in sorted(split)]
-        out[r] = new[:last + 1] + ws + new[last + 1:]
+        out[r] = new[: last + 1] + ws + new[last + 1 :]
     return out
 
 
-def pipeline_order(schedule: str, p: int, v: int, m: int, split_drain: bool = False) -> dict[int, list[Action]]:
+def pipeline_order(
+    schedule: str, p: int, v: int, m: int, split_drain: bool = False
+) -> dict[int, list[Action]]:
     """Every rank's actions for one step (all ranks compute the same dictionary).
     ``split_drain``: GPipe and the 1F1B family split each non-first rank's last ``DRAIN_DEPTH``
     backwards (``split_last_backward``)."""
@@ -175,7 +199,9 @@ def _check(order: dict[int, list[Action]], k: int, m: int) -> None:
             full = seen.get(Action("B", s, i), 0)
             split = (seen.get(Action("I", s, i), 0), seen.get(Action("W", s, i), 0))
             if not (full == 1 and split == (0, 0)) and not (full == 0 and split == (1, 1)):
-                raise RuntimeError(f"schedule has no single backward for microbatch {i} on stage {s}")
+                raise RuntimeError(
+                    f"schedule has no single backward for microbatch {i} on stage {s}"
+                )
 
 
 def forward_only(stages: list[int], m: int) -> list[Action]:

@@ -60,8 +60,9 @@ def _reverse_edges(roots: list[Node]) -> dict[Node, list[Node]]:
     return rev
 
 
-def _closure(starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node] | frozenset = frozenset()
-             ) -> tuple[set[Node], set[Node]]:
+def _closure(
+    starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node] | frozenset = frozenset()
+) -> tuple[set[Node], set[Node]]:
     """(nodes reachable from ``starts`` along reverse edges, stopping at ``stop``; stop nodes hit)."""
     out, hit = set(starts), set()
     q = deque(starts)
@@ -91,8 +92,12 @@ class WeightWork:
 _ONE_OUTPUT = ("AddmmBackward0", "MmBackward0")  # GEMM nodes: one forward output
 
 
-def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
-                   params: list[torch.nn.Parameter]) -> tuple[list[torch.Tensor | None], WeightWork]:
+def backward_input(
+    roots: list[torch.Tensor],
+    grads: list[torch.Tensor | None],
+    inputs: list[torch.Tensor],
+    params: list[torch.nn.Parameter],
+) -> tuple[list[torch.Tensor | None], WeightWork]:
     """Gradients of ``inputs`` (None where unused) and the work left for ``backward_weight``."""
     root_nodes = [n for n in map(_node, roots) if n is not None]
     root_set = set(root_nodes)
@@ -126,23 +131,38 @@ def backward_input(roots: list[torch.Tensor], grads: list[torch.Tensor | None], 
     def keep(node):
         def hook(grad_outputs):
             work.kept[node] = grad_outputs
+
         return hook
 
     # the gradient into a GEMM node (one output: its grad_outputs is that one tensor) is captured
     # by the engine itself, as a GradientEdge input; other nodes (any number of outputs) by a
     # Python pre-hook, which the engine calls with all of them
     edges = [n for inter, _ in work.groups for n in inter if n.name() in _ONE_OUTPUT]
-    handles = [n.register_prehook(keep(n)) for inter, _ in work.groups for n in inter if n.name() not in _ONE_OUTPUT]
+    handles = [
+        n.register_prehook(keep(n))
+        for inter, _ in work.groups
+        for n in inter
+        if n.name() not in _ONE_OUTPUT
+    ]
     want = [x for x in inputs if x.requires_grad]
     try:
-        got = torch.autograd.grad(roots, want + [GradientEdge(n, 0) for n in edges], grads, retain_graph=True,
-                                  allow_unused=True) if want else ()
+        got = (
+            torch.autograd.grad(
+                roots,
+                want + [GradientEdge(n, 0) for n in edges],
+                grads,
+                retain_graph=True,
+                allow_unused=True,
+            )
+            if want
+            else ()
+        )
     finally:
         for h in handles:
             h.remove()
-    for n, g in zip(edges, got[len(want):]):
+    for n, g in zip(edges, got[len(want) :]):
         work.kept[n] = (g,)
-    it = iter(got[:len(want)])
+    it = iter(got[: len(want)])
     if orphans:
         work.roots, work.grads = list(roots), list(grads)
     return [next(it) if x.requires_grad else None for x in inputs], work
@@ -160,10 +180,13 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
 def _replace_with(kept: tuple | None):
     def hook(_grad_outputs):
         return kept  # None: leave the incoming gradient as it is
+
     return hook
 
 
-LINEAR_FAST_PATH = True  # W's nn.Linear fast path (below); off only to time the engine path against it
+LINEAR_FAST_PATH = (
+    True  # W's nn.Linear fast path (below); off only to time the engine path against it
+)
 
 
 def _plain(t: torch.Tensor | None) -> bool:
@@ -191,7 +214,9 @@ def _linear_weight_grads(node: Node, kept: tuple | None, params: list[torch.nn.P
         bias_acc, x, w_edge = None, node._saved_self, node.next_functions[1][0]
     else:
         return False
-    if w_edge is not None and w_edge.name() == "TBackward0":  # nn.Linear: mat2 = weight.t(), (out, in)
+    if (
+        w_edge is not None and w_edge.name() == "TBackward0"
+    ):  # nn.Linear: mat2 = weight.t(), (out, in)
         w_acc, transposed = w_edge.next_functions[0][0], True
     else:  # Conv1D: mat2 = weight, (in, out)
         w_acc, transposed = w_edge, False
@@ -201,13 +226,20 @@ def _linear_weight_grads(node: Node, kept: tuple | None, params: list[torch.nn.P
     where = {}
     for p in params:
         acc = _node(p)
-        if acc is w_acc and p.shape == ((g.shape[1], x.shape[1]) if transposed else (x.shape[1], g.shape[1])):
+        if acc is w_acc and p.shape == (
+            (g.shape[1], x.shape[1]) if transposed else (x.shape[1], g.shape[1])
+        ):
             where[id(p)] = "w"
         elif acc is bias_acc and bias_acc is not None:
             where[id(p)] = "b"
         else:
             return False
-        if not _plain(p) or not _plain(p.grad) or p._backward_hooks or p._post_accumulate_grad_hooks:
+        if (
+            not _plain(p)
+            or not _plain(p.grad)
+            or p._backward_hooks
+            or p._post_accumulate_grad_hooks
+        ):
             return False
     for p in params:
         if where[id(p)] == "w":
@@ -224,7 +256,11 @@ def _linear_weight_grads(node: Node, kept: tuple | None, params: list[torch.nn.P
 def backward_weight(work: WeightWork) -> None:
     """Parameter gradients from the kept intermediate gradients, accumulated into ``.grad``."""
     for inter, params in work.groups:
-        if LINEAR_FAST_PATH and len(inter) == 1 and _linear_weight_grads(inter[0], work.kept.get(inter[0]), params):
+        if (
+            LINEAR_FAST_PATH
+            and len(inter) == 1
+            and _linear_weight_grads(inter[0], work.kept.get(inter[0]), params)
+        ):
             continue
         edges, outs = [], []
         for n in inter:
@@ -246,7 +282,9 @@ def backward_weight(work: WeightWork) -> None:
         for p, g in zip(params, dws):
             _accumulate(p, g)
     if work.orphans:
-        dws = torch.autograd.grad(work.roots, work.orphans, work.grads, retain_graph=True, allow_unused=True)
+        dws = torch.autograd.grad(
+            work.roots, work.orphans, work.grads, retain_graph=True, allow_unused=True
+        )
         for p, g in zip(work.orphans, dws):
             _accumulate(p, g)
     work.kept.clear()

@@ -45,7 +45,11 @@ def _flat(obj: Any, leaves: list, depth: int) -> Any:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return ("n", type(obj), [_flat(v, leaves, depth + 1) for v in obj])
     if isinstance(obj, list | tuple):
-        return ("l" if isinstance(obj, list) else "t", None, [_flat(v, leaves, depth + 1) for v in obj])
+        return (
+            "l" if isinstance(obj, list) else "t",
+            None,
+            [_flat(v, leaves, depth + 1) for v in obj],
+        )
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = [f.name for f in dataclasses.fields(obj)]
         return ("c", type(obj), [(k, _flat(getattr(obj, k), leaves, depth + 1)) for k in fields])
@@ -109,8 +113,12 @@ def tensor_specs(spec: Any) -> list[TensorSpec]:
     return out
 
 
-def placeholder(ts: TensorSpec, device: torch.device, batch: int | None = None,
-                template_batch: int | None = None) -> torch.Tensor:
+def placeholder(
+    ts: TensorSpec,
+    device: torch.device,
+    batch: int | None = None,
+    template_batch: int | None = None,
+) -> torch.Tensor:
     """A tensor of the right shape whose values must never be used: NaN for floats (so a wrong
     "not needed" decision shows up as a NaN loss instead of a silently wrong one), 0 otherwise."""
     shape = list(ts.shape)

@@ -67,7 +67,6 @@ Not modelled: sequence / context parallelism, ZeRO-1/2 (only FSDP's full shardin
 tied-embedding gradient all-reduce, and the optimizer step on the device (memory-bound, small).
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -93,7 +92,13 @@ def _samples(example_inputs: Any, trace: TraceResult) -> int:
     def first(obj: Any) -> torch.Tensor | None:
         if isinstance(obj, torch.Tensor):
             return obj if obj.dim() else None
-        vals = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, list | tuple) else ()
+        vals = (
+            obj.values()
+            if isinstance(obj, Mapping)
+            else obj
+            if isinstance(obj, list | tuple)
+            else ()
+        )
         for v in vals:
             t = first(v)
             if t is not None:
@@ -153,9 +158,13 @@ def plan_layout(
     else:
         trace = trace or trace_model(model_or_trace, example_inputs, passes=passes)
         if tp_divisor is None:
-            tp_divisor = getattr(getattr(model_or_trace, "config", None), "num_attention_heads", None)
+            tp_divisor = getattr(
+                getattr(model_or_trace, "config", None), "num_attention_heads", None
+            )
         try:  # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
-            smallest = next((d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2)
+            smallest = next(
+                (d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2
+            )
             tp_sharded, tp_whole_input = tp_plan_facts(model_or_trace, trace, smallest)
             # what tp shards depends on the degree where key/value heads are fewer than the ranks
             top = cluster.world if tp_across_nodes else cluster.devices_per_node
@@ -164,16 +173,51 @@ def plan_layout(
                     kv: set[str] = set()
                     by_tp[tp] = (*tp_plan_facts(model_or_trace, trace, tp, kv), kv)
         except ValueError as e:
-            log.info("planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded", e)
+            log.info(
+                "planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded",
+                e,
+            )
     samples = trace_samples or _samples(example_inputs, trace)
-    planner = Planner(trace, samples, cluster, global_batch, tp_divisor, partition, overhead_s, tp_sharded,
-                      tp_whole_input, base, by_tp)
+    planner = Planner(
+        trace,
+        samples,
+        cluster,
+        global_batch,
+        tp_divisor,
+        partition,
+        overhead_s,
+        tp_sharded,
+        tp_whole_input,
+        base,
+        by_tp,
+    )
     layouts = planner.enumerate(schedules, precisions, checkpointing, offload, tp_across_nodes)
-    layouts.sort(key=lambda lay: (not lay.fits, lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf))
+    layouts.sort(
+        key=lambda lay: (
+            not lay.fits,
+            lay.step_time_s if lay.fits else lay.memory_bytes_per_device or math.inf,
+        )
+    )
     numel = sum(n for _, n in trace.param_sizes.values())
-    return Plan(cluster, int(numel), planner.stats.param_bytes, global_batch, layouts, planner,
-                time.perf_counter() - t0)
+    return Plan(
+        cluster,
+        int(numel),
+        planner.stats.param_bytes,
+        global_batch,
+        layouts,
+        planner,
+        time.perf_counter() - t0,
+    )
 
 
-__all__ = ["Cluster", "Estimate", "ModelStats", "Plan", "SCHEDULE_COST", "SCHEDULES", "TP_TYPES", "bubble_slots", "plan_layout"]
-
+__all__ = [
+    "Cluster",
+    "Estimate",
+    "ModelStats",
+    "Plan",
+    "SCHEDULE_COST",
+    "SCHEDULES",
+    "TP_TYPES",
+    "bubble_slots",
+    "plan_layout",
+]

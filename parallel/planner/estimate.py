@@ -21,8 +21,13 @@ from .stats import ModelStats, PartStats
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")  # parallel.config names, enumerated
 # parallel.config schedule -> (cost.py schedule for in-flight counts, stages per rank); as
 # api.COST_SCHEDULE and pipeline.schedule.stages_per_rank resolve them with the default v
-SCHEDULE_COST = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved", 2),
-                 "zero_bubble": ("interleaved", 1), "zbv": ("zbv", 2)}
+SCHEDULE_COST = {
+    "gpipe": ("gpipe", 1),
+    "1f1b": ("1f1b", 1),
+    "interleaved_1f1b": ("interleaved", 2),
+    "zero_bubble": ("interleaved", 1),
+    "zbv": ("zbv", 2),
+}
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # microbatches tried under a pipeline: pp x these
 ACCUMULATION = (1, 2, 4, 8, 16, 32)  # gradient-accumulation steps tried without a pipeline
 # up to this many modules the stages come from the partitioner's full search; above it from the
@@ -35,7 +40,9 @@ RECOMPUTE = 4.0 / 3.0  # checkpointing runs each block's forward twice: (1 + 1 +
 # tensors of the output's size alive when backward starts: the output, a cross-entropy's saved
 # log-probabilities, and the two gradients its backward makes (of the log-probabilities, of the output)
 LOSS_WORKING_SET = 4.0
-HOST_ADAM_BYTES = 7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
+HOST_ADAM_BYTES = (
+    7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
+)
 
 
 def bubble_slots(schedule: str, p: int, v: int) -> float:
@@ -53,13 +60,21 @@ def bubble_slots(schedule: str, p: int, v: int) -> float:
     return 0.0  # zbv, dualpipev
 
 
-
 class Planner:
-    def __init__(self, trace: TraceResult, samples: int, cluster: Cluster, global_batch: int,
-                 tp_divisor: int | None, partition: str, overhead_s: float = 0.0,
-                 tp_sharded: set[str] | None = None, tp_whole_input: set[str] = frozenset(),
-                 base: ParallelConfig | None = None,
-                 by_tp: dict[int, tuple[set[str], set[str], set[str]]] | None = None):
+    def __init__(
+        self,
+        trace: TraceResult,
+        samples: int,
+        cluster: Cluster,
+        global_batch: int,
+        tp_divisor: int | None,
+        partition: str,
+        overhead_s: float = 0.0,
+        tp_sharded: set[str] | None = None,
+        tp_whole_input: set[str] = frozenset(),
+        base: ParallelConfig | None = None,
+        by_tp: dict[int, tuple[set[str], set[str], set[str]]] | None = None,
+    ):
         """``by_tp``: per tp degree, what tensor parallel shards there (``tp_plan_facts``: the
         sharded parameters, the modules with whole inputs, the replicated key/value parameters);
         a degree not in it uses ``tp_sharded`` / ``tp_whole_input``."""
@@ -67,7 +82,9 @@ class Planner:
         self.stats = ModelStats(trace, samples, tp_sharded, tp_whole_input)
         self.samples, self.by_tp = samples, by_tp or {}
         self._stats: dict[int, ModelStats] = {}
-        self.overhead_s = overhead_s  # fixed seconds per microbatch forward+backward of the whole model
+        self.overhead_s = (
+            overhead_s  # fixed seconds per microbatch forward+backward of the whole model
+        )
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
         # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings
         self.flops_trace = dataclasses.replace(trace, timed=False)
@@ -122,8 +139,13 @@ class Planner:
             return self._splits[k]
         c = self.cluster
         # the time objective: the split balances FLOPs (+ sends at the cuts) whatever the schedule
-        cfg = CostConfig(schedule="interleaved", microbatches=1, stages_per_rank=1,
-                         flops_per_s=c.flops_per_s("bf16"), bandwidth=c.inter_bandwidth / c.devices_per_node)
+        cfg = CostConfig(
+            schedule="interleaved",
+            microbatches=1,
+            stages_per_rank=1,
+            flops_per_s=c.flops_per_s("bf16"),
+            bandwidth=c.inter_bandwidth / c.devices_per_node,
+        )
         try:
             if self.partition == "search":
                 part = partition_trace(self.flops_trace, k, "speed", cost_config=cfg)
@@ -148,9 +170,20 @@ class Planner:
         return self._splits[k]
 
     # --- one layout
-    def estimate(self, pp: int, tp: int, dp_replicate: int, dp_shard: int, microbatches: int = 1,
-                 schedule: str = "1f1b", activation_checkpointing: bool = False, precision: str = "bf16",
-                 cpu_offload: bool = False, stages_per_rank: int | None = None, **_: Any) -> Estimate:
+    def estimate(
+        self,
+        pp: int,
+        tp: int,
+        dp_replicate: int,
+        dp_shard: int,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        activation_checkpointing: bool = False,
+        precision: str = "bf16",
+        cpu_offload: bool = False,
+        stages_per_rank: int | None = None,
+        **_: Any,
+    ) -> Estimate:
         """Model one layout. ``microbatches``: the pipeline's (pp > 1) or, without a pipeline, the
         gradient-accumulation steps; ``precision``: the compute dtype (bf16: autocast)."""
         c, st = self.cluster, self.stats_at(tp)
@@ -160,24 +193,41 @@ class Planner:
         v = (stages_per_rank or v) if pp > 1 else 1
         b = self.base
         config = dataclasses.replace(
-            b, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, microbatches=microbatches if pp > 1 else 1,
-            schedule=schedule if pp > 1 else b.schedule, stages_per_rank=v,
-            activation_checkpointing=(b.activation_checkpointing if b.activation_checkpointing != "none" else "full")
-            if activation_checkpointing else "none", cpu_offload=cpu_offload)
+            b,
+            pp=pp,
+            dp_replicate=dp_replicate,
+            dp_shard=dp_shard,
+            tp=tp,
+            microbatches=microbatches if pp > 1 else 1,
+            schedule=schedule if pp > 1 else b.schedule,
+            stages_per_rank=v,
+            activation_checkpointing=(
+                b.activation_checkpointing if b.activation_checkpointing != "none" else "full"
+            )
+            if activation_checkpointing
+            else "none",
+            cpu_offload=cpu_offload,
+        )
         lay = Estimate(config, precision, grad_accum=microbatches if pp == 1 else 1)
         dp = dp_replicate * dp_shard
         world = pp * dp * tp
         why = lay.reasons
-        why += config.problems(c.world)  # the runtime's own rules: degrees x world, schedule, offload
+        why += config.problems(
+            c.world
+        )  # the runtime's own rules: degrees x world, schedule, offload
         if precision not in CHOICES["mixed_precision"]:
             why.append(f"precision must be one of {CHOICES['mixed_precision']} (got {precision!r})")
         if self.global_batch % (dp * microbatches):
-            why.append(f"global batch {self.global_batch} does not split into {dp} replicas x {microbatches} "
-                       "microbatches")
+            why.append(
+                f"global batch {self.global_batch} does not split into {dp} replicas x {microbatches} "
+                "microbatches"
+            )
         if self.tp_divisor and self.tp_divisor % tp:
             why.append(f"tp={tp} does not divide the {self.tp_divisor} attention heads")
         if tp > 1 and not st.blocks:
-            why.append("tp > 1 needs repeated blocks (children of a ModuleList / Sequential) to shard")
+            why.append(
+                "tp > 1 needs repeated blocks (children of a ModuleList / Sequential) to shard"
+            )
         if activation_checkpointing and not st.blocks:
             why.append("checkpointing needs repeated blocks to checkpoint")
         if pp > 1 and st.blocks and pp * v > len(st.blocks):
@@ -204,7 +254,9 @@ class Planner:
         # the runtime's split drain (ParallelConfig.split_drain, on by default): GPipe / 1F1B ranks
         # after the first run their last DRAIN_DEPTH backwards as input gradients first, weight
         # gradients at the end of the step; off under tp and checkpointing (parallel/api.py)
-        split_drain = pp > 1 and cost_sched in ("gpipe", "1f1b") and tp == 1 and not activation_checkpointing
+        split_drain = (
+            pp > 1 and cost_sched in ("gpipe", "1f1b") and tp == 1 and not activation_checkpointing
+        )
 
         def local(total: float, tp_part: float) -> float:  # bytes on one tp rank
             return total - tp_part + tp_part / tp
@@ -218,20 +270,35 @@ class Planner:
             act = 0.0
             for s in mine:
                 ps = parts[s]
-                a, a_rep = (ps.ckpt_act, ps.ckpt_act_rep) if activation_checkpointing else (ps.act, ps.act_rep)
+                a, a_rep = (
+                    (ps.ckpt_act, ps.ckpt_act_rep)
+                    if activation_checkpointing
+                    else (ps.act, ps.act_rep)
+                )
                 act += local(a, a - a_rep) * infl[s]  # all but the replicated part split over tp
             if activation_checkpointing:
                 act += max(parts[s].recompute_peak for s in mine) / tp
-            if r > 0 and split_drain:  # the drain's deferred weight gradients keep their output gradients
+            if (
+                r > 0 and split_drain
+            ):  # the drain's deferred weight gradients keep their output gradients
                 act += min(DRAIN_DEPTH, microbatches) * sum(parts[s].wgrad_keep for s in mine)
-            if pp > 1:  # the hand-over buffers: a received activation, the gradient packed to send it
+            if (
+                pp > 1
+            ):  # the hand-over buffers: a received activation, the gradient packed to send it
                 # back, the activation packed to send on (whole on every tp rank)
                 act += sum(2.0 * parts[s].cut_in + parts[s].cut_out for s in mine)
-            if r == ranks[-1]:  # the loss over the output, whole on every tp rank, at the start of backward
+            if (
+                r == ranks[-1]
+            ):  # the loss over the output, whole on every tp rank, at the start of backward
                 act += LOSS_WORKING_SET * st.output_bytes
             act *= scale * cdt
-            m = {"params": P / dp_shard, "grads": P / dp_shard, "optimizer": 2.0 * P / dp_shard,
-                 "gathered": 0.0, "activations": act}
+            m = {
+                "params": P / dp_shard,
+                "grads": P / dp_shard,
+                "optimizer": 2.0 * P / dp_shard,
+                "gathered": 0.0,
+                "activations": act,
+            }
             # FSDP reduce-scatters once per optimizer step: accumulated gradients stay unsharded
             accumulating = dp_shard > 1 and (pp > 1 or microbatches > 1)
             if pp > 1 and dp_shard > 1:  # the stage stays gathered, gradients accumulate unsharded
@@ -240,7 +307,9 @@ class Planner:
                 # the running and the prefetched block, and the root unit (everything outside the
                 # blocks: fsdp.apply_fsdp keeps it gathered from its forward to its backward)
                 m["gathered"] = (2.0 * blockP + rootP) * cdt
-                if accumulating:  # accumulation steps without a pipeline: unsharded until the last one
+                if (
+                    accumulating
+                ):  # accumulation steps without a pipeline: unsharded until the last one
                     m["grads"] = P
             elif bf16:
                 m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
@@ -249,7 +318,9 @@ class Planner:
             # made them: gradient accumulation, or a pipeline rank with more microbatches than in flight.
             grads_early = microbatches > 1 if pp == 1 else microbatches > max(infl[s] for s in mine)
             host = 0.0
-            if cpu_offload:  # the sharded state on the host; gradients accumulating unsharded stay on the device
+            if (
+                cpu_offload
+            ):  # the sharded state on the host; gradients accumulating unsharded stay on the device
                 host = m["params"] + P / dp_shard + m["optimizer"]
                 m["params"] = m["optimizer"] = 0.0
                 m["grads"] = m["grads"] if accumulating else 0.0
@@ -264,7 +335,13 @@ class Planner:
             # the fixed per-call overhead: the stage's share of the model's module calls, on every
             # tp rank whole (each runs every operator of its shard), on the rank's share of the
             # device as its FLOPs are (host work slows as ranks time-share the cores)
-            oh = self.overhead_s / c.rank_share * sum(parts[s].calls for s in mine) / max(st.whole.calls, 1) * redo
+            oh = (
+                self.overhead_s
+                / c.rank_share
+                * sum(parts[s].calls for s in mine)
+                / max(st.whole.calls, 1)
+                * redo
+            )
             nb = sum(parts[s].blocks for s in mine)
             units = nb + 1  # FSDP units: each whole block, and the root (everything else)
             # the runtime's own host work: DTensor dispatch on every sharded call, FSDP's hooks per unit
@@ -285,18 +362,26 @@ class Planner:
                 t_tp += kv_calls * c.all_reduce(kv_bytes / kv_calls, tp, 1)
             t_pp = 0.0
             if pp > 1:
-                t_pp = sum(c.send(parts[s].cut_out * scale * cdt, pp_stride) + c.send(parts[s].cut_in * scale * cdt,
-                                                                                     pp_stride) for s in mine)
+                t_pp = sum(
+                    c.send(parts[s].cut_out * scale * cdt, pp_stride)
+                    + c.send(parts[s].cut_in * scale * cdt, pp_stride)
+                    for s in mine
+                )
             slots.append((t_c + t_tp + t_pp, t_c, t_tp, t_pp, P, blockP, units, fsdp_host))
         lay.memory_bytes_per_device = best_mem
         lay.memory = mem_parts
         usable = c.device_memory_bytes * c.usable_fraction
         if best_mem > usable:
-            why.append(f"memory: {best_mem / GiB:.1f} GiB > {usable / GiB:.1f} GiB usable per device ("
-                       + ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem_parts.items() if v) + ")")
+            why.append(
+                f"memory: {best_mem / GiB:.1f} GiB > {usable / GiB:.1f} GiB usable per device ("
+                + ", ".join(f"{k} {v / GiB:.1f}" for k, v in mem_parts.items() if v)
+                + ")"
+            )
         if cpu_offload and host_peak * c.devices_per_node > c.host_memory_bytes * c.usable_fraction:
-            why.append(f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
-                       f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable")
+            why.append(
+                f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
+                f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable"
+            )
         # --- time
         slot, t_c, t_tp, t_pp, P, blockP, units, fsdp_host = max(slots)
         m = microbatches
@@ -307,7 +392,9 @@ class Planner:
         # FSDP without a pipeline gathers again in every accumulation step's forward and backward;
         # under a pipeline the stage stays gathered.
         sh, rp = dp_shard, dp_replicate
-        rounds = m if pp == 1 and sh > 1 else 1  # accumulation steps whose compute hides the gathers
+        rounds = (
+            m if pp == 1 and sh > 1 else 1
+        )  # accumulation steps whose compute hides the gathers
         if sh > 1:
             # one collective per FSDP unit: each pays the latency, together they move P
             grad = units * c.reduce_scatter(P / units, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
@@ -317,17 +404,29 @@ class Planner:
             last = c.all_reduce(min(P, max(DDP_BUCKET_BYTES, blockP)), rp, tp)
         ag = first = 0.0
         if sh > 1:
-            gathers = 2 * m if pp == 1 else 1  # forward and backward of every step; a pipeline's once
+            gathers = (
+                2 * m if pp == 1 else 1
+            )  # forward and backward of every step; a pipeline's once
             ag = gathers * units * c.all_gather(P * cdt / units, sh, tp)
             first = c.all_gather(blockP * cdt, sh, tp)
-        window = t_c * rounds * c.comm_overlap  # compute the traffic hides behind: the microbatches it overlaps
+        window = (
+            t_c * rounds * c.comm_overlap
+        )  # compute the traffic hides behind: the microbatches it overlaps
         dp_t = max(last + first, grad + ag - window) if dp > 1 else 0.0
         off = 0.0
         if cpu_offload:
             shard = P / sh
-            off = 3.0 * shard / c.host_bandwidth + HOST_ADAM_BYTES * shard / (c.host_memory_bandwidth / c.devices_per_node)
-        lay.breakdown = {"compute": m * t_c + fsdp_host, "bubble": bub, "tp_comm": m * t_tp, "pp_comm": m * t_pp,
-                         "dp_comm": dp_t, "offload": off}
+            off = 3.0 * shard / c.host_bandwidth + HOST_ADAM_BYTES * shard / (
+                c.host_memory_bandwidth / c.devices_per_node
+            )
+        lay.breakdown = {
+            "compute": m * t_c + fsdp_host,
+            "bubble": bub,
+            "tp_comm": m * t_tp,
+            "pp_comm": m * t_pp,
+            "dp_comm": dp_t,
+            "offload": off,
+        }
         lay.step_time_s = m * slot + fsdp_host + bub + dp_t + off
         peak = c.peak_flops["bf16" if bf16 else "fp32"]
         lay.mfu = st.flops / st.samples * self.global_batch / (lay.step_time_s * c.world * peak)
@@ -343,8 +442,14 @@ class Planner:
         return lay
 
     # --- every layout
-    def enumerate(self, schedules: Sequence[str], precisions: Sequence[str], checkpointing: Sequence[bool],
-                  offload: Sequence[bool], tp_across_nodes: bool) -> list[Estimate]:
+    def enumerate(
+        self,
+        schedules: Sequence[str],
+        precisions: Sequence[str],
+        checkpointing: Sequence[bool],
+        offload: Sequence[bool],
+        tp_across_nodes: bool,
+    ) -> list[Estimate]:
         c = self.cluster
         out = []
         for pp, dpr, dps, tp in _factorisations(c.world):

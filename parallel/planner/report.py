@@ -14,15 +14,27 @@ from ..config import ParallelConfig
 
 GiB = float(2**30)
 # the degrees and options of a candidate, as its JSON form and table show them (besides ``config``)
-LAYOUT_KEYS = ("pp", "tp", "dp_replicate", "dp_shard", "microbatches", "schedule", "stages_per_rank",
-               "activation_checkpointing", "cpu_offload")
+LAYOUT_KEYS = (
+    "pp",
+    "tp",
+    "dp_replicate",
+    "dp_shard",
+    "microbatches",
+    "schedule",
+    "stages_per_rank",
+    "activation_checkpointing",
+    "cpu_offload",
+)
+
 
 @dataclass
 class Estimate:
     """One candidate layout (the runtime's ``ParallelConfig`` that runs it, the compute dtype and
     the gradient-accumulation steps it assumes) and what the cost model says about it."""
 
-    config: ParallelConfig  # what ``parallel.parallelize`` runs; validated against the cluster's world
+    config: (
+        ParallelConfig  # what ``parallel.parallelize`` runs; validated against the cluster's world
+    )
     # compute dtype the estimate assumes: fp32 | bf16. bf16 is the step under torch.autocast (fp32
     # master weights and Adam); ``config.mixed_precision`` (FSDP2's bf16 parameters) stays fp32, and
     # a caller may turn it on where pp == 1
@@ -34,8 +46,12 @@ class Estimate:
     # that rank's memory by kind (params, grads, optimizer, gathered, activations): the peak is their
     # sum, less the smaller of grads and activations where the two do not peak together
     memory: dict[str, float] = field(default_factory=dict)
-    memory_by_rank: list[float] = field(default_factory=list)  # modelled peak of each pipeline rank, first first
-    memory_kinds_by_rank: list[dict[str, float]] = field(default_factory=list)  # and each one's memory by kind
+    memory_by_rank: list[float] = field(
+        default_factory=list
+    )  # modelled peak of each pipeline rank, first first
+    memory_kinds_by_rank: list[dict[str, float]] = field(
+        default_factory=list
+    )  # and each one's memory by kind
     step_time_s: float = math.inf  # modelled seconds per optimizer step
     breakdown: dict[str, float] = field(default_factory=dict)  # step seconds by where they go
     mfu: float = 0.0  # model FLOPs (no recompute) / (step time x world x peak of the dtype)
@@ -87,8 +103,12 @@ class Estimate:
             s += f" m{self.microbatches} {self.schedule}"
         elif self.microbatches > 1:
             s += f" accum{self.microbatches}"
-        return s + (" ac" if self.activation_checkpointing else "") + (" " + self.precision) + \
-            (" offload" if self.cpu_offload else "")
+        return (
+            s
+            + (" ac" if self.activation_checkpointing else "")
+            + (" " + self.precision)
+            + (" offload" if self.cpu_offload else "")
+        )
 
 
 @dataclass
@@ -118,22 +138,32 @@ class Plan:
 
     def to_dict(self, top: int | None = 20) -> dict[str, Any]:
         lays = self.layouts if top is None else self.layouts[:top]
-        return {"cluster": self.cluster.name, "world": self.cluster.world, "parameters": self.parameters,
-                "device_memory_bytes": self.cluster.device_memory_bytes, "global_batch": self.global_batch,
-                "considered": len(self.layouts), "fitting": len(self.fitting),
-                "layouts": [_layout_dict(lay) for lay in lays]}
+        return {
+            "cluster": self.cluster.name,
+            "world": self.cluster.world,
+            "parameters": self.parameters,
+            "device_memory_bytes": self.cluster.device_memory_bytes,
+            "global_batch": self.global_batch,
+            "considered": len(self.layouts),
+            "fitting": len(self.fitting),
+            "layouts": [_layout_dict(lay) for lay in lays],
+        }
 
     def to_json(self, top: int | None = 20) -> str:
         return json.dumps(self.to_dict(top), indent=1)
 
     def table(self, top: int = 10, rejected: int = 3) -> str:
         c = self.cluster
-        lines = [f"{self.parameters / 1e9:.3g} B parameters on {c.name}: {c.nodes} x {c.devices_per_node} devices "
-                 f"of {c.device_memory_bytes / GiB:.0f} GiB, global batch {self.global_batch}; "
-                 f"{len(self.fitting)} of {len(self.layouts)} layouts fit ({self.seconds:.1f} s)"]
-        head = (f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} {'ac':>3} {'prec':>5} "
-                f"{'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} {'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} "
-                f"{'pp':>7}  reasons")  # times in milliseconds: small models' steps are sub-millisecond
+        lines = [
+            f"{self.parameters / 1e9:.3g} B parameters on {c.name}: {c.nodes} x {c.devices_per_node} devices "
+            f"of {c.device_memory_bytes / GiB:.0f} GiB, global batch {self.global_batch}; "
+            f"{len(self.fitting)} of {len(self.layouts)} layouts fit ({self.seconds:.1f} s)"
+        ]
+        head = (
+            f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} {'ac':>3} {'prec':>5} "
+            f"{'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} {'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} "
+            f"{'pp':>7}  reasons"
+        )  # times in milliseconds: small models' steps are sub-millisecond
         lines += [head, "-" * len(head)]
         rows = self.fitting[:top] + [lay for lay in self.layouts if not lay.fits][:rejected]
         for i, lay in enumerate(rows):
@@ -144,7 +174,8 @@ class Plan:
                 f"{lay.precision:>5} {'y' if lay.cpu_offload else 'n':>4} "
                 f"{lay.memory_bytes_per_device / GiB:>6.1f} {1e3 * lay.step_time_s:>8.4g} {lay.mfu:>5.2f} "
                 f"{1e3 * b.get('compute', 0):>8.4g} {1e3 * b.get('bubble', 0):>7.4g} {1e3 * b.get('tp_comm', 0):>7.4g} "
-                f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  {'; '.join(lay.reasons)}")
+                f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  {'; '.join(lay.reasons)}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -12,7 +12,11 @@ from ..trace import TraceResult
 BLOCK_CONTAINERS = ("ModuleList", "Sequential")  # a repeated block is a child of one of these
 TP_TYPES = ("Linear", "Embedding", "Conv1D", "NonDynamicallyQuantizableLinear")  # weights TP shards
 REPLICATED_ACT = ("Norm", "Dropout")  # type substrings whose saved activations every tp rank holds
-WHOLE_INPUT_ROLES = ("colwise", "lm_head")  # TP roles whose input, saved for backward, is whole on every tp rank
+WHOLE_INPUT_ROLES = (
+    "colwise",
+    "lm_head",
+)  # TP roles whose input, saved for backward, is whole on every tp rank
+
 
 @dataclass
 class PartStats:
@@ -28,13 +32,17 @@ class PartStats:
     recompute_peak: float = 0.0  # largest whole block's activations (alive while it is recomputed)
     block_param: float = 0.0  # largest whole block's parameters (FSDP's gathered unit)
     block_tp_param: float = 0.0  # of which TP-sharded
-    outside_param: float = 0.0  # parameters outside every whole block (FSDP's root unit: embeddings, head)
+    outside_param: float = (
+        0.0  # parameters outside every whole block (FSDP's root unit: embeddings, head)
+    )
     outside_tp_param: float = 0.0  # of which TP-sharded
     blocks: int = 0  # whole blocks (each costs TP all-reduces)
     block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
     cut_out: float = 0.0  # bytes sent per trace batch at its last cut
-    wgrad_keep: float = 0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
+    wgrad_keep: float = (
+        0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
+    )
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
     tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
     kv_param_bytes: float = 0.0  # replicated key/value weights (whole on each tp rank)
@@ -44,8 +52,14 @@ class PartStats:
 class ModelStats:
     """Per-module quantities of a trace, summed over any set of modules in O(set size)."""
 
-    def __init__(self, trace: TraceResult, samples: int, tp_sharded: set[str] | None = None,
-                 tp_whole_input: set[str] = frozenset(), tp_kv: set[str] = frozenset()):
+    def __init__(
+        self,
+        trace: TraceResult,
+        samples: int,
+        tp_sharded: set[str] | None = None,
+        tp_whole_input: set[str] = frozenset(),
+        tp_kv: set[str] = frozenset(),
+    ):
         """``tp_sharded``: the canonical parameters tensor parallel shards (``tp_plan_facts``);
         None: the weights of ``TP_TYPES`` modules. ``tp_whole_input``: modules whose saved
         activations every tp rank holds whole (column-parallel layers keep their whole input).
@@ -58,21 +72,33 @@ class ModelStats:
         self.blocks: dict[str, set[str]] = {}  # block name -> its subtree
         for name, node in mods.items():
             parent = mods[node.parent] if node.parent is not None else None
-            if parent is not None and parent.type in BLOCK_CONTAINERS and node.calls and \
-                    sum(1 for c in parent.children if mods[c].calls) >= 2:
+            if (
+                parent is not None
+                and parent.type in BLOCK_CONTAINERS
+                and node.calls
+                and sum(1 for c in parent.children if mods[c].calls) >= 2
+            ):
                 self.blocks[name] = self._subtree(name)
         self.block_of = {m: b for b, sub in self.blocks.items() for m in sub}
-        self.tp_param = {p: (p in tp_sharded) if tp_sharded is not None else mods[o].type in TP_TYPES
-                         for p, o in trace.param_owner.items()}
+        self.tp_param = {
+            p: (p in tp_sharded) if tp_sharded is not None else mods[o].type in TP_TYPES
+            for p, o in trace.param_owner.items()
+        }
         self.param_bytes = float(sum(b for b, _ in trace.param_sizes.values()))
         numel = sum(n for _, n in trace.param_sizes.values())
-        self.elt = self.param_bytes / numel if numel else 4.0  # bytes per element of the trace's dtype
+        self.elt = (
+            self.param_bytes / numel if numel else 4.0
+        )  # bytes per element of the trace's dtype
         self.flops = float(mods[""].flops)
         if self.flops <= 0:
-            raise ValueError("the trace counted no FLOPs (torch's FlopCounterMode failed on an op); the "
-                             "planner needs them for compute time")
+            raise ValueError(
+                "the trace counted no FLOPs (torch's FlopCounterMode failed on an op); the "
+                "planner needs them for compute time"
+            )
         self.whole = self.part(list(mods), sorted({p for p in trace.param_owner}), self.flops)
-        self.output_bytes = float(mods[""].out_bytes)  # the model's output (logits): the loss's input
+        self.output_bytes = float(
+            mods[""].out_bytes
+        )  # the model's output (logits): the loss's input
 
     def _subtree(self, name: str) -> set[str]:
         out, stack = set(), [name]
@@ -82,8 +108,13 @@ class ModelStats:
             stack.extend(self.trace.modules[m].children)
         return out
 
-    def part(self, modules: Iterable[str], params: Iterable[str], flops: float,
-             replicated: set[str] = frozenset()) -> PartStats:
+    def part(
+        self,
+        modules: Iterable[str],
+        params: Iterable[str],
+        flops: float,
+        replicated: set[str] = frozenset(),
+    ) -> PartStats:
         """Statistics of ``modules`` holding ``params``; ``replicated``: parameters tensor parallel
         leaves whole here (held by several pipeline stages)."""
         mods = self.trace.modules
@@ -100,7 +131,9 @@ class ModelStats:
         for m in modules:
             node = mods[m]
             s.calls += node.calls
-            sharded = any(tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params)
+            sharded = any(
+                tp_param.get(self.trace.param_alias.get(p, p), False) for p in node.params
+            )
             if sharded:
                 s.tp_calls += node.calls
             if any(self.trace.param_alias.get(p, p) in self.tp_kv for p in node.params):
@@ -114,7 +147,9 @@ class ModelStats:
             if node.params:  # its weight gradient needs the gradient of its output
                 s.wgrad_keep += node.out_bytes
             s.act_rep += node.saved_bytes if rep else 0
-            if self.block_of.get(m) not in whole:  # outside every whole block: kept under checkpointing
+            if (
+                self.block_of.get(m) not in whole
+            ):  # outside every whole block: kept under checkpointing
                 s.ckpt_act += node.saved_bytes
                 s.ckpt_act_rep += node.saved_bytes if rep else 0
         in_blocks: set[str] = set()
@@ -130,7 +165,9 @@ class ModelStats:
             pb = sum(sizes[p][0] for p in own)
             if pb > s.block_param:
                 s.block_param = float(pb)
-                s.block_tp_param = float(sum(sizes[p][0] for p in own if tp_param.get(p, self.tp_param.get(p))))
+                s.block_tp_param = float(
+                    sum(sizes[p][0] for p in own if tp_param.get(p, self.tp_param.get(p)))
+                )
             s.blocks += 1
             s.block_out += node.out_bytes
         for p in params:
@@ -140,8 +177,9 @@ class ModelStats:
         return s
 
 
-def tp_plan_facts(model, trace: TraceResult, tp: int = 2,
-                  kv: set[str] | None = None) -> tuple[set[str], set[str]]:
+def tp_plan_facts(
+    model, trace: TraceResult, tp: int = 2, kv: set[str] | None = None
+) -> tuple[set[str], set[str]]:
     """What ``parallel.tp`` does to ``model`` (its plan read off ``trace``'s dataflow): (the
     canonical names of the parameters it shards, the modules whose saved input stays whole on
     every tp rank). Sharded: column-parallel weights and biases, row-parallel weights (their biases
@@ -154,6 +192,7 @@ def tp_plan_facts(model, trace: TraceResult, tp: int = 2,
 
     plan = discover_plan(model, tp, trace=trace, read_layouts=False)
     mods = dict(model.named_modules())
+
     def join(*parts: str) -> str:
         return ".".join(x for x in parts if x)
 
@@ -170,7 +209,9 @@ def tp_plan_facts(model, trace: TraceResult, tp: int = 2,
                 own = (join(n, k) for k, _ in m.named_parameters(recurse=False))
                 kv.update(trace.param_alias.get(p, p) for p in own)
             continue
-        elif e.role.startswith("rule:"):  # a module rule shards its weight matrices (nn.MultiheadAttention:
+        elif e.role.startswith(
+            "rule:"
+        ):  # a module rule shards its weight matrices (nn.MultiheadAttention:
             # the fused in_proj and out_proj), biases and norms stay whole
             names = [join(n, k) for k, p in m.named_parameters() if p.dim() >= 2]
         else:

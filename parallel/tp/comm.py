@@ -39,7 +39,9 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     dim = dim % x.dim()
     n = dist.get_world_size(group)
     if x.shape[dim] % n:
-        raise ValueError(f"sequence parallel: dimension {dim} of size {x.shape[dim]} is not divisible by tp={n}")
+        raise ValueError(
+            f"sequence parallel: dimension {dim} of size {x.shape[dim]} is not divisible by tp={n}"
+        )
     return _wait(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
 
 
@@ -48,7 +50,8 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[dim] % n:
         raise ValueError(
             f"sequence parallel: dimension {dim % x.dim()} of size {x.shape[dim]} is not divisible by tp={n} "
-            "(pad the sequence to a multiple of tp, or turn sequence_parallel off)")
+            "(pad the sequence to a multiple of tp, or turn sequence_parallel off)"
+        )
     return x.chunk(n, dim)[r].contiguous()
 
 

@@ -50,16 +50,21 @@ def _ranges(mask: torch.Tensor) -> str:
     return ",".join(f"{a}:{b}" for a, b in runs) or "nothing"
 
 
-def slice_reads(outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int) -> list[list[torch.Tensor]]:
+def slice_reads(
+    outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int
+) -> list[list[torch.Tensor]]:
     """reads[s][r]: (out_s,) bool, the features of source ``s``'s output (last dim) that rank
     ``r``'s slice of ``sink_in``'s last dim depends on. ``outs`` and ``sink_in`` are tensors of
     one forward under autograd (its graph kept)."""
     width = sink_in.shape[-1]
     live = [o for o in outs if o is not None]
-    reads = [[torch.zeros(o.shape[-1] if o is not None else 0, dtype=torch.bool) for _ in range(tp)] for o in outs]
+    reads = [
+        [torch.zeros(o.shape[-1] if o is not None else 0, dtype=torch.bool) for _ in range(tp)]
+        for o in outs
+    ]
     gen = torch.Generator().manual_seed(0)  # the cotangent: any fixed values without cancellation
     for r in range(tp):
-        part = sink_in[..., r * width // tp:(r + 1) * width // tp]
+        part = sink_in[..., r * width // tp : (r + 1) * width // tp]
         cot = torch.randn(part.shape, generator=gen, dtype=torch.float32).to(part)
         grads = torch.autograd.grad((part * cot).sum(), live, retain_graph=True, allow_unused=True)
         it = iter(grads)
@@ -117,8 +122,9 @@ def reads_of(idx: torch.Tensor, n: int) -> torch.Tensor:
     return m
 
 
-def read_layout(outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int,
-                guesses: list[int]) -> tuple[list[int] | None, dict[int, list[list[int]]], str]:
+def read_layout(
+    outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int, guesses: list[int]
+) -> tuple[list[int] | None, dict[int, list[list[int]]], str]:
     """Blocks per source as read off the example (None: no layout fits), the rows each rank
     computes of the sources that are replicated (``replicated_rows``; their blocks are 0), and,
     for the log, what each rank's slice reads."""
@@ -130,14 +136,21 @@ def read_layout(outs: list[torch.Tensor | None], sink_in: torch.Tensor, tp: int,
     if all(f is not None for f in fits):
         return [int(f) for f in fits], {}, ""
     bad = [s for s, f in enumerate(fits) if f is None]
-    desc = "; ".join(f"source {s}: " + ", ".join(f"rank {r} reads [{_ranges(reads[s][r])}]" for r in range(tp))
-                     for s in bad)
+    desc = "; ".join(
+        f"source {s}: " + ", ".join(f"rank {r} reads [{_ranges(reads[s][r])}]" for r in range(tp))
+        for s in bad
+    )
     return None, {}, desc
 
 
-def read_pair_blocks(keep: dict[str, list[Any]], mods: dict[str, nn.Module], srcs: list[str], sink: str,
-                     tp: int, guess: dict[str, int]
-                     ) -> tuple[dict[str, int] | None, dict[str, list[list[int]]] | None, str]:
+def read_pair_blocks(
+    keep: dict[str, list[Any]],
+    mods: dict[str, nn.Module],
+    srcs: list[str],
+    sink: str,
+    tp: int,
+    guess: dict[str, int],
+) -> tuple[dict[str, int] | None, dict[str, list[list[int]]] | None, str]:
     """Each source's fused blocks for the pair ``srcs -> sink`` as the example's gradients show
     them (``keep``: ``linear_dataflow``'s [input, output] per linear), and the per-rank rows of
     the replicated ones (blocks 0); the width rule's ``guess`` (and no rows) where the example
@@ -148,8 +161,9 @@ def read_pair_blocks(keep: dict[str, list[Any]], mods: dict[str, nn.Module], src
     if sink_in is None or sink_in.is_meta or any(o is None or o.is_meta for o in outs):
         return guess, None, ""
     widths = [linear_kind(mods[s]).out_features(mods[s]) for s in srcs]
-    if sink_in.shape[-1] != linear_kind(mods[sink]).in_features(mods[sink]) or \
-            any(o.shape[-1] != w for o, w in zip(outs, widths)):
+    if sink_in.shape[-1] != linear_kind(mods[sink]).in_features(mods[sink]) or any(
+        o.shape[-1] != w for o, w in zip(outs, widths)
+    ):
         return guess, None, ""
     read, rows, why = read_layout(outs, sink_in, tp, [guess[s] for s in srcs])
     if read is None:

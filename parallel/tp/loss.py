@@ -43,8 +43,15 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, target: torch.Tensor, *, ignore_index: int = -100,
-                                 reduction: str = "mean", group=None, vocab_start: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    group=None,
+    vocab_start: int | None = None,
+) -> torch.Tensor:
     """``F.cross_entropy(full_logits, target)`` from vocabulary shards. ``logits``: a DTensor
     sharded on its last dim (an LM head under ``loss_parallel``), or this rank's local
     ``(..., V/tp)`` slice with ``group`` and ``vocab_start``. ``target``: (...) full ids."""
@@ -55,8 +62,9 @@ def vocab_parallel_cross_entropy(logits, target: torch.Tensor, *, ignore_index: 
         logits = logits.to_local()
     if group is None or vocab_start is None:
         raise ValueError("vocab_parallel_cross_entropy: local logits need group= and vocab_start=")
-    loss = _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start,
-                                  ignore_index, group)
+    loss = _VocabParallelCE.apply(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), vocab_start, ignore_index, group
+    )
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":

@@ -149,14 +149,23 @@ def _per_head(mod: nn.Module, args: tuple, out: Any) -> bool:
     (>= 4-D: heads split off) input, and an output of the input's shape."""
     x = next((a for a in args if isinstance(a, torch.Tensor)), None)
     ps = list(mod.parameters(recurse=False))
-    return (x is not None and isinstance(out, torch.Tensor) and x.dim() >= 4
-            and out.shape == x.shape and bool(ps)
-            and all(p.dim() == 1 and p.numel() == x.shape[-1] for p in ps))
+    return (
+        x is not None
+        and isinstance(out, torch.Tensor)
+        and x.dim() >= 4
+        and out.shape == x.shape
+        and bool(ps)
+        and all(p.dim() == 1 and p.numel() == x.shape[-1] for p in ps)
+    )
 
 
-def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
-                    keep: dict[str, list[Any]] | None = None,
-                    head_norms: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+def linear_dataflow(
+    model: nn.Module,
+    example_inputs: Any,
+    linears: set[str],
+    keep: dict[str, list[Any]] | None = None,
+    head_norms: dict[str, set[str]] | None = None,
+) -> dict[str, set[str]]:
     """Run one forward (under autograd, on any device incl. meta) and return, for each linear-like
     module, the linears whose outputs reach its input through parameter-free computation only:
     the autograd graph is walked back from each linear's input and stops at the output of any
@@ -173,27 +182,46 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
 
     def pre(name):
         def hook(mod, args, kwargs):
-            ts = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+            ts = [
+                a
+                for a in list(args) + list(kwargs.values())
+                if isinstance(a, torch.Tensor) and a.grad_fn is not None
+            ]
             inputs.setdefault(name, []).extend(t.grad_fn for t in ts)
             if keep is not None and name not in keep and ts:
                 keep[name] = [ts[0], None]
+
         return hook
 
     def post(name):
         def hook(mod, args, kwargs, out):
-            outs = [out] if isinstance(out, torch.Tensor) else [o for o in (out if isinstance(out, tuple | list) else ()) if isinstance(o, torch.Tensor)]
+            outs = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [
+                    o
+                    for o in (out if isinstance(out, tuple | list) else ())
+                    if isinstance(o, torch.Tensor)
+                ]
+            )
             if name not in linears and _per_head(mod, args, out):
                 norm_inputs.setdefault(name, []).extend(
-                    a.grad_fn for a in args
-                    if isinstance(a, torch.Tensor) and a.grad_fn is not None)
+                    a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None
+                )
                 return
             for o in outs:
                 if o.grad_fn is not None:
                     barrier.setdefault(o.grad_fn, name)
-            if keep is not None and name in linears and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            if (
+                keep is not None
+                and name in linears
+                and isinstance(out, torch.Tensor)
+                and out.grad_fn is not None
+            ):
                 keep.setdefault(name, [None, None])
                 if keep[name][1] is None:
                     keep[name][1] = out
+
         return hook
 
     for n, m in mods.items():
@@ -206,7 +234,13 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
             if isinstance(example_inputs, dict):
                 model(**example_inputs)
             else:
-                model(*(example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)))
+                model(
+                    *(
+                        example_inputs
+                        if isinstance(example_inputs, tuple | list)
+                        else (example_inputs,)
+                    )
+                )
     finally:
         for h in handles:
             h.remove()
@@ -237,7 +271,10 @@ def linear_dataflow(model: nn.Module, example_inputs: Any, linears: set[str],
     if head_norms is not None:
         for n, gs in norm_inputs.items():
             head_norms[n] = {s for g in gs for s in sources(g) if s in linears}
-    return {b: {s for g in gs for s in sources(g) if s in linears and s != b} for b, gs in inputs.items()}
+    return {
+        b: {s for g in gs for s in sources(g) if s in linears and s != b}
+        for b, gs in inputs.items()
+    }
 
 
 def _head_norm_by_name(mods: dict, name: str) -> bool:
@@ -248,8 +285,9 @@ def _head_norm_by_name(mods: dict, name: str) -> bool:
     return isinstance(hd, int) and bool(ps) and all(p.dim() == 1 and p.numel() == hd for p in ps)
 
 
-def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str],
-                    head_norms: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
+def _edges_dataflow(
+    trace: TraceResult, mods: dict, linears: set[str], head_norms: dict[str, set[str]] | None = None
+) -> dict[str, set[str]]:
     succ: dict[str, set[str]] = {}
     for a, b, _ in trace.edges():
         if a != b:
@@ -273,21 +311,34 @@ def _edges_dataflow(trace: TraceResult, mods: dict, linears: set[str],
     return out
 
 
-def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, example_inputs: Any = None, *,
-                  sequence_parallel: bool = False, loss_fn=None, shard_embedding: bool = True,
-                  shard_lm_head: bool = True, read_layouts: bool = True) -> TPPlan:
+def discover_plan(
+    model: nn.Module,
+    tp: int,
+    trace: TraceResult | None = None,
+    example_inputs: Any = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_fn=None,
+    shard_embedding: bool = True,
+    shard_lm_head: bool = True,
+    read_layouts: bool = True,
+) -> TPPlan:
     """The TP plan for ``model`` at degree ``tp`` (see module doc). Raises ValueError, before
     anything is changed, when tp does not divide a head count or a width the plan needs.
     ``read_layouts``: read each pair's fused layout off the example's gradients
     (``parallel.tp.layout``; needs real, not meta, tensors) instead of trusting the width rule."""
     if trace is None and example_inputs is None:
-        raise ValueError("tp plan discovery needs example inputs (or a TraceResult) to see the dataflow")
+        raise ValueError(
+            "tp plan discovery needs example inputs (or a TraceResult) to see the dataflow"
+        )
     mods = dict(model.named_modules())
     plan = TPPlan()
     tied = tied_modules(model)
     for n, desc in tied.items():
         if n in mods and _has_params(mods[n]):
-            plan.entries[n] = TPEntry("replicate", reason=f"tied parameter ({desc}): left replicated")
+            plan.entries[n] = TPEntry(
+                "replicate", reason=f"tied parameter ({desc}): left replicated"
+            )
 
     claimed: list[str] = []  # subtrees owned by module rules
     for n, m in mods.items():
@@ -300,7 +351,9 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             for attr in HEAD_ATTRS:  # fail before sharding anything
                 v = getattr(m, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v % tp:
-                    raise ValueError(f"tp={tp} does not divide the head count {n}.{attr}={v}; choose a tp that divides it")
+                    raise ValueError(
+                        f"tp={tp} does not divide the head count {n}.{attr}={v}; choose a tp that divides it"
+                    )
 
     def free(n: str) -> bool:
         return not any(n == c or n.startswith(c + ".") for c in claimed) and n not in plan.entries
@@ -327,8 +380,11 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         if b in used or any(s in used for s in srcs) or any(R[s] != {b} for s in srcs):
             continue
         owner = _lca(srcs + [b])
-        inside = [mn for mn in mods
-                  if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn)]
+        inside = [
+            mn
+            for mn in mods
+            if (mn == owner or (owner and mn.startswith(owner + "."))) and free(mn)
+        ]
         # validate head counts now, so a bad layout fails before anything is sharded (key/value
         # heads tp does not divide are replicated instead)
         for mn in inside:
@@ -337,9 +393,11 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
                 if attr in KV_HEAD_ATTRS or not isinstance(v, int) or isinstance(v, bool):
                     continue
                 if v % tp:
-                    raise ValueError(f"tp={tp} does not divide the head count "
-                                     f"{mn or type(model).__name__}.{attr}={v}; "
-                                     f"choose a tp that divides it")
+                    raise ValueError(
+                        f"tp={tp} does not divide the head count "
+                        f"{mn or type(model).__name__}.{attr}={v}; "
+                        f"choose a tp that divides it"
+                    )
         kb = linear_kind(mods[b])
         width = kb.in_features(mods[b])
         blocks = {}
@@ -351,28 +409,37 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             blocks[s] = 0 if s in rows else k
             if s not in rows and (out // k) % tp and not keep:
                 ok = False
-                plan.log.append(f"{s} -> {b}: width {out} not divisible by tp={tp}; {LEFT_REPLICATED}")
+                plan.log.append(
+                    f"{s} -> {b}: width {out} not divisible by tp={tp}; {LEFT_REPLICATED}"
+                )
         if width % tp:
             ok = False
         if not ok:
             continue
         if keep:
-            read, read_rows, why = read_pair_blocks(keep, mods, srcs, b, tp,
-                                                    {s: k or 1 for s, k in blocks.items()})
+            read, read_rows, why = read_pair_blocks(
+                keep, mods, srcs, b, tp, {s: k or 1 for s, k in blocks.items()}
+            )
             if read is not None and read_rows is not None:
                 rows = read_rows
             elif read is not None:  # the example could not tell: the width rule's guess
                 read = blocks
             if read is None:
                 for n in srcs + [b]:
-                    plan.entries[n] = TPEntry("replicate", reason=f"fused layout fits no DTensor placement: {why}")
-                plan.log.append(f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); {LEFT_REPLICATED}")
+                    plan.entries[n] = TPEntry(
+                        "replicate", reason=f"fused layout fits no DTensor placement: {why}"
+                    )
+                plan.log.append(
+                    f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); {LEFT_REPLICATED}"
+                )
                 used.update(srcs + [b])
                 continue
             for s in srcs:
                 if read[s] != blocks[s] and read[s] and blocks[s]:
-                    plan.log.append(f"{s}: fused layout read from the dataflow: blocks={read[s]} "
-                                    f"(the width rule said {blocks[s]})")
+                    plan.log.append(
+                        f"{s}: fused layout read from the dataflow: blocks={read[s]} "
+                        f"(the width rule said {blocks[s]})"
+                    )
             blocks = read
         for s in srcs:
             if s in rows:
@@ -388,8 +455,12 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         gid += 1
 
     # the vocabulary: the width of a final linear (one feeding no other linear) or config.vocab_size
-    vocab = {linear_kind(mods[n]).out_features(mods[n]) for n in linears - used
-             if not R.get(n) and linear_kind(mods[n]).out_features(mods[n]) > linear_kind(mods[n]).in_features(mods[n])}
+    vocab = {
+        linear_kind(mods[n]).out_features(mods[n])
+        for n in linears - used
+        if not R.get(n)
+        and linear_kind(mods[n]).out_features(mods[n]) > linear_kind(mods[n]).in_features(mods[n])
+    }
     vocab &= {m.num_embeddings for m in mods.values() if isinstance(m, nn.Embedding)}
     if isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
         vocab.add(model.config.vocab_size)
@@ -397,18 +468,29 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
         m = mods[n]
         out = linear_kind(m).out_features(m)
         if shard_lm_head and out in vocab and out % tp == 0 and not R.get(n):
-            plan.entries[n] = TPEntry("lm_head", reason="vocab-sharded; output gathered (or DTensor with loss_parallel)")
+            plan.entries[n] = TPEntry(
+                "lm_head", reason="vocab-sharded; output gathered (or DTensor with loss_parallel)"
+            )
         else:
             plan.entries[n] = TPEntry("replicate", reason="no row-parallel partner in the dataflow")
     for n, m in mods.items():
         if isinstance(m, nn.Embedding) and free(n):
-            if shard_embedding and m.num_embeddings in vocab and m.num_embeddings % tp == 0 and m.max_norm is None:
+            if (
+                shard_embedding
+                and m.num_embeddings in vocab
+                and m.num_embeddings % tp == 0
+                and m.max_norm is None
+            ):
                 plan.entries[n] = TPEntry("vocab_embedding")
             else:
                 plan.entries[n] = TPEntry("replicate", reason="small or indivisible embedding")
 
     if sequence_parallel:
-        pair_mods = [n for n, e in plan.entries.items() if e.role in ("colwise", "rowwise") or e.role.startswith("rule:")]
+        pair_mods = [
+            n
+            for n, e in plan.entries.items()
+            if e.role in ("colwise", "rowwise") or e.role.startswith("rule:")
+        ]
         for _, blocks in find_block_lists(model):
             inside = [blk for blk in blocks if any(p.startswith(blk + ".") for p in pair_mods)]
             if len(inside) != len(blocks):
@@ -416,7 +498,11 @@ def discover_plan(model: nn.Module, tp: int, trace: TraceResult | None = None, e
             plan.regions.append((blocks[0], blocks[-1]))
             for blk in blocks:
                 for mn, m in mods.items():
-                    if mn.startswith(blk + ".") and free(mn) and any(True for _ in m.parameters(recurse=False)):
+                    if (
+                        mn.startswith(blk + ".")
+                        and free(mn)
+                        and any(True for _ in m.parameters(recurse=False))
+                    ):
                         if not any(mn.startswith(c + ".") for c in pair_mods):
                             plan.entries[mn] = TPEntry("sequence_local")
         if not plan.regions:
@@ -436,8 +522,9 @@ def _head_dim(mods: dict[str, nn.Module], names: list[str]) -> int | None:
     return None
 
 
-def _kv_rows_by_width(mods: dict[str, nn.Module], inside: list[str], srcs: list[str], width: int,
-                      tp: int) -> dict[str, list[list[int]]]:
+def _kv_rows_by_width(
+    mods: dict[str, nn.Module], inside: list[str], srcs: list[str], width: int, tp: int
+) -> dict[str, list[list[int]]]:
     """The width rule for key/value heads (meta tensors, stored traces): a source of a
     multi-source pair narrower than the sink's input holds ``out / head_dim`` key/value heads
     (``head_dim`` from the pair's owner); fewer than tp (tp a multiple of them): replicated, rank
@@ -468,15 +555,17 @@ def _kv_notes(plan: TPPlan, mods: dict[str, nn.Module], tp: int) -> list[str]:
         owner = plan.owners[gid]
         kind = type(mods[owner]).__name__
         e = plan.entries[kv[0]]
-        rec = kinds.setdefault(kind, [0, [s[len(owner) + 1:] if owner else s for s in kv], e])
+        rec = kinds.setdefault(kind, [0, [s[len(owner) + 1 :] if owner else s for s in kv], e])
         rec[0] += 1
     notes = []
     for kind, (count, names, e) in kinds.items():
         groups = tp // e.factor
-        notes.append(f"replicated K/V in {count} {kind} module(s): {', '.join(names)} whole on "
-                     f"every rank ({groups} key/value head group(s) for tp={tp}, each read by "
-                     f"{e.factor} ranks); each rank computes the {len(e.rows[0])} features its "
-                     f"query heads read, gradients summed over the tp group")
+        notes.append(
+            f"replicated K/V in {count} {kind} module(s): {', '.join(names)} whole on "
+            f"every rank ({groups} key/value head group(s) for tp={tp}, each read by "
+            f"{e.factor} ranks); each rank computes the {len(e.rows[0])} features its "
+            f"query heads read, gradients summed over the tp group"
+        )
     return notes
 
 
@@ -485,16 +574,20 @@ def _gather_point(plan: TPPlan, gid: int, srcs: list[str]) -> str | None:
     gathers its own). The pair's owner when nothing in it runs on a sequence shard (an attention
     module, which reads the sequence length off its input), else the sources' common parent."""
     owner = plan.owners.get(gid, "")
-    inside = [n for n, e in plan.entries.items() if e.role == "sequence_local" and
-              (n == owner or n.startswith(owner + "."))]
+    inside = [
+        n
+        for n, e in plan.entries.items()
+        if e.role == "sequence_local" and (n == owner or n.startswith(owner + "."))
+    ]
     if owner and owner not in srcs and not inside:
         return owner
     top = _lca(srcs)
     return top if len(srcs) > 1 and top not in srcs else None
 
 
-def head_divisions(model: nn.Module, plan: TPPlan, groups: set[int] | None = None,
-                   tp: int | None = None) -> list[tuple[str, str, int]]:
+def head_divisions(
+    model: nn.Module, plan: TPPlan, groups: set[int] | None = None, tp: int | None = None
+) -> list[tuple[str, str, int]]:
     """(module, attribute, divisor) for what sharding ``plan``'s pairs (those in ``groups``;
     None: all) divides: by tp every head count (``HEAD_ATTRS``) in each pair owner's subtree and
     every size attribute (``SIZE_ATTRS``) equal to the width of one block of the pair's first
@@ -536,12 +629,25 @@ def head_divisions(model: nn.Module, plan: TPPlan, groups: set[int] | None = Non
     return out
 
 
-def apply_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-               loss_parallel: bool = False, seq_dim: int = 1, quiet: bool = False) -> TPContext:
+def apply_plan(
+    model: nn.Module,
+    plan: TPPlan,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    seq_dim: int = 1,
+    quiet: bool = False,
+) -> TPContext:
     """Shard ``model`` in place following ``plan``; returns the context (with its log). ``quiet``:
     keep the log in the context only (the self-check's trial copies)."""
-    ctx = TPContext(mesh, sequence_parallel=sequence_parallel and bool(plan.regions), seq_dim=seq_dim,
-                    loss_parallel=loss_parallel, echo=not quiet)
+    ctx = TPContext(
+        mesh,
+        sequence_parallel=sequence_parallel and bool(plan.regions),
+        seq_dim=seq_dim,
+        loss_parallel=loss_parallel,
+        echo=not quiet,
+    )
     for msg in plan.log:  # a unit the plan meant to shard and did not: one warning line, with why
         ctx.note(msg, logging.WARNING if LEFT_REPLICATED in msg else logging.INFO)
     mods = dict(model.named_modules())

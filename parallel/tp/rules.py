@@ -29,8 +29,16 @@ except ImportError:  # pragma: no cover
     _StridedShard = None
 
 # attributes holding a head count: divided by tp on the module that owns a sharded pair
-HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "heads",
-              "num_key_value_heads", "num_kv_heads", "n_kv_heads")
+HEAD_ATTRS = (
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+)
 # of those, key/value head counts: with fewer key/value heads than tp ranks the k / v sources are
 # replicated and these become the heads each rank computes (``parallel.tp.plan``)
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -75,15 +83,25 @@ class TPContext:
         p = m._parameters[pname]
         n = p.shape[dim]
         if n % (self.size * blocks):
-            raise ValueError(f"tp={self.size}: {type(m).__name__}.{pname} dimension {dim} of size {n} "
-                             f"is not divisible into {blocks} block(s) x {self.size} shards")
+            raise ValueError(
+                f"tp={self.size}: {type(m).__name__}.{pname} dimension {dim} of size {n} "
+                f"is not divisible into {blocks} block(s) x {self.size} shards"
+            )
         if blocks == 1:
             loc, placement = p.detach().chunk(self.size, dim)[self.rank], Shard(dim)
         else:
-            loc = torch.cat([b.chunk(self.size, dim)[self.rank] for b in p.detach().chunk(blocks, dim)], dim)
+            loc = torch.cat(
+                [b.chunk(self.size, dim)[self.rank] for b in p.detach().chunk(blocks, dim)], dim
+            )
             placement = _StridedShard(dim, split_factor=blocks)
-        d = DTensor.from_local(loc.contiguous(), self.mesh, [placement], run_check=False,
-                               shape=p.shape, stride=p.stride())
+        d = DTensor.from_local(
+            loc.contiguous(),
+            self.mesh,
+            [placement],
+            run_check=False,
+            shape=p.shape,
+            stride=p.stride(),
+        )
         m._parameters[pname] = nn.Parameter(d, requires_grad=p.requires_grad)
 
     def divide_attr(self, m: nn.Module, attr: str, by: int | None = None) -> None:
@@ -91,8 +109,10 @@ class TPContext:
         by = by or self.size
         v = getattr(m, attr)
         if v % by:
-            raise ValueError(f"tp={self.size} does not divide {type(m).__name__}.{attr}={v}: "
-                             f"choose a tp that divides the head count")
+            raise ValueError(
+                f"tp={self.size} does not divide {type(m).__name__}.{attr}={v}: "
+                f"choose a tp that divides the head count"
+            )
         setattr(m, attr, v // by)
         self.note(f"{type(m).__name__}.{attr}: {v} -> {v // by} per rank")
 
@@ -103,7 +123,11 @@ class TPContext:
             c = getattr(cache_owner, "_tp_in_cache", None)
             if c is not None and c[0]() is x and c[1]() is not None:
                 return c[1]()
-        y = comm.gather_seq(x, self.seq_dim, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        y = (
+            comm.gather_seq(x, self.seq_dim, self.group)
+            if self.sequence_parallel
+            else comm.copy_to_tp(x, self.group)
+        )
         if cache_owner is not None:
             cache_owner._tp_in_cache = (weakref.ref(x), weakref.ref(y))
         return y
@@ -115,9 +139,16 @@ class TPContext:
         return comm.reduce_from_tp(y, self.group)
 
     # ------------------------------------------------------------------ module forms
-    def colwise(self, m: nn.Module, blocks: int = 1, *, gather_output: bool = False,
-                input_group: object | None = None, sequence_input: bool | None = None,
-                input_ready: bool = False) -> None:
+    def colwise(
+        self,
+        m: nn.Module,
+        blocks: int = 1,
+        *,
+        gather_output: bool = False,
+        input_group: object | None = None,
+        sequence_input: bool | None = None,
+        input_ready: bool = False,
+    ) -> None:
         """Column-parallel linear: output features sharded (``blocks`` fused equal blocks).
         ``input_ready``: the input was already gathered by ``gather_input`` on a parent."""
         kind = linear_kind(m)
@@ -134,7 +165,11 @@ class TPContext:
                 x = sub._enter(x, input_group)
             b = self_.bias
             if fused_bias:  # full bias kept replicated; this rank's slice of each block
-                b = comm.grad_all_reduce(b, ctx.group).view(blocks, ctx.size, -1)[:, ctx.rank].reshape(-1)
+                b = (
+                    comm.grad_all_reduce(b, ctx.group)
+                    .view(blocks, ctx.size, -1)[:, ctx.rank]
+                    .reshape(-1)
+                )
             y = kind.compute(x, local(self_.weight), local(b) if b is not None else None)
             if gather_output:
                 if ctx.loss_parallel:
@@ -145,8 +180,14 @@ class TPContext:
         m.forward = types.MethodType(forward, m)
         self.sharded.add(id(m))
 
-    def replicated_rows(self, m: nn.Module, rows: list[int], *, input_group: object | None = None,
-                        input_ready: bool = False) -> None:
+    def replicated_rows(
+        self,
+        m: nn.Module,
+        rows: list[int],
+        *,
+        input_group: object | None = None,
+        input_ready: bool = False,
+    ) -> None:
         """A linear kept whole on every rank of which this rank computes the output features
         ``rows`` (the key/value heads its query heads read, when the ranks outnumber them). Its
         weight's (and bias's) gradient is summed over the tp group: each rank's holds the part
@@ -186,7 +227,9 @@ class TPContext:
             if self_.bias is None:
                 return y
             # under SP each rank adds the bias to its own sequence chunk: sum its gradient
-            return y + (comm.grad_all_reduce(self_.bias, ctx.group) if ctx.sequence_parallel else self_.bias)
+            return y + (
+                comm.grad_all_reduce(self_.bias, ctx.group) if ctx.sequence_parallel else self_.bias
+            )
 
         m.forward = types.MethodType(forward, m)
         self.sharded.add(id(m))
@@ -204,8 +247,15 @@ class TPContext:
             outside = (ids < start) | (ids >= start + n)
             pad = self_.padding_idx
             pad = pad - start if pad is not None and start <= pad < start + n else None
-            y = F.embedding((ids - start).masked_fill(outside, 0), local(self_.weight), pad,
-                            None, 2.0, self_.scale_grad_by_freq, self_.sparse)
+            y = F.embedding(
+                (ids - start).masked_fill(outside, 0),
+                local(self_.weight),
+                pad,
+                None,
+                2.0,
+                self_.scale_grad_by_freq,
+                self_.sparse,
+            )
             return comm.reduce_from_tp(y.masked_fill(outside[..., None], 0.0), ctx.group)
 
         m.forward = types.MethodType(forward, m)
@@ -222,7 +272,11 @@ class TPContext:
         its gradient), for modules that read the sequence length from their input (HF attention)."""
         ctx = self
         m.register_forward_pre_hook(
-            lambda mod, a, k: _map_hidden(a, k, lambda t: comm.gather_seq(t, ctx.seq_dim, ctx.group)), with_kwargs=True)
+            lambda mod, a, k: _map_hidden(
+                a, k, lambda t: comm.gather_seq(t, ctx.seq_dim, ctx.group)
+            ),
+            with_kwargs=True,
+        )
 
     def sequence_region(self, first: nn.Module, last: nn.Module) -> None:
         """Hidden states are split over the sequence at ``first``'s input and gathered again at
@@ -236,12 +290,16 @@ class TPContext:
                 return comm.gather_from_seq(out, ctx.seq_dim, ctx.group)
             if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
                 return (comm.gather_from_seq(out[0], ctx.seq_dim, ctx.group), *out[1:])
-            raise TypeError(f"sequence parallel: cannot find the hidden states in {type(out).__name__}")
+            raise TypeError(
+                f"sequence parallel: cannot find the hidden states in {type(out).__name__}"
+            )
 
         first_fwd = first.forward
 
         def split_then_forward(*args, **kwargs):
-            args, kwargs = _map_hidden(args, kwargs, lambda t: comm.split_seq(t, ctx.seq_dim, ctx.group))
+            args, kwargs = _map_hidden(
+                args, kwargs, lambda t: comm.split_seq(t, ctx.seq_dim, ctx.group)
+            )
             return first_fwd(*args, **kwargs)
 
         first.forward = split_then_forward
@@ -277,7 +335,7 @@ def _map_hidden(args, kwargs, fn):
         return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
-            return (*args[:i], fn(a), *args[i + 1:]), kwargs
+            return (*args[:i], fn(a), *args[i + 1 :]), kwargs
     key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
     return args, {**kwargs, key: fn(kwargs[key])}
 
@@ -301,42 +359,69 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
     default) the attention probabilities are computed explicitly and returned whole: averaged over
     the heads (one all-reduce) or per head (one all-gather)."""
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
-        raise NotImplementedError("tp: nn.MultiheadAttention with kdim/vdim, bias_k/v or add_zero_attn")
+        raise NotImplementedError(
+            "tp: nn.MultiheadAttention with kdim/vdim, bias_k/v or add_zero_attn"
+        )
     ctx.divide_attr(m, "num_heads")
     ctx.shard_param(m, "in_proj_weight", 0, blocks=3)
     has_bias = m.in_proj_bias is not None
     ctx.rowwise(m.out_proj)
 
-    def forward(self_, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self_,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         def batch_first(t: torch.Tensor) -> torch.Tensor:
             return t if self_.batch_first else t.transpose(0, 1)  # (B, L, E)
 
         w = local(self_.in_proj_weight)  # (3 E/tp, E): this rank's rows of q, k and v
         b = None
         if has_bias:
-            b = comm.grad_all_reduce(self_.in_proj_bias, ctx.group).view(3, ctx.size, -1)[:, ctx.rank].reshape(-1)
+            b = (
+                comm.grad_all_reduce(self_.in_proj_bias, ctx.group)
+                .view(3, ctx.size, -1)[:, ctx.rank]
+                .reshape(-1)
+            )
         if _same_values(query, key) and _same_values(key, value):  # self-attention: one projection
             qkv = F.linear(ctx._enter(batch_first(query), None), w, b)  # (B, L, 3 E/tp)
-            q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, h, L, hd)
+            q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(
+                2, 0, 3, 1, 4
+            )  # 3 x (B, h, L, hd)
         else:
             ws, bs = w.chunk(3), (b.chunk(3) if b is not None else (None,) * 3)
             xq = ctx._enter(batch_first(query), None)
             xk = ctx._enter(batch_first(key), None)
             xv = xk if _same_values(key, value) else ctx._enter(batch_first(value), None)
-            q, k, v = (F.linear(x, wi, bi).unflatten(-1, (self_.num_heads, -1)).transpose(1, 2)  # (B, h, L, hd)
-                       for x, wi, bi in zip((xq, xk, xv), ws, bs))
+            q, k, v = (
+                F.linear(x, wi, bi)
+                .unflatten(-1, (self_.num_heads, -1))
+                .transpose(1, 2)  # (B, h, L, hd)
+                for x, wi, bi in zip((xq, xk, xv), ws, bs)
+            )
         mask = _sdpa_mask(attn_mask, key_padding_mask, q)
         p = self_.dropout if self_.training else 0.0
         weights = None
         if need_weights:  # torch's default: the probabilities too, which SDPA does not return
-            y, probs = _attention_with_weights(q, k, v, mask, is_causal and mask is None, p)  # (B, h/tp, Lq, Lk)
+            y, probs = _attention_with_weights(
+                q, k, v, mask, is_causal and mask is None, p
+            )  # (B, h/tp, Lq, Lk)
             if average_attn_weights:  # the mean over all heads: this rank's sum, summed over ranks
-                weights = comm.reduce_from_tp(probs.sum(1), ctx.group) / (self_.num_heads * ctx.size)
+                weights = comm.reduce_from_tp(probs.sum(1), ctx.group) / (
+                    self_.num_heads * ctx.size
+                )
             else:  # every head, in head order (rank r holds heads r*h/tp .. (r+1)*h/tp - 1)
                 weights = comm.gather_from_seq(probs, 1, ctx.group)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal and mask is None)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal and mask is None
+            )
         y = self_.out_proj(y.transpose(1, 2).flatten(2))  # (B, Lq, E)
         # the weights are batch first whatever ``batch_first`` says, as nn.MultiheadAttention's
         return (y if self_.batch_first else y.transpose(0, 1)), weights
@@ -345,15 +430,23 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
     ctx.sharded.add(id(m))
 
 
-def _attention_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                            is_causal: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention computed step by step, as ``F.multi_head_attention_forward`` does when asked for
     its weights: (output (B, h, Lq, hd), probabilities after dropout (B, h, Lq, Lk))."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (B, h, Lq, Lk)
     if mask is not None:
         scores = scores + mask
     elif is_causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(
+            torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")
+        )
     w = scores.softmax(-1)
     if dropout_p > 0.0:
         w = F.dropout(w, dropout_p)
@@ -365,17 +458,25 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     stride (so the same values). FSDP2 hands a unit's tensor arguments on through an autograd
     function (its post-backward hook), which turns ``attn(x, x, x)`` into three distinct aliases
     of ``x``: identity alone would take that self-attention for cross-attention."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-                      and a.dtype == b.dtype and a.device == b.device)
+    return a is b or (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def _sdpa_mask(attn_mask, key_padding_mask, q):
     """MHA masks (bool True = masked out, or additive float) as one SDPA mask (additive float)."""
+
     def additive(mk):
         if mk is None:
             return None
         if mk.dtype == torch.bool:
-            return torch.zeros(mk.shape, dtype=q.dtype, device=q.device).masked_fill(mk, float("-inf"))
+            return torch.zeros(mk.shape, dtype=q.dtype, device=q.device).masked_fill(
+                mk, float("-inf")
+            )
         return mk.to(q.dtype)
 
     mask = additive(attn_mask)

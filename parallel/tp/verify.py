@@ -139,12 +139,17 @@ def capture_inputs(model: nn.Module, plan: TPPlan, example_inputs: Any) -> Captu
 
             try:
                 cap.calls[name] = copy.deepcopy(_map((tuple(args), dict(kwargs)), detach))
-            except Exception as e:  # an input object that cannot be copied: the unit fails its check
+            except (
+                Exception
+            ) as e:  # an input object that cannot be copied: the unit fails its check
                 cap.calls[name] = ((), {"__not_copied__": f"{type(e).__name__}: {e}"})
             cap.needs_grad[name] = flags
+
         return hook
 
-    produced: dict[int, tuple[str, int, torch.Tensor]] = {}  # id -> (unit, output index, tensor kept alive)
+    produced: dict[
+        int, tuple[str, int, torch.Tensor]
+    ] = {}  # id -> (unit, output index, tensor kept alive)
 
     def post(name: str):
         def hook(mod, args, out):
@@ -152,6 +157,7 @@ def capture_inputs(model: nn.Module, plan: TPPlan, example_inputs: Any) -> Captu
                 cap.consumed[name] = set()
                 for i, t in enumerate(_tensors(out)):
                     produced.setdefault(id(t), (name, i, t))
+
         return hook
 
     def consumer(mod, args, kwargs):
@@ -160,7 +166,9 @@ def capture_inputs(model: nn.Module, plan: TPPlan, example_inputs: Any) -> Captu
             if hit is not None and hit[2] is t:
                 cap.consumed[hit[0]].add(hit[1])
 
-    handles = [mods[u].register_forward_pre_hook(pre(u), with_kwargs=True) for u in units if u in mods]
+    handles = [
+        mods[u].register_forward_pre_hook(pre(u), with_kwargs=True) for u in units if u in mods
+    ]
     handles += [mods[u].register_forward_hook(post(u)) for u in units if u in mods]
     handles += [m.register_forward_pre_hook(consumer, with_kwargs=True) for m in model.modules()]
     modes = [(m, m.training) for m in model.modules()]
@@ -208,8 +216,9 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _forward(mod: nn.Module, call: tuple[tuple, dict], needs_grad: list[bool]
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _forward(
+    mod: nn.Module, call: tuple[tuple, dict], needs_grad: list[bool]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``mod``'s output tensors on a fresh copy of a captured call (floating inputs in fp32; those
     that carried gradients in the model require grad), in eval mode; and those inputs."""
     args, kwargs = copy.deepcopy(call)
@@ -239,13 +248,17 @@ def _forward(mod: nn.Module, call: tuple[tuple, dict], needs_grad: list[bool]
     return _tensors(out), ins
 
 
-def _grads(outs: list[torch.Tensor], idx: list[int], wrt: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+def _grads(
+    outs: list[torch.Tensor], idx: list[int], wrt: list[torch.Tensor]
+) -> list[torch.Tensor | None] | None:
     """Gradients of sum_i <outs[i], c_i> (c_i: fixed random, the same on every run) w.r.t. ``wrt``."""
     loss = None
     for i in idx:
         o = outs[i]
         if o.requires_grad and o.is_floating_point():
-            c = torch.randn(o.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32).to(o.device)
+            c = torch.randn(
+                o.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32
+            ).to(o.device)
             loss = (o.float() * c).sum() if loss is None else loss + (o.float() * c).sum()
     if loss is None or not wrt:
         return None
@@ -256,9 +269,13 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], floor: float) -> tuple[float, str]:
+def _worst(
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], floor: float
+) -> tuple[float, str]:
     """Largest max|x - x_ref| / max(max|x_ref|, floor * the largest max|x_ref| of the list)."""
-    top = max((float(r.abs().max()) for _, _, r in pairs if r is not None and r.numel()), default=0.0)
+    top = max(
+        (float(r.abs().max()) for _, _, r in pairs if r is not None and r.numel()), default=0.0
+    )
     err, what = 0.0, ""
     for name, x, r in pairs:
         if x is None and r is None:
@@ -275,14 +292,17 @@ def _worst(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]], fl
     return err, what
 
 
-def _sub_plan(plan: TPPlan, unit: str, unit_of: dict[str, str], live: set[str]) -> tuple[TPPlan, bool]:
+def _sub_plan(
+    plan: TPPlan, unit: str, unit_of: dict[str, str], live: set[str]
+) -> tuple[TPPlan, bool]:
     """The entries of ``live`` units inside ``unit``, renamed for a host module holding a copy of
     ``unit`` as child ``u`` (the root: the copy itself, names unchanged). Returns (plan, hosted)."""
+
     def inside(n: str) -> bool:
         return not unit or n == unit or n.startswith(unit + ".")
 
     def rel(n: str) -> str:
-        return n if not unit else ("u" if n == unit else "u." + n[len(unit) + 1:])
+        return n if not unit else ("u" if n == unit else "u." + n[len(unit) + 1 :])
 
     sub = TPPlan()
     for n, e in plan.entries.items():
@@ -293,8 +313,15 @@ def _sub_plan(plan: TPPlan, unit: str, unit_of: dict[str, str], live: set[str]) 
     return sub, bool(unit)
 
 
-def _check_unit(model: nn.Module, unit: str, plan: TPPlan, unit_of: dict[str, str], live: set[str],
-                mesh: DeviceMesh, captured: CapturedInputs) -> tuple[float, str]:
+def _check_unit(
+    model: nn.Module,
+    unit: str,
+    plan: TPPlan,
+    unit_of: dict[str, str],
+    live: set[str],
+    mesh: DeviceMesh,
+    captured: CapturedInputs,
+) -> tuple[float, str]:
     """Largest relative error of the sharded copy of ``unit`` against ``unit`` itself, and where."""
     if unit not in captured.calls:
         return math.inf, "not called in the example's forward"
@@ -314,18 +341,31 @@ def _check_unit(model: nn.Module, unit: str, plan: TPPlan, unit_of: dict[str, st
     # only the outputs' structure decides what runs next (values may differ between the ranks of
     # a broken layout; the collectives of the backward below must line up on every rank)
     if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:
-        return math.inf, f"outputs {[tuple(t.shape) for t in y]}, replicated {[tuple(t.shape) for t in y_ref]}"
+        return (
+            math.inf,
+            f"outputs {[tuple(t.shape) for t in y]}, replicated {[tuple(t.shape) for t in y_ref]}",
+        )
     # the first output must agree in shape, and so must every output a later module takes in;
     # the others (per-head attention weights nothing reads) may stay sharded
     for i in sorted(captured.consumed.get(unit, ())):
         if i < len(y) and y[i].shape != y_ref[i].shape:
-            return math.inf, (f"output {i}, which a later module takes in, has shape {tuple(y[i].shape)}, "
-                              f"replicated {tuple(y_ref[i].shape)}")
+            return math.inf, (
+                f"output {i}, which a later module takes in, has shape {tuple(y[i].shape)}, "
+                f"replicated {tuple(y_ref[i].shape)}"
+            )
     idx = [i for i in range(len(y)) if y[i].shape == y_ref[i].shape]
-    err, what = _worst([(f"output {i}", y[i].detach(), y_ref[i].detach()) for i in idx
-                        if y[i].is_floating_point() or y_ref[i].is_floating_point()], 0.0)
+    err, what = _worst(
+        [
+            (f"output {i}", y[i].detach(), y_ref[i].detach())
+            for i in idx
+            if y[i].is_floating_point() or y_ref[i].is_floating_point()
+        ],
+        0.0,
+    )
     for i in idx:
-        if not (y[i].is_floating_point() or y_ref[i].is_floating_point()) and not torch.equal(y[i], y_ref[i]):
+        if not (y[i].is_floating_point() or y_ref[i].is_floating_point()) and not torch.equal(
+            y[i], y_ref[i]
+        ):
             err, what = math.inf, f"output {i}"
     p_ref = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
     p_trial = dict(trial.named_parameters())
@@ -342,7 +382,9 @@ def _check_unit(model: nn.Module, unit: str, plan: TPPlan, unit_of: dict[str, st
     # gradients relative to their own scale, floored at 1% of the largest (a key bias's gradient
     # is zero in exact arithmetic: its rounding noise is not an error)
     ep, wp = _worst([(f"gradient of {n}", g[i], g_ref[i]) for i, (n, _) in enumerate(p_ref)], 1e-2)
-    ex, wx = _worst([(f"input gradient {i}", g[k + i], g_ref[k + i]) for i in range(len(x_ref))], 1e-2)
+    ex, wx = _worst(
+        [(f"input gradient {i}", g[k + i], g_ref[k + i]) for i in range(len(x_ref))], 1e-2
+    )
     found = [(e, w) for e, w in ((err, what), (ep, wp), (ex, wx)) if w]
     return max(err, ep, ex), "; ".join(f"{w}: {e:.1e}" for e, w in found)
 
@@ -372,7 +414,9 @@ def _same_inputs(captured: CapturedInputs, mesh: DeviceMesh) -> bool:
     for call in captured.calls.values():
         for t in _tensors(list(call)):
             if not t.is_meta:  # masks hold -inf: counted as -1
-                v = float(torch.nan_to_num(t.detach().double(), nan=0.0, posinf=1.0, neginf=-1.0).sum())
+                v = float(
+                    torch.nan_to_num(t.detach().double(), nan=0.0, posinf=1.0, neginf=-1.0).sum()
+                )
                 s += torch.tensor([v, -v], dtype=torch.float64)
     s = s.to(_device(mesh))
     m = s.clone()
@@ -381,12 +425,21 @@ def _same_inputs(captured: CapturedInputs, mesh: DeviceMesh) -> bool:
 
 
 def _layout(plan: TPPlan, names: list[str]) -> str:
-    return ", ".join(f"{n} {plan.entries[n].role}" + (f" blocks={plan.entries[n].blocks}"
-                                                        if plan.entries[n].blocks > 1 else "") for n in names)
+    return ", ".join(
+        f"{n} {plan.entries[n].role}"
+        + (f" blocks={plan.entries[n].blocks}" if plan.entries[n].blocks > 1 else "")
+        for n in names
+    )
 
 
-def verify_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured: CapturedInputs, *,
-                rtol: float = 1e-4) -> TPPlan:
+def verify_plan(
+    model: nn.Module,
+    plan: TPPlan,
+    mesh: DeviceMesh,
+    captured: CapturedInputs,
+    *,
+    rtol: float = 1e-4,
+) -> TPPlan:
     """A copy of ``plan`` whose units that do not reproduce ``model`` (relative error > ``rtol``
     on the max over the tp ranks) are replicated; ``model`` is left unchanged. Collective over
     ``mesh``'s group: every tp rank calls it with the same plan."""
@@ -398,8 +451,10 @@ def verify_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured: Capt
         plan.log.append(f"self-check skipped ({captured.skipped}): plan applied unchecked")
         return plan
     if not _same_inputs(captured, mesh):
-        raise ValueError("tp self-check: the example inputs differ across the tensor-parallel ranks; "
-                         "tp ranks must be given the same batch")
+        raise ValueError(
+            "tp self-check: the example inputs differ across the tensor-parallel ranks; "
+            "tp ranks must be given the same batch"
+        )
     unit_of = {n: u for u, names in units.items() for n in names}
     group, dev = mesh.get_group(), _device(mesh)
     live: set[str] = set()
@@ -419,16 +474,24 @@ def verify_plan(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured: Capt
                 continue
             rejected.append(u)
             layout = _layout(plan, names)
-            where = what if err > rtol or err != err else "this rank agrees; another tp rank does not"
-            plan.log.append(f"self-check: {u or type(model).__name__} {LEFT_REPLICATED}: max relative error "
-                            f"{float(t):.2e} > {rtol:g} ({where}); layout was {layout}")
+            where = (
+                what if err > rtol or err != err else "this rank agrees; another tp rank does not"
+            )
+            plan.log.append(
+                f"self-check: {u or type(model).__name__} {LEFT_REPLICATED}: max relative error "
+                f"{float(t):.2e} > {rtol:g} ({where}); layout was {layout}"
+            )
             for n in names:
                 e = plan.entries[n]
-                plan.entries[n] = TPEntry("replicate", reason=f"self-check failed ({e.role}, blocks={e.blocks})")
+                plan.entries[n] = TPEntry(
+                    "replicate", reason=f"self-check failed ({e.role}, blocks={e.blocks})"
+                )
                 plan.owners.pop(e.group, None)
     _drop_regions(plan, rejected)
-    plan.log.append(f"self-check: {len(live)} of {len(units)} units sharded (largest relative error "
-                    f"{worst:.1e}, tolerance {rtol:g})")
+    plan.log.append(
+        f"self-check: {len(live)} of {len(units)} units sharded (largest relative error "
+        f"{worst:.1e}, tolerance {rtol:g})"
+    )
     return plan
 
 
@@ -439,28 +502,59 @@ def _drop_regions(plan: TPPlan, rejected: list[str]) -> None:
         prefix = first.rpartition(".")[0] + "."
         if any(u.startswith(prefix) for u in rejected):
             plan.regions.remove((first, last))
-            for n in [n for n, e in plan.entries.items() if e.role == "sequence_local" and n.startswith(prefix)]:
+            for n in [
+                n
+                for n, e in plan.entries.items()
+                if e.role == "sequence_local" and n.startswith(prefix)
+            ]:
                 del plan.entries[n]
-            plan.log.append(f"sequence parallel off over {first} .. {last}: a unit inside failed the self-check")
+            plan.log.append(
+                f"sequence parallel off over {first} .. {last}: a unit inside failed the self-check"
+            )
 
 
-def verify_and_apply(model: nn.Module, plan: TPPlan, mesh: DeviceMesh, captured: CapturedInputs, *,
-                     rtol: float = 1e-4, sequence_parallel: bool = False, loss_parallel: bool = False,
-                     seq_dim: int = 1) -> TPPlan:
+def verify_and_apply(
+    model: nn.Module,
+    plan: TPPlan,
+    mesh: DeviceMesh,
+    captured: CapturedInputs,
+    *,
+    rtol: float = 1e-4,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    seq_dim: int = 1,
+) -> TPPlan:
     """Check ``plan`` unit by unit on ``captured`` (``capture_inputs``), then shard ``model`` in
     place with the units that agree. Returns the plan as applied; its ``log`` names every unit
     left replicated and why. ``model`` may be a pipeline rank's part (other ranks' parameters
     freed) with its stage plan: only the plan's units are run."""
     checked = verify_plan(model, plan, mesh, captured, rtol=rtol)
-    ctx = apply_plan(model, checked, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                     seq_dim=seq_dim)
+    ctx = apply_plan(
+        model,
+        checked,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        seq_dim=seq_dim,
+    )
     checked.log = ctx.log
     return checked
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, trace: TraceResult | None = None,
-             plan: TPPlan | None = None, sequence_parallel: bool = False, loss_parallel: bool = False,
-             loss_fn=None, seq_dim: int = 1, verify: bool = True, rtol: float = 1e-4) -> TPPlan:
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Any = None,
+    *,
+    trace: TraceResult | None = None,
+    plan: TPPlan | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    loss_fn=None,
+    seq_dim: int = 1,
+    verify: bool = True,
+    rtol: float = 1e-4,
+) -> TPPlan:
     """Discover (unless given) and apply a TP plan on the 1-D tp ``mesh``. Returns the plan as
     applied; its ``log`` says what was sharded, what was left replicated and why. ``verify``: run
     the self-check first (``verify_and_apply``: each unit of the plan, sharded, must reproduce its
@@ -468,13 +562,33 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, example_inputs: Any = None, *, 
     if mesh.size() == 1:
         return plan or TPPlan()
     if plan is None:
-        plan = discover_plan(model, mesh.size(), trace, example_inputs, sequence_parallel=sequence_parallel,
-                             loss_fn=loss_fn)
+        plan = discover_plan(
+            model,
+            mesh.size(),
+            trace,
+            example_inputs,
+            sequence_parallel=sequence_parallel,
+            loss_fn=loss_fn,
+        )
     if verify:
-        return verify_and_apply(model, plan, mesh, capture_inputs(model, plan, example_inputs), rtol=rtol,
-                                sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, seq_dim=seq_dim)
-    ctx = apply_plan(model, plan, mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-                     seq_dim=seq_dim)
+        return verify_and_apply(
+            model,
+            plan,
+            mesh,
+            capture_inputs(model, plan, example_inputs),
+            rtol=rtol,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            seq_dim=seq_dim,
+        )
+    ctx = apply_plan(
+        model,
+        plan,
+        mesh,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        seq_dim=seq_dim,
+    )
     plan.log = ctx.log
     return plan
 
@@ -496,4 +610,3 @@ def sharded_share(model: nn.Module) -> tuple[float, list[str]]:
         else:
             whole.append(n)
     return sharded / total, whole
-

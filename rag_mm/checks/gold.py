@@ -29,7 +29,9 @@ from rag_mm.config import ConfigError
 
 log = logging.getLogger(__name__)
 PEEK = 64  # samples read: a converted data set names a doc_id in every query or in none
-MAX_SHARDS = 4  # shards tried when the first ones are unreadable (the pipeline reports those itself)
+MAX_SHARDS = (
+    4  # shards tried when the first ones are unreadable (the pipeline reports those itself)
+)
 
 
 @dataclass
@@ -57,7 +59,9 @@ def peek(urls: list[str], n: int = PEEK) -> Peek | None:
     read = with_gold = 0
     first = ""
     for url in urls[:MAX_SHARDS]:
-        pipe = wds.DataPipeline(wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=wds.ignore_and_continue))
+        pipe = wds.DataPipeline(
+            wds.SimpleShardList([url]), wds.tarfile_to_samples(handler=wds.ignore_and_continue)
+        )
         try:
             for sample in islice(pipe, n - read):
                 try:
@@ -83,10 +87,14 @@ def needs(cfg: Any) -> list[str]:
         out.append("retriever.mode=oracle (the reader reads each query's gold document)")
     if r.mode == "learned" and r.pseudo_queries == 0:
         if r.warmup_steps > 0:
-            out.append(f"retriever.warmup_steps={r.warmup_steps} (the warm-up matches queries with their gold documents)")
+            out.append(
+                f"retriever.warmup_steps={r.warmup_steps} (the warm-up matches queries with their gold documents)"
+            )
         if r.contrastive_steps != 0 and r.contrastive_weight > 0:
-            out.append(f"retriever.contrastive_steps={r.contrastive_steps} (the in-batch contrastive term matches "
-                       "queries with their gold documents)")
+            out.append(
+                f"retriever.contrastive_steps={r.contrastive_steps} (the in-batch contrastive term matches "
+                "queries with their gold documents)"
+            )
     return out
 
 
@@ -103,17 +111,27 @@ def check(cfg: Any) -> bool:
     problems = []
     learned = [n for n in need if not n.startswith("retriever.mode=oracle")]
     if train.none and learned:
-        problems.append(f"data.train: the queries name no gold document (no doc_id in the json of the first "
-                        f"{train.read} samples of {train.shard}), and {'these settings need' if len(learned) > 1 else 'this setting needs'} "
-                        f"one: {'; '.join(learned)}")
-    if cfg.retriever.mode == "oracle":  # the reader reads every query's gold document, in evaluation too
-        problems += [p for split in ("train", "val", "test")
-                     if (p := oracle_problem(cfg, split, train if split == "train" else None)) is not None]
+        problems.append(
+            f"data.train: the queries name no gold document (no doc_id in the json of the first "
+            f"{train.read} samples of {train.shard}), and {'these settings need' if len(learned) > 1 else 'this setting needs'} "
+            f"one: {'; '.join(learned)}"
+        )
+    if (
+        cfg.retriever.mode == "oracle"
+    ):  # the reader reads every query's gold document, in evaluation too
+        problems += [
+            p
+            for split in ("train", "val", "test")
+            if (p := oracle_problem(cfg, split, train if split == "train" else None)) is not None
+        ]
     if problems:
         raise ConfigError("\n  - ".join(["gold documents:", *problems]) + "\n" + HINT)
     if train.none and cfg.retriever.mode == "learned":
-        log.info("the training queries name no gold document: the retriever's contrastive terms train on %d "
-                 "pseudo-queries per step (random views of the memory's pictures)", cfg.retriever.pseudo_queries)
+        log.info(
+            "the training queries name no gold document: the retriever's contrastive terms train on %d "
+            "pseudo-queries per step (random views of the memory's pictures)",
+            cfg.retriever.pseudo_queries,
+        )
     return not train.none
 
 
@@ -125,10 +143,14 @@ def oracle_problem(cfg: Any, split: str, seen: Peek | None = None) -> str | None
     got = seen or peek(expand_urls(cfg.data.root, getattr(cfg.data, split)))
     if got is None or got.all:
         return None
-    return (f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} name no doc_id, "
-            "and retriever.mode=oracle reads every query's gold document")
+    return (
+        f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} name no doc_id, "
+        "and retriever.mode=oracle reads every query's gold document"
+    )
 
 
-HINT = ("  without gold documents: retriever=none (closed book), or retriever=learned with retriever.pseudo_queries=32 "
-        "(the warm-up and the contrastive term then train on random views of the memory's own pictures), "
-        "or retriever.warmup_steps=0 retriever.contrastive_steps=0 (the reader-driven loss alone)")
+HINT = (
+    "  without gold documents: retriever=none (closed book), or retriever=learned with retriever.pseudo_queries=32 "
+    "(the warm-up and the contrastive term then train on random views of the memory's own pictures), "
+    "or retriever.warmup_steps=0 retriever.contrastive_steps=0 (the reader-driven loss alone)"
+)

@@ -21,7 +21,11 @@ from typing import Any
 
 from rag_mm.config import ConfigError, data_splits, shard_problems
 
-CHECKPOINT_FILES = ("manifest.json", ".metadata", "trainer_state.json")  # what rag_mm.components.checkpoint.save writes
+CHECKPOINT_FILES = (
+    "manifest.json",
+    ".metadata",
+    "trainer_state.json",
+)  # what rag_mm.components.checkpoint.save writes
 
 
 def short_error(exc: BaseException) -> str:
@@ -70,7 +74,9 @@ def writable_dir_problem(key: str, path: str | os.PathLike) -> str | None:
             return f"{key}: directory {path} is not writable (permissions)"
     else:
         parent = p.absolute().parent
-        while not parent.exists():  # the nearest existing ancestor decides whether it can be created
+        while (
+            not parent.exists()
+        ):  # the nearest existing ancestor decides whether it can be created
             parent = parent.parent
         if not parent.is_dir():
             return f"{key}: {path} cannot be created: {parent} is a file"
@@ -118,11 +124,15 @@ def checkpoint_dir_problems(key: str, path: str | os.PathLike) -> list[str]:
         return [f"{key}: {path} is not a rag_mm checkpoint: no {', '.join(absent)}{hint}"]
     try:
         files = json.loads((p / "manifest.json").read_text())["files"]
-        ok = isinstance(files, dict) and all(isinstance(m, dict) and {"bytes", "sha256"} <= set(m) for m in files.values())
+        ok = isinstance(files, dict) and all(
+            isinstance(m, dict) and {"bytes", "sha256"} <= set(m) for m in files.values()
+        )
     except (OSError, ValueError, KeyError, TypeError) as exc:  # ValueError: bad JSON or not UTF-8
         return [f"{key}: unreadable manifest in checkpoint {path} ({short_error(exc)})"]
     if not ok:
-        return [f"{key}: the manifest of checkpoint {path} is not a file list with sizes and checksums"]
+        return [
+            f"{key}: the manifest of checkpoint {path} is not a file list with sizes and checksums"
+        ]
     from rag_mm.components.checkpoint import verify
 
     try:
@@ -151,19 +161,31 @@ def state_dict_problems(key: str, path: str | None) -> list[str]:
     import torch
 
     try:
-        with warnings.catch_warnings():  # e.g. the pickle-protocol note on files written by other tools
+        with (
+            warnings.catch_warnings()
+        ):  # e.g. the pickle-protocol note on files written by other tools
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            state = torch.load(
+                path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+            )
     except MemoryError:
         raise
     except pickle.UnpicklingError:  # its message is a page on weights_only; what it means is short
-        return [f"{key}: {path} is not a PyTorch state dict (no weights-only pickle: code, objects or foreign bytes)"]
-    except Exception as exc:  # the unpickler fails on foreign bytes with KeyError, EOFError, RuntimeError, ...
+        return [
+            f"{key}: {path} is not a PyTorch state dict (no weights-only pickle: code, objects or foreign bytes)"
+        ]
+    except (
+        Exception
+    ) as exc:  # the unpickler fails on foreign bytes with KeyError, EOFError, RuntimeError, ...
         return [f"{key}: {path} is not a PyTorch state dict ({short_error(exc)})"]
     if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
         state = state["state_dict"]
-    if not isinstance(state, Mapping) or not any(isinstance(v, torch.Tensor) for v in state.values()):
-        return [f"{key}: {path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors)"]
+    if not isinstance(state, Mapping) or not any(
+        isinstance(v, torch.Tensor) for v in state.values()
+    ):
+        return [
+            f"{key}: {path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors)"
+        ]
     return []
 
 
@@ -208,7 +230,9 @@ def path_problems(cfg: Any, training: bool = True) -> list[str]:
         e += resume_problems("resume", cfg.resume)
     e += shard_problems(cfg)
     e += state_dict_problems("model.vision_checkpoint", cfg.model.vision_checkpoint)
-    if cfg.retriever.mode == "learned":  # the dual encoder, and with it its checkpoint, exists only then
+    if (
+        cfg.retriever.mode == "learned"
+    ):  # the dual encoder, and with it its checkpoint, exists only then
         e += state_dict_problems("retriever.checkpoint", cfg.retriever.checkpoint)
     return e
 

@@ -87,7 +87,11 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, trainer_state: dict, 
     """The main rank's part once every rank's DCP files are written: the trainer state, the
     manifest, the rename that makes the checkpoint complete, and pruning."""
     _write_atomic(tmp / STATE, strict_dumps(trainer_state))
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(tmp.iterdir())
+        if p.is_file()
+    }
     _write_atomic(tmp / MANIFEST, strict_dumps({"step": step, "files": files}, indent=1))
     if final.exists():
         shutil.rmtree(final)
@@ -150,7 +154,9 @@ def verify(ckpt: Path) -> str | None:
         if not p.is_file():
             return f"missing file {name}"
         if p.stat().st_size != meta["bytes"]:
-            return f"{name} has {p.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)"
+            return (
+                f"{name} has {p.stat().st_size} bytes, manifest says {meta['bytes']} (truncated?)"
+            )
         if _sha256(p) != meta["sha256"]:
             return f"{name} checksum mismatch"
     return None
@@ -160,7 +166,10 @@ def latest_valid(root: Path) -> Path | None:
     """The newest verified checkpoint under ``root`` (rank 0 decides; all ranks get the answer)."""
     choice = None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        for ckpt in sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True):
+        for ckpt in sorted(
+            (p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+            reverse=True,
+        ):
             why = verify(ckpt)
             if why is None:
                 choice = str(ckpt)
@@ -175,7 +184,9 @@ def load(ckpt: Path, state: dict) -> dict:
     why = verify(ckpt)
     if why is not None:
         raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
-    checkpoint_safety.load(state, ckpt)  # DCP unpickles .metadata and non-tensor entries: plain data only
+    checkpoint_safety.load(
+        state, ckpt
+    )  # DCP unpickles .metadata and non-tensor entries: plain data only
     return json.loads((ckpt / STATE).read_text())
 
 
@@ -194,11 +205,17 @@ def savable(model_state: dict, opt: torch.optim.Optimizer, named_parameters) -> 
     if not opt.state:
         for group in opt.param_groups:
             for q in group["params"]:
-                opt.state[q] = {"step": torch.zeros((), dtype=torch.float32),
-                                "exp_avg": torch.zeros_like(q), "exp_avg_sq": torch.zeros_like(q)}
+                opt.state[q] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(q),
+                    "exp_avg_sq": torch.zeros_like(q),
+                }
     optim = {names[id(q)]: st for q, st in opt.state.items()}
     strided: dict[tuple, DTensor] = {}
-    state = {"model": _whole(model_state, ("model",), strided), "optim": _whole(optim, ("optim",), strided)}
+    state = {
+        "model": _whole(model_state, ("model",), strided),
+        "optim": _whole(optim, ("optim",), strided),
+    }
     return state, strided
 
 
@@ -207,7 +224,9 @@ def _whole(tree: dict, path: tuple, strided: dict) -> dict:
     for k, v in tree.items():
         if isinstance(v, dict):
             out[k] = _whole(v, (*path, k), strided)
-        elif isinstance(v, DTensor) and any(type(pl).__name__ == "_StridedShard" for pl in v.placements):
+        elif isinstance(v, DTensor) and any(
+            type(pl).__name__ == "_StridedShard" for pl in v.placements
+        ):
             strided[(*path, k)] = v
             out[k] = v.full_tensor()
         else:

@@ -62,7 +62,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         obj = _allowed(module, name)
         if obj is None:
-            raise UnsafeCheckpointError(f"refusing to load {module}.{name} from checkpoint metadata")
+            raise UnsafeCheckpointError(
+                f"refusing to load {module}.{name} from checkpoint metadata"
+            )
         return obj
 
 
@@ -87,7 +89,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(f"checkpoint entry {read_item.dest_index.fqn}: {exc}") from exc
+            raise UnsafeCheckpointError(
+                f"checkpoint entry {read_item.dest_index.fqn}: {exc}"
+            ) from exc
         # DCP's own load_bytes unpickles without restriction: give it bytes we wrote ourselves
         clean = io.BytesIO()
         torch.save(obj, clean)
@@ -103,7 +107,11 @@ def one_process_quiet():
     means then, so the note is filtered here, around DCP's calls only, and only then."""
     with warnings.catch_warnings():
         if not dist.is_initialized():
-            warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)", category=UserWarning)
+            warnings.filterwarnings(
+                "ignore",
+                message=r"torch\.distributed is (disabled|unavailable)",
+                category=UserWarning,
+            )
         yield
 
 
@@ -115,7 +123,12 @@ def load(state: dict, ckpt: Path) -> None:
     check_metadata(ckpt)
     try:
         with one_process_quiet():  # (one process: DCP's note that it assumes so, filtered)
-            dcp.load(state, checkpoint_id=str(ckpt), planner=WeightsOnlyLoadPlanner(), no_dist=not dist.is_initialized())
+            dcp.load(
+                state,
+                checkpoint_id=str(ckpt),
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
     except CheckpointException as exc:  # DCP wraps each rank's failure: surface ours as itself
         for failure in getattr(exc, "failures", {}).values():
             if isinstance(failure, UnsafeCheckpointError):

@@ -89,8 +89,13 @@ class MetricsLogger:
             )
 
             self._bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                TextColumn("[bold]train"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
                 transient=False,
             )
             self._bar.start()

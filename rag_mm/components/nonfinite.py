@@ -32,14 +32,21 @@ class NonFiniteGuard:
     """``check`` after each step's backward (and clipping), before ``opt.step()``; ``flush`` at log
     steps and at the end of training."""
 
-    def __init__(self, opt: torch.optim.Optimizer, device: torch.device, limit: int, window: int) -> None:
+    def __init__(
+        self, opt: torch.optim.Optimizer, device: torch.device, limit: int, window: int
+    ) -> None:
         self.opt, self.device, self.limit = opt, torch.device(device), limit
         self.on_device = self.device.type != "cpu" and skips_on_device(opt)
         if self.device.type != "cpu" and not self.on_device:
-            log.info("non-finite check: %s does not skip its update on the device (fused Adam / AdamW do): "
-                     "one host sync per step", type(opt).__name__)
+            log.info(
+                "non-finite check: %s does not skip its update on the device (fused Adam / AdamW do): "
+                "one host sync per step",
+                type(opt).__name__,
+            )
         self.bad_run = 0  # consecutive non-finite steps, as far as the host has read them
-        self._flags = torch.zeros(max(1, window), dtype=torch.bool, device=self.device)  # (window,) step i bad
+        self._flags = torch.zeros(
+            max(1, window), dtype=torch.bool, device=self.device
+        )  # (window,) step i bad
         self._steps: list[int] = []  # the step number of each flag written since the last flush
 
     def _bad(self, loss: torch.Tensor, gnorm: torch.Tensor) -> torch.Tensor:
@@ -73,7 +80,7 @@ class NonFiniteGuard:
         abort on too many in a row."""
         if not self._steps:
             return
-        flags = self._flags[:len(self._steps)].cpu().tolist()  # one copy back
+        flags = self._flags[: len(self._steps)].cpu().tolist()  # one copy back
         steps, self._steps = self._steps, []
         for s, bad in zip(steps, flags):
             self._count(s, bad)
@@ -83,6 +90,10 @@ class NonFiniteGuard:
             self.bad_run = 0
             return
         self.bad_run += 1
-        log.warning("non-finite loss or gradient at step %d: step skipped (%d in a row)", step, self.bad_run)
+        log.warning(
+            "non-finite loss or gradient at step %d: step skipped (%d in a row)", step, self.bad_run
+        )
         if self.bad_run > self.limit:
-            raise FloatingPointError(f"{self.bad_run} consecutive non-finite steps: aborting (lower optim.lr?)")
+            raise FloatingPointError(
+                f"{self.bad_run} consecutive non-finite steps: aborting (lower optim.lr?)"
+            )

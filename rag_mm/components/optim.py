@@ -25,18 +25,28 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
             continue
         seen.add(id(p))
         # norms, biases and embeddings are not decayed (GPT-2 / nanoGPT convention)
-        decayed = not (p.dim() < 2 or "emb" in name.split(".")[-2:][0]
-                       or name.endswith(("class_embedding", "positional_embedding")))
+        decayed = not (
+            p.dim() < 2
+            or "emb" in name.split(".")[-2:][0]
+            or name.endswith(("class_embedding", "positional_embedding"))
+        )
         scaled = cfg.vision_lr_scale != 1 and is_vision_tower(name)
         groups.setdefault((decayed, scaled), []).append(p)
     params = [p for ps in groups.values() for p in ps]
-    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decayed else 0.0,
-                     "lr": cfg.lr * (cfg.vision_lr_scale if scaled else 1.0)}
-                    for (decayed, scaled), ps in groups.items()]
+    param_groups = [
+        {
+            "params": ps,
+            "weight_decay": cfg.weight_decay if decayed else 0.0,
+            "lr": cfg.lr * (cfg.vision_lr_scale if scaled else 1.0),
+        }
+        for (decayed, scaled), ps in groups.items()
+    ]
     # fused on CUDA (torchtitan's default): one kernel per update, and it skips itself on a
     # device-side non-finite flag without a host sync (rag_mm.components.nonfinite); the CPU keeps torch's default
     fused = True if params and all(p.is_cuda for p in params) else None
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(
+        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+    )
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -47,7 +57,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
     )

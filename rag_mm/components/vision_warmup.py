@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 
 def starts_fresh(cfg, ckpt_dir) -> bool:
     """Whether ``restore`` will find nothing to resume from (``resume``: never | auto | a path)."""
-    return cfg.resume == "never" or (cfg.resume == "auto" and checkpoint.latest_valid(ckpt_dir) is None)
+    return cfg.resume == "never" or (
+        cfg.resume == "auto" and checkpoint.latest_valid(ckpt_dir) is None
+    )
 
 
 def _pictures(cfg, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
@@ -50,7 +52,9 @@ def _mean_over_ranks(grads: list[torch.Tensor]) -> None:
         g.copy_(f)
 
 
-def warm_up_vision(cfg, tower: nn.Module, rank: int, world: int, device: torch.device) -> list[dict]:
+def warm_up_vision(
+    cfg, tower: nn.Module, rank: int, world: int, device: torch.device
+) -> list[dict]:
     """Run the warm-up on ``tower`` in place; returns its log records ({step, loss, seconds})."""
     steps, lr = cfg.model.vision_ssl_steps, cfg.model.vision_ssl_lr
     distributed = dist.is_initialized() and world > 1
@@ -61,11 +65,23 @@ def warm_up_vision(cfg, tower: nn.Module, rank: int, world: int, device: torch.d
         records.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
         log.info("vision warm-up %d/%d: SimCLR loss %.3f", step, steps, loss)
 
-    log.info("vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s", steps, lr,
-             cfg.model.vision_ssl_batch or cfg.data.batch_size, f" per rank over {world} ranks" if distributed else "")
-    pretrain_tower(tower, _pictures(cfg, rank, world, device), steps, lr,
-                   grad_sync=_mean_over_ranks if distributed else None, on_log=on_log,
-                   log_every=cfg.log_every, rotate=cfg.model.vision_ssl_rotate,
-                   mirror=cfg.model.vision_ssl_mirror)
+    log.info(
+        "vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s",
+        steps,
+        lr,
+        cfg.model.vision_ssl_batch or cfg.data.batch_size,
+        f" per rank over {world} ranks" if distributed else "",
+    )
+    pretrain_tower(
+        tower,
+        _pictures(cfg, rank, world, device),
+        steps,
+        lr,
+        grad_sync=_mean_over_ranks if distributed else None,
+        on_log=on_log,
+        log_every=cfg.log_every,
+        rotate=cfg.model.vision_ssl_rotate,
+        mirror=cfg.model.vision_ssl_mirror,
+    )
     log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
     return records

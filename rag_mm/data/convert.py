@@ -87,12 +87,18 @@ class Question:
     """One question, its human answers and the one answer training targets."""
 
     question_id: int | str
-    image_id: int | None  # COCO's image id (None: a Hugging Face data set without an image id column)
+    image_id: (
+        int | None
+    )  # COCO's image id (None: a Hugging Face data set without an image id column)
     question: str
     answer: str  # the training target
     answers: list[str]  # every human answer, in the file's order
-    answer_type: str | None = None  # VQAv2's "yes/no" | "number" | "other", where the annotation has one
-    question_type: str | None = None  # VQAv2's question prefix class ("what color is the", ...), likewise
+    answer_type: str | None = (
+        None  # VQAv2's "yes/no" | "number" | "other", where the annotation has one
+    )
+    question_type: str | None = (
+        None  # VQAv2's question prefix class ("what color is the", ...), likewise
+    )
     given: str | None = None  # the annotation's multiple_choice_answer (VQAv2), which ``answer`` is
 
 
@@ -115,7 +121,11 @@ def _shape(obj) -> str:
     """A short description of a JSON value's top level, for error messages."""
     if isinstance(obj, dict):
         keys = ", ".join(repr(k) for k in list(obj)[:5])
-        return f"an object with keys {keys}" + (", ..." if len(obj) > 5 else "") if obj else "an empty object"
+        return (
+            f"an object with keys {keys}" + (", ..." if len(obj) > 5 else "")
+            if obj
+            else "an empty object"
+        )
     if isinstance(obj, list):
         return f"a list of {len(obj)}"
     if isinstance(obj, bool) or obj is None:
@@ -129,7 +139,9 @@ def _entry(path: Path, where: str, entry, fields: dict[str, type | tuple]) -> di
         raise ConvertError(f"{path}: {where} is {_shape(entry)}, not an object")
     for key, types in fields.items():
         if key not in entry:
-            raise ConvertError(f"{path}: {where} has no {key!r} (keys: {', '.join(map(repr, entry))})")
+            raise ConvertError(
+                f"{path}: {where} has no {key!r} (keys: {', '.join(map(repr, entry))})"
+            )
         if not isinstance(entry[key], types) or isinstance(entry[key], bool):
             raise ConvertError(f"{path}: {where}[{key!r}] is {_shape(entry[key])}")
     return entry
@@ -152,51 +164,99 @@ def _optional_str(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def read_questions(questions: Path, annotations: Path | None) -> tuple[str, list[Question], Counter]:
+def read_questions(
+    questions: Path, annotations: Path | None
+) -> tuple[str, list[Question], Counter]:
     """(layout, questions with answers, skipped counts) from a VQA or A-OKVQA question file."""
     data = load_json(questions, "questions file")
     skipped: Counter[str] = Counter()
     out: list[Question] = []
     if isinstance(data, list):  # A-OKVQA
         if annotations is not None:
-            raise ConvertError(f"{questions} is an A-OKVQA list, which holds its own answers: drop --annotations")
+            raise ConvertError(
+                f"{questions} is an A-OKVQA list, which holds its own answers: drop --annotations"
+            )
         for i, e in enumerate(data):
-            e = _entry(questions, f"entry [{i}]", e, {"question_id": (int, str), "image_id": int, "question": str})
-            answers = _answer_list(questions, f"entry [{i}]['direct_answers']", e.get("direct_answers", []))
+            e = _entry(
+                questions,
+                f"entry [{i}]",
+                e,
+                {"question_id": (int, str), "image_id": int, "question": str},
+            )
+            answers = _answer_list(
+                questions, f"entry [{i}]['direct_answers']", e.get("direct_answers", [])
+            )
             if not answers:
                 skipped["no_answers"] += 1
                 continue
-            out.append(Question(e["question_id"], e["image_id"], e["question"], most_frequent(answers), answers))
+            out.append(
+                Question(
+                    e["question_id"], e["image_id"], e["question"], most_frequent(answers), answers
+                )
+            )
         return "a-okvqa", out, skipped
     if not isinstance(data, dict) or not isinstance(data.get("questions"), list):
         if isinstance(data, dict) and "annotations" in data:
-            raise ConvertError(f"{questions} is an annotations file (it has 'annotations', no 'questions'): "
-                               "pass it as --annotations and the questions file as --questions")
-        raise ConvertError(f"{questions} is {_shape(data)}: expected VQA questions {{'questions': [...]}} "
-                           "or an A-OKVQA list [{'question_id', 'question', 'direct_answers', ...}]")
+            raise ConvertError(
+                f"{questions} is an annotations file (it has 'annotations', no 'questions'): "
+                "pass it as --annotations and the questions file as --questions"
+            )
+        raise ConvertError(
+            f"{questions} is {_shape(data)}: expected VQA questions {{'questions': [...]}} "
+            "or an A-OKVQA list [{'question_id', 'question', 'direct_answers', ...}]"
+        )
     if annotations is None:
-        raise ConvertError(f"{questions} holds VQA questions: their answers come from --annotations")
+        raise ConvertError(
+            f"{questions} holds VQA questions: their answers come from --annotations"
+        )
     ann = load_json(annotations, "annotations file")
     if not isinstance(ann, dict) or not isinstance(ann.get("annotations"), list):
         hint = " (that is a questions file)" if isinstance(ann, dict) and "questions" in ann else ""
-        raise ConvertError(f"{annotations} is {_shape(ann)}{hint}: expected VQA annotations {{'annotations': [...]}}")
+        raise ConvertError(
+            f"{annotations} is {_shape(ann)}{hint}: expected VQA annotations {{'annotations': [...]}}"
+        )
     by_id: dict = {}
     for i, a in enumerate(ann["annotations"]):
-        a = _entry(annotations, f"annotations[{i}]", a, {"question_id": (int, str), "answers": list})
+        a = _entry(
+            annotations, f"annotations[{i}]", a, {"question_id": (int, str), "answers": list}
+        )
         answers = []
         for j, d in enumerate(a["answers"]):
-            answers.append(_entry(annotations, f"annotations[{i}]['answers'][{j}]", d, {"answer": str})["answer"])
+            answers.append(
+                _entry(annotations, f"annotations[{i}]['answers'][{j}]", d, {"answer": str})[
+                    "answer"
+                ]
+            )
         mc = a.get("multiple_choice_answer")
-        by_id[a["question_id"]] = (mc if isinstance(mc, str) and mc else None, answers,
-                                   _optional_str(a.get("answer_type")), _optional_str(a.get("question_type")))
+        by_id[a["question_id"]] = (
+            mc if isinstance(mc, str) and mc else None,
+            answers,
+            _optional_str(a.get("answer_type")),
+            _optional_str(a.get("question_type")),
+        )
     for i, q in enumerate(data["questions"]):
-        q = _entry(questions, f"questions[{i}]", q, {"question_id": (int, str), "image_id": int, "question": str})
+        q = _entry(
+            questions,
+            f"questions[{i}]",
+            q,
+            {"question_id": (int, str), "image_id": int, "question": str},
+        )
         mc, answers, a_type, q_type = by_id.get(q["question_id"], (None, [], None, None))
         if not answers:
             skipped["no_answers"] += 1
             continue
-        out.append(Question(q["question_id"], q["image_id"], q["question"], mc or most_frequent(answers), answers,
-                            a_type, q_type, mc))
+        out.append(
+            Question(
+                q["question_id"],
+                q["image_id"],
+                q["question"],
+                mc or most_frequent(answers),
+                answers,
+                a_type,
+                q_type,
+                mc,
+            )
+        )
     return "vqa", out, skipped
 
 
@@ -215,7 +275,9 @@ def index_images(folder: Path) -> dict[int, Path]:
     """image_id -> picture path for every file under ``folder`` named as COCO names them (the first
     in sorted order where two names give one id)."""
     if not folder.is_dir():
-        raise ConvertError(f"images folder {folder} " + ("is not a directory" if folder.exists() else "not found"))
+        raise ConvertError(
+            f"images folder {folder} " + ("is not a directory" if folder.exists() else "not found")
+        )
     found: dict[int, Path] = {}
     for root, dirs, files in os.walk(folder):
         dirs.sort()
@@ -256,13 +318,17 @@ class ShardSink:
         self.name, self.dir = name, out / name
         old = sorted(self.dir.glob(f"{name}-*.tar")) if self.dir.is_dir() else []
         if old and not overwrite:
-            raise ConvertError(f"{self.dir} already holds shards ({old[0].name}, ... {len(old)} in all): "
-                               "pass --overwrite to replace them, or another --out")
+            raise ConvertError(
+                f"{self.dir} already holds shards ({old[0].name}, ... {len(old)} in all): "
+                "pass --overwrite to replace them, or another --out"
+            )
         try:
             for p in old:
                 p.unlink()
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.writer = wds.ShardWriter(str(self.dir / f"{name}-%06d.tar"), maxcount=shard_size, verbose=0)
+            self.writer = wds.ShardWriter(
+                str(self.dir / f"{name}-%06d.tar"), maxcount=shard_size, verbose=0
+            )
         except OSError as exc:
             raise ConvertError(f"cannot write shards to {self.dir}: {exc}") from None
         self.count = 0
@@ -274,7 +340,9 @@ class ShardSink:
             raise ConvertError(f"cannot write {self.writer.fname}: {exc}") from None
         self.count += 1
         if self.count % PROGRESS_EVERY == 0:
-            print(f"convert: {self.count} samples written to {self.dir}", file=sys.stderr, flush=True)
+            print(
+                f"convert: {self.count} samples written to {self.dir}", file=sys.stderr, flush=True
+            )
 
     def close(self) -> int:
         """Close the last shard; the number of shards written."""
@@ -290,8 +358,16 @@ class ShardSink:
         return f"{self.name}/{self.name}-{{000000..{shards - 1:06d}}}.tar"
 
 
-def _summary(kind: str, sink: ShardSink, out: Path, key: str, read: int, skipped: Counter,
-             examples: dict | None = None, **extra) -> dict:
+def _summary(
+    kind: str,
+    sink: ShardSink,
+    out: Path,
+    key: str,
+    read: int,
+    skipped: Counter,
+    examples: dict | None = None,
+    **extra,
+) -> dict:
     """What a conversion wrote and skipped (``examples``: a few skipped ids by reason), and the
     Hydra overrides that read it (as ``rag_mm.config.compose`` takes them; the brace pattern is
     quoted because Hydra's grammar reserves braces)."""
@@ -301,24 +377,49 @@ def _summary(kind: str, sink: ShardSink, out: Path, key: str, read: int, skipped
             p.unlink()
         raise ConvertError(f"no {kind} was written to {sink.dir}: skipped {dict(skipped)}")
     pattern = sink.pattern(shards)
-    return {"kind": kind, **extra, "read": read, "written": sink.count, "shards": shards,
-            "skipped": dict(sorted(skipped.items())), "skipped_examples": examples or {}, "out": str(sink.dir),
-            "pattern": pattern,
-            "overrides": [f"data.root={out}", f"data.{key}='{pattern}'"]}
+    return {
+        "kind": kind,
+        **extra,
+        "read": read,
+        "written": sink.count,
+        "shards": shards,
+        "skipped": dict(sorted(skipped.items())),
+        "skipped_examples": examples or {},
+        "out": str(sink.dir),
+        "pattern": pattern,
+        "overrides": [f"data.root={out}", f"data.{key}='{pattern}'"],
+    }
 
 
 def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
     """The ``n``-th query sample of a conversion: ``q``'s picture (member ``ext``), question and json."""
     meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id}
     # the evaluation reports accuracy per VQA answer type (rag_mm.eval.vqa_metric.answer_type)
-    meta.update({k: v for k, v in (("image_id", q.image_id), ("answer_type", q.answer_type),
-                                   ("question_type", q.question_type)) if v is not None})
+    meta.update(
+        {
+            k: v
+            for k, v in (
+                ("image_id", q.image_id),
+                ("answer_type", q.answer_type),
+                ("question_type", q.question_type),
+            )
+            if v is not None
+        }
+    )
     return {"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)}
 
 
-def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Path, split: str,
-                shard_size: int = 1000, image_size: int = 0, overwrite: bool = False,
-                normalise: bool = True) -> dict:
+def convert_vqa(
+    questions: Path,
+    annotations: Path | None,
+    images: Path,
+    out: Path,
+    split: str,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+    normalise: bool = True,
+) -> dict:
     """Write the questions of a VQA / A-OKVQA file whose pictures are under ``images`` as the query
     shards of ``split``; return the summary (counts, skipped by reason, the data overrides, and
     ``normalised``: what the answer normalisation changed, ``rag_mm.data.convert_answers``)."""
@@ -328,16 +429,24 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
     norm = Normaliser(normalise)
     qs = [normalise_question(q, norm, q.given) for q in qs]
     if not qs:
-        raise ConvertError(f"no question in {questions} has answers ({skipped['no_answers']} without): "
-                           "a test split without answers cannot train or be scored")
+        raise ConvertError(
+            f"no question in {questions} has answers ({skipped['no_answers']} without): "
+            "a test split without answers cannot train or be scored"
+        )
     found = index_images(images)
     todo = [q for q in qs if q.image_id in found]
     missing = [q.question_id for q in qs if q.image_id not in found]
     if missing:
         skipped["missing_image"] += len(missing)
     if not todo:
-        named = "" if found else " (no file there is named like COCO_train2014_000000000042.jpg or 000000000042.jpg)"
-        raise ConvertError(f"none of the {len(qs)} answered questions in {questions} has its picture under {images}{named}")
+        named = (
+            ""
+            if found
+            else " (no file there is named like COCO_train2014_000000000042.jpg or 000000000042.jpg)"
+        )
+        raise ConvertError(
+            f"none of the {len(qs)} answered questions in {questions} has its picture under {images}{named}"
+        )
 
     @lru_cache(maxsize=64)  # questions about one picture usually come together
     def load(image_id: int) -> tuple[str, bytes]:
@@ -352,16 +461,30 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
             if len(sides) < SIDES_SAMPLED and q.image_id not in sides:
                 with Image.open(io.BytesIO(data)) as img:
                     sides[q.image_id] = min(img.size)
-        except Exception as exc:  # an unreadable file, or bytes PIL cannot open (it raises several types)
+        except (
+            Exception
+        ) as exc:  # an unreadable file, or bytes PIL cannot open (it raises several types)
             skipped["bad_image"] += 1
             bad.append(q.question_id)
-            print(f"convert: skipping question {q.question_id}: picture {found[q.image_id]}: {exc}", file=sys.stderr)
+            print(
+                f"convert: skipping question {q.question_id}: picture {found[q.image_id]}: {exc}",
+                file=sys.stderr,
+            )
             continue
         sink.write(query_sample(n, q, ext, data))
     examples = {k: v[:EXAMPLES] for k, v in (("missing_image", missing), ("bad_image", bad)) if v}
     read = len(qs) + skipped["no_answers"]
-    res = _summary("question", sink, out, split, read, skipped, examples, layout=layout,
-                   normalised=norm.report())
+    res = _summary(
+        "question",
+        sink,
+        out,
+        split,
+        read,
+        skipped,
+        examples,
+        layout=layout,
+        normalised=norm.report(),
+    )
     res["recipe"] = recipe_overrides(list(sides.values()), [q.question for q in todo])
     return res
 
@@ -369,7 +492,10 @@ def convert_vqa(questions: Path, annotations: Path | None, images: Path, out: Pa
 def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, bytes, bytes]]:
     """(name, picture bytes, text bytes) of each ``name.<picture>`` + ``name.txt`` pair under ``folder``."""
     if not folder.is_dir():
-        raise ConvertError(f"documents folder {folder} " + ("is not a directory" if folder.exists() else "not found"))
+        raise ConvertError(
+            f"documents folder {folder} "
+            + ("is not a directory" if folder.exists() else "not found")
+        )
     for root, dirs, files in os.walk(folder):
         dirs.sort()
         stems: dict[str, dict[str, str]] = {}
@@ -383,11 +509,17 @@ def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, byt
             rel = str((Path(root) / stem).relative_to(folder))
             if image is None or "txt" not in exts:
                 skipped["no_picture" if image is None else "no_text"] += 1
-                print(f"convert: skipping document {rel}: no {'picture' if image is None else 'text'} file",
-                      file=sys.stderr)
+                print(
+                    f"convert: skipping document {rel}: no {'picture' if image is None else 'text'} file",
+                    file=sys.stderr,
+                )
                 continue
             try:
-                yield rel, (Path(root) / image).read_bytes(), (Path(root) / exts["txt"]).read_bytes()
+                yield (
+                    rel,
+                    (Path(root) / image).read_bytes(),
+                    (Path(root) / exts["txt"]).read_bytes(),
+                )
             except OSError as exc:
                 raise ConvertError(f"cannot read document {Path(root) / stem}: {exc}") from None
 
@@ -397,7 +529,10 @@ def _shard_documents(pattern: str, skipped: Counter) -> Iterator[tuple[str, byte
     urls = expand_urls("", pattern)
     missing = missing_local_shards(urls)
     if missing:
-        raise ConvertError(f"input shard {missing[0]} not found" + (f" ({len(missing)} missing)" if len(missing) > 1 else ""))
+        raise ConvertError(
+            f"input shard {missing[0]} not found"
+            + (f" ({len(missing)} missing)" if len(missing) > 1 else "")
+        )
 
     def tar_error(exn: Exception) -> bool:
         skipped[f"tar:{type(exn).__name__}"] += 1
@@ -414,23 +549,37 @@ def _shard_documents(pattern: str, skipped: Counter) -> Iterator[tuple[str, byte
         if "json" in s:  # img2dataset records where each picture came from
             try:
                 meta = json.loads(s["json"])
-                source = str(meta.get("url") or meta.get("key") or key) if isinstance(meta, dict) else key
+                source = (
+                    str(meta.get("url") or meta.get("key") or key)
+                    if isinstance(meta, dict)
+                    else key
+                )
             except ValueError:
                 pass
         yield source, image, s["txt"]
 
 
-def convert_corpus(out: Path, docs: Path | None = None, shards: str | None = None, shard_size: int = 1000,
-                   image_size: int = 0, overwrite: bool = False) -> dict:
+def convert_corpus(
+    out: Path,
+    docs: Path | None = None,
+    shards: str | None = None,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+) -> dict:
     """Write the documents of a picture+text folder (``docs``) or of img2dataset shards (``shards``, a
     brace pattern) as corpus shards, doc ids 0, 1, ... in input order; return the summary."""
     if (docs is None) == (shards is None):
         raise ConvertError("give one source of documents: --docs FOLDER or --shards PATTERN")
     skipped: Counter[str] = Counter()
-    source = _folder_documents(docs, skipped) if docs is not None else _shard_documents(shards, skipped)
+    source = (
+        _folder_documents(docs, skipped) if docs is not None else _shard_documents(shards, skipped)
+    )
     first = next(source, None)  # bad input is reported before any shard is created
     if first is None:
-        raise ConvertError(f"no document (a picture and a .txt with one name) in {docs or shards}: skipped {dict(skipped)}")
+        raise ConvertError(
+            f"no document (a picture and a .txt with one name) in {docs or shards}: skipped {dict(skipped)}"
+        )
     sink = ShardSink(out, "corpus", shard_size, overwrite)
     read = 0
     for name, image, text in _chain(first, source):
@@ -448,13 +597,24 @@ def convert_corpus(out: Path, docs: Path | None = None, shards: str | None = Non
             print(f"convert: skipping document {name}: {exc}", file=sys.stderr)
             continue
         doc_id = sink.count
-        sink.write({"__key__": f"doc{doc_id:08d}", ext: data, "txt": passage,
-                    "json": json.dumps({"doc_id": doc_id, "source": name})})
-    return _summary("document", sink, out, "corpus", read + sum(v for k, v in skipped.items() if k.startswith("no_")),
-                    skipped)
+        sink.write(
+            {
+                "__key__": f"doc{doc_id:08d}",
+                ext: data,
+                "txt": passage,
+                "json": json.dumps({"doc_id": doc_id, "source": name}),
+            }
+        )
+    return _summary(
+        "document",
+        sink,
+        out,
+        "corpus",
+        read + sum(v for k, v in skipped.items() if k.startswith("no_")),
+        skipped,
+    )
 
 
 def _chain(first, rest: Iterator) -> Iterator:
     yield first
     yield from rest
-

@@ -48,7 +48,12 @@ from rag_mm.data.convert import (
 from rag_mm.data.convert_answers import Normaliser
 
 BATCH = 256  # rows per Arrow batch read: a few MB of pictures at a time
-OPTIONAL = ("multiple_choice_answer", "answer_type", "question_type", "image_id")  # kept where present
+OPTIONAL = (
+    "multiple_choice_answer",
+    "answer_type",
+    "question_type",
+    "image_id",
+)  # kept where present
 
 
 # ------------------------------------------------------------------------------ reading rows
@@ -59,12 +64,16 @@ class Rows:
         try:
             import pyarrow.parquet as pq  # noqa: F401  (comes with datasets)
         except ImportError:
-            raise ConvertError("the hf converter needs the datasets package: pip install datasets") from None
+            raise ConvertError(
+                "the hf converter needs the datasets package: pip install datasets"
+            ) from None
         self.path = path
         p = Path(path)
         self.dataset = None
         self.files: list[Path] = []
-        if p.is_dir() and any((p / n).is_file() for n in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        if p.is_dir() and any(
+            (p / n).is_file() for n in ("dataset_dict.json", "dataset_info.json", "state.json")
+        ):
             self.dataset = _load_from_disk(p, split, source_split)
             self.columns = list(self.dataset.column_names)
             self.base = p
@@ -76,8 +85,12 @@ class Rows:
             self.files = [p]
             what = ""
         else:
-            self.files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
-            what = f"{path} not found" + (" (no file matches the pattern)" if glob.has_magic(path) else "")
+            self.files = sorted(
+                Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file()
+            )
+            what = f"{path} not found" + (
+                " (no file matches the pattern)" if glob.has_magic(path) else ""
+            )
         if not self.files:
             raise ConvertError(what)
         self.base = self.files[0].parent
@@ -88,7 +101,7 @@ class Rows:
         if self.dataset is not None:
             arrow = self.dataset.select_columns(columns).with_format("arrow")
             for start in range(0, len(arrow), BATCH):
-                yield arrow[start:start + BATCH].to_pylist()
+                yield arrow[start : start + BATCH].to_pylist()
             return
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -98,7 +111,9 @@ class Rows:
                 pf = pq.ParquetFile(f)
                 missing = [c for c in columns if c not in pf.schema_arrow.names]
                 if missing:
-                    raise ConvertError(f"{f} has no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})")
+                    raise ConvertError(
+                        f"{f} has no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})"
+                    )
                 for batch in pf.iter_batches(batch_size=BATCH, columns=columns):
                     yield batch.to_pylist()
             except (OSError, pa.ArrowException) as exc:
@@ -111,15 +126,23 @@ def _load_from_disk(p: Path, split: str, source_split: str | None):
 
     try:
         data = datasets.load_from_disk(str(p))
-    except Exception as exc:  # datasets raises FileNotFoundError, ValueError, Arrow errors, ... for a bad folder
-        raise ConvertError(f"cannot read the datasets folder {p}: {type(exc).__name__}: {exc}") from None
+    except (
+        Exception
+    ) as exc:  # datasets raises FileNotFoundError, ValueError, Arrow errors, ... for a bad folder
+        raise ConvertError(
+            f"cannot read the datasets folder {p}: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(data, datasets.DatasetDict):
         return data
-    wanted = [source_split] if source_split else [split] + (["validation"] if split == "val" else [])
+    wanted = (
+        [source_split] if source_split else [split] + (["validation"] if split == "val" else [])
+    )
     for name in wanted:
         if name in data:
             return data[name]
-    raise ConvertError(f"{p} holds the splits {', '.join(data)}, not {' or '.join(wanted)}: pass --source-split")
+    raise ConvertError(
+        f"{p} holds the splits {', '.join(data)}, not {' or '.join(wanted)}: pass --source-split"
+    )
 
 
 def _parquet_columns(f: Path) -> list[str]:
@@ -148,7 +171,11 @@ def image_bytes(value, base: Path) -> bytes:
         path = Path(value)
         return (path if path.is_absolute() or path.exists() else base / path).read_bytes()
     if isinstance(value, Image.Image | np.ndarray | list):  # a decoded picture: stored as PNG
-        img = value if isinstance(value, Image.Image) else Image.fromarray(np.asarray(value, dtype=np.uint8))
+        img = (
+            value
+            if isinstance(value, Image.Image)
+            else Image.fromarray(np.asarray(value, dtype=np.uint8))
+        )
         buf = io.BytesIO()
         img.save(buf, format="PNG")
         return buf.getvalue()
@@ -159,7 +186,9 @@ def answer_list(value) -> list[str] | None:
     """The human answers of an answers cell, or None when it is of no known layout."""
     if isinstance(value, str):
         return [value] if value.strip() else []
-    if isinstance(value, dict) and isinstance(value.get("answer"), list):  # a Sequence of dicts: columnar
+    if isinstance(value, dict) and isinstance(
+        value.get("answer"), list
+    ):  # a Sequence of dicts: columnar
         value = value["answer"]
     if isinstance(value, list):
         out = [a["answer"] if isinstance(a, dict) else a for a in value]
@@ -183,9 +212,16 @@ def _question(row: dict, qid, cols: dict[str, str]) -> tuple[Question | None, st
     mc = row.get("multiple_choice_answer")
     mc = mc if isinstance(mc, str) and mc.strip() else None
     image_id = row.get("image_id")
-    return Question(qid, image_id if isinstance(image_id, int) and not isinstance(image_id, bool) else None, text,
-                    mc or most_frequent(answers), answers,
-                    _str(row.get("answer_type")), _str(row.get("question_type")), mc), ""
+    return Question(
+        qid,
+        image_id if isinstance(image_id, int) and not isinstance(image_id, bool) else None,
+        text,
+        mc or most_frequent(answers),
+        answers,
+        _str(row.get("answer_type")),
+        _str(row.get("question_type")),
+        mc,
+    ), ""
 
 
 def _str(value) -> str | None:
@@ -200,10 +236,20 @@ def _qid(value, n: int):
 
 
 # ------------------------------------------------------------------------------ conversion
-def convert_hf(path: str, out: Path, split: str, image_column: str = "image", question_column: str = "question",
-               answers_column: str = "answers", id_column: str | None = None, source_split: str | None = None,
-               shard_size: int = 1000, image_size: int = 0, overwrite: bool = False,
-               normalise: bool = True) -> dict:
+def convert_hf(
+    path: str,
+    out: Path,
+    split: str,
+    image_column: str = "image",
+    question_column: str = "question",
+    answers_column: str = "answers",
+    id_column: str | None = None,
+    source_split: str | None = None,
+    shard_size: int = 1000,
+    image_size: int = 0,
+    overwrite: bool = False,
+    normalise: bool = True,
+) -> dict:
     """Write the rows of a Hugging Face data set (``path``: a save_to_disk folder, parquet file(s)
     or a glob) as the query shards of ``split``; return the summary (as ``convert_vqa``'s, human
     answers normalised unless ``normalise`` is off)."""
@@ -215,11 +261,20 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
         cols["id"] = id_column
     for flag, name in cols.items():
         if name not in rows.columns:
-            raise ConvertError(f"--{flag}-column {name!r}: {path} has no such column "
-                               f"(columns: {', '.join(rows.columns)})")
+            raise ConvertError(
+                f"--{flag}-column {name!r}: {path} has no such column "
+                f"(columns: {', '.join(rows.columns)})"
+            )
     id_col = id_column or ("question_id" if "question_id" in rows.columns else None)
-    read = [*dict.fromkeys([*cols.values(), *([id_col] if id_col else []),
-                            *(c for c in OPTIONAL if c in rows.columns)])]
+    read = [
+        *dict.fromkeys(
+            [
+                *cols.values(),
+                *([id_col] if id_col else []),
+                *(c for c in OPTIONAL if c in rows.columns),
+            ]
+        )
+    ]
     skipped: Counter[str] = Counter()
     norm = Normaliser(normalise)
     bad: list = []
@@ -236,37 +291,79 @@ def convert_hf(path: str, out: Path, split: str, image_column: str = "image", qu
             q = normalise_question(q, norm, q.given)
             try:
                 ext, data = picture(image_bytes(row[image_column], rows.base), image_size)
-            except Exception as exc:  # no picture, an unreadable path, bytes PIL cannot open (several types)
+            except (
+                Exception
+            ) as exc:  # no picture, an unreadable path, bytes PIL cannot open (several types)
                 skipped["bad_image"] += 1
                 bad.append(qid)
-                print(f"convert: skipping question {qid}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(
+                    f"convert: skipping question {qid}: {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                )
                 continue
             if sink is None:
                 sink = ShardSink(out, split, shard_size, overwrite)
             sink.write(query_sample(sink.count, q, ext, data))
     if sink is None:
-        raise ConvertError(f"no question of {path} was written ({n} rows): skipped {dict(skipped) or 'none'}")
+        raise ConvertError(
+            f"no question of {path} was written ({n} rows): skipped {dict(skipped) or 'none'}"
+        )
     examples = {"bad_image": bad[:EXAMPLES]} if bad else {}
-    return _summary("question", sink, out, split, n, skipped, examples, layout="hf",
-                    normalised=norm.report())
+    return _summary(
+        "question", sink, out, split, n, skipped, examples, layout="hf", normalised=norm.report()
+    )
 
 
 def add_parser(sub, common) -> None:
     """The ``hf`` subcommand of ``scripts/convert.py``."""
-    h = sub.add_parser("hf", parents=[common], help="a Hugging Face data set (save_to_disk folder or parquet) -> query shards")
-    h.add_argument("--path", required=True, help="a datasets.save_to_disk folder, a parquet file or folder, or a glob")
-    h.add_argument("--split", choices=SPLITS, required=True, help="which query split the shards are")
-    h.add_argument("--source-split", help="the DatasetDict split to read (default: --split; val also finds validation)")
+    h = sub.add_parser(
+        "hf",
+        parents=[common],
+        help="a Hugging Face data set (save_to_disk folder or parquet) -> query shards",
+    )
+    h.add_argument(
+        "--path",
+        required=True,
+        help="a datasets.save_to_disk folder, a parquet file or folder, or a glob",
+    )
+    h.add_argument(
+        "--split", choices=SPLITS, required=True, help="which query split the shards are"
+    )
+    h.add_argument(
+        "--source-split",
+        help="the DatasetDict split to read (default: --split; val also finds validation)",
+    )
     h.add_argument("--image-column", default="image", help="the pictures (default: image)")
-    h.add_argument("--question-column", default="question", help="the questions (default: question)")
-    h.add_argument("--answers-column", default="answers", help="the human answers (default: answers)")
-    h.add_argument("--id-column", help="the question ids (default: question_id where present, else the row number)")
-    h.add_argument("--keep-answers", action="store_true",
-                   help="store the human answers as given (default: normalised as the VQA release)")
+    h.add_argument(
+        "--question-column", default="question", help="the questions (default: question)"
+    )
+    h.add_argument(
+        "--answers-column", default="answers", help="the human answers (default: answers)"
+    )
+    h.add_argument(
+        "--id-column",
+        help="the question ids (default: question_id where present, else the row number)",
+    )
+    h.add_argument(
+        "--keep-answers",
+        action="store_true",
+        help="store the human answers as given (default: normalised as the VQA release)",
+    )
 
 
 def run(args) -> dict:
     """``scripts/convert.py hf`` with parsed ``args``."""
-    return convert_hf(args.path, args.out, args.split, args.image_column, args.question_column, args.answers_column,
-                      args.id_column, args.source_split, args.shard_size, args.image_size,
-                      args.overwrite, not args.keep_answers)
+    return convert_hf(
+        args.path,
+        args.out,
+        args.split,
+        args.image_column,
+        args.question_column,
+        args.answers_column,
+        args.id_column,
+        args.source_split,
+        args.shard_size,
+        args.image_size,
+        args.overwrite,
+        not args.keep_answers,
+    )

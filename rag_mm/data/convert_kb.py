@@ -185,8 +185,10 @@ def okvqa_docs(path: Path) -> Iterator[KbDoc]:
     for n, row in enumerate(csv_rows(path), 2):
         key = row.get("kid", row.get("id"))
         if key is None or "text" not in row:
-            raise ConvertError(f"{path} has no 'kid' (or 'id') and 'text' columns "
-                               f"(columns: {', '.join(map(str, row))})")
+            raise ConvertError(
+                f"{path} has no 'kid' (or 'id') and 'text' columns "
+                f"(columns: {', '.join(map(str, row))})"
+            )
         if not (row["text"] or "").strip():
             raise ConvertError(f"{path}:{n}: passage {key!r} has no text")
         yield KbDoc(str(key), str(row.get("title") or ""), row["text"], None)

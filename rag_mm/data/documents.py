@@ -46,21 +46,35 @@ class DocumentStore:
     def fetch(self, doc_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Documents for a (B, k) id tensor: images (B, k, 3, H, W), text (B, k, Lt), lengths (B, k)."""
         r = self.rows(doc_ids)
-        return {"doc_image": self.images[r], "doc_ids": self.text_ids[r], "doc_len": self.text_len[r]}
+        return {
+            "doc_image": self.images[r],
+            "doc_ids": self.text_ids[r],
+            "doc_len": self.text_len[r],
+        }
 
     @classmethod
     def empty(cls, image_size: int, max_text: int) -> DocumentStore:
         """No documents: the memory of a closed-book run, which reads none."""
-        return cls(torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, image_size, image_size),
-                   torch.zeros(0, max_text, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], {})
+        return cls(
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 3, image_size, image_size),
+            torch.zeros(0, max_text, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            [],
+            {},
+        )
 
     @classmethod
-    def load(cls, urls: list[str], image_size: int, max_text: int, tokenizer: str | None = None) -> DocumentStore:
+    def load(
+        cls, urls: list[str], image_size: int, max_text: int, tokenizer: str | None = None
+    ) -> DocumentStore:
         """The documents of ``urls``, their passages tokenized by ``get_tokenizer(tokenizer)``."""
         tok = get_tokenizer(tokenizer)
         counter = SkipCounter()
         ids, images, texts, passages = [], [], [], []
-        for sample in wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)):
+        for sample in wds.DataPipeline(
+            wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)
+        ):
             try:
                 img = image_to_tensor(decode_image(sample), image_size)
                 text = sample["txt"].decode("utf-8")
@@ -78,6 +92,15 @@ class DocumentStore:
             raise DataError("no readable document in the corpus", urls, counter.counts)
         if len(set(ids)) != len(ids):
             dup = sorted(d for d, n in Counter(ids).items() if n > 1)
-            raise DataError(f"duplicate doc_id values in the corpus (e.g. {dup[:5]})", urls, counter.counts)
+            raise DataError(
+                f"duplicate doc_id values in the corpus (e.g. {dup[:5]})", urls, counter.counts
+            )
         text_ids, text_len = tok.pad(texts, max_text)
-        return cls(torch.tensor(ids), torch.stack(images), text_ids, text_len, passages, dict(counter.counts))
+        return cls(
+            torch.tensor(ids),
+            torch.stack(images),
+            text_ids,
+            text_len,
+            passages,
+            dict(counter.counts),
+        )

@@ -63,11 +63,23 @@ def _png(img) -> bytes:
     return buf.getvalue()
 
 
-def _query(entity: Entity, heldout: bool, rng: random.Random, size: int, key: str, kinds=KINDS) -> dict:
+def _query(
+    entity: Entity, heldout: bool, rng: random.Random, size: int, key: str, kinds=KINDS
+) -> dict:
     attribute = rng.choice(kinds)
     question = rng.choice(QUESTIONS[attribute])
-    meta = {"answer": answer(entity, attribute), "doc_id": entity.doc_id, "attribute": attribute, "heldout": heldout}
-    return {"__key__": key, "png": _png(render(entity, size, rng)), "txt": question, "json": json.dumps(meta)}
+    meta = {
+        "answer": answer(entity, attribute),
+        "doc_id": entity.doc_id,
+        "attribute": attribute,
+        "heldout": heldout,
+    }
+    return {
+        "__key__": key,
+        "png": _png(render(entity, size, rng)),
+        "txt": question,
+        "json": json.dumps(meta),
+    }
 
 
 def _write(samples, pattern: str, shard_size: int) -> int:
@@ -81,7 +93,11 @@ def _write(samples, pattern: str, shard_size: int) -> int:
 
 def generate(cfg: WorldConfig) -> dict:
     """Generate every split; return the summary also written to ``world.json``."""
-    for name, value in (("num_entities", cfg.num_entities), ("image_size", cfg.image_size), ("shard_size", cfg.shard_size)):
+    for name, value in (
+        ("num_entities", cfg.num_entities),
+        ("image_size", cfg.image_size),
+        ("shard_size", cfg.shard_size),
+    ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if not 0.0 <= cfg.heldout_fraction < 1.0:
@@ -97,8 +113,12 @@ def generate(cfg: WorldConfig) -> dict:
     counts = {}
     (out / "corpus").mkdir(parents=True, exist_ok=True)
     corpus = (
-        {"__key__": f"doc{e.doc_id:06d}", "png": _png(render(e, cfg.image_size)), "txt": e.passage(),
-         "json": json.dumps({"doc_id": e.doc_id, "name": e.name})}
+        {
+            "__key__": f"doc{e.doc_id:06d}",
+            "png": _png(render(e, cfg.image_size)),
+            "txt": e.passage(),
+            "json": json.dumps({"doc_id": e.doc_id, "name": e.name}),
+        }
         for e in entities
     )
     counts["corpus"] = _write(corpus, str(out / "corpus" / "corpus-%06d.tar"), cfg.shard_size)
@@ -114,8 +134,15 @@ def generate(cfg: WorldConfig) -> dict:
         split_rng.shuffle(jobs)  # shards hold a mix of entities, so sequential reads are not sorted
         (out / split).mkdir(parents=True, exist_ok=True)
         samples = (
-            _query(e, e.doc_id in heldout, split_rng, cfg.image_size, f"{split}{i:07d}",
-                   KINDS if cfg.name_questions else tuple(ATTRIBUTES)) for i, e in enumerate(jobs)
+            _query(
+                e,
+                e.doc_id in heldout,
+                split_rng,
+                cfg.image_size,
+                f"{split}{i:07d}",
+                KINDS if cfg.name_questions else tuple(ATTRIBUTES),
+            )
+            for i, e in enumerate(jobs)
         )
         counts[split] = _write(samples, str(out / split / f"{split}-%06d.tar"), cfg.shard_size)
 
@@ -139,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # config errors: one clear line, no traceback
         print(f"knowledge_world: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": cfg.out, **summary["counts"], "chance_accuracy": summary["chance_accuracy"]}))
+    print(
+        json.dumps(
+            {"out": cfg.out, **summary["counts"], "chance_accuracy": summary["chance_accuracy"]}
+        )
+    )
     return 0
 
 

@@ -66,8 +66,13 @@ class DataError(ConfigError):
 
     def __init__(self, what: str, urls: list[str], counts: dict[str, int]) -> None:
         self.what, self.urls, self.counts = what, list(urls), dict(counts)
-        shown = ", ".join(self.urls[:3]) + (f", ... ({len(self.urls)} shards)" if len(self.urls) > 3 else "")
-        dropped = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items())) or "nothing (the shards hold no samples)"
+        shown = ", ".join(self.urls[:3]) + (
+            f", ... ({len(self.urls)} shards)" if len(self.urls) > 3 else ""
+        )
+        dropped = (
+            ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
+            or "nothing (the shards hold no samples)"
+        )
         super().__init__(f"{what}: {shown}; dropped by reason: {dropped}")
 
     def fields(self) -> dict:
@@ -88,8 +93,13 @@ class SkipCounter:
         return True
 
 
-def _augment(x: torch.Tensor, rng: random.Random, colour_jitter: float = 0.1, crop_pad: int = 2,
-             zoom_out: float = 1.0) -> torch.Tensor:
+def _augment(
+    x: torch.Tensor,
+    rng: random.Random,
+    colour_jitter: float = 0.1,
+    crop_pad: int = 2,
+    zoom_out: float = 1.0,
+) -> torch.Tensor:
     """Random crop and a per-channel brightness shift on a (3, H, W) tensor.
 
     The picture is padded by ``crop_pad`` px of replicated edge on every side; a square of side
@@ -100,16 +110,21 @@ def _augment(x: torch.Tensor, rng: random.Random, colour_jitter: float = 0.1, cr
     H, W = x.shape[1:]
     pad = crop_pad
     if pad > 0:
-        xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]  # (3, H+2p, W+2p)
+        xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[
+            0
+        ]  # (3, H+2p, W+2p)
         side = H if zoom_out <= 1.0 else rng.randint(H, min(int(H * zoom_out), H + 2 * pad))
         i, j = rng.randint(0, H + 2 * pad - side), rng.randint(0, W + 2 * pad - side)
         x = xp[:, i : i + side, j : j + side]
         if side != H:
-            x = torch.nn.functional.interpolate(x[None], size=(H, W), mode="bilinear", antialias=True,
-                                                align_corners=False)[0]
+            x = torch.nn.functional.interpolate(
+                x[None], size=(H, W), mode="bilinear", antialias=True, align_corners=False
+            )[0]
     if colour_jitter <= 0:
         return x
-    return x + torch.tensor([rng.uniform(-colour_jitter, colour_jitter) for _ in range(3)]).view(3, 1, 1)
+    return x + torch.tensor([rng.uniform(-colour_jitter, colour_jitter) for _ in range(3)]).view(
+        3, 1, 1
+    )
 
 
 @dataclass
@@ -131,7 +146,9 @@ class StreamSpec:
     rank: int = 0
     world_size: int = 1
     skip_batches: int = 0  # batches this rank already consumed (resume)
-    tokenizer: str | None = None  # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
+    tokenizer: str | None = (
+        None  # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
+    )
 
 
 class QueryStream(torch.utils.data.IterableDataset):
@@ -154,7 +171,9 @@ class QueryStream(torch.utils.data.IterableDataset):
         return urls
 
     def _raw_samples(self, urls: list[str], counter: SkipCounter) -> Iterator[dict]:
-        pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error))
+        pipe = wds.DataPipeline(
+            wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)
+        )
         yield from pipe
 
     def _decode(self, sample: dict, counter: SkipCounter) -> dict | None:
@@ -180,22 +199,34 @@ class QueryStream(torch.utils.data.IterableDataset):
             if "answer" not in meta:
                 raise KeyError("json has no 'answer'")
             doc_id = int(meta.get("doc_id", -1))
-            answers = meta.get("answers")  # optional human answers (VQA data), for rag_mm.eval.vqa_metric
-            if answers is not None and not (isinstance(answers, list) and all(isinstance(a, str) for a in answers)):
+            answers = meta.get(
+                "answers"
+            )  # optional human answers (VQA data), for rag_mm.eval.vqa_metric
+            if answers is not None and not (
+                isinstance(answers, list) and all(isinstance(a, str) for a in answers)
+            ):
                 raise ValueError("json 'answers' is not a list of strings")
             kvqa = meta.get("kvqa")  # optional knowledge-VQA scoring fields (eval.kvqa_metric)
-            if kvqa is not None and not (isinstance(kvqa, dict)
-                                         and isinstance(kvqa.get("aliases"), list)):
+            if kvqa is not None and not (
+                isinstance(kvqa, dict) and isinstance(kvqa.get("aliases"), list)
+            ):
                 raise ValueError("json 'kvqa' is not an object with an 'aliases' list")
-            answer_type = meta.get("answer_type")  # optional VQA answer type ("yes/no", "number", "other")
+            answer_type = meta.get(
+                "answer_type"
+            )  # optional VQA answer type ("yes/no", "number", "other")
             if answer_type is not None and not isinstance(answer_type, str):
                 raise ValueError("json 'answer_type' is not a string")
-            question = sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
+            question = (
+                sample["txt"].decode("utf-8") if isinstance(sample["txt"], bytes) else sample["txt"]
+            )
         except KeyError as exc:
             counter.counts["missing_key"] += 1
             log.warning("skipping sample %s: %s", key, exc)
             return None
-        except (ValueError, TypeError) as exc:  # bad JSON, text that is not UTF-8, a doc_id that is no integer
+        except (
+            ValueError,
+            TypeError,
+        ) as exc:  # bad JSON, text that is not UTF-8, a doc_id that is no integer
             counter.counts["bad_json"] += 1
             log.warning("skipping sample %s: bad JSON/text: %s", key, exc)
             return None
@@ -224,11 +255,15 @@ class QueryStream(torch.utils.data.IterableDataset):
                 urls = urls[worker::num_workers] if len(urls) >= num_workers else urls
             raw = self._raw_samples(urls, counter)
             if s.train:
-                raw = _seeded_shuffle(raw, s.shuffle_buffer, random.Random(f"{s.seed}-{epoch}-{s.rank}-{worker}"))
+                raw = _seeded_shuffle(
+                    raw, s.shuffle_buffer, random.Random(f"{s.seed}-{epoch}-{s.rank}-{worker}")
+                )
             n_raw = n_share = n_seen = 0
             for i, sample in enumerate(raw):
                 n_raw += 1
-                if not s.train and (i % s.world_size != s.rank or (i // s.world_size) % num_workers != worker):
+                if not s.train and (
+                    i % s.world_size != s.rank or (i // s.world_size) % num_workers != worker
+                ):
                     continue  # evaluation: every rank reads all shards and keeps its share
                 n_share += 1
                 out = self._decode(sample, counter)
@@ -241,9 +276,16 @@ class QueryStream(torch.utils.data.IterableDataset):
             # too. Evaluation reads every shard in each worker: no sample at all means the split has
             # none; a share with samples none of which decoded means (all but) the whole split is bad.
             if n_seen == 0 and (s.train or n_raw == 0 or n_share > 0):
-                where = f" (rank {s.rank}, loader worker {worker} of {num_workers})" if s.world_size * num_workers > 1 else ""
-                what = (f"no usable sample in a full pass over {len(urls)} shard(s){where}" if n_raw
-                        else f"no readable sample at all in {len(urls)} shard(s){where}")
+                where = (
+                    f" (rank {s.rank}, loader worker {worker} of {num_workers})"
+                    if s.world_size * num_workers > 1
+                    else ""
+                )
+                what = (
+                    f"no usable sample in a full pass over {len(urls)} shard(s){where}"
+                    if n_raw
+                    else f"no readable sample at all in {len(urls)} shard(s){where}"
+                )
                 raise DataError(what, urls, counter.counts)
             if not s.train:
                 return
@@ -269,8 +311,12 @@ class QueryStream(torch.utils.data.IterableDataset):
                         batch, skip = [], skip - 1
                     continue
                 if s.train and s.augment:
-                    rng = random.Random(zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode()))
-                    sample["image"] = _augment(sample["image"], rng, s.colour_jitter, s.crop_pad, s.zoom_out)
+                    rng = random.Random(
+                        zlib.crc32(f"{s.seed}-{sample['epoch']}-{sample['key']}".encode())
+                    )
+                    sample["image"] = _augment(
+                        sample["image"], rng, s.colour_jitter, s.crop_pad, s.zoom_out
+                    )
                 batch.append(sample)
                 if len(batch) == s.batch_size:
                     yield collate(batch, counter)
@@ -308,15 +354,23 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
     info = torch.utils.data.get_worker_info()
     return {
         "image": torch.stack([s["image"] for s in samples]),  # (B, 3, H, W)
-        "q_ids": q_ids, "q_len": q_len,  # (B, Lq), (B,)
-        "a_ids": a_ids, "a_len": a_len,  # (B, La), (B,) with EOT
-        "doc_id": torch.tensor([s["doc_id"] for s in samples], dtype=torch.long),  # (B,) gold, -1 unknown
+        "q_ids": q_ids,
+        "q_len": q_len,  # (B, Lq), (B,)
+        "a_ids": a_ids,
+        "a_len": a_len,  # (B, La), (B,) with EOT
+        "doc_id": torch.tensor(
+            [s["doc_id"] for s in samples], dtype=torch.long
+        ),  # (B,) gold, -1 unknown
         "heldout": torch.tensor([s["heldout"] for s in samples], dtype=torch.bool),
         "attribute": [s["attribute"] for s in samples],
         "question": [s["question"] for s in samples],
         "answer": [s["answer"] for s in samples],
-        "answers": [s["answers"] for s in samples],  # per query: its human answers (list[str]) or None
-        "answer_type": [s.get("answer_type") for s in samples],  # per query: its json's answer_type (str) or None
+        "answers": [
+            s["answers"] for s in samples
+        ],  # per query: its human answers (list[str]) or None
+        "answer_type": [
+            s.get("answer_type") for s in samples
+        ],  # per query: its json's answer_type (str) or None
         "kvqa": [s.get("kvqa") for s in samples],  # per query: its json's kvqa (dict) or None
         "key": [s["key"] for s in samples],
         # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
@@ -359,8 +413,13 @@ class Loader:
             _shutdown(it)
         dropped = self.skipped_total()
         if dropped:
-            log.warning("dropped %d samples in a pass over %s%s: %s", sum(dropped.values()), self.spec.urls[0],
-                        f" and {len(self.spec.urls) - 1} more shards" if len(self.spec.urls) > 1 else "", dropped)
+            log.warning(
+                "dropped %d samples in a pass over %s%s: %s",
+                sum(dropped.values()),
+                self.spec.urls[0],
+                f" and {len(self.spec.urls) - 1} more shards" if len(self.spec.urls) > 1 else "",
+                dropped,
+            )
 
     def skipped_total(self) -> dict[str, int]:
         """Drop counts by reason, summed over the loader workers."""
@@ -384,7 +443,9 @@ _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
 
 def _shutdown(it) -> None:
-    stop = getattr(it, "_shutdown_workers", None)  # DataLoader's own clean stop (multi-process iterators)
+    stop = getattr(
+        it, "_shutdown_workers", None
+    )  # DataLoader's own clean stop (multi-process iterators)
     if stop is not None:
         stop()
 

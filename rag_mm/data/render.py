@@ -25,7 +25,13 @@ def _shape_mask(shape: str, size: int) -> Image.Image:
     c, r = size / 2, size * 0.35
 
     def poly(n: int, phase: float, radius: float = r) -> list[tuple[float, float]]:
-        return [(c + radius * math.cos(phase + 2 * math.pi * i / n), c + radius * math.sin(phase + 2 * math.pi * i / n)) for i in range(n)]
+        return [
+            (
+                c + radius * math.cos(phase + 2 * math.pi * i / n),
+                c + radius * math.sin(phase + 2 * math.pi * i / n),
+            )
+            for i in range(n)
+        ]
 
     if shape == "circle":
         d.ellipse([c - r, c - r, c + r, c + r], fill=255)
@@ -65,7 +71,9 @@ def _texture(texture: str, size: int, period: int) -> Image.Image:
     elif texture == "stripes":
         a = (x // period) % 2 == 0
     elif texture == "dots":
-        a = ((x % (2 * period) - period) ** 2 + (y % (2 * period) - period) ** 2) < (period * 0.6) ** 2
+        a = ((x % (2 * period) - period) ** 2 + (y % (2 * period) - period) ** 2) < (
+            period * 0.6
+        ) ** 2
     elif texture == "checker":
         a = ((x // period) + (y // period)) % 2 == 0
     else:
@@ -94,13 +102,18 @@ def render(entity: Entity, size: int = 32, rng: random.Random | None = None) -> 
     body.paste(pattern, (0, 0), _texture(entity.texture, big, period))
 
     if variant:  # pose, scale and position change; the texture turns with the body
-        angle = rng.uniform(-15, 15)  # well below 45 degrees, so a turned square never becomes a diamond
+        angle = rng.uniform(
+            -15, 15
+        )  # well below 45 degrees, so a turned square never becomes a diamond
         scale = rng.uniform(0.75, 1.1)
         shift = (rng.uniform(-0.12, 0.12) * big, rng.uniform(-0.12, 0.12) * big)
         body = body.rotate(angle, resample=Image.BILINEAR)
         mask = mask.rotate(angle, resample=Image.BILINEAR)
         new = max(8, int(big * scale))
-        body, mask = body.resize((new, new), Image.BILINEAR), mask.resize((new, new), Image.BILINEAR)
+        body, mask = (
+            body.resize((new, new), Image.BILINEAR),
+            mask.resize((new, new), Image.BILINEAR),
+        )
         canvas_b, canvas_m = Image.new("RGB", (big, big)), Image.new("L", (big, big), 0)
         off = (int((big - new) / 2 + shift[0]), int((big - new) / 2 + shift[1]))
         canvas_b.paste(body, off)
@@ -110,6 +123,8 @@ def render(entity: Entity, size: int = 32, rng: random.Random | None = None) -> 
     img = background.resize((size, size), Image.LANCZOS)
     if variant:  # sensor noise
         arr = np.asarray(img).astype(np.int16)
-        noise = np.random.default_rng(rng.randint(0, 2**31)).normal(0, 8, arr.shape).astype(np.int16)
+        noise = (
+            np.random.default_rng(rng.randint(0, 2**31)).normal(0, 8, arr.shape).astype(np.int16)
+        )
         img = Image.fromarray(np.clip(arr + noise, 0, 255).astype(np.uint8))
     return img

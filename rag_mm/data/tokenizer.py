@@ -51,7 +51,9 @@ class HFTokenizer(Tokenizer):
         except (OSError, ValueError) as exc:
             raise ValueError(f"no usable tokenizer in {path!r}: {exc}") from None
         if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path!r} has no end-of-sequence token to end answers with")
+            raise ValueError(
+                f"the tokenizer in {path!r} has no end-of-sequence token to end answers with"
+            )
         self.vocab_size = len(self._tok)
         self.eot_id = int(self._tok.eos_token_id)
         self.pad_id = 0
@@ -60,7 +62,9 @@ class HFTokenizer(Tokenizer):
         return self._tok(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([i for i in ids if i != self.eot_id], skip_special_tokens=True).strip()
+        return self._tok.decode(
+            [i for i in ids if i != self.eot_id], skip_special_tokens=True
+        ).strip()
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

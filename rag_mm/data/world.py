@@ -37,23 +37,55 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
 }
 # Several phrasings per attribute so the reader must map a question to the fact it asks for.
 QUESTIONS: dict[str, tuple[str, ...]] = {
-    "habitat": ("where does this creature live?", "what is the habitat of this creature?",
-                "in which place is this creature found?"),
-    "diet": ("what does this creature eat?", "what is the diet of this creature?",
-             "which food does this creature like?"),
-    "season": ("when is this creature active?", "in which season is this creature awake?",
-               "at what time does this creature come out?"),
-    "region": ("which region does this creature come from?", "what is the home region of this creature?",
-               "from where does this creature originate?"),
+    "habitat": (
+        "where does this creature live?",
+        "what is the habitat of this creature?",
+        "in which place is this creature found?",
+    ),
+    "diet": (
+        "what does this creature eat?",
+        "what is the diet of this creature?",
+        "which food does this creature like?",
+    ),
+    "season": (
+        "when is this creature active?",
+        "in which season is this creature awake?",
+        "at what time does this creature come out?",
+    ),
+    "region": (
+        "which region does this creature come from?",
+        "what is the home region of this creature?",
+        "from where does this creature originate?",
+    ),
     # The name is no fact with a value set: each creature has its own, made of syllables, so a
     # held-out creature's name was never a training answer and only copying it from the passage
     # answers the question.
-    "name": ("what is this creature called?", "what is the name of this creature?",
-             "which name does this creature go by?"),
+    "name": (
+        "what is this creature called?",
+        "what is the name of this creature?",
+        "which name does this creature go by?",
+    ),
 }
 # Every kind of question a query asks: the four facts, then the name.
 KINDS: tuple[str, ...] = (*ATTRIBUTES, "name")
-_SYLLABLES = ("ka", "lo", "mi", "ru", "ze", "po", "ta", "vi", "nu", "sha", "gri", "bel", "dor", "fen", "quo", "xa")
+_SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ru",
+    "ze",
+    "po",
+    "ta",
+    "vi",
+    "nu",
+    "sha",
+    "gri",
+    "bel",
+    "dor",
+    "fen",
+    "quo",
+    "xa",
+)
 
 
 @dataclass(frozen=True)
@@ -86,9 +118,18 @@ def _visible(hue: str, texture: str, hue2: str) -> bool:
 
 def make_entities(num_entities: int, seed: int) -> list[Entity]:
     """Draw ``num_entities`` entities with distinct appearances and independent random facts."""
-    looks = [(s, h, t, h2) for s in SHAPES for h in HUES for t in TEXTURES for h2 in HUES if _visible(h, t, h2)]
+    looks = [
+        (s, h, t, h2)
+        for s in SHAPES
+        for h in HUES
+        for t in TEXTURES
+        for h2 in HUES
+        if _visible(h, t, h2)
+    ]
     if num_entities > len(looks):
-        raise ValueError(f"num_entities={num_entities} exceeds the {len(looks)} distinct appearances")
+        raise ValueError(
+            f"num_entities={num_entities} exceeds the {len(looks)} distinct appearances"
+        )
     rng = random.Random(seed)
     rng.shuffle(looks)
     names: set[str] = set()
@@ -113,4 +154,6 @@ def answer(entity: Entity, kind: str) -> str:
 def chance_accuracy(names: bool = False) -> float:
     """Exact-match accuracy of guessing, the mean over question kinds: 1 / number of values for a
     fact, 0 for the name (every creature has its own) when name questions are asked."""
-    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / (len(KINDS) if names else len(ATTRIBUTES))
+    return sum(1.0 / len(v) for v in ATTRIBUTES.values()) / (
+        len(KINDS) if names else len(ATTRIBUTES)
+    )

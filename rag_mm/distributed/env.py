@@ -48,8 +48,12 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: int
         # Under NCCL, host tensors (stop flags, counts, object broadcasts) go through a gloo
         # backend of the same group: NCCL alone refuses a CPU tensor.
         pg_backend = "cpu:gloo,cuda:nccl" if be == "nccl" else be
-        dist.init_process_group(pg_backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=dev if be == "nccl" else None, **_restart_safe_store(rank, world, timeout_s))
+        dist.init_process_group(
+            pg_backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=dev if be == "nccl" else None,
+            **_restart_safe_store(rank, world, timeout_s),
+        )
         log.info("rank %d/%d joined the %s process group (device %s)", rank, world, be, dev)
     return DistEnv(rank, world, local_rank, dev)
 
@@ -63,10 +67,18 @@ def _restart_safe_store(rank: int, world: int, timeout_s: int) -> dict:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"rag_mm/attempt_{attempt}", store), "rank": rank, "world_size": world}
+    return {
+        "store": dist.PrefixStore(f"rag_mm/attempt_{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

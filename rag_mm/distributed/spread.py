@@ -48,16 +48,25 @@ from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
 
 log = logging.getLogger(__name__)
-STEP_LOSSES = ("joint", "retriever")  # train_step's choice of loss: joint training, the retriever warm-up
+STEP_LOSSES = (
+    "joint",
+    "retriever",
+)  # train_step's choice of loss: joint training, the retriever warm-up
 
 
 @dataclass(frozen=True)
 class StepOut:
     """What one ``train_step`` call hands back (detached, on every rank)."""
 
-    loss: torch.Tensor  # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
-    retriever_loss: torch.Tensor | None  # () the retriever's loss, before its weight (None: no learned retriever)
-    hit: torch.Tensor | None  # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
+    loss: (
+        torch.Tensor
+    )  # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
+    retriever_loss: (
+        torch.Tensor | None
+    )  # () the retriever's loss, before its weight (None: no learned retriever)
+    hit: (
+        torch.Tensor | None
+    )  # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
 
 
 def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:
@@ -80,9 +89,15 @@ class SpreadRag:
         if self.per_document:  # (B*k) queries with one document each: another module-call sequence
             structures["one_document"] = one_document_inputs(
                 {n: example[n] for n in ("image", "q_ids", "q_len", "a_ids", "a_len")},
-                {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")})
-        self.pmodel = parallel.parallelize(rag.reader, self.pcfg, example, timeout_s=float(cfg.launch.timeout_s),
-                                           structures=structures)
+                {n: example[n] for n in ("doc_image", "doc_ids", "doc_len")},
+            )
+        self.pmodel = parallel.parallelize(
+            rag.reader,
+            self.pcfg,
+            example,
+            timeout_s=float(cfg.launch.timeout_s),
+            structures=structures,
+        )
         lay = self.pmodel.layout
         # the contrastive loss over the whole global batch: gathered over this rank's data-parallel
         # peers (the same pipeline stage and tensor-parallel index in every replica)
@@ -155,7 +170,9 @@ class SpreadRag:
         if self.rcfg.mode != "none":
             ids = torch.as_tensor(self.store.ids[:1]).repeat(b, self.rcfg.top_k)  # (b, k)
             x.update(self.store.fetch(ids))
-            if self.rcfg.mode == "learned" and self.rcfg.reader_prior:  # log p(d | q) over the k documents
+            if (
+                self.rcfg.mode == "learned" and self.rcfg.reader_prior
+            ):  # log p(d | q) over the k documents
                 x["doc_prior"] = torch.full((b, self.rcfg.top_k), -math.log(self.rcfg.top_k))
         return {k: v.to(self.device) for k, v in x.items()}
 
@@ -171,12 +188,17 @@ class SpreadRag:
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
         """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it."""
         B, k = docs["doc_ids"].shape[:2]
-        res = self.pmodel.predict(one_document_inputs(q, docs), output_fn=lambda out, _: out.nll.cpu(),
-                                  structure="one_document")
+        res = self.pmodel.predict(
+            one_document_inputs(q, docs),
+            output_fn=lambda out, _: out.nll.cpu(),
+            structure="one_document",
+        )
         return torch.cat(res).view(B, k).to(self.device)
 
     # ------------------------------------------------------------------ training
-    def train_step(self, inputs: dict, scale: float = 1.0, sync: bool = True, loss: str = "joint") -> StepOut:
+    def train_step(
+        self, inputs: dict, scale: float = 1.0, sync: bool = True, loss: str = "joint"
+    ) -> StepOut:
         """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad).
         ``sync``: this is the optimizer step's last micro-step: gradients are synchronised over
         the ranks now, once for everything accumulated (``ParallelModel.train_step``). ``loss``:
@@ -193,7 +215,9 @@ class SpreadRag:
                 retriever_sync.average_grads(self.rag.retriever)
             return StepOut(r_loss.detach(), r_loss.detach(), hit)
         x, ids, ret = self._reader_inputs(inputs, train=True)
-        attention = self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
+        attention = (
+            self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
+        )
         # the target: which batch rows a microbatch holds; on the host only when they index adist's
         # host-side target (elsewhere a host tensor in the step would be copied to the device)
         rows = torch.arange(x["image"].shape[0], device="cpu" if attention else self.device)
@@ -204,7 +228,12 @@ class SpreadRag:
                 doc_att[mb_rows] = out.doc_attention.detach().float().cpu()
             return out.loss * scale
 
-        reader_loss = self.pmodel.train_step(x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens, sync=sync) / scale
+        reader_loss = (
+            self.pmodel.train_step(
+                x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens, sync=sync
+            )
+            / scale
+        )
         if ret is None:
             if sync:  # the retriever's gradients, if any, are the one reduce's too
                 retriever_sync.average_grads(self.rag.retriever)
@@ -221,7 +250,7 @@ class SpreadRag:
         hit = None
         if gold is not None and ids is not None:  # recall of the queries naming their gold document
             g = gold.cpu()
-            hit = (ids[:, :self.rcfg.top_k] == g[:, None]).any(1)[g >= 0]
+            hit = (ids[:, : self.rcfg.top_k] == g[:, None]).any(1)[g >= 0]
         return StepOut(reader_loss, r_loss.detach(), hit)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -251,8 +280,17 @@ class SpreadRag:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def __call__(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = False,
-                 search_k: int = 0) -> RagOutput:
+    def __call__(
+        self,
+        image,
+        q_ids,
+        q_len,
+        a_ids,
+        a_len,
+        gold=None,
+        retriever_loss: bool = False,
+        search_k: int = 0,
+    ) -> RagOutput:
         """Forward-only over the spread reader (what ``evaluate`` needs: per-example correct and
         NLL, the retrieved ids and their scores)."""
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
@@ -264,7 +302,10 @@ class SpreadRag:
         reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
         scores = None
         if ret is not None:  # the index's similarities, scaled as the retriever scores
-            scores = self.rag.retriever.scale().detach().to(ret[-1].device) * ret[-1][:, :self.rcfg.top_k]
+            scores = (
+                self.rag.retriever.scale().detach().to(ret[-1].device)
+                * ret[-1][:, : self.rcfg.top_k]
+            )
         return RagOutput(reader.loss, reader, None, ids, scores)
 
     # ------------------------------------------------------------------ checkpoints

@@ -74,7 +74,9 @@ class BlindPrior:
     """The most frequent (normalised) training answer per question key, and of all questions."""
 
     answers: dict[str, str]  # question_key -> its most frequent training answer
-    fallback: str  # the most frequent training answer of all (for question texts training never asked)
+    fallback: (
+        str  # the most frequent training answer of all (for question texts training never asked)
+    )
     n_train: int  # training queries counted
 
     def answer(self, question: str) -> str:
@@ -90,8 +92,14 @@ class BlindPrior:
         return float(pred == normalize_answer(gold))
 
     def to_json(self, fingerprint: str) -> dict:
-        return {"version": VERSION, "fingerprint": fingerprint, "n_train": self.n_train,
-                "n_questions": len(self.answers), "fallback": self.fallback, "answers": self.answers}
+        return {
+            "version": VERSION,
+            "fingerprint": fingerprint,
+            "n_train": self.n_train,
+            "n_questions": len(self.answers),
+            "fallback": self.fallback,
+            "answers": self.answers,
+        }
 
     @classmethod
     def from_json(cls, data) -> BlindPrior | None:
@@ -99,8 +107,12 @@ class BlindPrior:
         if not isinstance(data, dict) or data.get("version") != VERSION:
             return None
         answers, fallback, n = data.get("answers"), data.get("fallback"), data.get("n_train")
-        if not (isinstance(answers, dict) and isinstance(fallback, str) and isinstance(n, int)
-                and all(isinstance(k, str) and isinstance(v, str) for k, v in answers.items())):
+        if not (
+            isinstance(answers, dict)
+            and isinstance(fallback, str)
+            and isinstance(n, int)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in answers.items())
+        ):
             return None
         return cls(answers, fallback, n)
 
@@ -175,7 +187,9 @@ def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior
         if stop is not None and stop():
             from rag_mm.ft.preemption import Stopped
 
-            raise Stopped(f"the blind prior's table stopped after {i} of {len(urls)} training shards")
+            raise Stopped(
+                f"the blind prior's table stopped after {i} of {len(urls)} training shards"
+            )
         try:
             for sample in _shard_samples(url):
                 pair = _pair(sample)
@@ -189,10 +203,15 @@ def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior
         except (tarfile.TarError, OSError, EOFError) as exc:
             log.warning("blind prior: skipping unreadable shard %s: %s", url, exc)
     if skipped:
-        log.warning("blind prior: %d training samples without a picture, question or answer skipped", skipped)
+        log.warning(
+            "blind prior: %d training samples without a picture, question or answer skipped",
+            skipped,
+        )
     if not n:
         return None
-    return BlindPrior({q: _most_frequent(c) for q, c in per_question.items()}, _most_frequent(overall), n)
+    return BlindPrior(
+        {q: _most_frequent(c) for q, c in per_question.items()}, _most_frequent(overall), n
+    )
 
 
 # ------------------------------------------------------------------------------ the cache
@@ -215,7 +234,9 @@ def fingerprint(urls: list[str]) -> str:
 def _write_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file in the same folder and ``os.replace``: a
     reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")  # unique: two writers never share it
+    tmp = path.with_name(
+        f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    )  # unique: two writers never share it
     try:
         with open(tmp, "x") as f:  # created with the umask's permissions, as the run's other files
             f.write(text)
@@ -227,7 +248,9 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load_or_build(urls: list[str], cache: Path | None, stop: Callable[[], bool] | None = None) -> BlindPrior | None:
+def load_or_build(
+    urls: list[str], cache: Path | None, stop: Callable[[], bool] | None = None
+) -> BlindPrior | None:
     """The table of the training shards ``urls``: from ``cache`` when it was built from these
     shards (same list, sizes and mtimes), else built and written there (a folder that cannot be
     written only costs the cache). None when the shards hold no usable sample. ``stop``: as ``build``'s."""
@@ -245,10 +268,16 @@ def load_or_build(urls: list[str], cache: Path | None, stop: Callable[[], bool] 
         log.info("blind prior: %s is stale (the training shards changed): rebuilding", cache)
     prior = build(urls, stop)
     if prior is None:
-        log.warning("blind prior: no usable training sample in %d shard(s): not reported", len(urls))
+        log.warning(
+            "blind prior: no usable training sample in %d shard(s): not reported", len(urls)
+        )
         return None
-    log.info("blind prior: %d training queries, %d question texts; fallback answer %r",
-             prior.n_train, len(prior.answers), prior.fallback)
+    log.info(
+        "blind prior: %d training queries, %d question texts; fallback answer %r",
+        prior.n_train,
+        len(prior.answers),
+        prior.fallback,
+    )
     if cache is not None:
         try:
             _write_atomic(cache, strict_dumps(prior.to_json(fp)))

@@ -40,6 +40,10 @@ class KindSums:
         out = {}
         for kind in sorted(rows):
             ns, cs, nh, ch = (x / replicas for x in rows[kind])
-            out[kind] = {"n_seen": int(ns), "acc_seen": cs / ns if ns else None,
-                         "n_heldout": int(nh), "acc_heldout": ch / nh if nh else None}
+            out[kind] = {
+                "n_seen": int(ns),
+                "acc_seen": cs / ns if ns else None,
+                "n_heldout": int(nh),
+                "acc_heldout": ch / nh if nh else None,
+            }
         return out

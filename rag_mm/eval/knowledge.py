@@ -128,21 +128,32 @@ def _fmt(x: float | None) -> str:
 def retrieval_line(res: dict, recall_at: tuple[int, ...]) -> str:
     """Seen / held-out accuracy, recall@k against gold, pseudo-recall and the InfoSeek score of a
     split's metrics, in words ('' when it has none of them)."""
-    parts = [f"exact match seen {_fmt(res.get('acc_seen'))} / "
-             f"held out {_fmt(res.get('acc_heldout'))}"]
+    parts = [
+        f"exact match seen {_fmt(res.get('acc_seen'))} / held out {_fmt(res.get('acc_heldout'))}"
+    ]
     if "kvqa_acc" in res:
-        parts.append(f"answer match seen {_fmt(res.get('kvqa_acc_seen'))} / held out "
-                     f"{_fmt(res.get('kvqa_acc_heldout'))}")
+        parts.append(
+            f"answer match seen {_fmt(res.get('kvqa_acc_seen'))} / held out "
+            f"{_fmt(res.get('kvqa_acc_heldout'))}"
+        )
     if "infoseek_score" in res:
-        parts.append(f"InfoSeek score {100 * res['infoseek_score']:.2f} "
-                     f"(unseen question {100 * res['infoseek_unseen_question']:.2f}, "
-                     f"unseen entity {100 * res['infoseek_unseen_entity']:.2f})")
+        parts.append(
+            f"InfoSeek score {100 * res['infoseek_score']:.2f} "
+            f"(unseen question {100 * res['infoseek_unseen_question']:.2f}, "
+            f"unseen entity {100 * res['infoseek_unseen_entity']:.2f})"
+        )
     for name in ("recall", "pseudo_recall"):
         ks = [k for k in recall_at if f"{name}@{k}" in res]
         if ks:
-            parts.append(f"{name.replace('_', '-')}@" + "/".join(map(str, ks)) + " " +
-                         "/".join(_fmt(res[f"{name}@{k}"]) for k in ks) + " (held out " +
-                         "/".join(_fmt(res.get(f"{name}@{k}_heldout")) for k in ks) + ")")
+            parts.append(
+                f"{name.replace('_', '-')}@"
+                + "/".join(map(str, ks))
+                + " "
+                + "/".join(_fmt(res[f"{name}@{k}"]) for k in ks)
+                + " (held out "
+                + "/".join(_fmt(res.get(f"{name}@{k}_heldout")) for k in ks)
+                + ")"
+            )
     if "pseudo_recall_gold" in res:
         parts.append(f"answer in the gold passage {_fmt(res['pseudo_recall_gold'])}")
     return "; ".join(parts) if len(parts) > 1 or res.get("n_heldout") else ""

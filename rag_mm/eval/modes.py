@@ -91,8 +91,15 @@ def retrieval_mode(rag, name: str):
         rag.rcfg.mode = old
 
 
-def compare(rag, split: str, names: list[str], trained: str | None, trained_metrics: dict,
-            evaluate_mode: Callable[[str], dict], summary: Path) -> dict:
+def compare(
+    rag,
+    split: str,
+    names: list[str],
+    trained: str | None,
+    trained_metrics: dict,
+    evaluate_mode: Callable[[str], dict],
+    summary: Path,
+) -> dict:
     """Evaluate ``split`` in each mode of ``names``: the mode the run trained in (``trained``)
     reuses ``trained_metrics``, the others run ``evaluate_mode(name)`` with ``rag`` switched to
     them. Logs the table (``lines``) and puts it into the run's metrics.json (``summary``) under
@@ -174,11 +181,17 @@ def lines(split: str, table: dict[str, dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------ tables of a run
 # what the evaluation notebook prints from a run's metrics.json: (column, metrics key)
-RETRIEVAL = (("acc seen", "acc_seen"), ("acc held out", "acc_heldout"),
-             ("answer match", "kvqa_acc"),
-             ("InfoSeek", "infoseek_score"), ("recall@1", "recall@1"), ("recall@5", "recall@5"),
-             ("pseudo-recall@1", "pseudo_recall@1"), ("pseudo-recall@5", "pseudo_recall@5"),
-             ("gold passage", "pseudo_recall_gold"))
+RETRIEVAL = (
+    ("acc seen", "acc_seen"),
+    ("acc held out", "acc_heldout"),
+    ("answer match", "kvqa_acc"),
+    ("InfoSeek", "infoseek_score"),
+    ("recall@1", "recall@1"),
+    ("recall@5", "recall@5"),
+    ("pseudo-recall@1", "pseudo_recall@1"),
+    ("pseudo-recall@5", "pseudo_recall@5"),
+    ("gold passage", "pseudo_recall_gold"),
+)
 RETRIEVAL_COLUMNS = ("split", "mode", "n", *(c for c, _ in RETRIEVAL))
 
 
@@ -192,11 +205,23 @@ def retrieval_rows(summary: dict | None) -> list[dict]:
         m = summary.get(split)
         if isinstance(m, dict):
             mode = NAMES.get(summary.get("retrieval"), summary.get("retrieval"))
-            rows.append({"split": split, "mode": f"{mode} (trained)", "n": m.get("n"),
-                         **{c: m.get(k) for c, k in RETRIEVAL}})
+            rows.append(
+                {
+                    "split": split,
+                    "mode": f"{mode} (trained)",
+                    "n": m.get("n"),
+                    **{c: m.get(k) for c, k in RETRIEVAL},
+                }
+            )
     for split, table in (summary.get("modes") or {}).items():
         for mode, m in table.items():
             if mode != "gains":
-                rows.append({"split": split, "mode": mode, "n": m.get("n"),
-                             **{c: m.get(k) for c, k in RETRIEVAL}})
+                rows.append(
+                    {
+                        "split": split,
+                        "mode": mode,
+                        "n": m.get("n"),
+                        **{c: m.get(k) for c, k in RETRIEVAL},
+                    }
+                )
     return rows

@@ -32,7 +32,9 @@ def question_ids(urls: list[str]) -> dict[str, QuestionId | None]:
     key that two samples share with different ids (the results file cannot tell them apart).
     Unreadable tar data and bad json are passed over: evaluation dropped those samples too."""
     found: dict[str, QuestionId | None] = {}
-    pipe = wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=wds.ignore_and_continue))
+    pipe = wds.DataPipeline(
+        wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=wds.ignore_and_continue)
+    )
     for sample in pipe:
         key = sample.get("__key__")
         try:
@@ -54,8 +56,10 @@ def results(answered: list[tuple[str, str]], ids: dict[str, QuestionId | None]) 
     out = []
     for key, answer in answered:
         if key in ids and ids[key] is None:
-            raise PredictionError(f"two samples of the split have the key {key!r} and different question ids: "
-                                  "convert the questions into one set of shards (keys are per conversion)")
+            raise PredictionError(
+                f"two samples of the split have the key {key!r} and different question ids: "
+                "convert the questions into one set of shards (keys are per conversion)"
+            )
         out.append({"question_id": ids.get(key, key), "answer": answer})
     return out
 

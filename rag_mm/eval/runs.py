@@ -31,10 +31,16 @@ class Run:
     config: dict | None  # .hydra/config.yaml as a plain dict
     examples: list[dict] | None  # retrieved_examples.json
     trace: list[dict] | None  # timeline.json trace events
-    checkpoints: dict[str, str | None] = field(default_factory=dict)  # name -> None if valid, else why not
+    checkpoints: dict[str, str | None] = field(
+        default_factory=dict
+    )  # name -> None if valid, else why not
 
     def series(self, kind: str, key: str) -> tuple[list[int], list[float]]:
-        pts = [(r["step"], r[key]) for r in self.records if r.get("kind") == kind and isinstance(r.get(key), (int, float))]
+        pts = [
+            (r["step"], r[key])
+            for r in self.records
+            if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+        ]
         return [s for s, _ in pts], [v for _, v in pts]
 
     def last(self, kind: str) -> dict | None:
@@ -75,8 +81,16 @@ def load_run(path: str | Path, verify_checkpoints: bool = True) -> Run:
         for c in sorted((path / "checkpoints").glob("step_*")):
             ckpts[c.name] = "unfinished save" if c.name.endswith(".tmp") else verify(c)
     name = (config or {}).get("name") or path.name
-    return Run(path, str(name), records, _json("metrics.json"), config, _json("retrieved_examples.json"),
-               trace["traceEvents"] if isinstance(trace, dict) else trace, ckpts)
+    return Run(
+        path,
+        str(name),
+        records,
+        _json("metrics.json"),
+        config,
+        _json("retrieved_examples.json"),
+        trace["traceEvents"] if isinstance(trace, dict) else trace,
+        ckpts,
+    )
 
 
 def _image(src, run_dir: Path):
@@ -85,7 +99,9 @@ def _image(src, run_dir: Path):
 
     if src is None:
         return None
-    if isinstance(src, str) and len(src) < 1024 and not src.startswith("data:"):  # a path, not base64
+    if (
+        isinstance(src, str) and len(src) < 1024 and not src.startswith("data:")
+    ):  # a path, not base64
         for p in (run_dir / src, Path(src)):
             try:
                 if p.is_file():
@@ -139,7 +155,15 @@ def plot_accuracy(runs: list[Run]):
                 s, v = s + [t["step"]], v + [t[key]]
             if s:
                 any_points = True
-                ax.plot(s, v, style, marker="o", ms=3, color=color, label=f"{run.name}: {key.replace('acc_', '')}")
+                ax.plot(
+                    s,
+                    v,
+                    style,
+                    marker="o",
+                    ms=3,
+                    color=color,
+                    label=f"{run.name}: {key.replace('acc_', '')}",
+                )
         chance = (run.summary or {}).get("chance_accuracy")
         if isinstance(chance, float) and chance == chance:
             ax.axhline(chance, color=color, lw=0.8, ls=":", label=f"{run.name}: chance")
@@ -165,7 +189,15 @@ def plot_recall(runs: list[Run]):
             s, v = run.series("val", f"recall@{k}")
             if s:
                 found = True
-                ax1.plot(s, v, marker="o", ms=3, color=f"C{i}", alpha=1 - 0.25 * j, label=f"{run.name} @{k}")
+                ax1.plot(
+                    s,
+                    v,
+                    marker="o",
+                    ms=3,
+                    color=f"C{i}",
+                    alpha=1 - 0.25 * j,
+                    label=f"{run.name} @{k}",
+                )
         t = run.last("test") or {}
         ks = [k for k in RECALL_KS if isinstance(t.get(f"recall@{k}"), (int, float))]
         if ks:
@@ -176,7 +208,10 @@ def plot_recall(runs: list[Run]):
             ax2.set_xticks([x + 0.4 - w / 2 for x in range(len(ks))], [f"@{k}" for k in ks])
     if not found:
         for ax in (ax1, ax2):
-            _note(ax, "no recall@k in these runs\n(retriever.mode=oracle or none: nothing is retrieved)")
+            _note(
+                ax,
+                "no recall@k in these runs\n(retriever.mode=oracle or none: nothing is retrieved)",
+            )
     ax1.set_title("val recall@k over training")
     ax1.set_xlabel("step")
     ax2.set_title("test recall@k (final)")
@@ -197,7 +232,10 @@ def plot_timeline(run: Run):
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(11, 2.5))
-        _note(ax, "no timeline.json in this run (the pipeline runtime writes one when parallel.pp > 1)")
+        _note(
+            ax,
+            "no timeline.json in this run (the pipeline runtime writes one when parallel.pp > 1)",
+        )
         return fig
     ranks = len({e.rank for e in events})
     return timeline.figure(events, f"pipeline timeline, {ranks} ranks:")
@@ -210,19 +248,28 @@ def plot_gallery(run: Run, n: int = 6):
     examples = (run.examples or [])[:n]
     if not examples:
         fig, ax = plt.subplots(figsize=(8, 1.5))
-        _note(ax, "no retrieved_examples.json in this run (written by evaluations with retriever.mode=learned)")
+        _note(
+            ax,
+            "no retrieved_examples.json in this run (written by evaluations with retriever.mode=learned)",
+        )
         return fig
     k = max(len(e.get("retrieved", [])) for e in examples)
-    fig, axes = plt.subplots(len(examples), k + 1, figsize=(2.6 * (k + 1), 2.6 * len(examples)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(examples), k + 1, figsize=(2.6 * (k + 1), 2.6 * len(examples)), squeeze=False
+    )
     for row, ex in zip(axes, examples):
         gold = ex.get("gold_doc_id")
         ok = str(ex.get("prediction", "")).strip() == str(ex.get("answer", "")).strip()
         img = _image(ex.get("query_image"), run.path)
         if img is not None:
             row[0].imshow(img)
-        row[0].set_title(f"Q: {ex.get('question', '')}\ngold: {ex.get('answer', '')} | pred: {ex.get('prediction', '')}"
-                         f"{' (held-out)' if ex.get('heldout') else ''}",
-                         fontsize=7, color="green" if ok else "red", wrap=True)
+        row[0].set_title(
+            f"Q: {ex.get('question', '')}\ngold: {ex.get('answer', '')} | pred: {ex.get('prediction', '')}"
+            f"{' (held-out)' if ex.get('heldout') else ''}",
+            fontsize=7,
+            color="green" if ok else "red",
+            wrap=True,
+        )
         for j in range(k):
             ax = row[j + 1]
             docs = ex.get("retrieved", [])
@@ -236,12 +283,20 @@ def plot_gallery(run: Run, n: int = 6):
             score = f" {d['score']:.2f}" if isinstance(d.get("score"), (int, float)) else ""
             hit = d.get("doc_id") == gold
             passage = str(d.get("passage", ""))
-            ax.set_title(f"#{j + 1} doc {d.get('doc_id')}{score}{' (gold)' if hit else ''}\n{passage[:60]}"
-                         f"{'...' if len(passage) > 60 else ''}", fontsize=6, color="green" if hit else "black", wrap=True)
+            ax.set_title(
+                f"#{j + 1} doc {d.get('doc_id')}{score}{' (gold)' if hit else ''}\n{passage[:60]}"
+                f"{'...' if len(passage) > 60 else ''}",
+                fontsize=6,
+                color="green" if hit else "black",
+                wrap=True,
+            )
         for ax in row:
             ax.set_xticks([])
             ax.set_yticks([])
-    fig.suptitle(f"{run.name}: queries and retrieved documents (green = gold document / correct answer)", fontsize=9)
+    fig.suptitle(
+        f"{run.name}: queries and retrieved documents (green = gold document / correct answer)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -253,13 +308,20 @@ def comparison_table(runs: list[Run]) -> list[dict]:
         s = run.summary or {}
         t = s.get("test") or run.last("test") or {}
         cfg = run.config or {}
-        rows.append({
-            "run": run.name, "retrieval": (cfg.get("retriever") or {}).get("mode", s.get("retrieval")),
-            "steps": s.get("step", max((r.get("step", 0) for r in run.records), default=0)),
-            "world_size": s.get("world_size"), "test_acc": t.get("acc"), "acc_seen": t.get("acc_seen"),
-            "acc_heldout": t.get("acc_heldout"), **{f"recall@{k}": t.get(f"recall@{k}") for k in RECALL_KS},
-            "samples_per_s": s.get("samples_per_s"), "finished": run.summary is not None,
-        })
+        rows.append(
+            {
+                "run": run.name,
+                "retrieval": (cfg.get("retriever") or {}).get("mode", s.get("retrieval")),
+                "steps": s.get("step", max((r.get("step", 0) for r in run.records), default=0)),
+                "world_size": s.get("world_size"),
+                "test_acc": t.get("acc"),
+                "acc_seen": t.get("acc_seen"),
+                "acc_heldout": t.get("acc_heldout"),
+                **{f"recall@{k}": t.get(f"recall@{k}") for k in RECALL_KS},
+                "samples_per_s": s.get("samples_per_s"),
+                "finished": run.summary is not None,
+            }
+        )
     return rows
 
 
@@ -279,10 +341,17 @@ def picture_table(run: Run) -> list[dict]:
             continue
         for name, t in [("all", m), *(m.get("by_type") or {}).items()]:
             vqa = t.get("vqa_acc") is not None
-            rows.append({"split": split, "answer type": name, "n": t.get("n"),
-                         "accuracy": t.get("vqa_acc") if vqa else t.get("acc"), "blind prior": t.get("blind_prior"),
-                         "blanked": t.get("vqa_acc_blank") if vqa else t.get("acc_blank"),
-                         "image drop": t.get("image_drop")})
+            rows.append(
+                {
+                    "split": split,
+                    "answer type": name,
+                    "n": t.get("n"),
+                    "accuracy": t.get("vqa_acc") if vqa else t.get("acc"),
+                    "blind prior": t.get("blind_prior"),
+                    "blanked": t.get("vqa_acc_blank") if vqa else t.get("acc_blank"),
+                    "image drop": t.get("image_drop"),
+                }
+            )
     return rows
 
 

@@ -65,7 +65,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
     manifest (written last; its checksums are left to ``rag_mm.components.checkpoint.verify``)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if not p.name.endswith(".tmp") and (p / "manifest.json").is_file())
+    return sorted(
+        p
+        for p in root.glob("step_*")
+        if not p.name.endswith(".tmp") and (p / "manifest.json").is_file()
+    )
 
 
 def space_problem(ckpt_dir: Path, one: int, keep: int) -> str | None:
@@ -78,9 +82,11 @@ def space_problem(ckpt_dir: Path, one: int, keep: int) -> str | None:
     if free >= more:
         return None
     held = f", {there} already there" if there else ""
-    return (f"{ckpt_dir}: its file system has {human(free)} free, and keep_checkpoints={keep} needs room for {peak} "
-            f"checkpoints of ~{human(one)} (the kept ones and the one being written{held}): {human(more)} more. "
-            f"Free space, lower keep_checkpoints or move run_dir")
+    return (
+        f"{ckpt_dir}: its file system has {human(free)} free, and keep_checkpoints={keep} needs room for {peak} "
+        f"checkpoints of ~{human(one)} (the kept ones and the one being written{held}): {human(more)} more. "
+        f"Free space, lower keep_checkpoints or move run_dir"
+    )
 
 
 @dataclass
@@ -107,10 +113,18 @@ def fault(exc: BaseException) -> Fault | None:
             return e.fault
         if isinstance(e, OSError) and e.errno in FULL + READ_ONLY:
             kind = "full" if e.errno in FULL else "read-only"
-            return Fault(kind, os.fsdecode(e.filename) if e.filename else None, e.strerror or os.strerror(e.errno))
+            return Fault(
+                kind,
+                os.fsdecode(e.filename) if e.filename else None,
+                e.strerror or os.strerror(e.errno),
+            )
         if isinstance(e, RuntimeError) and SHORT_WRITE in str(e):
-            return Fault("full", None, "a short write: the file system took fewer bytes than written")
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+            return Fault(
+                "full", None, "a short write: the file system took fewer bytes than written"
+            )
+        failures = getattr(
+            e, "failures", None
+        )  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [e.__cause__, e.__context__]
@@ -128,7 +142,9 @@ class WriteFailed(OSError):
         self.fault, self.partial, self.removed = found, partial, removed
 
 
-def failure_message(found: Fault, run_dir: Path, ckpt_dir: Path, one: int, keep: int, exc: BaseException) -> str:
+def failure_message(
+    found: Fault, run_dir: Path, ckpt_dir: Path, one: int, keep: int, exc: BaseException
+) -> str:
     """What happened, with the numbers, what is left on disk and how to go on."""
     what = "the disk is full" if found.kind == "full" else "the run directory is not writable"
     where = found.path or (str(exc.partial) if isinstance(exc, WriteFailed) else str(run_dir))
@@ -137,17 +153,31 @@ def failure_message(found: Fault, run_dir: Path, ckpt_dir: Path, one: int, keep:
         free = human(free_bytes(run_dir))
     except OSError:
         free = "unknown"
-    lines.append(f"free space: {free} on the file system of {run_dir}; one checkpoint needs ~{human(one)}, "
-                 f"keep_checkpoints={keep} needs ~{human((keep + 1) * one)} (the kept ones and the one being written)")
+    lines.append(
+        f"free space: {free} on the file system of {run_dir}; one checkpoint needs ~{human(one)}, "
+        f"keep_checkpoints={keep} needs ~{human((keep + 1) * one)} (the kept ones and the one being written)"
+    )
     if isinstance(exc, WriteFailed):
         if exc.removed:
             lines.append(f"the partial checkpoint {exc.partial} was removed")
         elif exc.removed is False:
-            lines.append(f"the partial checkpoint {exc.partial} could not be removed ({found.cause}): resume=auto "
-                         "skips it, and the next checkpoint removes it")
+            lines.append(
+                f"the partial checkpoint {exc.partial} could not be removed ({found.cause}): resume=auto "
+                "skips it, and the next checkpoint removes it"
+            )
     done = complete_checkpoints(ckpt_dir)
-    lines.append(f"last complete checkpoint: {done[-1]}" if done else "no complete checkpoint yet: resume=auto starts over")
-    fix = "free space (or move run_dir elsewhere)" if found.kind == "full" else "make run_dir writable again (or copy it to a writable place)"
-    lines.append(f"to go on: {fix}, then run the same command with resume=auto"
-                 + (f" (it continues from {done[-1].name})" if done else ""))
+    lines.append(
+        f"last complete checkpoint: {done[-1]}"
+        if done
+        else "no complete checkpoint yet: resume=auto starts over"
+    )
+    fix = (
+        "free space (or move run_dir elsewhere)"
+        if found.kind == "full"
+        else "make run_dir writable again (or copy it to a writable place)"
+    )
+    lines.append(
+        f"to go on: {fix}, then run the same command with resume=auto"
+        + (f" (it continues from {done[-1].name})" if done else "")
+    )
     return "\n  ".join(lines)

@@ -60,11 +60,20 @@ def parse(spec: str) -> list[Fault]:
         kv = dict(f.split("=", 1) for f in fields if "=" in f)
         points = [p for p in POINTS if p in kv]
         if action not in ACTIONS or len(points) != 1 or len(kv) != len(fields):
-            raise ValueError(f"{ENV}: cannot parse {part!r} (want ACTION:POINT=STEP[:rank=R][:restart=K], "
-                             f"ACTION in {ACTIONS}, POINT in {POINTS})")
+            raise ValueError(
+                f"{ENV}: cannot parse {part!r} (want ACTION:POINT=STEP[:rank=R][:restart=K], "
+                f"ACTION in {ACTIONS}, POINT in {POINTS})"
+            )
         rank = kv.get("rank")
-        faults.append(Fault(action, points[0], int(kv[points[0]]), None if rank is None else int(rank),
-                            int(kv.get("restart", 0))))
+        faults.append(
+            Fault(
+                action,
+                points[0],
+                int(kv[points[0]]),
+                None if rank is None else int(rank),
+                int(kv.get("restart", 0)),
+            )
+        )
     return faults
 
 
@@ -90,7 +99,9 @@ def inject(point: str, step: int, rank: int, path: str = "") -> None:
 
 def _fire(f: Fault, rank: int, path: str = "") -> None:
     msg = f"fault injection: {f.action} rank {rank} at {f.point}={f.step} (restart {f.restart})"
-    print(msg, file=sys.stderr, flush=True)  # the log may be buffered; the kill leaves no chance later
+    print(
+        msg, file=sys.stderr, flush=True
+    )  # the log may be buffered; the kill leaves no chance later
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "term":

@@ -27,7 +27,9 @@ import torch
 from rag_mm.distributed.env import all_reduce_sum
 
 log = logging.getLogger(__name__)
-SUBMITIT_PORT_BASE = 20000  # MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash
+SUBMITIT_PORT_BASE = (
+    20000  # MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash
+)
 
 
 class Stopped(Exception):
@@ -53,13 +55,25 @@ def from_submitit() -> None:
     if env.num_tasks <= 1:
         return
     os.environ.update(
-        RANK=str(env.global_rank), WORLD_SIZE=str(env.num_tasks), LOCAL_RANK=str(env.local_rank),
-        LOCAL_WORLD_SIZE=str(env.num_tasks // max(env.num_nodes, 1)), MASTER_ADDR=env.hostnames[0],
+        RANK=str(env.global_rank),
+        WORLD_SIZE=str(env.num_tasks),
+        LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.num_tasks // max(env.num_nodes, 1)),
+        MASTER_ADDR=env.hostnames[0],
         # RAG_MM_MASTER_PORT: a port known to be free (sbatch exports the login shell's MASTER_PORT, if any)
-        MASTER_PORT=os.environ.get("RAG_MM_MASTER_PORT", str(SUBMITIT_PORT_BASE + int(str(env.job_id).split("_")[0]) % 20000)),
+        MASTER_PORT=os.environ.get(
+            "RAG_MM_MASTER_PORT",
+            str(SUBMITIT_PORT_BASE + int(str(env.job_id).split("_")[0]) % 20000),
+        ),
     )
-    log.info("submitit task %d/%d on %s: master %s:%s", env.global_rank, env.num_tasks, env.hostname,
-             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    log.info(
+        "submitit task %d/%d on %s: master %s:%s",
+        env.global_rank,
+        env.num_tasks,
+        env.hostname,
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
 
 
 class SubmititRequeue:
@@ -83,5 +97,8 @@ class SubmititRequeue:
         """After the checkpoint: submitit's own handler requeues the job (rank 0) and exits."""
         if self.signum is None or not callable(self.previous):
             return
-        log.warning("checkpoint saved after signal %d: handing over to submitit to requeue the job", self.signum)
+        log.warning(
+            "checkpoint saved after signal %d: handing over to submitit to requeue the job",
+            self.signum,
+        )
         self.previous(self.signum, None)

@@ -38,8 +38,13 @@ def _client(prefix: str):
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return None
-    store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        addr,
+        int(port),
+        is_master=False,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(prefix, store)
 
 
@@ -78,8 +83,10 @@ class Watchdog:
             return
         seq = self.seq
         try:
-            self._pub.set(str(self.rank), json.dumps({"seq": seq, "step": self.step, "what": self.what,
-                                                      "time": time.time()}))
+            self._pub.set(
+                str(self.rank),
+                json.dumps({"seq": seq, "step": self.step, "what": self.what, "time": time.time()}),
+            )
             self._published = seq
         except Exception as exc:  # the store went away (its host died): stop reporting
             log.warning("watchdog: cannot publish progress: %s", exc)
@@ -87,7 +94,9 @@ class Watchdog:
 
     def peers(self) -> dict[int, dict]:
         """The last report of every rank that has one (this rank's own state included)."""
-        out = {self.rank: {"seq": self.seq, "step": self.step, "what": self.what, "time": time.time()}}
+        out = {
+            self.rank: {"seq": self.seq, "step": self.step, "what": self.what, "time": time.time()}
+        }
         if self._reader is None:
             return out
         for r in range(self.world_size):
@@ -108,10 +117,14 @@ class Watchdog:
         for r in range(self.world_size):
             p = peers.get(r)
             if p is None:
-                lines.append(f"  rank {r}: no report (never started, or the store is gone)  <- stuck or dead?")
+                lines.append(
+                    f"  rank {r}: no report (never started, or the store is gone)  <- stuck or dead?"
+                )
                 continue
             mark = "  <- behind: stuck or dead?" if p["seq"] < self.seq else ""
-            lines.append(f"  rank {r}: step {p['step']}, in '{p['what']}' (reported {max(now - p['time'], 0.0):.1f} s ago){mark}")
+            lines.append(
+                f"  rank {r}: step {p['step']}, in '{p['what']}' (reported {max(now - p['time'], 0.0):.1f} s ago){mark}"
+            )
         return "\n".join(lines)
 
     def stuck_ranks(self) -> list[int]:
@@ -123,11 +136,16 @@ class Watchdog:
         waited = time.monotonic() - self.since
         self._publish()  # let the peers (and the report) see where this rank failed
         stuck = self.stuck_ranks()
-        who = (f"stuck rank(s): {', '.join(map(str, stuck))}" if stuck
-               else "no rank was behind (a peer may have died inside the same operation)")
-        return (f"rank {self.rank} failed in '{self.what}' at step {self.step} after {waited:.1f} s "
-                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
-                f"{who}\n{self.report()}")
+        who = (
+            f"stuck rank(s): {', '.join(map(str, stuck))}"
+            if stuck
+            else "no rank was behind (a peer may have died inside the same operation)"
+        )
+        return (
+            f"rank {self.rank} failed in '{self.what}' at step {self.step} after {waited:.1f} s "
+            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+            f"{who}\n{self.report()}"
+        )
 
     # ---------------------------------------------------------------------------- watching
     def _watch(self) -> None:
@@ -143,9 +161,16 @@ class Watchdog:
                 continue
             if stuck:
                 self._warned = self.seq
-                log.error("rank %d has waited %.0f s in '%s' at step %d (timeout %s s); stuck rank(s): %s\n%s",
-                          self.rank, time.monotonic() - self.since, self.what, self.step, self.timeout_s,
-                          ", ".join(map(str, stuck)), self.report())
+                log.error(
+                    "rank %d has waited %.0f s in '%s' at step %d (timeout %s s); stuck rank(s): %s\n%s",
+                    self.rank,
+                    time.monotonic() - self.since,
+                    self.what,
+                    self.step,
+                    self.timeout_s,
+                    ", ".join(map(str, stuck)),
+                    self.report(),
+                )
 
     def close(self) -> None:
         self._stop.set()

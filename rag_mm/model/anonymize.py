@@ -23,18 +23,24 @@ _P = 2**31 - 1  # a Mersenne prime: the hash's modulus; products of two residues
 def _mix(v: torch.Tensor) -> torch.Tensor:
     """int64 residues mod _P -> pseudo-random residues mod _P (two rounds of multiply-add)."""
     v = (v * 48271 + 12345) % _P
-    return (v * 69621 + 2 ** 20 + 7) % _P
+    return (v * 69621 + 2**20 + 7) % _P
 
 
-def example_keys(q_ids: torch.Tensor, q_len: torch.Tensor, a_ids: torch.Tensor, a_len: torch.Tensor) -> torch.Tensor:
+def example_keys(
+    q_ids: torch.Tensor, q_len: torch.Tensor, a_ids: torch.Tensor, a_len: torch.Tensor
+) -> torch.Tensor:
     """(B,) a hash of each example's question and answer tokens (padding excluded): the renaming
     an example draws depends on it alone, so one process, data-parallel ranks holding parts of its
     batch and a pipeline's stages draw the same, and a replay after resume draws it again."""
+
     def fold(ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         L = ids.shape[1]
         pos = torch.arange(L, device=ids.device)[None]
         w = _mix(pos + 1)  # (1, L) a weight per position
-        return ((ids.long() % _P) * w % _P * (pos < n[:, None])).sum(1) % _P  # (B,) each term under 2**31
+        return ((ids.long() % _P) * w % _P * (pos < n[:, None])).sum(
+            1
+        ) % _P  # (B,) each term under 2**31
+
     return _mix(fold(q_ids, q_len) * 31 + fold(a_ids, a_len))
 
 
@@ -52,17 +58,31 @@ def anonymize_answers(x: dict, share: float, vocab_size: int) -> dict:
     dev = a_ids.device
     key = example_keys(q_ids, x["q_len"], a_ids, a_len)  # (B,)
     pick = (_mix(key) % 10_000) < share * 10_000  # (B,) examples renamed
-    span = torch.arange(La, device=dev)[None] < (a_len[:, None] - 1)  # (B, La) answer tokens before EOT
-    ctx = q_ids.reshape(B, -1) if docs is None else torch.cat([q_ids.reshape(B, -1), docs.reshape(B, -1)], 1)
-    shown = (a_ids[:, :, None] == ctx[:, None, :]).any(-1)  # (B, La) the answer token is in the question or a document
+    span = torch.arange(La, device=dev)[None] < (
+        a_len[:, None] - 1
+    )  # (B, La) answer tokens before EOT
+    ctx = (
+        q_ids.reshape(B, -1)
+        if docs is None
+        else torch.cat([q_ids.reshape(B, -1), docs.reshape(B, -1)], 1)
+    )
+    shown = (a_ids[:, :, None] == ctx[:, None, :]).any(
+        -1
+    )  # (B, La) the answer token is in the question or a document
     rename = span & shown & pick[:, None]  # (B, La)
     eot = a_ids.gather(1, (a_len - 1).clamp_min(0)[:, None])  # (B, 1)
     # the same token twice in one answer takes one replacement: the first occurrence's
     first = (a_ids[:, :, None] == a_ids[:, None, :]).to(torch.int8).argmax(-1)  # (B, La)
-    new = _mix(_mix(key[:, None] + first + 1)) % vocab_size  # (B, La) the replacement of each answer token
-    new = torch.where(new == eot, (new + 1) % vocab_size, new).to(a_ids.dtype)  # never the end token
+    new = (
+        _mix(_mix(key[:, None] + first + 1)) % vocab_size
+    )  # (B, La) the replacement of each answer token
+    new = torch.where(new == eot, (new + 1) % vocab_size, new).to(
+        a_ids.dtype
+    )  # never the end token
 
-    def renamed(t: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B, ...) with the answer's tokens replaced
+    def renamed(
+        t: torch.Tensor,
+    ) -> torch.Tensor:  # (B, ...) -> (B, ...) with the answer's tokens replaced
         flat = t.reshape(B, -1)
         hit = (flat[:, :, None] == a_ids[:, None, :]) & rename[:, None, :]  # (B, N, La)
         j = hit.to(torch.int8).argmax(-1)  # (B, N) which answer token a position shows

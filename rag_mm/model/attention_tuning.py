@@ -28,8 +28,17 @@ def reader_specs(cfg, device: torch.device) -> list[TuneSpec]:
     longest = k * (patches + m.max_doc_text) + patches + m.max_question + m.max_answer
     dtype = torch.bfloat16 if cfg.optim.precision == "bf16" else torch.float32
     top = seq_bucket(longest)
-    return [TuneSpec(layout="retrieval", seq_len=s, head_dim=m.dim // m.heads, dtype=dtype, grad=True,
-                     device=device.type) for s in sorted({top, max(top // 2, 1)})]
+    return [
+        TuneSpec(
+            layout="retrieval",
+            seq_len=s,
+            head_dim=m.dim // m.heads,
+            dtype=dtype,
+            grad=True,
+            device=device.type,
+        )
+        for s in sorted({top, max(top // 2, 1)})
+    ]
 
 
 def tune_reader_attention(cfg, device: torch.device, group=None) -> dict[str, str]:

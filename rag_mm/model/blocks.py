@@ -25,7 +25,9 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
         # head width comes from the projection, not from x: under tensor parallelism qkv holds
         # this rank's heads only (self.heads is divided in place), and the code stays the same
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, hd)
+        q, k, v = (
+            self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        )  # 3 x (B, H, S, hd)
         y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)  # (B, H, S, hd)
         y = y.transpose(1, 2).flatten(2)  # (B, S, H * hd)
         return self.dropout(self.proj(y))
@@ -44,7 +46,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, mlp_ratio: float, dropout: float, backend: str) -> None:
+    def __init__(
+        self, dim: int, heads: int, mlp_ratio: float, dropout: float, backend: str
+    ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = SelfAttention(dim, heads, dropout, backend)

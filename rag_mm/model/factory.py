@@ -47,7 +47,10 @@ def materialize(reader: nn.Module, device: torch.device | str = "cpu") -> nn.Mod
             for mod in reader.modules():
                 if mod is not reader and hasattr(mod, "reset_parameters"):
                     mod.reset_parameters()
-        for lm in (getattr(reader, "lm", None), getattr(reader, "vlm", None)):  # a transformers model
+        for lm in (
+            getattr(reader, "lm", None),
+            getattr(reader, "vlm", None),
+        ):  # a transformers model
             if lm is None:
                 continue
             for mod in lm.modules():  # to_empty cleared the flags' meaning: initialise everything

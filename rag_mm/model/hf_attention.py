@@ -35,21 +35,40 @@ def implementation(backend: str) -> str:
     return PREFIX + backend
 
 
-def rag_mm_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, *,
-                     backend: str = "auto", seg_offsets=None, sliding_window=None, softcap=None, **_kwargs):
+def rag_mm_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout: float = 0.0,
+    *,
+    backend: str = "auto",
+    seg_offsets=None,
+    sliding_window=None,
+    softcap=None,
+    **_kwargs,
+):
     """query (B, H, S, hd), key / value (B, Hkv, S, hd) -> ((B, S, H, hd), None), as every
     transformers attention function returns. Grouped-query K/V heads go to ``attention`` as they are
     (flex reads them in place; the other kernels get them repeated, as HF's ``repeat_kv``). q and k
     take v's dtype: under autocast v comes from a bf16 matmul, q and k from RoPE's fp32."""
     S = query.shape[-2]
     if not torch.compiler.is_compiling():  # a Python counter in a compiled block is a guard that
-        _calls[0] += 1  # fails on every call: each call would recompile (``check_dispatch`` is eager)
+        _calls[0] += (
+            1  # fails on every call: each call would recompile (``check_dispatch`` is eager)
+        )
     if softcap is not None:
-        raise ValueError(f"{type(module).__name__}: attention logit soft-capping ({softcap}) is not "
-                         "supported by rag_mm's attention kernels")
+        raise ValueError(
+            f"{type(module).__name__}: attention logit soft-capping ({softcap}) is not "
+            "supported by rag_mm's attention kernels"
+        )
     if sliding_window is not None and sliding_window < S:
-        raise ValueError(f"{type(module).__name__}: a sliding window of {sliding_window} tokens is shorter "
-                         f"than the reader's sequence ({S}); rag_mm's layouts attend over whole segments")
+        raise ValueError(
+            f"{type(module).__name__}: a sliding window of {sliding_window} tokens is shorter "
+            f"than the reader's sequence ({S}); rag_mm's layouts attend over whole segments"
+        )
     if dropout > 0.0:
         _warn_dropout(type(module).__name__, dropout)
     if query.dtype != value.dtype:  # under autocast RoPE hands q and k over in fp32, v in bf16:
@@ -64,7 +83,9 @@ def rag_mm_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 @functools.cache
 def _warn_dropout(module: str, p: float) -> None:
-    log.warning("%s: attention dropout %.3g is not applied by rag_mm's attention kernels", module, p)
+    log.warning(
+        "%s: attention dropout %.3g is not applied by rag_mm's attention kernels", module, p
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,10 +110,16 @@ def check_dispatch(lm) -> None:
     probe = torch.zeros(1, 2, dim, dtype=p.dtype, device=p.device)
     before = _calls[0]
     with torch.no_grad():
-        lm.base_model(inputs_embeds=probe, position_ids=torch.arange(2, device=p.device)[None],
-                      seg_offsets=torch.tensor([[0, 1, 2]], dtype=torch.int32, device=p.device), use_cache=False)
+        lm.base_model(
+            inputs_embeds=probe,
+            position_ids=torch.arange(2, device=p.device)[None],
+            seg_offsets=torch.tensor([[0, 1, 2]], dtype=torch.int32, device=p.device),
+            use_cache=False,
+        )
     calls = _calls[0] - before
     if layers and calls < layers:
-        raise ValueError(f"{type(lm).__name__}: {layers - calls} of its {layers} layers do not call their attention "
-                         "through transformers' AttentionInterface, so rag_mm's retrieval layout cannot be applied "
-                         "to them (the model family dispatches attention itself)")
+        raise ValueError(
+            f"{type(lm).__name__}: {layers - calls} of its {layers} layers do not call their attention "
+            "through transformers' AttentionInterface, so rag_mm's retrieval layout cannot be applied "
+            "to them (the model family dispatches attention itself)"
+        )

@@ -48,7 +48,9 @@ class Projector(nn.Module):
 
 def _container(value: Any) -> dict:
     """An OmegaConf node or a mapping -> a plain dict (Hydra hands ``model.lm`` as a DictConfig)."""
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value)
+    return (
+        OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else dict(value)
+    )
 
 
 def lm_config(cfg):
@@ -66,12 +68,16 @@ def lm_config(cfg):
     model_type = fields.pop("model_type", None)
     fields.pop("architectures", None)
     if not known_model_type(model_type):
-        raise ValueError(f"model.lm: transformers {transformers_version()} has no model_type {model_type!r}")
+        raise ValueError(
+            f"model.lm: transformers {transformers_version()} has no model_type {model_type!r}"
+        )
     try:
         return AutoConfig.for_model(model_type, **fields)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"model.lm: transformers cannot build a {model_type} config from these fields: "
-                         f"{str(exc)[:300]}") from None
+        raise ValueError(
+            f"model.lm: transformers cannot build a {model_type} config from these fields: "
+            f"{str(exc)[:300]}"
+        ) from None
 
 
 def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Module:
@@ -82,29 +88,50 @@ def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Modul
     from transformers import AutoModelForCausalLM
 
     impl = implementation(cfg.attention_backend)
-    config = None if cfg.pretrained and not meta else lm_config(cfg)  # its errors name the key already
+    config = (
+        None if cfg.pretrained and not meta else lm_config(cfg)
+    )  # its errors name the key already
     text = None if config is None else config.get_text_config()
-    if (vocab_size and not cfg.pretrained and getattr(cfg, "trim_vocab", False) and text is not None
-            and getattr(text, "vocab_size", 0) > vocab_size):
-        log.info("reader LM: vocabulary cut from %d to the tokenizer's %d rows (random init, "
-                 "model.trim_vocab)", text.vocab_size, vocab_size)
+    if (
+        vocab_size
+        and not cfg.pretrained
+        and getattr(cfg, "trim_vocab", False)
+        and text is not None
+        and getattr(text, "vocab_size", 0) > vocab_size
+    ):
+        log.info(
+            "reader LM: vocabulary cut from %d to the tokenizer's %d rows (random init, "
+            "model.trim_vocab)",
+            text.vocab_size,
+            vocab_size,
+        )
         text.vocab_size = vocab_size
     try:
         if config is None:
-            lm = AutoModelForCausalLM.from_pretrained(cfg.pretrained, local_files_only=True, attn_implementation=impl,
-                                                      dtype=torch.float32)
+            lm = AutoModelForCausalLM.from_pretrained(
+                cfg.pretrained, local_files_only=True, attn_implementation=impl, dtype=torch.float32
+            )
             source = f"from {cfg.pretrained}"
         else:
             with torch.device("meta") if meta else torch.device("cpu"):
-                lm = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+                lm = AutoModelForCausalLM.from_config(
+                    config, attn_implementation=impl, dtype=torch.float32
+                )
             source = "random init on the meta device" if meta else "random init"
     except (OSError, ValueError, KeyError) as exc:
         # KeyError: a family whose attention classes are looked up by implementation name in a table
         # of its own (Falcon), not through AttentionInterface
-        where = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained and not meta else "model.lm"
-        why = (f"{type(exc).__name__}: {str(exc)[:300]}" if not (isinstance(exc, KeyError) and impl in str(exc))
-               else "the family looks its attention classes up itself, not through transformers' AttentionInterface")
-        raise ValueError(f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): {why}") from None
+        where = (
+            f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained and not meta else "model.lm"
+        )
+        why = (
+            f"{type(exc).__name__}: {str(exc)[:300]}"
+            if not (isinstance(exc, KeyError) and impl in str(exc))
+            else "the family looks its attention classes up itself, not through transformers' AttentionInterface"
+        )
+        raise ValueError(
+            f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): {why}"
+        ) from None
     if not meta:
         check_dispatch(lm)
     log.info("reader LM: %s, %s, attention %s", type(lm).__name__, source, impl)
@@ -119,17 +146,30 @@ class HFReader(HFReaderBase):
         self.cfg = cfg
         rows = lm.get_input_embeddings().num_embeddings
         if vocab_size > rows:
-            raise ValueError(f"the tokenizer has {vocab_size} tokens but the LM embeds {rows}: "
-                             "use the LM's own tokenizer (model.tokenizer) or a larger vocab_size in model.lm")
+            raise ValueError(
+                f"the tokenizer has {vocab_size} tokens but the LM embeds {rows}: "
+                "use the LM's own tokenizer (model.tokenizer) or a larger vocab_size in model.lm"
+            )
         self.vocab_size = vocab_size
-        self.max_docs, self.max_segment_len, self.max_answer = cfg.max_docs, cfg.max_segment_len, cfg.max_answer
+        self.max_docs, self.max_segment_len, self.max_answer = (
+            cfg.max_docs,
+            cfg.max_segment_len,
+            cfg.max_answer,
+        )
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         text = lm.config.get_text_config()
         dim = text.hidden_size
-        self.softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2 caps its logits after the head
-        if getattr(text, "max_position_embeddings", None) and cfg.max_segment_len > text.max_position_embeddings:
-            raise ValueError(f"model.max_segment_len={cfg.max_segment_len} > the LM's max_position_embeddings "
-                             f"({text.max_position_embeddings})")
+        self.softcap = getattr(
+            text, "final_logit_softcapping", None
+        )  # Gemma 2 caps its logits after the head
+        if (
+            getattr(text, "max_position_embeddings", None)
+            and cfg.max_segment_len > text.max_position_embeddings
+        ):
+            raise ValueError(
+                f"model.max_segment_len={cfg.max_segment_len} > the LM's max_position_embeddings "
+                f"({text.max_position_embeddings})"
+            )
         self.lm = lm
         self.vision = build_vision_tower(cfg)
         self.projector = Projector(cfg.vision_width, dim, cfg.projector)
@@ -143,7 +183,12 @@ class HFReader(HFReaderBase):
         if cfg.adapter and not self.rank_emb.weight.is_meta:
             self.load_adapter(cfg.adapter)
 
-    ADAPTER_PARTS = ("projector.", "rank_emb.", "type_emb.", "copy.")  # what neither the LM nor the vision tower holds
+    ADAPTER_PARTS = (
+        "projector.",
+        "rank_emb.",
+        "type_emb.",
+        "copy.",
+    )  # what neither the LM nor the vision tower holds
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.state_dict().items() if n.startswith(self.ADAPTER_PARTS)}
@@ -153,10 +198,14 @@ class HFReader(HFReaderBase):
         from safetensors.torch import load_file
 
         state, own = load_file(path), self.adapter_state()
-        wrong = sorted(set(state) ^ set(own)) + [n for n in state.keys() & own.keys() if state[n].shape != own[n].shape]
+        wrong = sorted(set(state) ^ set(own)) + [
+            n for n in state.keys() & own.keys() if state[n].shape != own[n].shape
+        ]
         if wrong:
-            raise ValueError(f"model.adapter={path!r} does not fit this reader (model.copy_head, model.projector, "
-                             f"model.max_docs and the LM width must match the exported run's): {wrong[:4]}")
+            raise ValueError(
+                f"model.adapter={path!r} does not fit this reader (model.copy_head, model.projector, "
+                f"model.max_docs and the LM width must match the exported run's): {wrong[:4]}"
+            )
         self.load_state_dict(state, strict=False)
 
     @property

@@ -42,15 +42,23 @@ from rag_mm.model.hf_base import HFReaderBase
 
 log = logging.getLogger(__name__)
 
-VISION_ATTENTION = "sdpa"  # the vision tower attends bidirectionally over its patches: transformers' own SDPA
+VISION_ATTENTION = (
+    "sdpa"  # the vision tower attends bidirectionally over its patches: transformers' own SDPA
+)
 
 
 def _auto_classes() -> list:
     """The transformers auto classes that build a VLM (``AutoModelForVision2Seq`` where it still exists)."""
     import transformers
 
-    return [c for c in (getattr(transformers, n, None) for n in ("AutoModelForImageTextToText", "AutoModelForVision2Seq"))
-            if c is not None]
+    return [
+        c
+        for c in (
+            getattr(transformers, n, None)
+            for n in ("AutoModelForImageTextToText", "AutoModelForVision2Seq")
+        )
+        if c is not None
+    ]
 
 
 def _vlm_class(config) -> type | None:
@@ -71,13 +79,17 @@ def vlm_config(cfg, vocab_size: int):
         try:
             config = AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"{where}: transformers cannot read its config.json: {str(exc)[:300]}") from None
+            raise ValueError(
+                f"{where}: transformers cannot read its config.json: {str(exc)[:300]}"
+            ) from None
     else:
         name, where = cfg.vlm_config, f"model.vlm_config={cfg.vlm_config!r}"
         if name in vlm_presets.SMALL:
             fields = vlm_presets.SMALL[name](cfg, vocab_size)
         elif name in vlm_presets.PRESETS:
-            fields = json.loads(json.dumps(vlm_presets.PRESETS[name]))  # a deep copy: the config pops keys
+            fields = json.loads(
+                json.dumps(vlm_presets.PRESETS[name])
+            )  # a deep copy: the config pops keys
         elif name and (Path(name).is_file() or (Path(name) / "config.json").is_file()):
             path = Path(name)
             fields = json.loads((path / "config.json" if path.is_dir() else path).read_text())
@@ -87,29 +99,40 @@ def vlm_config(cfg, vocab_size: int):
         model_type = fields.pop("model_type", None)
         fields.pop("architectures", None)
         if not known_model_type(model_type):
-            raise ValueError(f"{where}: transformers {transformers_version()} has no model_type {model_type!r}")
+            raise ValueError(
+                f"{where}: transformers {transformers_version()} has no model_type {model_type!r}"
+            )
         try:
             config = AutoConfig.for_model(model_type, **fields)
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{where}: transformers cannot build a {model_type} config from these fields: "
-                             f"{str(exc)[:300]}") from None
+            raise ValueError(
+                f"{where}: transformers cannot build a {model_type} config from these fields: "
+                f"{str(exc)[:300]}"
+            ) from None
     if _vlm_class(config) is None:
         arch = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
-        raise ValueError(f"{where} holds a {arch} model, not a vision-language model: "
-                         "AutoModelForImageTextToText builds none of that type "
-                         "(a causal LM is model=hf with model.pretrained)")
+        raise ValueError(
+            f"{where} holds a {arch} model, not a vision-language model: "
+            "AutoModelForImageTextToText builds none of that type "
+            "(a causal LM is model=hf with model.pretrained)"
+        )
     text = config.get_text_config()
     rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
     if "mrope_section" in rope or rope.get("type") == "mrope" or rope.get("rope_type") == "mrope":
-        raise ValueError(f"{where}: {config.model_type} uses multimodal rotary positions (M-RoPE: time, height, "
-                         "width per picture token); the reader's retrieval layout has 1-D positions")
+        raise ValueError(
+            f"{where}: {config.model_type} uses multimodal rotary positions (M-RoPE: time, height, "
+            "width per picture token); the reader's retrieval layout has 1-D positions"
+        )
     return config
 
 
 def _attn_implementations(config, impl: str) -> dict[str, str]:
     """rag_mm's attention for the text sub-config, transformers' SDPA for the others (the tower)."""
     text = config.get_text_config()
-    return {k: impl if getattr(config, k, None) is text else VISION_ATTENTION for k in getattr(config, "sub_configs", {})}
+    return {
+        k: impl if getattr(config, k, None) is text else VISION_ATTENTION
+        for k in getattr(config, "sub_configs", {})
+    }
 
 
 def build_vlm(cfg, vocab_size: int, meta: bool = False) -> nn.Module:
@@ -120,20 +143,33 @@ def build_vlm(cfg, vocab_size: int, meta: bool = False) -> nn.Module:
     cls = _vlm_class(config)
     try:
         if cfg.pretrained and not meta:
-            vlm = cls.from_pretrained(cfg.pretrained, local_files_only=True, attn_implementation=attn,
-                                      dtype=torch.float32)
+            vlm = cls.from_pretrained(
+                cfg.pretrained, local_files_only=True, attn_implementation=attn, dtype=torch.float32
+            )
             source = f"from {cfg.pretrained}"
         else:
             with torch.device("meta") if meta else torch.device("cpu"):
                 vlm = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
             source = "random init on the meta device" if meta else "random init"
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        where = f"model.pretrained={cfg.pretrained!r}" if cfg.pretrained else f"model.vlm_config={cfg.vlm_config!r}"
-        raise ValueError(f"{where}: transformers cannot build this VLM with rag_mm's attention ({impl}): "
-                         f"{type(exc).__name__}: {str(exc)[:300]}") from None
+        where = (
+            f"model.pretrained={cfg.pretrained!r}"
+            if cfg.pretrained
+            else f"model.vlm_config={cfg.vlm_config!r}"
+        )
+        raise ValueError(
+            f"{where}: transformers cannot build this VLM with rag_mm's attention ({impl}): "
+            f"{type(exc).__name__}: {str(exc)[:300]}"
+        ) from None
     if not meta:
         check_dispatch(vlm.get_decoder())
-    log.info("reader VLM: %s, %s, text attention %s, vision attention %s", cls.__name__, source, impl, VISION_ATTENTION)
+    log.info(
+        "reader VLM: %s, %s, text attention %s, vision attention %s",
+        cls.__name__,
+        source,
+        impl,
+        VISION_ATTENTION,
+    )
     return vlm
 
 
@@ -142,19 +178,30 @@ def image_processor(cfg, config):
     (OpenAI mean/std, bicubic) resizing to the vision tower's image size."""
     from transformers import AutoImageProcessor, CLIPImageProcessor
 
-    if cfg.pretrained and any((Path(cfg.pretrained) / f).is_file() for f in ("preprocessor_config.json",
-                                                                            "processor_config.json")):
+    if cfg.pretrained and any(
+        (Path(cfg.pretrained) / f).is_file()
+        for f in ("preprocessor_config.json", "processor_config.json")
+    ):
         try:
             proc = AutoImageProcessor.from_pretrained(cfg.pretrained, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise ValueError(f"model.pretrained={cfg.pretrained!r}: its image processor does not load: "
-                             f"{str(exc)[:300]}") from None
+            raise ValueError(
+                f"model.pretrained={cfg.pretrained!r}: its image processor does not load: "
+                f"{str(exc)[:300]}"
+            ) from None
         log.info("reader VLM pictures: %s from %s", type(proc).__name__, cfg.pretrained)
         return proc
     side = config.vision_config.image_size
-    log.info("reader VLM pictures: no saved image processor; CLIP's mean/std, bicubic, at the tower's %d px", side)
-    return CLIPImageProcessor(size={"height": side, "width": side}, do_center_crop=False,
-                              image_mean=list(vlm_presets.CLIP_MEAN), image_std=list(vlm_presets.CLIP_STD))
+    log.info(
+        "reader VLM pictures: no saved image processor; CLIP's mean/std, bicubic, at the tower's %d px",
+        side,
+    )
+    return CLIPImageProcessor(
+        size={"height": side, "width": side},
+        do_center_crop=False,
+        image_mean=list(vlm_presets.CLIP_MEAN),
+        image_std=list(vlm_presets.CLIP_STD),
+    )
 
 
 def tp_divisor(cfg, vocab_size: int = 49408) -> int:
@@ -175,19 +222,32 @@ class HFVLMReader(HFReaderBase):
         meta = next(vlm.parameters()).is_meta
         rows = vlm.get_input_embeddings().num_embeddings
         if vocab_size > rows:
-            msg = (f"the tokenizer has {vocab_size} tokens but the VLM embeds {rows}: use the VLM's own "
-                   "tokenizer (model.pretrained holding one, or model.tokenizer)")
+            msg = (
+                f"the tokenizer has {vocab_size} tokens but the VLM embeds {rows}: use the VLM's own "
+                "tokenizer (model.pretrained holding one, or model.tokenizer)"
+            )
             if not meta:
                 raise ValueError(msg)
             log.warning("%s (planning on the meta device goes on)", msg)
         self.vocab_size = vocab_size
-        self.max_docs, self.max_segment_len, self.max_answer = cfg.max_docs, cfg.max_segment_len, cfg.max_answer
+        self.max_docs, self.max_segment_len, self.max_answer = (
+            cfg.max_docs,
+            cfg.max_segment_len,
+            cfg.max_answer,
+        )
         text = vlm.config.get_text_config()
         dim = text.hidden_size
-        self.softcap = getattr(text, "final_logit_softcapping", None)  # Gemma 2 caps its logits after the head
-        if getattr(text, "max_position_embeddings", None) and cfg.max_segment_len > text.max_position_embeddings:
-            raise ValueError(f"model.max_segment_len={cfg.max_segment_len} > the VLM's max_position_embeddings "
-                             f"({text.max_position_embeddings})")
+        self.softcap = getattr(
+            text, "final_logit_softcapping", None
+        )  # Gemma 2 caps its logits after the head
+        if (
+            getattr(text, "max_position_embeddings", None)
+            and cfg.max_segment_len > text.max_position_embeddings
+        ):
+            raise ValueError(
+                f"model.max_segment_len={cfg.max_segment_len} > the VLM's max_position_embeddings "
+                f"({text.max_position_embeddings})"
+            )
         self.vlm = vlm
         self.processor = processor if processor is not None else image_processor(cfg, vlm.config)
         # zero: a document starts as the VLM would read it alone, its rank learned from there
@@ -206,17 +266,27 @@ class HFVLMReader(HFReaderBase):
     def _check_pictures(self) -> None:
         """One picture through the tower at build: a family whose features need more than the
         pixels (image sizes, grids) fails here, by name, not in the first training step."""
-        pic = torch.zeros(1, 3, self.cfg.image_size, self.cfg.image_size, device=next(self.vlm.parameters()).device)
+        pic = torch.zeros(
+            1,
+            3,
+            self.cfg.image_size,
+            self.cfg.image_size,
+            device=next(self.vlm.parameters()).device,
+        )
         try:
             with torch.no_grad():
                 feats = self.encode_images(pic)
         except (TypeError, ValueError, RuntimeError, AttributeError) as exc:
-            raise ValueError(f"{type(self.vlm).__name__}: get_image_features(pixel_values) does not give one "
-                             f"feature per picture token ({type(exc).__name__}: {str(exc)[:200]}); "
-                             "the reader supports towers that need only the pixels") from None
+            raise ValueError(
+                f"{type(self.vlm).__name__}: get_image_features(pixel_values) does not give one "
+                f"feature per picture token ({type(exc).__name__}: {str(exc)[:200]}); "
+                "the reader supports towers that need only the pixels"
+            ) from None
         if feats.dim() != 3 or feats.shape[-1] != self.vlm.config.get_text_config().hidden_size:
-            raise ValueError(f"{type(self.vlm).__name__}: picture features of shape {tuple(feats.shape)}, "
-                             "not (pictures, tokens, text width)")
+            raise ValueError(
+                f"{type(self.vlm).__name__}: picture features of shape {tuple(feats.shape)}, "
+                "not (pictures, tokens, text width)"
+            )
 
     @property
     def decoder(self) -> nn.Module:
@@ -229,7 +299,9 @@ class HFVLMReader(HFReaderBase):
         if pics.is_meta:  # shapes only: the processor's output size
             side = self.vlm.config.vision_config.image_size
             return torch.empty(pics.shape[0], 3, side, side, device="meta")
-        raw = pics.float() * DATA_STD.to(pics.device) + DATA_MEAN.to(pics.device)  # (N, 3, H, W) in 0..1
+        raw = pics.float() * DATA_STD.to(pics.device) + DATA_MEAN.to(
+            pics.device
+        )  # (N, 3, H, W) in 0..1
         out = self.processor(images=raw, do_rescale=False, return_tensors="pt").pixel_values
         return out.to(pics.device)
 
@@ -237,7 +309,9 @@ class HFVLMReader(HFReaderBase):
         """(N, 3, H, W) -> (N, P, D): the VLM's own picture features (tower, layer, projector)."""
         dtype = next(self.vlm.parameters()).dtype
         out = self.vlm.get_image_features(pixel_values=self.pixel_values(pics).to(dtype))
-        feats = getattr(out, "pooler_output", out)  # transformers 5: per-picture features in pooler_output
+        feats = getattr(
+            out, "pooler_output", out
+        )  # transformers 5: per-picture features in pooler_output
         return torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
 
 

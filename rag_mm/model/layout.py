@@ -39,11 +39,15 @@ DOC_IMAGE, DOC_TEXT, QUERY_IMAGE, QUESTION, ANSWER = range(5)
 class ReaderOutput:
     loss: torch.Tensor  # () mean NLL over every answer token in the batch
     nll: torch.Tensor  # (B,) mean NLL of each example's answer tokens
-    correct: torch.Tensor  # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
+    correct: (
+        torch.Tensor
+    )  # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
     logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
     labels: torch.Tensor  # (M,) their targets
     example: torch.Tensor  # (M,) example index of each prediction position
-    doc_attention: torch.Tensor | None = None  # (B, k) copy-attention mass of the answer positions on each document
+    doc_attention: torch.Tensor | None = (
+        None  # (B, k) copy-attention mass of the answer positions on each document
+    )
     # (M,) bool: which prediction rows are real; None: all of them. On an accelerator M is
     # B * max_predictions, the real rows first, then fill rows (example 0, position 0, target IGNORE)
     valid: torch.Tensor | None = None
@@ -55,7 +59,9 @@ class Assembled:
     elsewhere)."""
 
     x: torch.Tensor  # (B, S, D) token and patch embeddings (plus rank offsets), no positions
-    labels: torch.Tensor  # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
+    labels: (
+        torch.Tensor
+    )  # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
     seg_offsets: torch.Tensor  # (B, k + 2) int32 segment starts, then the end of the query
     toks: torch.Tensor  # (B, S) token id per position, -1 for pictures and padding (not copyable)
     typ: torch.Tensor  # (B, S) DOC_IMAGE ... ANSWER, -1 for padding
@@ -85,70 +91,121 @@ class ReaderBase(nn.Module):
         k = 0 if doc_image is None else doc_image.shape[1]
         dev = image.device
         # the vision tower once over the query pictures and every document picture
-        pics = image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])  # (B*k + B, 3, H, W)
+        pics = (
+            image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])
+        )  # (B*k + B, 3, H, W)
         patches = self.encode_images(pics)  # (B*k + B, P, D)
         P = patches.shape[1]
-        q_patches = patches[B * k:]  # (B, P, D)
+        q_patches = patches[B * k :]  # (B, P, D)
 
         parts, valid, pos, typ, seg, toks = [], [], [], [], [], []
         no_tok = lambda n: torch.full((B, n), -1, dtype=torch.long, device=dev)  # noqa: E731  pictures are not copyable
         ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
         for j in range(k):
             Lt = doc_ids.shape[2]
-            rank = self.rank_emb.weight[j]  # retrieval rank of the document (FiD reads documents in rank order)
-            parts += [patches[:B * k].view(B, k, P, -1)[:, j] + rank, self.embed_tokens(doc_ids[:, j]) + rank]
-            valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lt)[None] < doc_len[:, j, None]]
+            rank = self.rank_emb.weight[
+                j
+            ]  # retrieval rank of the document (FiD reads documents in rank order)
+            parts += [
+                patches[: B * k].view(B, k, P, -1)[:, j] + rank,
+                self.embed_tokens(doc_ids[:, j]) + rank,
+            ]
+            valid += [
+                torch.ones(B, P, dtype=torch.bool, device=dev),
+                ar(Lt)[None] < doc_len[:, j, None],
+            ]
             pos += [ar(P).expand(B, P), (P + ar(Lt)).expand(B, Lt)]
-            typ += [torch.full((B, P), DOC_IMAGE, device=dev), torch.full((B, Lt), DOC_TEXT, device=dev)]
+            typ += [
+                torch.full((B, P), DOC_IMAGE, device=dev),
+                torch.full((B, Lt), DOC_TEXT, device=dev),
+            ]
             seg += [torch.full((B, P + Lt), j, device=dev)]
             toks += [no_tok(P), doc_ids[:, j]]
         Lq = q_ids.shape[1]
-        La = a_ids.shape[1] - 1  # the final answer token (EOT) is only ever a target, never an input
+        La = (
+            a_ids.shape[1] - 1
+        )  # the final answer token (EOT) is only ever a target, never an input
         parts += [q_patches, self.embed_tokens(q_ids), self.embed_tokens(a_ids[:, :La])]
-        valid += [torch.ones(B, P, dtype=torch.bool, device=dev), ar(Lq)[None] < q_len[:, None], ar(La)[None] < (a_len - 1)[:, None]]
+        valid += [
+            torch.ones(B, P, dtype=torch.bool, device=dev),
+            ar(Lq)[None] < q_len[:, None],
+            ar(La)[None] < (a_len - 1)[:, None],
+        ]
         pos += [ar(P).expand(B, P), (P + ar(Lq)).expand(B, Lq), P + q_len[:, None] + ar(La)[None]]
-        typ += [torch.full((B, P), QUERY_IMAGE, device=dev), torch.full((B, Lq), QUESTION, device=dev),
-                torch.full((B, La), ANSWER, device=dev)]
+        typ += [
+            torch.full((B, P), QUERY_IMAGE, device=dev),
+            torch.full((B, Lq), QUESTION, device=dev),
+            torch.full((B, La), ANSWER, device=dev),
+        ]
         seg += [torch.full((B, P + Lq + La), k, device=dev)]
         toks += [no_tok(P), q_ids, a_ids[:, :La]]
 
         # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
         n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
         labels = torch.full((B, n_before + Lq + La), IGNORE, dtype=torch.long, device=dev)
-        anchor = n_before + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))  # question end or last patch
+        anchor = n_before + torch.where(
+            q_len > 0, q_len - 1, torch.full_like(q_len, -1)
+        )  # question end or last patch
         labels[ar(B), anchor] = a_ids[:, 0]
         if La > 0:
-            nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1:La + 1], IGNORE)  # (B, La)
-            labels[:, n_before + Lq:] = nxt
+            nxt = torch.where(
+                ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1 : La + 1], IGNORE
+            )  # (B, La)
+            labels[:, n_before + Lq :] = nxt
         # the largest position any slot can hold, from the shapes alone (documents: P + Lt - 1,
         # the query: P + Lq + La - 1); the longest real segment is at most this + 1
         bound = P + max(Lq + La, doc_ids.shape[2] if k else 0)
-        return (torch.cat(parts, 1), torch.cat(valid, 1), torch.cat(pos, 1), torch.cat(typ, 1),
-                torch.cat(seg, 1), labels, torch.cat(toks, 1), k, bound)
+        return (
+            torch.cat(parts, 1),
+            torch.cat(valid, 1),
+            torch.cat(pos, 1),
+            torch.cat(typ, 1),
+            torch.cat(seg, 1),
+            labels,
+            torch.cat(toks, 1),
+            k,
+            bound,
+        )
 
-    def assemble(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None) -> Assembled:
+    def assemble(
+        self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None
+    ) -> Assembled:
         """Pack each example's valid tokens to the left (see ``Assembled``)."""
-        emb, valid, pos, typ, seg, labels, toks, k, bound = self._slots(image, q_ids, q_len, a_ids, a_len, doc_image,
-                                                                         doc_ids, doc_len)
+        emb, valid, pos, typ, seg, labels, toks, k, bound = self._slots(
+            image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len
+        )
         if k > self.max_docs:
             raise ValueError(f"{k} documents per query > model.max_docs={self.max_docs}")
         # trimmed to the longest example on the CPU (reading it back is free there); shapes only
         # (planning on the meta device) and accelerators keep every slot (see the module doc)
         trim = emb.device.type in self.packed_devices
-        if trim or (bound > self.max_segment_len and not emb.is_meta):  # else every segment fits, whatever the lengths
+        if trim or (
+            bound > self.max_segment_len and not emb.is_meta
+        ):  # else every segment fits, whatever the lengths
             longest = int(pos.max()) + 1
             if longest > self.max_segment_len:
-                raise ValueError(f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}")
+                raise ValueError(
+                    f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}"
+                )
         S = int(valid.sum(1).max()) if trim else valid.shape[1]
-        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # valid slots first, in order
+        order = torch.argsort(
+            (~valid).to(torch.int8), dim=1, stable=True
+        )  # valid slots first, in order
         order = order[:, :S]
         take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
         x = torch.gather(emb, 1, order[..., None].expand(-1, -1, emb.shape[-1]))  # (B, S, D)
         keep = take(valid)
         counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
         seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
-        return Assembled(x, take(labels).masked_fill(~keep, IGNORE), seg_offsets, take(toks).masked_fill(~keep, -1),
-                         take(typ).masked_fill(~keep, -1), take(pos), a_ids.shape[1])
+        return Assembled(
+            x,
+            take(labels).masked_fill(~keep, IGNORE),
+            seg_offsets,
+            take(toks).masked_fill(~keep, -1),
+            take(typ).masked_fill(~keep, -1),
+            take(pos),
+            a_ids.shape[1],
+        )
 
     # ------------------------------------------------------------------------------ scoring
     def read_out(self, h_all: torch.Tensor, a: Assembled, lm_head, doc_prior=None) -> ReaderOutput:
@@ -163,30 +220,55 @@ class ReaderBase(nn.Module):
         elif h_all.device.type in self.packed_devices:
             rows = (labels != IGNORE).nonzero()  # (M, 2): example, position
         else:  # no read-back: B * max_predictions rows, the real ones first (an example predicts at most that many)
-            rows = torch.nonzero_static(labels != IGNORE, size=B * a.max_predictions, fill_value=-1)  # (M, 2)
+            rows = torch.nonzero_static(
+                labels != IGNORE, size=B * a.max_predictions, fill_value=-1
+            )  # (M, 2)
             valid = rows[:, 0] >= 0  # (M,)
-            rows = rows.clamp_min(0)  # fill rows read example 0, position 0: target IGNORE, weight 0 below
+            rows = rows.clamp_min(
+                0
+            )  # fill rows read example 0, position 0: target IGNORE, weight 0 below
         example = rows[:, 0]
         target = labels[rows[:, 0], rows[:, 1]]  # (M,)
         if valid is not None:
             target = target.masked_fill(~valid, IGNORE)
-        h = h_all[rows[:, 0], rows[:, 1]]  # (M, D): only answer positions need the vocabulary projection
+        h = h_all[
+            rows[:, 0], rows[:, 1]
+        ]  # (M, D): only answer positions need the vocabulary projection
         gen_logp = F.log_softmax(lm_head(h).float(), -1)  # (M, V)
         if self.copy is None:
             logp, doc_attention = gen_logp, None
         else:
             seg_id = segment_ids(seg_offsets, h_all.shape[1])
-            logp, attn, aux = self.copy(h, example, rows[:, 1], h_all, a.toks, seg_id, a.typ == QUESTION,
-                                        a.typ == ANSWER, gen_logp, doc_prior, target)
-            doc_attention = self._doc_mass(attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid)
-        tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)  # (M,), 0 on fill rows
+            logp, attn, aux = self.copy(
+                h,
+                example,
+                rows[:, 1],
+                h_all,
+                a.toks,
+                seg_id,
+                a.typ == QUESTION,
+                a.typ == ANSWER,
+                gen_logp,
+                doc_prior,
+                target,
+            )
+            doc_attention = self._doc_mass(
+                attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid
+            )
+        tok_nll = F.nll_loss(
+            logp, target, reduction="none", ignore_index=IGNORE
+        )  # (M,), 0 on fill rows
         real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)
         # the training loss: the answer NLL plus the copy head's pointer supervision (0 when off)
         per_row = tok_nll if self.copy is None else tok_nll + aux * real
         loss = per_row.mean() if valid is None else per_row.sum() / real.sum().clamp_min(1)
         count = torch.zeros(B, device=h_all.device).index_add_(0, example, real)
-        nll = torch.zeros(B, device=h_all.device).index_add_(0, example, tok_nll) / count.clamp_min(1)
-        wrong = torch.zeros(B, device=h_all.device).index_add_(0, example, (logp.argmax(-1) != target).float() * real)
+        nll = torch.zeros(B, device=h_all.device).index_add_(0, example, tok_nll) / count.clamp_min(
+            1
+        )
+        wrong = torch.zeros(B, device=h_all.device).index_add_(
+            0, example, (logp.argmax(-1) != target).float() * real
+        )
         return ReaderOutput(loss, nll, wrong == 0, logp, target, example, doc_attention, valid)
 
     @staticmethod
@@ -196,28 +278,50 @@ class ReaderBase(nn.Module):
         if k == 0:
             return None
         seg = seg_id[example]  # (M, S)
-        per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(1, seg.clamp(max=k), attn)[:, :k]
-        real = torch.ones(len(example), device=attn.device) if valid is None else valid.to(per_doc.dtype)  # (M,)
+        per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(
+            1, seg.clamp(max=k), attn
+        )[:, :k]
+        real = (
+            torch.ones(len(example), device=attn.device)
+            if valid is None
+            else valid.to(per_doc.dtype)
+        )  # (M,)
         count = torch.zeros(B, device=attn.device).index_add_(0, example, real)
-        return torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc * real[:, None]) / count.clamp_min(1)[:, None]
+        return (
+            torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc * real[:, None])
+            / count.clamp_min(1)[:, None]
+        )
 
     @torch.no_grad()
-    def generate(self, image, q_ids, q_len, doc_image=None, doc_ids=None, doc_len=None, eot_id: int = 49407,
-                 doc_prior=None):
+    def generate(
+        self,
+        image,
+        q_ids,
+        q_len,
+        doc_image=None,
+        doc_ids=None,
+        doc_len=None,
+        eot_id: int = 49407,
+        doc_prior=None,
+    ):
         """Greedy answers (list of token-id lists), one full forward per generated token (no KV
         cache: the sequences are short, and every step re-reads the documents)."""
         B, dev = image.shape[0], image.device
         out = torch.zeros(B, 0, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for _ in range(self.max_answer):
-            a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)  # placeholder target at the end
+            a_ids = torch.cat(
+                [out, torch.full((B, 1), eot_id, device=dev)], 1
+            )  # placeholder target at the end
             a_len = torch.full((B,), a_ids.shape[1], device=dev)
             res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
             # the last prediction of each example (rows are in order; fill rows, if any, take no part)
             rows = torch.arange(len(res.example), device=dev)
             if res.valid is not None:
                 rows = rows.masked_fill(~res.valid, -1)
-            last = torch.full((B,), -1, dtype=torch.long, device=dev).scatter_reduce_(0, res.example, rows, "amax")
+            last = torch.full((B,), -1, dtype=torch.long, device=dev).scatter_reduce_(
+                0, res.example, rows, "amax"
+            )
             nxt = res.logits[last].argmax(-1).masked_fill(done, eot_id)
             out = torch.cat([out, nxt[:, None]], 1)
             done |= nxt == eot_id

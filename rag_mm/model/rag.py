@@ -31,13 +31,23 @@ class RagOutput:
     loss: torch.Tensor  # () reader NLL + lambda * retriever loss
     reader: ReaderOutput  # the joint read over the top-k documents
     retriever_loss: torch.Tensor | None  # () the retriever's part (before lambda)
-    doc_ids: torch.Tensor | None  # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
-    scores: torch.Tensor | None  # (B, k) retriever scores (temperature-scaled) of the k documents read
+    doc_ids: (
+        torch.Tensor | None
+    )  # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
+    scores: (
+        torch.Tensor | None
+    )  # (B, k) retriever scores (temperature-scaled) of the k documents read
 
 
 class RagModel(nn.Module):
-    def __init__(self, reader: Reader, store: DocumentStore, rcfg, retriever: DualEncoder | None = None,
-                 memory: RetrievalMemory | None = None) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        store: DocumentStore,
+        rcfg,
+        retriever: DualEncoder | None = None,
+        memory: RetrievalMemory | None = None,
+    ) -> None:
         super().__init__()
         self.reader = reader
         self.retriever = retriever
@@ -48,13 +58,24 @@ class RagModel(nn.Module):
         # whether the training queries name their gold documents (json doc_id; set by the trainer
         # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries alone
         self.gold_queries = True
-        self.replicas = Replicas()  # the data-parallel replicas the contrastive loss spans (set by the trainer)
+        self.replicas = (
+            Replicas()
+        )  # the data-parallel replicas the contrastive loss spans (set by the trainer)
 
     def _docs(self, ids: torch.Tensor, device) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in self.store.fetch(ids).items()}
 
-    def forward(self, image, q_ids, q_len, a_ids, a_len, gold=None, retriever_loss: bool = True,
-                search_k: int = 0) -> RagOutput:
+    def forward(
+        self,
+        image,
+        q_ids,
+        q_len,
+        a_ids,
+        a_len,
+        gold=None,
+        retriever_loss: bool = True,
+        search_k: int = 0,
+    ) -> RagOutput:
         """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle, contrastive)."""
         q = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len)
         x, ids, ret = self.reader_inputs(q, gold, search_k=search_k)
@@ -63,9 +84,19 @@ class RagModel(nn.Module):
             return RagOutput(out.loss, out, None, ids, None)
         q_emb, top, docs, sims = ret
         if not retriever_loss:  # scores: the index's, scaled as the retriever scores
-            return RagOutput(out.loss, out, None, ids, self.retriever.scale().detach().to(sims.device) * sims[:, :top.shape[1]])
-        r_loss, scores = self.retriever_loss(q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention)
-        return RagOutput(out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach())
+            return RagOutput(
+                out.loss,
+                out,
+                None,
+                ids,
+                self.retriever.scale().detach().to(sims.device) * sims[:, : top.shape[1]],
+            )
+        r_loss, scores = self.retriever_loss(
+            q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention
+        )
+        return RagOutput(
+            out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach()
+        )
 
     def reader_inputs(self, q: dict, gold=None, search_k: int = 0, grad: bool = True):
         """What the reader reads for queries ``q`` (image, q_ids, q_len, a_ids, a_len), by
@@ -81,13 +112,18 @@ class RagModel(nn.Module):
             ids = gold[:, None].cpu()
             return self._anonymized({**q, **self._docs(ids, dev)}, grad), ids, None
         k = self.rcfg.top_k
-        with torch.set_grad_enabled(grad and torch.is_grad_enabled()), self.replicas.spanning(self.retriever):
+        with (
+            torch.set_grad_enabled(grad and torch.is_grad_enabled()),
+            self.replicas.spanning(self.retriever),
+        ):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        sims, ids = self.memory.search(q_emb.detach(), max(k, search_k, self.rcfg.rerank))  # (B, n) nearest first
+        sims, ids = self.memory.search(
+            q_emb.detach(), max(k, search_k, self.rcfg.rerank)
+        )  # (B, n) nearest first
         if self.rcfg.rerank:
             sims, ids, ranked = self.rerank(q_emb.detach(), sims, ids, dev)
             docs = {name: v[:, :k] for name, v in ranked.items()}  # fetched once, for the rerank
-        sims, ids = sims[:, :max(k, search_k)], ids[:, :max(k, search_k)]
+        sims, ids = sims[:, : max(k, search_k)], ids[:, : max(k, search_k)]
         top = ids[:, :k]
         if not self.rcfg.rerank:
             docs = self._docs(top, dev)
@@ -98,7 +134,9 @@ class RagModel(nn.Module):
         return self._anonymized(x, grad), ids, (q_emb, top, docs, sims)
 
     @torch.no_grad()
-    def rerank(self, q_emb: torch.Tensor, sims: torch.Tensor, ids: torch.Tensor, dev) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def rerank(
+        self, q_emb: torch.Tensor, sims: torch.Tensor, ids: torch.Tensor, dev
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Over-retrieve, then rerank (Atlas): the index's first ``retriever.rerank`` candidates
         (B, R) re-embedded by the document tower as it is now (the index holds the embeddings of
         the last refresh) and re-sorted by their fresh similarity to the queries (B, E); returns
@@ -108,16 +146,25 @@ class RagModel(nn.Module):
         R = self.rcfg.rerank
         cand = ids[:, :R]  # (B, R)
         B = cand.shape[0]
-        docs = self._docs(torch.where(cand < 0, cand[:, :1], cand), dev)  # an unfilled slot fetches the nearest (then ranks last)
-        d = self.retriever.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
-                                      docs["doc_len"].flatten(0, 1)).view(B, R, -1)  # (B, R, E)
-        fresh = torch.einsum("be,bre->br", q_emb.float(), d.float()).cpu()  # (B, R) as the index scores (inner product)
+        docs = self._docs(
+            torch.where(cand < 0, cand[:, :1], cand), dev
+        )  # an unfilled slot fetches the nearest (then ranks last)
+        d = self.retriever.embed_docs(
+            docs["doc_image"].flatten(0, 1),
+            docs["doc_ids"].flatten(0, 1),
+            docs["doc_len"].flatten(0, 1),
+        ).view(B, R, -1)  # (B, R, E)
+        fresh = torch.einsum(
+            "be,bre->br", q_emb.float(), d.float()
+        ).cpu()  # (B, R) as the index scores (inner product)
         fresh = fresh.masked_fill(cand < 0, float("-inf"))
         order = fresh.argsort(dim=1, descending=True, stable=True)  # (B, R)
         rows, cols = torch.arange(B, device=dev)[:, None], order.to(dev)
-        return (torch.cat([fresh.gather(1, order).to(sims.dtype), sims[:, R:]], 1),
-                torch.cat([cand.gather(1, order), ids[:, R:]], 1),
-                {name: v[rows, cols] for name, v in docs.items()})
+        return (
+            torch.cat([fresh.gather(1, order).to(sims.dtype), sims[:, R:]], 1),
+            torch.cat([cand.gather(1, order), ids[:, R:]], 1),
+            {name: v[rows, cols] for name, v in docs.items()},
+        )
 
     def _anonymized(self, x: dict, grad: bool) -> dict:
         """The reader's training inputs with a share (``model.copy_anonymize``) of the answers
@@ -133,10 +180,13 @@ class RagModel(nn.Module):
         ``retriever.reader_prior`` is off. ``sims``: the index's similarities, nearest first."""
         if not self.rcfg.reader_prior:
             return None
-        return torch.log_softmax(self.retriever.scale().detach() * sims[:, :self.rcfg.top_k].to(dev), -1)
+        return torch.log_softmax(
+            self.retriever.scale().detach() * sims[:, : self.rcfg.top_k].to(dev), -1
+        )
 
-    def retriever_loss(self, q: dict, q_emb, top, docs: dict, gold, per_document_nll=None,
-                       doc_attention=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def retriever_loss(
+        self, q: dict, q_emb, top, docs: dict, gold, per_document_nll=None, doc_attention=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
         (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
         with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the reader's copy
@@ -146,8 +196,11 @@ class RagModel(nn.Module):
         B, k = top.shape
         # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
         with self.replicas.spanning(enc):
-            d_emb = enc.embed_docs(docs["doc_image"].flatten(0, 1), docs["doc_ids"].flatten(0, 1),
-                                   docs["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
+            d_emb = enc.embed_docs(
+                docs["doc_image"].flatten(0, 1),
+                docs["doc_ids"].flatten(0, 1),
+                docs["doc_len"].flatten(0, 1),
+            ).view(B, k, -1)  # (B, k, E)
         scores = enc.scale() * torch.einsum("be,bke->bk", q_emb, d_emb)  # (B, k)
         r_loss = scores.new_zeros(())
         if cfg.loss in ("pdist", "emdr") and k > 1:
@@ -155,27 +208,41 @@ class RagModel(nn.Module):
             if cfg.loss == "pdist":
                 r_loss = losses.perplexity_distillation(scores, nll, cfg.gold_temperature)
             else:
-                loglik = -nll * (q["a_len"].to(nll.dtype)[:, None])  # mean NLL -> summed log-likelihood
+                loglik = (
+                    -nll * (q["a_len"].to(nll.dtype)[:, None])
+                )  # mean NLL -> summed log-likelihood
                 r_loss = losses.emdr2(scores, loglik)
         elif cfg.loss == "adist" and k > 1 and doc_attention is not None:
             r_loss = losses.attention_distillation(scores, doc_attention)
         else:
-            r_loss = r_loss + 0.0 * scores.sum()  # keeps every retriever parameter in the graph (DDP)
-        if self.contrastive_on and gold is not None and cfg.contrastive_weight > 0 and self._has_rows():
+            r_loss = (
+                r_loss + 0.0 * scores.sum()
+            )  # keeps every retriever parameter in the graph (DDP)
+        if (
+            self.contrastive_on
+            and gold is not None
+            and cfg.contrastive_weight > 0
+            and self._has_rows()
+        ):
             # the retrieved documents are the hardest negatives there are (same colours, other shape)
             keep = self._labelled(gold)  # queries naming no gold document take no part
             r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
-                q_emb[keep], gold[keep], d_emb.flatten(0, 1), top.flatten().to(dev))
+                q_emb[keep], gold[keep], d_emb.flatten(0, 1), top.flatten().to(dev)
+            )
         return r_loss, scores
 
-    def retriever_warmup(self, image, q_ids, q_len, gold, **_unused) -> tuple[torch.Tensor, torch.Tensor]:
+    def retriever_warmup(
+        self, image, q_ids, q_len, gold, **_unused
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Retriever-only contrastive loss of a batch, no reader (the warm-up phase): returns the
         loss () and, for each query naming its gold document, whether that document is in the
         index's top-k (n,) bool. Queries naming none take no part; when no training query names
         one (``gold_queries`` off) the pseudo-queries alone make the loss, as Contriever trains
         without labels, and the queries are not even embedded."""
         if not self._has_rows():
-            raise ValueError("the retriever warm-up needs gold documents (json doc_id) or retriever.pseudo_queries > 0")
+            raise ValueError(
+                "the retriever warm-up needs gold documents (json doc_id) or retriever.pseudo_queries > 0"
+            )
         if not self.gold_queries:
             q_emb = torch.zeros(0, self.retriever.cfg.embed_dim, device=image.device)  # (0, E)
             return self._contrastive(q_emb, gold[:0]), torch.zeros(0, dtype=torch.bool)
@@ -183,7 +250,9 @@ class RagModel(nn.Module):
             q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
         _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
         keep = self._labelled(gold)
-        return self._contrastive(q_emb[keep], gold[keep]), (ids == gold.cpu()[:, None]).any(1)[keep.cpu()]
+        return self._contrastive(q_emb[keep], gold[keep]), (ids == gold.cpu()[:, None]).any(1)[
+            keep.cpu()
+        ]
 
     def _labelled(self, gold: torch.Tensor) -> torch.Tensor:
         """(B,) bool: the queries whose gold document the contrastive terms may use."""
@@ -212,11 +281,19 @@ class RagModel(nn.Module):
             extra.append(hard)
             extra_ids.append(hard_ids)
         if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
-            bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)  # (n, E), (n,) detached
+            bank, bank_ids = self.memory.negatives(
+                self.rcfg.bank_negatives
+            )  # (n, E), (n,) detached
             extra.append(bank.to(dev, q_emb.dtype))
             extra_ids.append(bank_ids.to(dev))
-        return losses.contrastive(q_emb, g_emb, gold, enc.scale(),
-                                  torch.cat(extra) if extra else None, torch.cat(extra_ids) if extra else None)
+        return losses.contrastive(
+            q_emb,
+            g_emb,
+            gold,
+            enc.scale(),
+            torch.cat(extra) if extra else None,
+            torch.cat(extra_ids) if extra else None,
+        )
 
     def _contrastive_rows(self, q_emb, gold) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This replica's contrastive rows: (query embeddings (n, E), their gold ids (n,), the gold
@@ -224,21 +301,30 @@ class RagModel(nn.Module):
         pseudo-queries when ``retriever.pseudo_queries`` is on."""
         enc, dev, rep = self.retriever, q_emb.device, self.replicas
         gold = gold.to(dev)
-        if self.rcfg.pseudo_queries > 0:  # random views of memory pictures, each querying its own document
+        if (
+            self.rcfg.pseudo_queries > 0
+        ):  # random views of memory pictures, each querying its own document
             # one draw of the configured count, alike on replicas whose generators agree; each embeds its share
             rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
             pics = self.store.images[rows].to(dev)
             style = self.rcfg.pseudo_view
-            views = random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
+            views = (
+                random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
+            )
             views = views.to(q_emb.dtype)
             part = rep.share(len(rows))
             rows, views = rows[part], views[part]
             n = len(rows)  # an empty question: the picture is the whole query
-            no_text = torch.zeros(n, 1, dtype=torch.long, device=dev), torch.zeros(n, dtype=torch.long, device=dev)
+            no_text = (
+                torch.zeros(n, 1, dtype=torch.long, device=dev),
+                torch.zeros(n, dtype=torch.long, device=dev),
+            )
             q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
             gold = torch.cat([gold, self.store.ids[rows].to(dev)])
         g_docs = self._docs(gold[:, None].cpu(), dev)
-        g_emb = enc.embed_docs(g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0])  # (B, E)
+        g_emb = enc.embed_docs(
+            g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0]
+        )  # (B, E)
         return q_emb, gold, g_emb
 
     @torch.no_grad()

@@ -34,14 +34,21 @@ def build_vision_tower(cfg) -> nn.Module:
     )
     tower = open_clip.model._build_vision_tower(embed_dim=cfg.vision_width, vision_cfg=vcfg)
     tower.proj = None  # the reader uses patch tokens only; an unused projection would stall DDP
-    if cfg.vision_checkpoint and not tower.conv1.weight.is_meta:  # a meta tower is loaded after materialising
+    if (
+        cfg.vision_checkpoint and not tower.conv1.weight.is_meta
+    ):  # a meta tower is loaded after materialising
         state = torch.load(cfg.vision_checkpoint, map_location="cpu", weights_only=True)
         state = state.get("state_dict", state)
         # accept a whole open_clip CLIP state dict: keep the 'visual.' entries
         if any(k.startswith("visual.") for k in state):
-            state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
+            state = {k[len("visual.") :]: v for k, v in state.items() if k.startswith("visual.")}
         missing, unexpected = tower.load_state_dict(state, strict=False)
-        log.info("vision tower: loaded %s (missing %d, unexpected %d keys)", cfg.vision_checkpoint, len(missing), len(unexpected))
+        log.info(
+            "vision tower: loaded %s (missing %d, unexpected %d keys)",
+            cfg.vision_checkpoint,
+            len(missing),
+            len(unexpected),
+        )
     return tower
 
 
@@ -50,7 +57,11 @@ class Reader(ReaderBase):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self.max_docs, self.max_segment_len, self.max_answer = cfg.max_docs, cfg.max_segment_len, cfg.max_answer
+        self.max_docs, self.max_segment_len, self.max_answer = (
+            cfg.max_docs,
+            cfg.max_segment_len,
+            cfg.max_answer,
+        )
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         self.vision = build_vision_tower(cfg)
         self.image_proj = nn.Linear(cfg.vision_width, cfg.dim)
@@ -59,7 +70,8 @@ class Reader(ReaderBase):
         self.type_emb = nn.Embedding(5, cfg.dim)
         self.rank_emb = nn.Embedding(cfg.max_docs, cfg.dim)
         self.blocks = nn.ModuleList(
-            Block(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.dropout, cfg.attention_backend) for _ in range(cfg.layers)
+            Block(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.dropout, cfg.attention_backend)
+            for _ in range(cfg.layers)
         )
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, vocab_size, bias=False)
@@ -74,7 +86,11 @@ class Reader(ReaderBase):
             if name.startswith("vision."):
                 continue  # open_clip initialises its own tower
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") and "blocks" in name else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * self.cfg.layers)
+                    if name.endswith("proj.weight") and "blocks" in name
+                    else 0.02
+                )
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -86,8 +102,18 @@ class Reader(ReaderBase):
         _, patches = self.vision(pics)  # (N, P, Wv)
         return self.image_proj(patches)  # (N, P, D)
 
-    def forward(self, image, q_ids, q_len, a_ids, a_len, doc_image=None, doc_ids=None, doc_len=None,
-                doc_prior=None) -> ReaderOutput:
+    def forward(
+        self,
+        image,
+        q_ids,
+        q_len,
+        a_ids,
+        a_len,
+        doc_image=None,
+        doc_ids=None,
+        doc_len=None,
+        doc_prior=None,
+    ) -> ReaderOutput:
         """image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT; doc_* (B,k,...) or None;
         doc_prior (B,k) log retrieval probabilities of the documents (copy head only) or None."""
         a = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)

@@ -23,8 +23,15 @@ from rag_mm.data.pipeline import MEAN, STD
 PROJECTION = 64  # SimCLR's projection width: the loss is computed there, the tower keeps the rest
 
 
-def picture_views(images: torch.Tensor, *, scale: tuple[float, float] = (0.7, 1.2), max_shift: float = 0.15,
-                  grey: float = 0.2, rotate: float = 180.0, mirror: bool = True) -> torch.Tensor:
+def picture_views(
+    images: torch.Tensor,
+    *,
+    scale: tuple[float, float] = (0.7, 1.2),
+    max_shift: float = 0.15,
+    grey: float = 0.2,
+    rotate: float = 180.0,
+    mirror: bool = True,
+) -> torch.Tensor:
     """(N, 3, H, W) normalised pictures -> (N, 3, H, W) random views: a rotation up to ``rotate``
     degrees either way (180: any), a mirror image half the time (``mirror``), zoom ``scale`` (> 1
     enlarges), shift up to ``max_shift`` of the side (border pixels repeated), the colour channels
@@ -38,8 +45,13 @@ def picture_views(images: torch.Tensor, *, scale: tuple[float, float] = (0.7, 1.
     flip = torch.where(u(N) < (0.5 if mirror else 0.0), -1.0, 1.0)
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
-    theta = torch.stack([torch.stack([cos * flip, -sin, shift[:, 0]], 1),
-                         torch.stack([sin * flip, cos, shift[:, 1]], 1)], 1)  # (N, 2, 3)
+    theta = torch.stack(
+        [
+            torch.stack([cos * flip, -sin, shift[:, 0]], 1),
+            torch.stack([sin * flip, cos, shift[:, 1]], 1),
+        ],
+        1,
+    )  # (N, 2, 3)
     grid = F.affine_grid(theta.to(dt), list(x.shape), align_corners=False)
     x = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
     perm = torch.rand(N, 3, device=dev).argsort(1)  # (N, 3) a channel order per picture
@@ -58,10 +70,19 @@ def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.cross_entropy(sim, target)
 
 
-def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: int, lr: float, *,
-                   temperature: float = 0.2, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
-                   on_log: Callable[[int, float], None] | None = None, log_every: int = 50,
-                   rotate: float = 180.0, mirror: bool = True) -> float:
+def pretrain_tower(
+    tower: nn.Module,
+    pictures: Iterator[torch.Tensor],
+    steps: int,
+    lr: float,
+    *,
+    temperature: float = 0.2,
+    grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
+    on_log: Callable[[int, float], None] | None = None,
+    log_every: int = 50,
+    rotate: float = 180.0,
+    mirror: bool = True,
+) -> float:
     """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
     AdamW steps at ``lr`` (50 warm-up steps, then cosine to a tenth), each on two views of the
     next batch of ``pictures`` (N, 3, H, W), viewed by ``picture_views`` (``rotate``, ``mirror``).
@@ -76,7 +97,9 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
     with torch.no_grad():
         pooled, toks = tower(first[:1])
     width = pooled.shape[-1] + toks.shape[-1]
-    head = nn.Sequential(nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)).to(dev)
+    head = nn.Sequential(
+        nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)
+    ).to(dev)
     params = [p for p in (*tower.parameters(), *head.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
     batches = itertools.chain([first], pictures)
@@ -84,7 +107,11 @@ def pretrain_tower(tower: nn.Module, pictures: Iterator[torch.Tensor], steps: in
     mean = 0.0  # set at the last step's log, which always runs
     for step in range(1, steps + 1):
         for g in opt.param_groups:
-            g["lr"] = lr * min(1.0, step / 50) * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
+            g["lr"] = (
+                lr
+                * min(1.0, step / 50)
+                * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
+            )
         x = next(batches)
         views = [picture_views(x, rotate=rotate, mirror=mirror) for _ in range(2)]
         pooled, toks = tower(torch.cat(views))  # (2N, W), (2N, P, W)

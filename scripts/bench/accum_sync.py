@@ -35,7 +35,9 @@ from train_throughput import synthetic_batch  # noqa: E402
 from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
 
-def paired(rank: int, accum: int, batch: int, steps: int, grad_reduce: str, overrides: list[str]) -> dict:
+def paired(
+    rank: int, accum: int, batch: int, steps: int, grad_reduce: str, overrides: list[str]
+) -> dict:
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
@@ -51,7 +53,9 @@ def paired(rank: int, accum: int, batch: int, steps: int, grad_reduce: str, over
     torch.manual_seed(0)
     reader = materialize(build_reader(model_cfg, vocab, meta=True), torch.device("cpu"))
     x = synthetic_batch(cfg, batch, vocab, torch.device("cpu"))
-    pm = parallel.parallelize(reader, parallel.ParallelConfig(dp_replicate=2, grad_reduce=grad_reduce), x)
+    pm = parallel.parallelize(
+        reader, parallel.ParallelConfig(dp_replicate=2, grad_reduce=grad_reduce), x
+    )
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
     grad_numel = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     calls = [0]
@@ -71,7 +75,9 @@ def paired(rank: int, accum: int, batch: int, steps: int, grad_reduce: str, over
         calls[0] = 0
         t0 = time.perf_counter()
         for i in range(accum):
-            pm.train_step(x, loss_fn=lambda out, _: out.loss / accum, sync=variant == "each" or i == accum - 1)
+            pm.train_step(
+                x, loss_fn=lambda out, _: out.loss / accum, sync=variant == "each" or i == accum - 1
+            )
         pm.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -85,25 +91,50 @@ def paired(rank: int, accum: int, batch: int, steps: int, grad_reduce: str, over
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--accum", type=int, default=4, help="micro-steps per optimizer step (optim.grad_accum)")
+    ap.add_argument(
+        "--accum", type=int, default=4, help="micro-steps per optimizer step (optim.grad_accum)"
+    )
     ap.add_argument("--batch", type=int, default=8, help="queries per micro-step per rank")
-    ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per variant (they alternate)")
-    ap.add_argument("--grad-reduce", default="pg", help="parallel.grad_reduce: pg | auto | shm | hier_int8")
+    ap.add_argument(
+        "--steps", type=int, default=20, help="timed optimizer steps per variant (they alternate)"
+    )
+    ap.add_argument(
+        "--grad-reduce", default="pg", help="parallel.grad_reduce: pg | auto | shm | hier_int8"
+    )
     ap.add_argument("--out", default="", help="also write the JSON to this file")
     ap.add_argument("overrides", nargs="*", help="training overrides, e.g. model.n_layers=4")
     a = ap.parse_args()
-    r = spawn(paired, 2, accum=a.accum, batch=a.batch, steps=a.steps, grad_reduce=a.grad_reduce,
-              overrides=a.overrides)
+    r = spawn(
+        paired,
+        2,
+        accum=a.accum,
+        batch=a.batch,
+        steps=a.steps,
+        grad_reduce=a.grad_reduce,
+        overrides=a.overrides,
+    )
     once, each = ([max(t) for t in zip(*(x["times"][v] for x in r))] for v in ("once", "each"))
-    report = strict_dumps({
-        "bench": "accum_sync", "device": f"{platform.processor() or platform.machine()}, 2 gloo ranks, 1 thread each",
-        "torch": torch.__version__, "load_average": round(os.getloadavg()[0], 1), "accum": a.accum,
-        "batch_per_rank": a.batch, "grad_reduce": a.grad_reduce, "reader_params_M": round(r[0]["params_M"], 3),
-        "steps_per_variant": a.steps,
-        "step_s_median": {"once": round(statistics.median(once), 4), "each": round(statistics.median(each), 4)},
-        "ratio_once_over_each": round(statistics.median(o / e for o, e in zip(once, each)), 4),
-        "grad_all_reduces_per_step": {v: sorted(set(r[0]["reduces"][v])) for v in ("once", "each")},
-    })
+    report = strict_dumps(
+        {
+            "bench": "accum_sync",
+            "device": f"{platform.processor() or platform.machine()}, 2 gloo ranks, 1 thread each",
+            "torch": torch.__version__,
+            "load_average": round(os.getloadavg()[0], 1),
+            "accum": a.accum,
+            "batch_per_rank": a.batch,
+            "grad_reduce": a.grad_reduce,
+            "reader_params_M": round(r[0]["params_M"], 3),
+            "steps_per_variant": a.steps,
+            "step_s_median": {
+                "once": round(statistics.median(once), 4),
+                "each": round(statistics.median(each), 4),
+            },
+            "ratio_once_over_each": round(statistics.median(o / e for o, e in zip(once, each)), 4),
+            "grad_all_reduces_per_step": {
+                v: sorted(set(r[0]["reduces"][v])) for v in ("once", "each")
+            },
+        }
+    )
     print(report)
     if a.out:
         with open(a.out, "w") as f:

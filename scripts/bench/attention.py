@@ -73,24 +73,33 @@ def make_fns(case: str, S: int, D: int, dtype: torch.dtype, backends):
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         c = case == "causal"
         flops = 4 * S * S * H * D / (2 if c else 1)
-        return ({b: (lambda b=b: A.attention(q, k, v, causal=c, backend=b)) for b in backends},
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale), flops)
+        return (
+            {b: (lambda b=b: A.attention(q, k, v, causal=c, backend=b)) for b in backends},
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c, scale=scale),
+            flops,
+        )
     if case == "packed":
         lens = [S, S // 2, S // 4, S // 4]  # mean S/2: 50% padding when padded to S
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         T = int(cu[-1])
         q, k, v = (rnd(T, H, D) for _ in range(3))
         flops = sum(4 * L * L * H * D for L in lens)
-        return ({b: (lambda b=b: A.varlen_attention(q, k, v, cu, S, backend=b)) for b in backends},
-                lambda: A.sdpa_varlen_attention(q, k, v, cu, S), flops)
+        return (
+            {b: (lambda b=b: A.varlen_attention(q, k, v, cu, S, backend=b)) for b in backends},
+            lambda: A.sdpa_varlen_attention(q, k, v, cu, S),
+            flops,
+        )
     if case == "retrieval":
         doc, n_docs = S // 10, 8
         bounds = [i * doc for i in range(n_docs + 1)] + [S]
         seg = torch.tensor([bounds], dtype=torch.int32)
         q, k, v = (rnd(1, H, S, D) for _ in range(3))
         pairs = int(A.layout_mask(seg, S).sum())
-        return ({b: (lambda b=b: A.attention(q, k, v, seg_offsets=seg, backend=b)) for b in backends},
-                lambda: A.sdpa_attention(q, k, v, seg_offsets=seg), 4 * pairs * H * D)
+        return (
+            {b: (lambda b=b: A.attention(q, k, v, seg_offsets=seg, backend=b)) for b in backends},
+            lambda: A.sdpa_attention(q, k, v, seg_offsets=seg),
+            4 * pairs * H * D,
+        )
     raise ValueError(case)
 
 
@@ -113,8 +122,13 @@ def auto_probe(case: str, S: int, D: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -135,7 +149,9 @@ def make_train_case(case: str, S: int, D: int, dtype: torch.dtype):
     return fused, sdpa, 3.5 * 4 * S * S * H * D / (2 if c else 1)
 
 
-def time_many(fns, reps: int, grad: bool = False, stat=statistics.median, clock=time.perf_counter) -> list[float]:
+def time_many(
+    fns, reps: int, grad: bool = False, stat=statistics.median, clock=time.perf_counter
+) -> list[float]:
     """Seconds per call of each fn (``stat`` of the timed calls: median, or ``min`` for the fastest
     call, which other load on a shared machine can only lengthen; ``clock``: wall time, or
     ``time.thread_time`` for one thread's CPU time), calls interleaved (a load spike hits all alike)
@@ -149,7 +165,7 @@ def time_many(fns, reps: int, grad: bool = False, stat=statistics.median, clock=
     for r in range(reps):
         # rotated each round: what runs right after another implementation (its allocations, its
         # cache footprint) differs by position, so every fn takes every position in turn
-        for fn, acc in order[r % len(order):] + order[: r % len(order)]:
+        for fn, acc in order[r % len(order) :] + order[: r % len(order)]:
             t = clock()
             with ctx():
                 fn()
@@ -193,10 +209,14 @@ def cuda_main(args) -> None:
     results = []
     for dtype in (torch.bfloat16, torch.float16):
         for D in (64, 128):
-            for case in ("dense", "causal") + (("dense+bwd", "causal+bwd") if args.backward else ()):
-                for S in ([512, 1024] if args.quick else [512, 1024, 2048, 4096]):
+            for case in ("dense", "causal") + (
+                ("dense+bwd", "causal+bwd") if args.backward else ()
+            ):
+                for S in [512, 1024] if args.quick else [512, 1024, 2048, 4096]:
                     bwd, c = case.endswith("+bwd"), case.startswith("causal")
-                    q, k, v, g = (torch.randn(B, Hc, S, D, device="cuda", dtype=dtype) for _ in range(4))
+                    q, k, v, g = (
+                        torch.randn(B, Hc, S, D, device="cuda", dtype=dtype) for _ in range(4)
+                    )
                     if bwd:
                         q, k, v = (t.requires_grad_(True) for t in (q, k, v))
 
@@ -215,7 +235,10 @@ def cuda_main(args) -> None:
                     for fn in (fused, flash):
                         for _ in range(3):
                             fn()
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        start, end = (
+                            torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True),
+                        )
                         start.record()
                         for _ in range(args.reps * 4):
                             fn()
@@ -223,39 +246,77 @@ def cuda_main(args) -> None:
                         torch.cuda.synchronize()
                         times.append(start.elapsed_time(end) / 1e3 / (args.reps * 4))
                     flops = (3.5 if bwd else 1.0) * 4 * B * S * S * Hc * D / (2 if c else 1)
-                    row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
-                               fused_tflops=flops / times[0] / 1e12, flash_tflops=flops / times[1] / 1e12,
-                               ratio=times[1] / times[0])
+                    row = dict(
+                        case=case,
+                        dtype=str(dtype).removeprefix("torch."),
+                        head_dim=D,
+                        seq=S,
+                        fused_tflops=flops / times[0] / 1e12,
+                        flash_tflops=flops / times[1] / 1e12,
+                        ratio=times[1] / times[0],
+                    )
                     results.append(row)
-                    print(f"{row['dtype']:>8} D={D:<3} {case:<10} S={S:<5} fused {row['fused_tflops']:6.1f} TFLOP/s  "
-                          f"flash {row['flash_tflops']:6.1f} TFLOP/s  x{row['ratio']:.2f}", flush=True)
-    report = dict(machine=dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                               cuda=torch.version.cuda), target="fused >= 0.7x flash", results=results,
-                  ratio_median=statistics.median(r["ratio"] for r in results))
+                    print(
+                        f"{row['dtype']:>8} D={D:<3} {case:<10} S={S:<5} fused {row['fused_tflops']:6.1f} TFLOP/s  "
+                        f"flash {row['flash_tflops']:6.1f} TFLOP/s  x{row['ratio']:.2f}",
+                        flush=True,
+                    )
+    report = dict(
+        machine=dict(
+            gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda
+        ),
+        target="fused >= 0.7x flash",
+        results=results,
+        ratio_median=statistics.median(r["ratio"] for r in results),
+    )
     Path(args.out).write_text(strict_dumps(report, indent=1))
     print(f"median fused / flash: {report['ratio_median']:.2f}x")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="bench_attention.json")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="seq 512 and 1024 only, no memory")
     ap.add_argument("--memory-seqs", default="512,1024,2048,4096")
-    ap.add_argument("--memory-only", action="store_true", help="add the memory table to an existing --out")
-    ap.add_argument("--backward", action="store_true", help="also time dense/causal forward + backward")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: against SDPA's flash backend")
+    ap.add_argument(
+        "--memory-only", action="store_true", help="add the memory table to an existing --out"
+    )
+    ap.add_argument(
+        "--backward", action="store_true", help="also time dense/causal forward + backward"
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: against SDPA's flash backend",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--no-flex", action="store_true", help="skip flex (its first call per shape compiles)")
-    ap.add_argument("--cases", default="dense,causal,packed,retrieval", help="forward cases to time")
-    ap.add_argument("--stat", default="median", choices=["median", "min"],
-                    help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)")
-    ap.add_argument("--cpu-time", action="store_true",
-                    help="time the calling thread's CPU time, not wall time (needs --threads 1; what "
-                         "auto's measurement uses with one thread): other processes' load does not count")
-    ap.add_argument("--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)")
+    ap.add_argument(
+        "--no-flex", action="store_true", help="skip flex (its first call per shape compiles)"
+    )
+    ap.add_argument(
+        "--cases", default="dense,causal,packed,retrieval", help="forward cases to time"
+    )
+    ap.add_argument(
+        "--stat",
+        default="median",
+        choices=["median", "min"],
+        help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)",
+    )
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time the calling thread's CPU time, not wall time (needs --threads 1; what "
+        "auto's measurement uses with one thread): other processes' load does not count",
+    )
+    ap.add_argument(
+        "--autotune-cache", default=None, help="auto's cache file (default: a fresh temporary one)"
+    )
     args = ap.parse_args()
     from parallel.kernels import autotune
 
@@ -273,7 +334,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     stat = min if args.stat == "min" else statistics.median
     if args.cpu_time and args.threads != 1:
-        sys.exit("--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU time)")
+        sys.exit(
+            "--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU time)"
+        )
     clock = time.thread_time if args.cpu_time else time.perf_counter
     ok, why = A.fused_available()
     if not ok:
@@ -305,34 +368,60 @@ def main() -> None:
                         if flex_ok:
                             fns["flex"] = by["flex"]
                         fns["auto"] = by["auto"]
-                    times = dict(zip(fns, time_many(list(fns.values()), reps, grad=bwd, stat=stat, clock=clock)))
+                    times = dict(
+                        zip(
+                            fns,
+                            time_many(list(fns.values()), reps, grad=bwd, stat=stat, clock=clock),
+                        )
+                    )
                     if not bwd:
                         times["fused"] = times[f"fused:{default_isa}"]
                     layout = case.removesuffix("+bwd")
-                    row = dict(case=case, dtype=str(dtype).removeprefix("torch."), head_dim=D, seq=S,
-                               fused_tflops=flops / times["fused"] / 1e12, sdpa_tflops=flops / times["sdpa"] / 1e12,
-                               speedup=times["sdpa"] / times["fused"],
-                               **{f"{k}_ms": t * 1e3 for k, t in times.items()},
-                               ratios={k: t / times["sdpa"] for k, t in times.items() if k != "sdpa"})
+                    row = dict(
+                        case=case,
+                        dtype=str(dtype).removeprefix("torch."),
+                        head_dim=D,
+                        seq=S,
+                        fused_tflops=flops / times["fused"] / 1e12,
+                        sdpa_tflops=flops / times["sdpa"] / 1e12,
+                        speedup=times["sdpa"] / times["fused"],
+                        **{f"{k}_ms": t * 1e3 for k, t in times.items()},
+                        ratios={k: t / times["sdpa"] for k, t in times.items() if k != "sdpa"},
+                    )
                     if not bwd:
-                        row["auto_picks"] = A.select_backend("auto", auto_probe(case, S, D, dtype), layout)[0]
-                        best = min(t for k, t in times.items() if k.startswith("fused:") or k == "sdpa")
+                        row["auto_picks"] = A.select_backend(
+                            "auto", auto_probe(case, S, D, dtype), layout
+                        )[0]
+                        best = min(
+                            t for k, t in times.items() if k.startswith("fused:") or k == "sdpa"
+                        )
                         row["auto_vs_best"] = best / times["auto"]
                     results.append(row)
-                    print(f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa']*1e3:7.2f} ms  "
-                          + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
-                          + (f"  (auto -> {row['auto_picks']}, best/auto {row['auto_vs_best']:.2f})"
-                             if not bwd else ""), flush=True)
+                    print(
+                        f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa'] * 1e3:7.2f} ms  "
+                        + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
+                        + (
+                            f"  (auto -> {row['auto_picks']}, best/auto {row['auto_vs_best']:.2f})"
+                            if not bwd
+                            else ""
+                        ),
+                        flush=True,
+                    )
     memory = []
     if not args.quick:
         for case in ("dense", "retrieval"):
             for S in [int(s) for s in args.memory_seqs.split(",")]:
                 row = dict(case=case, dtype="float32", head_dim=64, seq=S)
                 for impl in ("fused", "sdpa"):
-                    row[f"{impl}_peak_extra_mib"] = peak_extra_mib(case, S, 64, "float32", impl, args.threads)
+                    row[f"{impl}_peak_extra_mib"] = peak_extra_mib(
+                        case, S, 64, "float32", impl, args.threads
+                    )
                 memory.append(row)
-                print(f"memory {case:<9} S={S:<5} fused +{row['fused_peak_extra_mib']:.1f} MiB  "
-                      f"sdpa +{row['sdpa_peak_extra_mib']:.1f} MiB", flush=True)
+                print(
+                    f"memory {case:<9} S={S:<5} fused +{row['fused_peak_extra_mib']:.1f} MiB  "
+                    f"sdpa +{row['sdpa_peak_extra_mib']:.1f} MiB",
+                    flush=True,
+                )
 
     def summary(case, dtype):
         sp = [r["speedup"] for r in results if r["case"] == case and r["dtype"] == dtype]
@@ -344,7 +433,9 @@ def main() -> None:
             return None
         out = {k: statistics.median(r["ratios"][k] for r in rows) for k in rows[0]["ratios"]}
         out["auto_max"] = max(r["ratios"]["auto"] for r in rows) if "auto" in out else None
-        out["auto_vs_best_min"] = min((r["auto_vs_best"] for r in rows if "auto_vs_best" in r), default=None)
+        out["auto_vs_best_min"] = min(
+            (r["auto_vs_best"] for r in rows if "auto_vs_best" in r), default=None
+        )
         out["auto_picks"] = sorted({r.get("auto_picks") for r in rows} - {None})
         return out
 
@@ -352,21 +443,34 @@ def main() -> None:
     dtypes = ("float32", "bfloat16")
     model, flags = autotune._cpu_description()
     report = dict(
-        machine=dict(cpu=model, isa_flags=sorted(f for f in flags.split() if f.startswith(("avx", "fma"))),
-                     kernel_isa=default_isa, isa_cap=A._isa_cap(), threads=args.threads, torch=torch.__version__,
-                     commit=_commit(),
-                     cores=os.cpu_count(), note="compare ratios within one run (other load shifts absolute times)"),
+        machine=dict(
+            cpu=model,
+            isa_flags=sorted(f for f in flags.split() if f.startswith(("avx", "fma"))),
+            kernel_isa=default_isa,
+            isa_cap=A._isa_cap(),
+            threads=args.threads,
+            torch=torch.__version__,
+            commit=_commit(),
+            cores=os.cpu_count(),
+            note="compare ratios within one run (other load shifts absolute times)",
+        ),
         flops="4*B*S^2*H*D (half for causal); packed/retrieval count allowed pairs only",
         targets={"dense": 1.0, "causal": 1.3, "packed": 2.0, "retrieval": 2.0},
         timed="forward only (no_grad) unless the case ends in +bwd (forward + backward)",
         stat=f"{args.stat} of {args.reps} interleaved timed calls per point, "
-             + ("the thread's CPU time" if args.cpu_time else "wall time"), command=" ".join(sys.argv),
+        + ("the thread's CPU time" if args.cpu_time else "wall time"),
+        command=" ".join(sys.argv),
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
         ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
-                   "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",
-        ratio_summary={f"{c}/{d}": ratio_summary(c, d) for c in cases for d in dtypes
-                       if ratio_summary(c, d) is not None},
-        results=results, memory=memory,
+        "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",
+        ratio_summary={
+            f"{c}/{d}": ratio_summary(c, d)
+            for c in cases
+            for d in dtypes
+            if ratio_summary(c, d) is not None
+        },
+        results=results,
+        memory=memory,
     )
     if args.memory_only:
         report = json.loads(Path(args.out).read_text())

@@ -26,8 +26,11 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from rag_mm.components.metrics import strict_dumps  # noqa: E402  (null, never NaN, in the report)
 
-BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-       "reduce_scatter": lambda n: (n - 1) / n}
+BUS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
 DEFAULT_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
@@ -63,23 +66,42 @@ def _rank(rank, world, port, args, q):
             n = size // 4  # fp32 elements
             if op == "all_reduce":
                 x = torch.ones(n)
-                cases = {"shm": lambda x=x: g.all_reduce_(x), "gloo": lambda x=x: dist.all_reduce(x)}
+                cases = {
+                    "shm": lambda x=x: g.all_reduce_(x),
+                    "gloo": lambda x=x: dist.all_reduce(x),
+                }
             elif op == "all_gather":
                 x, out = torch.ones(n // world), torch.empty(n // world * world)
-                cases = {"shm": lambda: g.all_gather_into_tensor(out, x),
-                         "gloo": lambda: dist.all_gather_into_tensor(out, x)}
+                cases = {
+                    "shm": lambda: g.all_gather_into_tensor(out, x),
+                    "gloo": lambda: dist.all_gather_into_tensor(out, x),
+                }
             else:
                 x, out = torch.ones(n // world * world), torch.empty(n // world)
-                cases = {"shm": lambda: g.reduce_scatter_tensor(out, x),
-                         "gloo": lambda: dist.reduce_scatter_tensor(out, x)}
+                cases = {
+                    "shm": lambda: g.reduce_scatter_tensor(out, x),
+                    "gloo": lambda: dist.reduce_scatter_tensor(out, x),
+                }
             for backend, fn in cases.items():
                 t = _time(fn, args.budget)
                 algbw = size / t / 1e9
-                rows.append(dict(op=op, backend=backend, bytes=size, world=world, time_us=t * 1e6,
-                                 algbw_GBps=algbw, busbw_GBps=algbw * BUS[op](world)))
+                rows.append(
+                    dict(
+                        op=op,
+                        backend=backend,
+                        bytes=size,
+                        world=world,
+                        time_us=t * 1e6,
+                        algbw_GBps=algbw,
+                        busbw_GBps=algbw * BUS[op](world),
+                    )
+                )
                 if rank == 0:
-                    print(f"{op:15s} {backend:5s} {size:>10d} B  {t * 1e6:10.1f} us  "
-                          f"algbw {algbw:7.3f} GB/s  busbw {algbw * BUS[op](world):7.3f} GB/s", flush=True)
+                    print(
+                        f"{op:15s} {backend:5s} {size:>10d} B  {t * 1e6:10.1f} us  "
+                        f"algbw {algbw:7.3f} GB/s  busbw {algbw * BUS[op](world):7.3f} GB/s",
+                        flush=True,
+                    )
     # point to point between ranks 0 and 1: ping-pong, one-way = round trip / 2
     p2p_group = dist.new_group([0, 1])
     if rank < 2:
@@ -105,10 +127,22 @@ def _rank(rank, world, port, args, q):
 
             for backend, fn in (("shm", shm_pingpong), ("gloo", gloo_pingpong)):
                 t = _time_pair(fn, args.budget, p2p_group)
-                rows.append(dict(op="p2p_one_way", backend=backend, bytes=size, world=2, time_us=t / 2 * 1e6,
-                                 algbw_GBps=size / (t / 2) / 1e9, busbw_GBps=size / (t / 2) / 1e9))
+                rows.append(
+                    dict(
+                        op="p2p_one_way",
+                        backend=backend,
+                        bytes=size,
+                        world=2,
+                        time_us=t / 2 * 1e6,
+                        algbw_GBps=size / (t / 2) / 1e9,
+                        busbw_GBps=size / (t / 2) / 1e9,
+                    )
+                )
                 if rank == 0:
-                    print(f"p2p one-way     {backend:5s} {size:>10d} B  {t / 2 * 1e6:10.1f} us", flush=True)
+                    print(
+                        f"p2p one-way     {backend:5s} {size:>10d} B  {t / 2 * 1e6:10.1f} us",
+                        flush=True,
+                    )
     dist.barrier()
     q.put((rank, rows))
     g.close()
@@ -141,16 +175,27 @@ def summarize(rows: list[dict]) -> dict:
         if backend != "shm" or (op, size, "gloo") not in by:
             continue
         g = by[(op, size, "gloo")]
-        out[f"{op}@{size}"] = dict(latency_speedup=g["time_us"] / r["time_us"],
-                                   busbw_ratio=r["busbw_GBps"] / g["busbw_GBps"])
+        out[f"{op}@{size}"] = dict(
+            latency_speedup=g["time_us"] / r["time_us"],
+            busbw_ratio=r["busbw_GBps"] / g["busbw_GBps"],
+        )
     return out
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--ops", nargs="+", default=["all_reduce", "all_gather", "reduce_scatter"], choices=list(BUS))
-    ap.add_argument("--sizes", nargs="+", type=int, default=DEFAULT_SIZES, help="message bytes (fp32)")
+    ap.add_argument(
+        "--ops",
+        nargs="+",
+        default=["all_reduce", "all_gather", "reduce_scatter"],
+        choices=list(BUS),
+    )
+    ap.add_argument(
+        "--sizes", nargs="+", type=int, default=DEFAULT_SIZES, help="message bytes (fp32)"
+    )
     ap.add_argument("--p2p-sizes", nargs="+", type=int, default=[8 << 10, 1 << 20])
     ap.add_argument("--budget", type=float, default=0.3, help="seconds of timed calls per case")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="shm buffer half (default 1 MiB)")
@@ -162,7 +207,9 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.world, port, args, q)) for r in range(args.world)
+    ]
     for p in procs:
         p.start()
     results = dict(q.get() for _ in range(args.world))
@@ -170,11 +217,22 @@ def main(argv=None) -> dict:
         p.join()
     rows = results[0]
     report = dict(
-        bench="comm", world=args.world, dtype="float32", torch=torch.__version__, host=platform.node(),
-        cpus=os.cpu_count(), chunk_bytes=args.chunk_bytes, formulas=dict(
-            algbw="S / t", busbw_all_reduce="algbw * 2(n-1)/n", busbw_all_gather_reduce_scatter="algbw * (n-1)/n",
-            p2p="one-way = ping-pong round trip / 2"),
-        rows=rows, summary=summarize(rows))
+        bench="comm",
+        world=args.world,
+        dtype="float32",
+        torch=torch.__version__,
+        host=platform.node(),
+        cpus=os.cpu_count(),
+        chunk_bytes=args.chunk_bytes,
+        formulas=dict(
+            algbw="S / t",
+            busbw_all_reduce="algbw * 2(n-1)/n",
+            busbw_all_gather_reduce_scatter="algbw * (n-1)/n",
+            p2p="one-way = ping-pong round trip / 2",
+        ),
+        rows=rows,
+        summary=summarize(rows),
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(strict_dumps(report, indent=1))

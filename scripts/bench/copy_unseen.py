@@ -28,7 +28,9 @@ from rag_mm.model.copy_head import CopyHead  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=200, help="training steps of batch 32")
     ap.add_argument("--copy-supervision", type=float, default=1.0, help="model.copy_supervision")
     ap.add_argument("--copy-anonymize", type=float, default=0.25, help="model.copy_anonymize")
@@ -37,7 +39,9 @@ def main() -> int:
     seen: dict[str, torch.Tensor] = {}
     forward = CopyHead.forward
 
-    def spy(self, h_rows, rows_ex, rows_pos, h_all, *rest, **kw):  # keeps the attention and the gate
+    def spy(
+        self, h_rows, rows_ex, rows_pos, h_all, *rest, **kw
+    ):  # keeps the attention and the gate
         logp, attn, aux = forward(self, h_rows, rows_ex, rows_pos, h_all, *rest, **kw)
         seen["attn"], seen["tok"] = attn, rest[0][rows_ex]
         return logp, attn, aux
@@ -46,8 +50,12 @@ def main() -> int:
     reader = task.tiny_reader(copy_supervision=a.copy_supervision, copy_anonymize=a.copy_anonymize)
     t0 = time.perf_counter()
     task.train(reader, a.steps)
-    res: dict = {"steps": a.steps, "copy_supervision": a.copy_supervision, "copy_anonymize": a.copy_anonymize,
-                 "train_s": round(time.perf_counter() - t0, 1)}
+    res: dict = {
+        "steps": a.steps,
+        "copy_supervision": a.copy_supervision,
+        "copy_anonymize": a.copy_anonymize,
+        "train_s": round(time.perf_counter() - t0, 1),
+    }
     for name, pool in (("train_pool", task.TRAIN_POOL), ("unseen_pool", task.TEST_POOL)):
         with torch.no_grad():
             out = reader(**task.make_batch(256, pool, torch.Generator().manual_seed(1)))
@@ -63,9 +71,15 @@ def main() -> int:
         rows = {}
         for j, what in enumerate(("first_token", "second_token", "end_of_text")):
             m = pos == j
-            rows[what] = {"acc": round(ok[m].float().mean().item(), 3), "copy_mass_on_gold": round(mass[m].mean().item(), 3),
-                          "pointer_on_gold": round(ptr[m].float().mean().item(), 3)}
-        res[name] = {"exact_match": round(out.correct.float().mean().item(), 3), "by_position": rows}
+            rows[what] = {
+                "acc": round(ok[m].float().mean().item(), 3),
+                "copy_mass_on_gold": round(mass[m].mean().item(), 3),
+                "pointer_on_gold": round(ptr[m].float().mean().item(), 3),
+            }
+        res[name] = {
+            "exact_match": round(out.correct.float().mean().item(), 3),
+            "by_position": rows,
+        }
     print(json.dumps(res))
     return 0
 

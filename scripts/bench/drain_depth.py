@@ -61,14 +61,23 @@ def main() -> None:
     a = ap.parse_args()
     depths = [int(d) for d in a.depths.split(",")]
     res = []
-    print(f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, {a.schedule}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, {a.schedule}; load average {os.getloadavg()[0]:.1f}"
+    )
     for m in [int(x) for x in a.ms.split(",") if x]:
         r = spawn(paired, 2, m=m, depths=depths, steps=a.steps, schedule=a.schedule)
-        per_step = {d: [max(t0, t1) for t0, t1 in zip(r[0][d], r[1][d])] for d in depths}  # the slower rank
+        per_step = {
+            d: [max(t0, t1) for t0, t1 in zip(r[0][d], r[1][d])] for d in depths
+        }  # the slower rank
         base = per_step[depths[0]]
         for d in depths:
             rel = statistics.median(t / b for t, b in zip(per_step[d], base))
-            row = {"m": m, "depth": d, "step_ms": statistics.median(per_step[d]) * 1e3, "vs_first": rel}
+            row = {
+                "m": m,
+                "depth": d,
+                "step_ms": statistics.median(per_step[d]) * 1e3,
+                "vs_first": rel,
+            }
             res.append(row)
             print(strict_dumps(row), flush=True)
     if a.out:

@@ -49,13 +49,20 @@ def _reader(m, mode):
 
 def _inputs(m, k):
     lens = lambda hi, *s: torch.randint(1, hi + 1, s, device=CUDA)  # noqa: E731
-    x = dict(image=torch.randn(B, 3, m.image_size, m.image_size, device=CUDA),
-             q_ids=torch.randint(0, VOCAB, (B, m.max_question), device=CUDA), q_len=lens(m.max_question, B),
-             a_ids=torch.randint(0, VOCAB, (B, m.max_answer), device=CUDA), a_len=lens(m.max_answer - 1, B) + 1)
+    x = dict(
+        image=torch.randn(B, 3, m.image_size, m.image_size, device=CUDA),
+        q_ids=torch.randint(0, VOCAB, (B, m.max_question), device=CUDA),
+        q_len=lens(m.max_question, B),
+        a_ids=torch.randint(0, VOCAB, (B, m.max_answer), device=CUDA),
+        a_len=lens(m.max_answer - 1, B) + 1,
+    )
     if k:
-        x.update(doc_image=torch.randn(B, k, 3, m.image_size, m.image_size, device=CUDA),
-                 doc_ids=torch.randint(0, VOCAB, (B, k, m.max_doc_text), device=CUDA),
-                 doc_len=lens(m.max_doc_text, B, k), doc_prior=torch.randn(B, k, device=CUDA).log_softmax(-1))
+        x.update(
+            doc_image=torch.randn(B, k, 3, m.image_size, m.image_size, device=CUDA),
+            doc_ids=torch.randint(0, VOCAB, (B, k, m.max_doc_text), device=CUDA),
+            doc_len=lens(m.max_doc_text, B, k),
+            doc_prior=torch.randn(B, k, device=CUDA).log_softmax(-1),
+        )
     return x
 
 
@@ -78,7 +85,9 @@ def _checker(opt):
     try:
         from rag_mm.components.nonfinite import NonFiniteGuard
     except ImportError:
-        return lambda step, loss, gnorm: torch.tensor([float(torch.isfinite(loss) and torch.isfinite(gnorm))]).item() >= 1
+        return lambda step, loss, gnorm: (
+            torch.tensor([float(torch.isfinite(loss) and torch.isfinite(gnorm))]).item() >= 1
+        )
     return NonFiniteGuard(opt, CUDA, limit=10, window=20).check
 
 
@@ -109,6 +118,7 @@ def reader_step(overrides=()):
             if check(0, loss.detach(), gnorm):
                 opt.step()
             opt.zero_grad(set_to_none=True)
+
         return _steps(step)
 
 
@@ -123,17 +133,25 @@ def retriever_step():
         with torch.device(CUDA):
             enc = DualEncoder(r, m.image_size).train()
         x = _inputs(m, k)
-        gold, hard = torch.randint(0, 256, (B,), device=CUDA), torch.randint(0, 256, (B * k,), device=CUDA)
+        gold, hard = (
+            torch.randint(0, 256, (B,), device=CUDA),
+            torch.randint(0, 256, (B * k,), device=CUDA),
+        )
 
         def step():
             q = enc.embed_queries(random_views(x["image"]), x["q_ids"], x["q_len"])
-            d = enc.embed_docs(x["doc_image"].flatten(0, 1), x["doc_ids"].flatten(0, 1),
-                               x["doc_len"].flatten(0, 1)).view(B, k, -1)
+            d = enc.embed_docs(
+                x["doc_image"].flatten(0, 1), x["doc_ids"].flatten(0, 1), x["doc_len"].flatten(0, 1)
+            ).view(B, k, -1)
             scores = enc.scale() * torch.einsum("be,bke->bk", q, d)
             nll = torch.rand(B, k, device=CUDA)
-            return (losses.perplexity_distillation(scores, nll, 0.1) + losses.emdr2(scores, -nll)
-                    + losses.attention_distillation(scores, torch.rand(B, k, device=CUDA))
-                    + losses.contrastive(q, d[:, 0], gold, enc.scale(), d.flatten(0, 1), hard))
+            return (
+                losses.perplexity_distillation(scores, nll, 0.1)
+                + losses.emdr2(scores, -nll)
+                + losses.attention_distillation(scores, torch.rand(B, k, device=CUDA))
+                + losses.contrastive(q, d[:, 0], gold, enc.scale(), d.flatten(0, 1), hard)
+            )
+
         return _steps(step)
 
 
@@ -148,7 +166,10 @@ def parallel_model_step():
         x = _inputs(cfg.model, cfg.retriever.top_k)
         pm = parallel.parallelize(reader, ParallelConfig(microbatches=2), x)
         params = list(pm.parameters())
-        backward, torch.Tensor.backward = torch.Tensor.backward, lambda loss, *a, **kw: _backward(loss, params)
+        backward, torch.Tensor.backward = (
+            torch.Tensor.backward,
+            lambda loss, *a, **kw: _backward(loss, params),
+        )
         try:
             tokens = lambda mb, _: (mb["a_len"] - 1).clamp_min(0).sum()  # noqa: E731
             return _steps(lambda: (pm.train_step(x, weight_fn=tokens), pm.zero_grad()))
@@ -174,14 +195,19 @@ def spread_step():
         check = _checker(opt)
         x = {**_inputs(cfg.model, 0), "gold": torch.full((B,), -1, device=CUDA)}
         params = list(spread.parameters())
-        backward, torch.Tensor.backward = torch.Tensor.backward, lambda loss, *a, **kw: _backward(loss, params)
+        backward, torch.Tensor.backward = (
+            torch.Tensor.backward,
+            lambda loss, *a, **kw: _backward(loss, params),
+        )
         try:
+
             def step():
                 out = spread.train_step(x)
                 gnorm = spread.clip_grad_norm_(1.0)
                 if check(0, out.loss.detach(), gnorm):
                     opt.step()
                 opt.zero_grad(set_to_none=True)
+
             return _steps(step)
         finally:
             torch.Tensor.backward = backward
@@ -191,14 +217,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     args = ap.parse_args()
-    run = {"reader_demo": reader_step, "reader_hf_tiny": lambda: reader_step(["model=hf_tiny"]),
-           "retriever": retriever_step, "parallel_model": parallel_model_step, "spread_closed_book": spread_step}
+    run = {
+        "reader_demo": reader_step,
+        "reader_hf_tiny": lambda: reader_step(["model=hf_tiny"]),
+        "retriever": retriever_step,
+        "parallel_model": parallel_model_step,
+        "spread_closed_book": spread_step,
+    }
     why = _engine_error()  # before any step patches Tensor.backward
-    out = {"torch": torch.__version__, "backward": f"zero gradients in its place ({why})" if why else "autograd engine"}
+    out = {
+        "torch": torch.__version__,
+        "backward": f"zero gradients in its place ({why})" if why else "autograd engine",
+    }
     for kind in args.kinds:
         audit = run[kind]()
-        out[kind] = {"syncs": len(audit.syncs), "cpu_tensors": len(audit.cpu_tensors),
-                     "where": sorted({str(f) for f in audit.syncs + audit.cpu_tensors})}
+        out[kind] = {
+            "syncs": len(audit.syncs),
+            "cpu_tensors": len(audit.cpu_tensors),
+            "where": sorted({str(f) for f in audit.syncs + audit.cpu_tensors}),
+        }
     print(json.dumps(out, indent=1))
 
 

@@ -50,14 +50,27 @@ def _reader(dim, layers, batch=8):
     from rag_mm.config import ModelConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=dim, layers=layers, heads=max(1, dim // 64), vision_width=128, vision_layers=2,
-                      vision_head_width=32, attention_backend="auto")
+    cfg = ModelConfig(
+        dim=dim,
+        layers=layers,
+        heads=max(1, dim // 64),
+        vision_width=128,
+        vision_layers=2,
+        vision_head_width=32,
+        attention_backend="auto",
+    )
     g = torch.Generator().manual_seed(1)
     B, k = batch, (2 if batch >= 8 else 1)
-    inputs = dict(image=torch.randn(B, 3, 32, 32, generator=g), q_ids=torch.randint(0, 1000, (B, 20), generator=g),
-                  q_len=torch.full((B,), 20), a_ids=torch.randint(0, 1000, (B, 8), generator=g),
-                  a_len=torch.full((B,), 8), doc_image=torch.randn(B, k, 3, 32, 32, generator=g),
-                  doc_ids=torch.randint(0, 1000, (B, k, 40), generator=g), doc_len=torch.full((B, k), 40))
+    inputs = dict(
+        image=torch.randn(B, 3, 32, 32, generator=g),
+        q_ids=torch.randint(0, 1000, (B, 20), generator=g),
+        q_len=torch.full((B,), 20),
+        a_ids=torch.randint(0, 1000, (B, 8), generator=g),
+        a_len=torch.full((B,), 8),
+        doc_image=torch.randn(B, k, 3, 32, 32, generator=g),
+        doc_ids=torch.randint(0, 1000, (B, k, 40), generator=g),
+        doc_len=torch.full((B, k), 40),
+    )
     return cfg, inputs
 
 
@@ -172,7 +185,9 @@ def pipeline_rank_fn(rank, world, mode, dim, layers, batch=8, steps=5):
     cfg, inputs = _reader(dim, layers, batch)
     model = Reader(cfg, vocab_size=1000)
     dp = dict(dp_shard=2) if mode == "pp_fsdp" else dict(dp_replicate=2)
-    pc = parallel.ParallelConfig(pp=2, microbatches=4, schedule="1f1b", partition="parameters", **dp)
+    pc = parallel.ParallelConfig(
+        pp=2, microbatches=4, schedule="1f1b", partition="parameters", **dp
+    )
     pm = parallel.parallelize(model, pc, inputs)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)
     times = []
@@ -190,12 +205,16 @@ def pipeline_compare(shape: str) -> dict:
     from tests.distributed import run_ranks
 
     dim, layers, batch = (int(x) for x in shape.split("x"))
-    r = {mode: run_ranks(pipeline_rank_fn, 4, mode, dim, layers, batch, timeout_s=1800)
-         for mode in ("pp_dp", "pp_fsdp")}
+    r = {
+        mode: run_ranks(pipeline_rank_fn, 4, mode, dim, layers, batch, timeout_s=1800)
+        for mode in ("pp_dp", "pp_fsdp")
+    }
     out = {"shape": shape}
     for mode, ranks in r.items():
         out[f"{mode}_state_bytes"] = max(x["state"] for x in ranks)
-        steps = [max(x["step_s"][i] for x in ranks) for i in range(len(ranks[0]["step_s"]))]  # slower rank
+        steps = [
+            max(x["step_s"][i] for x in ranks) for i in range(len(ranks[0]["step_s"]))
+        ]  # slower rank
         out[f"{mode}_step_s"] = sorted(steps)[len(steps) // 2]
     out["fsdp_vs_dp_state"] = out["pp_fsdp_state_bytes"] / out["pp_dp_state_bytes"]
     out["fsdp_vs_dp_step_time"] = out["pp_fsdp_step_s"] / out["pp_dp_step_s"]
@@ -217,11 +236,25 @@ def activation_bytes(dim, layers, mode):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="768x8x2,384x8x8",
-                    help="reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)")
-    ap.add_argument("--activations", default="384x8", help="dim x layers for the activation-checkpointing table")
-    ap.add_argument("--pipeline", default="384x8x8", help="dim x layers x batch of the pp=2 comparison ('' skips)")
-    ap.add_argument("--only", choices=("all", "pipeline"), default="all", help="pipeline: the pp=2 comparison alone")
+    ap.add_argument(
+        "--shapes",
+        default="768x8x2,384x8x8",
+        help="reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)",
+    )
+    ap.add_argument(
+        "--activations", default="384x8", help="dim x layers for the activation-checkpointing table"
+    )
+    ap.add_argument(
+        "--pipeline",
+        default="384x8x8",
+        help="dim x layers x batch of the pp=2 comparison ('' skips)",
+    )
+    ap.add_argument(
+        "--only",
+        choices=("all", "pipeline"),
+        default="all",
+        help="pipeline: the pp=2 comparison alone",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     from tests.distributed import run_ranks
@@ -238,7 +271,10 @@ def main():
         return
     for shape in a.shapes.split(","):
         dim, layers, batch = (int(x) for x in shape.split("x"))
-        r = {mode: run_ranks(dp_rank_fn, 2, mode, dim, layers, batch, timeout_s=1200) for mode in ("ddp", "fsdp")}
+        r = {
+            mode: run_ranks(dp_rank_fn, 2, mode, dim, layers, batch, timeout_s=1200)
+            for mode in ("ddp", "fsdp")
+        }
         for k in ("state", "peak", "rss"):  # per rank: the larger of the two ranks
             r[f"fsdp_vs_ddp_{k}"] = max(x[k] for x in r["fsdp"]) / max(x[k] for x in r["ddp"])
         res["shapes"][shape] = r

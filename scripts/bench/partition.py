@@ -34,7 +34,8 @@ class Block(nn.Module):
         super().__init__()
         # depth x (Linear, LayerNorm, GELU, Linear) + the block + the ModuleList = 4 depth + 2
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.GELU(), nn.Linear(d, d)) for _ in range(depth)
+            nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d), nn.GELU(), nn.Linear(d, d))
+            for _ in range(depth)
         )
 
     def forward(self, x):
@@ -59,7 +60,11 @@ def speed(repeats: int = 3) -> list[dict]:
     out = []
     for label, blocks, depth in (("deep", 200, 1), ("wide", 8, 25), ("flat", 0, 0)):
         # flat: 1000 leaves in one nn.Sequential, so the dynamic program runs over 1000 units
-        model = Stack(blocks, depth) if blocks else nn.Sequential(*[nn.Linear(16, 16) for _ in range(1000)])
+        model = (
+            Stack(blocks, depth)
+            if blocks
+            else nn.Sequential(*[nn.Linear(16, 16) for _ in range(1000)])
+        )
         n_mod = len(list(model.modules()))
         tr = trace_model(model, (torch.randn(4, 16),), passes=3)
         for k in (2, 4, 8):
@@ -68,8 +73,16 @@ def speed(repeats: int = 3) -> list[dict]:
                 t0 = time.perf_counter()
                 part = parallel.partition_trace(tr, k)
                 times.append(time.perf_counter() - t0)
-            out.append({"model": label, "modules": n_mod, "stages": k, "units": len(part.units),
-                        "partition_s": round(statistics.median(times), 4), "max_s": round(max(times), 4)})
+            out.append(
+                {
+                    "model": label,
+                    "modules": n_mod,
+                    "stages": k,
+                    "units": len(part.units),
+                    "partition_s": round(statistics.median(times), 4),
+                    "max_s": round(max(times), 4),
+                }
+            )
             print(strict_dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
@@ -86,9 +99,14 @@ def quality() -> list[dict]:
         for k in (2, 4, 8):
             part = parallel.partition_trace(tr, k)
             got, best = exact_optimum(part)
-            row = {"model": name, "stages": k, "units": len(part.units), "auto_vs_optimum": round(got / best, 4),
-                   "auto_max_stage_ms": round(part.max_time * 1e3, 3),
-                   "ideal_ms": round(sum(s.compute_time for s in part.stages) / k * 1e3, 3)}
+            row = {
+                "model": name,
+                "stages": k,
+                "units": len(part.units),
+                "auto_vs_optimum": round(got / best, 4),
+                "auto_max_stage_ms": round(part.max_time * 1e3, 3),
+                "ideal_ms": round(sum(s.compute_time for s in part.stages) / k * 1e3, 3),
+            }
             for method in ("uniform", "parameters", "time"):
                 base = parallel.baseline_partition(tr, k, method)
                 row[f"{method}_vs_auto"] = round(base.max_time / part.max_time, 3)
@@ -101,19 +119,25 @@ def quality() -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | stages | units (auto) | layers (baselines) | auto / optimum | uniform / auto | "
-             "parameters / auto | time / auto | auto max stage ms (ideal) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | stages | units (auto) | layers (baselines) | auto / optimum | uniform / auto | "
+        "parameters / auto | time / auto | auto max stage ms (ideal) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['stages']} | {r['units']} | {r['layers']} | {r['auto_vs_optimum']:.3f} | "
-                     f"{r['uniform_vs_auto']:.2f} | {r['parameters_vs_auto']:.2f} | {r['time_vs_auto']:.2f} | "
-                     f"{r['auto_max_stage_ms']:.2f} ({r['ideal_ms']:.2f}) |")
+        lines.append(
+            f"| {r['model']} | {r['stages']} | {r['units']} | {r['layers']} | {r['auto_vs_optimum']:.3f} | "
+            f"{r['uniform_vs_auto']:.2f} | {r['parameters_vs_auto']:.2f} | {r['time_vs_auto']:.2f} | "
+            f"{r['auto_max_stage_ms']:.2f} ({r['ideal_ms']:.2f}) |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--markdown", action="store_true", help="also print the quality table as markdown")
+    ap.add_argument(
+        "--markdown", action="store_true", help="also print the quality table as markdown"
+    )
     ap.add_argument("--skip-quality", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -54,43 +54,82 @@ def probe(x: torch.Tensor, y: torch.Tensor) -> float:
     x = (x - mu) / sd
     onehot = torch.nn.functional.one_hot(y, int(y.max()) + 1).double()
     lam = RIDGE * x.shape[1] * n / 100
-    w = torch.linalg.solve(x[:n].T @ x[:n] + lam * torch.eye(x.shape[1], dtype=torch.double), x[:n].T @ onehot[:n])
+    w = torch.linalg.solve(
+        x[:n].T @ x[:n] + lam * torch.eye(x.shape[1], dtype=torch.double), x[:n].T @ onehot[:n]
+    )
     return float(((x[n:] @ w).argmax(1) == y[n:]).double().mean())
 
 
-def pick_question(cfg, split: str, limit: int, question: str | None = None) -> tuple[str, list[dict]]:
+def pick_question(
+    cfg, split: str, limit: int, question: str | None = None
+) -> tuple[str, list[dict]]:
     """``question``, or else the most frequent question text with at least three distinct answers,
     and its queries (up to ``limit``)."""
     by_text: dict[str, list[dict]] = {}
     for batch in make_stream(cfg, split, train=False):
         for i, q in enumerate(batch["question"]):
-            by_text.setdefault(q, []).append({k: batch[k][i] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
-                                             | {"answer": batch["answer"][i]})
-    texts = [t for t, qs in by_text.items() if len({q["answer"] for q in qs}) >= 3 and question in (None, t)]
+            by_text.setdefault(q, []).append(
+                {k: batch[k][i] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
+                | {"answer": batch["answer"][i]}
+            )
+    texts = [
+        t
+        for t, qs in by_text.items()
+        if len({q["answer"] for q in qs}) >= 3 and question in (None, t)
+    ]
     if not texts:
-        sys.exit(f"picture_signal: no question {'' if question is None else repr(question) + ' '}in the split "
-                 "has three or more distinct answers")
+        sys.exit(
+            f"picture_signal: no question {'' if question is None else repr(question) + ' '}in the split "
+            "has three or more distinct answers"
+        )
     text = max(texts, key=lambda t: len(by_text[t]))
     return text, by_text[text][:limit]
 
 
 def stack(queries: list[dict]) -> dict:
     """Queries of one question text -> a batch (their token rows have equal lengths up to padding)."""
-    out = {"image": torch.stack([q["image"] for q in queries]), "q_len": torch.stack([q["q_len"] for q in queries]),
-           "a_len": torch.stack([q["a_len"] for q in queries])}
-    for key, n in (("q_ids", "q_len"), ("a_ids", "a_len")):  # batches pad to their own longest: re-pad
+    out = {
+        "image": torch.stack([q["image"] for q in queries]),
+        "q_len": torch.stack([q["q_len"] for q in queries]),
+        "a_len": torch.stack([q["a_len"] for q in queries]),
+    }
+    for key, n in (
+        ("q_ids", "q_len"),
+        ("a_ids", "a_len"),
+    ):  # batches pad to their own longest: re-pad
         width = int(out[n].max())
-        out[key] = torch.stack([torch.nn.functional.pad(q[key], (0, max(width - len(q[key]), 0)))[:width] for q in queries])
+        out[key] = torch.stack(
+            [
+                torch.nn.functional.pad(q[key], (0, max(width - len(q[key]), 0)))[:width]
+                for q in queries
+            ]
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", type=Path, help="run directory (its saved config; its newest checkpoint unless --init)")
-    p.add_argument("overrides", nargs="*", help="split=val (default) and config overrides key=value")
-    p.add_argument("--init", action="store_true", help="measure the freshly initialised reader instead")
-    p.add_argument("--queries", type=int, default=600, help="queries of the chosen question measured (default 600)")
-    p.add_argument("--question", help="the question text to measure (default: the most frequent with 3+ answers)")
+    p.add_argument(
+        "run",
+        type=Path,
+        help="run directory (its saved config; its newest checkpoint unless --init)",
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="split=val (default) and config overrides key=value"
+    )
+    p.add_argument(
+        "--init", action="store_true", help="measure the freshly initialised reader instead"
+    )
+    p.add_argument(
+        "--queries",
+        type=int,
+        default=600,
+        help="queries of the chosen question measured (default 600)",
+    )
+    p.add_argument(
+        "--question",
+        help="the question text to measure (default: the most frequent with 3+ answers)",
+    )
     args = p.parse_intermixed_args(argv)
     split = next((o.split("=", 1)[1] for o in args.overrides if o.startswith("split=")), "val")
     overrides = [o for o in args.overrides if not o.startswith("split=")]
@@ -104,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.init:
         ckpt = checkpoint.latest_valid(args.run / "checkpoints")
         if ckpt is None:
-            sys.exit(f"picture_signal: no valid checkpoint in {args.run / 'checkpoints'} (or pass --init)")
+            sys.exit(
+                f"picture_signal: no valid checkpoint in {args.run / 'checkpoints'} (or pass --init)"
+            )
         step = load_model_state(parts.rag, ckpt)["step"]
     reader.eval()
 
@@ -112,17 +153,32 @@ def main(argv: list[str] | None = None) -> int:
     names = sorted({q["answer"] for q in queries})
     y = torch.tensor([names.index(q["answer"]) for q in queries])
     x = stack(queries)
-    res: dict = {"run": str(args.run), "step": step, "split": split, "question": text, "queries": len(queries),
-                 "answers": len(names), "majority": Counter(y.tolist()).most_common(1)[0][1] / len(y),
-                 "model": {k: cfg.model[k] for k in ("image_size", "patch_size", "dim", "layers", "vision_layers")}}
+    res: dict = {
+        "run": str(args.run),
+        "step": step,
+        "split": split,
+        "question": text,
+        "queries": len(queries),
+        "answers": len(names),
+        "majority": Counter(y.tolist()).most_common(1)[0][1] / len(y),
+        "model": {
+            k: cfg.model[k] for k in ("image_size", "patch_size", "dim", "layers", "vision_layers")
+        },
+    }
 
-    attn: list[torch.Tensor] = []  # per block: (B, H, S, S) attention probabilities (dense causal over the query)
+    attn: list[
+        torch.Tensor
+    ] = []  # per block: (B, H, S, S) attention probabilities (dense causal over the query)
 
     def keep_attention(mod, inputs, _out):
         h = inputs[0]
-        q, k, _ = mod.qkv(h).unflatten(-1, (3, mod.heads, -1)).permute(2, 0, 3, 1, 4)  # 3 x (B, H, S, hd)
+        q, k, _ = (
+            mod.qkv(h).unflatten(-1, (3, mod.heads, -1)).permute(2, 0, 3, 1, 4)
+        )  # 3 x (B, H, S, hd)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        causal = torch.ones(s.shape[-1], s.shape[-1], dtype=torch.bool).tril()  # no documents: one causal segment
+        causal = torch.ones(
+            s.shape[-1], s.shape[-1], dtype=torch.bool
+        ).tril()  # no documents: one causal segment
         attn.append(s.masked_fill(~causal, float("-inf")).softmax(-1))
 
     with torch.no_grad():
@@ -132,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         anchor = (a.labels != IGNORE).int().argmax(1)  # (B,) first answer-predicting position
         rows = torch.arange(len(y))
         h = a.x + reader.pos_emb(a.pos) + reader.type_emb(a.typ.clamp_min(0))  # (B, S, D)
-        probes = {"vision_tokens": probe(torch.cat([tokens.mean(1), tokens.amax(1)], -1), y),
-                  "image_tokens": probe(torch.cat([projected.mean(1), projected.amax(1)], -1), y),
-                  "answer_position_input": probe(h[rows, anchor], y)}
+        probes = {
+            "vision_tokens": probe(torch.cat([tokens.mean(1), tokens.amax(1)], -1), y),
+            "image_tokens": probe(torch.cat([projected.mean(1), projected.amax(1)], -1), y),
+            "answer_position_input": probe(h[rows, anchor], y),
+        }
         hooks = [b.attn.register_forward_hook(keep_attention) for b in reader.blocks]
         for i, block in enumerate(reader.blocks):
             h = block(h, a.seg_offsets)
@@ -145,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         res["reader_acc"] = float(reader(**x).correct.double().mean())
         image = (a.typ == QUERY_IMAGE)[rows]  # (B, S)
         res["uniform_share"] = float((image.sum(1) / (anchor + 1)).mean())
-        res["image_attention"] = [float((p[rows, :, anchor] * image[:, None]).sum(-1).mean()) for p in attn]
+        res["image_attention"] = [
+            float((p[rows, :, anchor] * image[:, None]).sum(-1).mean()) for p in attn
+        ]
 
     reader.train()
     batch = next(iter(make_stream(cfg, split, train=False)))
@@ -158,7 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             s = sums.setdefault(name.split(".")[0], [0.0, 0.0])
             s[0] += float(prm.grad.pow(2).sum())
             s[1] += float(prm.detach().pow(2).sum())
-    res["grad_to_param"] = {part: float(f"{math.sqrt(g) / max(math.sqrt(w), 1e-12):.3g}") for part, (g, w) in sums.items()}
+    res["grad_to_param"] = {
+        part: float(f"{math.sqrt(g) / max(math.sqrt(w), 1e-12):.3g}")
+        for part, (g, w) in sums.items()
+    }
     print(strict_dumps(res))
     return 0
 

@@ -108,7 +108,10 @@ def spawn(fn, world: int, **kw):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world, port, {"fn": fn, "kw": kw}, q)) for r in range(world)]
+    ps = [
+        ctx.Process(target=_worker, args=(r, world, port, {"fn": fn, "kw": kw}, q))
+        for r in range(world)
+    ]
     for p in ps:
         p.start()
     out = dict(q.get(timeout=900) for _ in ps)
@@ -132,7 +135,9 @@ class _Variant:
         if name == "torch_1f1b":
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-            part = nn.Sequential(*list(mlp(d).children())[rank * BLOCKS // 2:(rank + 1) * BLOCKS // 2])
+            part = nn.Sequential(
+                *list(mlp(d).children())[rank * BLOCKS // 2 : (rank + 1) * BLOCKS // 2]
+            )
             sched = Schedule1F1B(PipelineStage(part, rank, 2, torch.device("cpu")), m, loss_fn=mse)
             self.run = (lambda: sched.step(x)) if rank == 0 else (lambda: sched.step(target=y))
             self.params = list(part.parameters())
@@ -140,8 +145,15 @@ class _Variant:
         schedule, _, p2p = name.partition("@")
         schedule, _, opt = schedule.partition(":")
         self.engine_w = opt == "engine_w"
-        cfg = parallel.ParallelConfig(pp=2, microbatches=m, schedule=schedule, partition="uniform",
-                                      p2p=p2p or "auto", stage_path=stage_path, split_drain=opt != "whole_drain")
+        cfg = parallel.ParallelConfig(
+            pp=2,
+            microbatches=m,
+            schedule=schedule,
+            partition="uniform",
+            p2p=p2p or "auto",
+            stage_path=stage_path,
+            split_drain=opt != "whole_drain",
+        )
         self.pm = pm = parallel.parallelize(mlp(d), cfg, (x,))
         self.run = lambda: pm.train_step((x,), target=y, loss_fn=mse)
         self.params = list(pm.parameters())
@@ -151,7 +163,9 @@ class _Variant:
         from parallel.pipeline import split_backward
         from parallel.timeline import bubble_fraction, gather
 
-        split_backward.LINEAR_FAST_PATH = not self.engine_w  # set per variant: variants alternate in one process
+        split_backward.LINEAR_FAST_PATH = (
+            not self.engine_w
+        )  # set per variant: variants alternate in one process
         times, waits, bubbles, cpus, ev = [], [], [], [], []
         for s in range(steps + warm):
             BARRIER()
@@ -169,8 +183,13 @@ class _Variant:
             for q in self.params:
                 q.grad = None
         med = statistics.median
-        return {"t": med(times), "cpu": med(cpus), "wait": med(waits) if waits else 0.0,
-                "bubble": med(bubbles) if bubbles else 0.0, "events": [e.__dict__ for e in ev]}
+        return {
+            "t": med(times),
+            "cpu": med(cpus),
+            "wait": med(waits) if waits else 0.0,
+            "bubble": med(bubbles) if bubbles else 0.0,
+            "events": [e.__dict__ for e in ev],
+        }
 
 
 def _binding():
@@ -224,8 +243,14 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
         if not (per_step and i == 0):
             rounds.append(r)
     pm = next((v.pm for v in vs.values() if v.pm is not None), None)
-    lanes = sorted(f"{'to' if out else 'from'} rank {peer}: stage {st} {kind}" for (peer, out, kind, st) in pm.transport.lanes) \
-        if pm is not None else []  # the shared-memory rings (lanes.py) of the first variant
+    lanes = (
+        sorted(
+            f"{'to' if out else 'from'} rank {peer}: stage {st} {kind}"
+            for (peer, out, kind, st) in pm.transport.lanes
+        )
+        if pm is not None
+        else []
+    )  # the shared-memory rings (lanes.py) of the first variant
     return {"rounds": rounds, "lanes": lanes, "cores": [list(free_cores), list(bound_cores or ())]}
 
 
@@ -241,7 +266,7 @@ class _Floor:
         blocks = list(mlp(x.shape[1]).children())
         per = BLOCKS // 2
         self.rank, self.m = rank, m
-        self.mine = nn.Sequential(*blocks[rank * per:(rank + 1) * per])
+        self.mine = nn.Sequential(*blocks[rank * per : (rank + 1) * per])
         h = nn.Sequential(*blocks[:per])(x).detach() if rank else x
         self.hs, self.ys = h.tensor_split(m), y.tensor_split(m)
 
@@ -267,16 +292,27 @@ def reader_case(b):
     from rag_mm.model import Reader
 
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=128, layers=4, heads=4, vision_width=128, vision_layers=2, vision_head_width=32,
-                      attention_backend="reference")
+    cfg = ModelConfig(
+        dim=128,
+        layers=4,
+        heads=4,
+        vision_width=128,
+        vision_layers=2,
+        vision_head_width=32,
+        attention_backend="reference",
+    )
     model = Reader(cfg, 49408)
     g = torch.Generator().manual_seed(1)
     k, lt, lq, la = 2, 24, 12, 6
     inputs = {
-        "image": torch.randn(b, 3, 32, 32, generator=g), "q_ids": torch.randint(0, 49408, (b, lq), generator=g),
-        "q_len": torch.full((b,), lq), "a_ids": torch.randint(0, 49408, (b, la), generator=g),
-        "a_len": torch.full((b,), la), "doc_image": torch.randn(b, k, 3, 32, 32, generator=g),
-        "doc_ids": torch.randint(0, 49408, (b, k, lt), generator=g), "doc_len": torch.full((b, k), lt),
+        "image": torch.randn(b, 3, 32, 32, generator=g),
+        "q_ids": torch.randint(0, 49408, (b, lq), generator=g),
+        "q_len": torch.full((b,), lq),
+        "a_ids": torch.randint(0, 49408, (b, la), generator=g),
+        "a_len": torch.full((b,), la),
+        "doc_image": torch.randn(b, k, 3, 32, 32, generator=g),
+        "doc_ids": torch.randint(0, 49408, (b, k, lt), generator=g),
+        "doc_len": torch.full((b, k), lt),
     }
     return model, inputs
 
@@ -296,35 +332,59 @@ def pipe_reader(rank, partition, steps, m):
             times.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
         pm.zero_grad()
-    return {"t": statistics.median(times), "cpu": statistics.median(cpus),
-            "table": pm.partition.table() if rank == 0 else ""}
+    return {
+        "t": statistics.median(times),
+        "cpu": statistics.median(cpus),
+        "table": pm.partition.table() if rank == 0 else "",
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ms", default="2,4,8,16")
-    ap.add_argument("--schedule", default="1f1b,eager_1f1b,zero_bubble,eager_1f1b+bind",
-                    help="comma-separated, each timed in the same processes; NAME+bind: with the ranks bound "
-                         "to cores as bind_cores=True binds them, against a T1 and floor bound alike")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds; cells are medians over them")
-    ap.add_argument("--stage-path", default="eager", help="MLP stages: eager (module replay) | graph (torch.export split)")
-    ap.add_argument("--compare", type=int, default=1,
-                    help="also time the first schedule with the shared-memory lanes off (@gloo) and torch's "
-                         "Schedule1F1B")
-    ap.add_argument("--probe", type=int, default=1, help="also time the runtime alone (width-8 MLP)")
+    ap.add_argument(
+        "--schedule",
+        default="1f1b,eager_1f1b,zero_bubble,eager_1f1b+bind",
+        help="comma-separated, each timed in the same processes; NAME+bind: with the ranks bound "
+        "to cores as bind_cores=True binds them, against a T1 and floor bound alike",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="interleaved rounds; cells are medians over them"
+    )
+    ap.add_argument(
+        "--stage-path",
+        default="eager",
+        help="MLP stages: eager (module replay) | graph (torch.export split)",
+    )
+    ap.add_argument(
+        "--compare",
+        type=int,
+        default=1,
+        help="also time the first schedule with the shared-memory lanes off (@gloo) and torch's "
+        "Schedule1F1B",
+    )
+    ap.add_argument(
+        "--probe", type=int, default=1, help="also time the runtime alone (width-8 MLP)"
+    )
     ap.add_argument("--reader-steps", type=int, default=8)
-    ap.add_argument("--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions")
+    ap.add_argument(
+        "--reader-reps", type=int, default=3, help="interleaved uniform/auto repetitions"
+    )
     ap.add_argument("--out", default="")
-    ap.add_argument("--trace", default="", help="write the m=8 Chrome trace + PNG with this path prefix")
+    ap.add_argument(
+        "--trace", default="", help="write the m=8 Chrome trace + PNG with this path prefix"
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     p = 2
     res = {"mlp": [], "reader": {}}
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
-    print(f"{'m':>3} {'variant':>22} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
-          f"{'theory':>7} {'recv wait ms r0,r1':>19} {'T1/2 ms | CPU ms r0,r1':>23}  overhead per round")
+    print(
+        f"{'m':>3} {'variant':>22} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
+        f"{'theory':>7} {'recv wait ms r0,r1':>19} {'T1/2 ms | CPU ms r0,r1':>23}  overhead per round"
+    )
 
     def overhead(m, t1, tp):
         return (m / (m + p - 1)) / (t1 / (p * tp)) - 1
@@ -335,7 +395,15 @@ def main() -> None:
     if a.compare:
         variants += [first + "@gloo", "torch_1f1b"]
     for m in [int(x) for x in a.ms.split(",") if x]:
-        r = spawn(mlp_suite, p, m=m, steps=a.steps, reps=a.reps, variants=variants, stage_path=a.stage_path)
+        r = spawn(
+            mlp_suite,
+            p,
+            m=m,
+            steps=a.steps,
+            reps=a.reps,
+            variants=variants,
+            stage_path=a.stage_path,
+        )
         rounds = list(zip(*(x["rounds"] for x in r)))  # per round: (rank 0's, rank 1's)
         for v in variants:
             if v not in rounds[0][0]:
@@ -346,19 +414,31 @@ def main() -> None:
             floors = [max(x["floor" + sfx] for x in rr) * (m + p - 1) / m for rr in rounds]
             tps = [max(x[v]["t"] for x in rr) for rr in rounds]
             ovs = [overhead(m, t1, tp) for t1, tp in zip(t1s, tps)]  # paired within a round
-            row = dict(m=m, variant=v, t1=med(t1s), tpipe=med(tps), overhead=med(ovs), overheads=ovs,
-                       overhead_floor=med(overhead(m, t1, f) for t1, f in zip(t1s, floors)),
-                       over_floor=med(tp / f - 1 for tp, f in zip(tps, floors)),
-                       bubble=med(rr[0][v]["bubble"] for rr in rounds), theory=(p - 1) / (m + p - 1),
-                       wait=[med(rr[k][v]["wait"] for rr in rounds) for k in range(p)],
-                       cpu=[med(rr[k][v]["cpu"] for rr in rounds) for k in range(p)],
-                       lanes=r[0]["lanes"], cores=[x["cores"] for x in r])
+            row = dict(
+                m=m,
+                variant=v,
+                t1=med(t1s),
+                tpipe=med(tps),
+                overhead=med(ovs),
+                overheads=ovs,
+                overhead_floor=med(overhead(m, t1, f) for t1, f in zip(t1s, floors)),
+                over_floor=med(tp / f - 1 for tp, f in zip(tps, floors)),
+                bubble=med(rr[0][v]["bubble"] for rr in rounds),
+                theory=(p - 1) / (m + p - 1),
+                wait=[med(rr[k][v]["wait"] for rr in rounds) for k in range(p)],
+                cpu=[med(rr[k][v]["cpu"] for rr in rounds) for k in range(p)],
+                lanes=r[0]["lanes"],
+                cores=[x["cores"] for x in r],
+            )
             res["mlp"].append(row)
-            print(f"{m:>3} {v:>22} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
-                  f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} {row['bubble']:>7.1%} "
-                  f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
-                  f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "
-                  + " ".join(f"{x:.1%}" for x in ovs), flush=True)
+            print(
+                f"{m:>3} {v:>22} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
+                f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} {row['bubble']:>7.1%} "
+                f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
+                f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "
+                + " ".join(f"{x:.1%}" for x in ovs),
+                flush=True,
+            )
             if a.trace and m == 8 and v != "torch_1f1b":
                 from parallel.timeline import Event, plot, to_chrome_trace
 
@@ -370,11 +450,28 @@ def main() -> None:
         # microbatch; every microbatch's forward and backward cross both ranks, so a step is about
         # m x (both ranks' per-microbatch runtime work + 2 hand-overs)
         m = 16
-        r = spawn(mlp_suite, p, m=m, steps=a.steps, reps=1, variants=[first, "torch_1f1b"], d=8, batch=4 * m, t1=False)
+        r = spawn(
+            mlp_suite,
+            p,
+            m=m,
+            steps=a.steps,
+            reps=1,
+            variants=[first, "torch_1f1b"],
+            d=8,
+            batch=4 * m,
+            t1=False,
+        )
         tp, tt = (max(x["rounds"][0][v]["t"] for x in r) for v in (first, "torch_1f1b"))
-        res["runtime_probe"] = {"m": m, "ours_us_per_mb": tp / m * 1e6, "torch_us_per_mb": tt / m * 1e6}
-        print(f"runtime cost (width-8 MLP, m={m}): ours {tp / m * 1e6:.0f} us per microbatch, "
-              f"torch Schedule1F1B {tt / m * 1e6:.0f} us", flush=True)
+        res["runtime_probe"] = {
+            "m": m,
+            "ours_us_per_mb": tp / m * 1e6,
+            "torch_us_per_mb": tt / m * 1e6,
+        }
+        print(
+            f"runtime cost (width-8 MLP, m={m}): ours {tp / m * 1e6:.0f} us per microbatch, "
+            f"torch Schedule1F1B {tt / m * 1e6:.0f} us",
+            flush=True,
+        )
     if a.reader_steps:
         # interleaved repetitions (uniform, auto, uniform, auto, ...): the machine is shared, so
         # load drifts; the speed-up is the median of the per-pair ratios
@@ -388,18 +485,27 @@ def main() -> None:
                 ts[part].append(max(x["t"] for x in r))
                 cs[part].append(max(x["cpu"] for x in r))
                 per_rank = ", ".join(f"{x['cpu'] * 1e3:.0f}" for x in r)
-                print(f"reader (dim 128, 4 blocks, 2-layer ViT, batch 32, m=4) rep {rep} {part:>8}: "
-                      f"{ts[part][-1] * 1e3:.1f} ms/step, CPU ms per rank {per_rank}"
-                      f" (load {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"reader (dim 128, 4 blocks, 2-layer ViT, batch 32, m=4) rep {rep} {part:>8}: "
+                    f"{ts[part][-1] * 1e3:.1f} ms/step, CPU ms per rank {per_rank}"
+                    f" (load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
                 if rep == 0:
                     print(r[0]["table"])
         ratios = [u / t for u, t in zip(ts["uniform"], ts["auto"])]
         cratios = [u / t for u, t in zip(cs["uniform"], cs["auto"])]
-        res["reader"] = {"uniform": statistics.median(ts["uniform"]), "auto": statistics.median(ts["auto"]),
-                         "ratios": ratios, "cpu_ratios": cratios}
+        res["reader"] = {
+            "uniform": statistics.median(ts["uniform"]),
+            "auto": statistics.median(ts["auto"]),
+            "ratios": ratios,
+            "cpu_ratios": cratios,
+        }
         print(f"busiest rank's CPU, uniform / auto: {', '.join(f'{x:.2f}' for x in cratios)}")
-        print(f"auto vs uniform speed-up: per pair {', '.join(f'{x:.2f}' for x in ratios)}; "
-              f"median {statistics.median(ratios):.2f}x")
+        print(
+            f"auto vs uniform speed-up: per pair {', '.join(f'{x:.2f}' for x in ratios)}; "
+            f"median {statistics.median(ratios):.2f}x"
+        )
     if a.out:
         with open(a.out, "w") as f:
             f.write(strict_dumps(res, indent=1))

@@ -108,28 +108,53 @@ def build_model(m: dict):
     if m["kind"] == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(n_layer=m["layers"], n_embd=m["dim"], n_head=m["heads"], vocab_size=m["vocab"],
-                         n_positions=max(128, m["seq"]), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         bos_token_id=m["vocab"] - 1, eos_token_id=m["vocab"] - 1)
+        cfg = GPT2Config(
+            n_layer=m["layers"],
+            n_embd=m["dim"],
+            n_head=m["heads"],
+            vocab_size=m["vocab"],
+            n_positions=max(128, m["seq"]),
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=m["vocab"] - 1,
+            eos_token_id=m["vocab"] - 1,
+        )
         return GPT2LMHeadModel(cfg)
     if m["kind"] == "reader":
         from rag_mm.config import ModelConfig
         from rag_mm.model import Reader
 
-        cfg = ModelConfig(dim=m["dim"], layers=m["layers"], heads=m["heads"], vision_width=m["vision_width"],
-                          vision_layers=m["vision_layers"], vision_head_width=32, attention_backend="sdpa")
+        cfg = ModelConfig(
+            dim=m["dim"],
+            layers=m["layers"],
+            heads=m["heads"],
+            vision_width=m["vision_width"],
+            vision_layers=m["vision_layers"],
+            vision_head_width=32,
+            attention_backend="sdpa",
+        )
         return Reader(cfg, m["vocab"])
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=m["layers"], hidden_size=m["dim"], num_attention_heads=m["heads"],
-                      num_key_value_heads=2, intermediate_size=2 * m["dim"], vocab_size=m["vocab"],
-                      max_position_embeddings=max(128, m["seq"]), tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        num_hidden_layers=m["layers"],
+        hidden_size=m["dim"],
+        num_attention_heads=m["heads"],
+        num_key_value_heads=2,
+        intermediate_size=2 * m["dim"],
+        vocab_size=m["vocab"],
+        max_position_embeddings=max(128, m["seq"]),
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def make_batch(m: dict, batch: int, seed: int = 1) -> tuple[dict, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed)
-    if m["kind"] == "reader":  # full-length documents and questions; answers of 2..la tokens (EOT included)
+    if (
+        m["kind"] == "reader"
+    ):  # full-length documents and questions; answers of 2..la tokens (EOT included)
         k, lt, lq, la, v = m["docs"], m["doc_tokens"], m["q_tokens"], m["a_tokens"], m["vocab"]
         inputs = {
             "image": torch.randn(batch, 3, 32, 32, generator=g),
@@ -157,7 +182,9 @@ def reader_loss(out, _target):
 
 
 def reader_weight(inputs, _target) -> float:
-    return float(inputs["a_len"].sum())  # answer tokens: microbatches combine to the full-batch token mean
+    return float(
+        inputs["a_len"].sum()
+    )  # answer tokens: microbatches combine to the full-batch token mean
 
 
 def loss_fns(m: dict) -> tuple:
@@ -166,18 +193,39 @@ def loss_fns(m: dict) -> tuple:
 
 
 def model_info(m: dict, numel: int, a: argparse.Namespace, flops_per_sample: float) -> dict:
-    common = {"parameters": numel, "layers": m["layers"], "dim": m["dim"], "heads": m["heads"], "vocab": m["vocab"],
-              "global_batch": m["global_batch"], "microbatches_pp": a.microbatches, "dtype": "fp32",
-              "optimizer": "AdamW", "trace_flops_per_sample": flops_per_sample}
+    common = {
+        "parameters": numel,
+        "layers": m["layers"],
+        "dim": m["dim"],
+        "heads": m["heads"],
+        "vocab": m["vocab"],
+        "global_batch": m["global_batch"],
+        "microbatches_pp": a.microbatches,
+        "dtype": "fp32",
+        "optimizer": "AdamW",
+        "trace_flops_per_sample": flops_per_sample,
+    }
     if m["kind"] == "reader":
-        return {"type": "rag_mm.model.Reader (random init, sdpa attention)", **common,
-                "vision_width": m["vision_width"], "vision_layers": m["vision_layers"], "docs": m["docs"],
-                "doc_text_tokens": m["doc_tokens"], "question_tokens": m["q_tokens"],
-                "answer_tokens_max": m["a_tokens"], "loss": "out.loss, microbatches weighted by a_len.sum()"}
+        return {
+            "type": "rag_mm.model.Reader (random init, sdpa attention)",
+            **common,
+            "vision_width": m["vision_width"],
+            "vision_layers": m["vision_layers"],
+            "docs": m["docs"],
+            "doc_text_tokens": m["doc_tokens"],
+            "question_tokens": m["q_tokens"],
+            "answer_tokens_max": m["a_tokens"],
+            "loss": "out.loss, microbatches weighted by a_len.sum()",
+        }
     if m["kind"] == "gpt2":
         return {"type": "GPT2LMHeadModel (random init, tied embeddings)", **common, "seq": m["seq"]}
-    return {"type": "LlamaForCausalLM (random init)", **common, "kv_heads": 2, "intermediate": 2 * m["dim"],
-            "seq": m["seq"]}
+    return {
+        "type": "LlamaForCausalLM (random init)",
+        **common,
+        "kv_heads": 2,
+        "intermediate": 2 * m["dim"],
+        "seq": m["seq"],
+    }
 
 
 # ----------------------------------------------------------------------------- measured side
@@ -228,8 +276,16 @@ def _step_peak(run) -> int:
     return max(0, max(e["args"]["Total Allocated"] for e in mem) - base)
 
 
-def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmup: int,
-                   partition: dict | None, peak: bool) -> dict:
+def measure_layout(
+    rank: int,
+    world: int,
+    spec: dict,
+    m: dict,
+    steps: int,
+    warmup: int,
+    partition: dict | None,
+    peak: bool,
+) -> dict:
     import gc
 
     import torch.distributed as dist
@@ -242,11 +298,22 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     inputs, target = make_batch(m, m["global_batch"] // dp, seed=1)
     loss_fn, weight_fn = loss_fns(m)
     model = build_model(m)
-    cfg = parallel.ParallelConfig(pp=spec["pp"], tp=spec["tp"], dp_replicate=spec["dp_replicate"],
-                                  dp_shard=spec["dp_shard"], microbatches=mb, schedule="1f1b")
+    cfg = parallel.ParallelConfig(
+        pp=spec["pp"],
+        tp=spec["tp"],
+        dp_replicate=spec["dp_replicate"],
+        dp_shard=spec["dp_shard"],
+        microbatches=mb,
+        schedule="1f1b",
+    )
     t0 = time.perf_counter()
-    pm = parallel.parallelize(model, cfg, inputs, timeout_s=90,
-                              partition=Partition.from_dict(partition) if partition else None)
+    pm = parallel.parallelize(
+        model,
+        cfg,
+        inputs,
+        timeout_s=90,
+        partition=Partition.from_dict(partition) if partition else None,
+    )
     setup_s = time.perf_counter() - t0
     params = list(pm.parameters())
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
@@ -264,18 +331,30 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
         if i == warmup + steps - 1:
             state = state_bytes(params, opt)  # after the optimizer step, gradients still there
         opt.zero_grad(set_to_none=True)
-    out = dict(pp_rank=pm.pp_rank, setup_s=setup_s, train_step_s=fb, optimizer_s=op, state=state,
-               stages=list(pm.local_stages) if pm.partition is not None else [0])
+    out = dict(
+        pp_rank=pm.pp_rank,
+        setup_s=setup_s,
+        train_step_s=fb,
+        optimizer_s=op,
+        state=state,
+        stages=list(pm.local_stages) if pm.partition is not None else [0],
+    )
     if pm.partition is not None and rank == 0:
         out["partition"] = pm.partition.table()
     if peak:
         gc.collect()
         resident = state_bytes(params, opt)  # gradients are None now
         dist.barrier()
-        extra = _step_peak(functools.partial(pm.train_step, inputs, target=target, loss_fn=loss_fn,
-                                             weight_fn=weight_fn))
-        out["peak"] = dict(resident=resident["params"] + resident["optimizer"], step_extra=extra,
-                           total=resident["params"] + resident["optimizer"] + extra)
+        extra = _step_peak(
+            functools.partial(
+                pm.train_step, inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn
+            )
+        )
+        out["peak"] = dict(
+            resident=resident["params"] + resident["optimizer"],
+            step_extra=extra,
+            total=resident["params"] + resident["optimizer"] + extra,
+        )
         opt.zero_grad(set_to_none=True)
     del pm, opt, params, model
     gc.collect()
@@ -283,8 +362,9 @@ def measure_layout(rank: int, world: int, spec: dict, m: dict, steps: int, warmu
     return out
 
 
-def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool,
-              rounds: int = 1) -> dict:
+def rank_main(
+    rank: int, world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool, rounds: int = 1
+) -> dict:
     """Every layout in turn, ``rounds`` times (in reverse order every other round, so that a shared
     host's slow drift falls on every layout alike; the step times of all rounds are pooled, peak
     memory is profiled in the first), in this one process group (spawning and importing once). A
@@ -310,11 +390,19 @@ def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: in
                 tb = traceback.format_exc()
                 gc.collect()
             errors = [None] * world
-            dist.all_gather_object(errors, err)  # the default group: a failed layout's sub-groups are not used
+            dist.all_gather_object(
+                errors, err
+            )  # the default group: a failed layout's sub-groups are not used
             if any(errors):
                 # the cause, not a peer's timeout waiting on it, where one rank says more than "timed out"
-                first = next((e for e in errors if e and "timed out" not in e), None) or next(e for e in errors if e)
-                res[name] = {"error": first, "errors": errors, "failed_ranks": [r for r, e in enumerate(errors) if e]}
+                first = next((e for e in errors if e and "timed out" not in e), None) or next(
+                    e for e in errors if e
+                )
+                res[name] = {
+                    "error": first,
+                    "errors": errors,
+                    "failed_ranks": [r for r, e in enumerate(errors) if e],
+                }
                 if err:
                     log(f"{m['kind']} {name} failed on rank {rank}:\n{tb[-3000:]}")
             elif name in res:  # a later round: its step times join the first's
@@ -323,24 +411,34 @@ def rank_main(rank: int, world: int, jobs: list, m: dict, steps: int, warmup: in
             else:
                 res[name] = out
             if rank == 0:
-                log(f"{m['kind']}: measured {name} (round {rnd + 1}/{rounds}) in {time.perf_counter() - t0:.1f} s"
-                    + (" (failed)" if any(errors) else ""))
+                log(
+                    f"{m['kind']}: measured {name} (round {rnd + 1}/{rounds}) in {time.perf_counter() - t0:.1f} s"
+                    + (" (failed)" if any(errors) else "")
+                )
     return res
 
 
-def measure_all(world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool, rounds: int = 1) -> list[dict]:
+def measure_all(
+    world: int, jobs: list, m: dict, steps: int, warmup: int, peak: bool, rounds: int = 1
+) -> list[dict]:
     """The layouts in one group of ranks; if that group dies (a crash, a hang past the timeout),
     each layout again in a group of its own, so that one bad layout costs only itself."""
     from tests.distributed import run_ranks
 
     try:
-        return run_ranks(rank_main, world, jobs, m, steps, warmup, peak, rounds, timeout_s=900 * rounds)
+        return run_ranks(
+            rank_main, world, jobs, m, steps, warmup, peak, rounds, timeout_s=900 * rounds
+        )
     except AssertionError as e:
-        log(f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per group")
+        log(
+            f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per group"
+        )
     res = [{} for _ in range(world)]
     for job in jobs:
         try:
-            per = run_ranks(rank_main, world, [job], m, steps, warmup, peak, rounds, timeout_s=600 * rounds)
+            per = run_ranks(
+                rank_main, world, [job], m, steps, warmup, peak, rounds, timeout_s=600 * rounds
+            )
         except AssertionError as e:
             per = [{job[0]: {"error": str(e)[-800:], "failed_ranks": None}} for _ in range(world)]
         for r in range(world):
@@ -360,12 +458,19 @@ def planner_partition(plan, k: int) -> dict | None:
     pl, c = plan.planner, plan.cluster
     if pl.partition != "search":
         return None
-    cfg = CostConfig(schedule="interleaved", microbatches=1, stages_per_rank=1,
-                     flops_per_s=c.flops_per_s("bf16"), bandwidth=c.inter_bandwidth / c.devices_per_node)
+    cfg = CostConfig(
+        schedule="interleaved",
+        microbatches=1,
+        stages_per_rank=1,
+        flops_per_s=c.flops_per_s("bf16"),
+        bandwidth=c.inter_bandwidth / c.devices_per_node,
+    )
     part = partition_trace(pl.flops_trace, k, "speed", cost_config=cfg)
     mine = [float(s.param_bytes) for s in part.stages]
     theirs = pl.stages(k)
-    if isinstance(theirs, str) or [round(x) for x in mine] != [round(s.param_bytes) for s in theirs]:
+    if isinstance(theirs, str) or [round(x) for x in mine] != [
+        round(s.param_bytes) for s in theirs
+    ]:
         raise RuntimeError(f"the reproduced {k}-stage split differs from the planner's ({mine})")
     return part.to_dict()
 
@@ -442,15 +547,23 @@ def machine() -> dict:
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
     except OSError:
         pass
     import transformers
 
-    return {"platform": platform.platform(), "cpu": model or platform.processor(), "cpu_count": os.cpu_count(),
-            "cores_allowed": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    return {
+        "platform": platform.platform(),
+        "cpu": model or platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "cores_allowed": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
 
 
 def first_choice(ok: list[str], p_t: list[float], m_t: list[float]) -> dict | None:
@@ -459,17 +572,37 @@ def first_choice(ok: list[str], p_t: list[float], m_t: list[float]) -> dict | No
         return None
     i = min(range(len(ok)), key=lambda j: p_t[j])
     f = min(range(len(ok)), key=lambda j: m_t[j])
-    return {"layout": ok[i], "predicted_s": p_t[i], "measured_s": m_t[i], "fastest_measured_layout": ok[f],
-            "fastest_measured_s": m_t[f], "measured_over_fastest": _ratio(m_t[i], m_t[f]),
-            "within_10pct": m_t[i] <= 1.1 * m_t[f]}
+    return {
+        "layout": ok[i],
+        "predicted_s": p_t[i],
+        "measured_s": m_t[i],
+        "fastest_measured_layout": ok[f],
+        "fastest_measured_s": m_t[f],
+        "measured_over_fastest": _ratio(m_t[i], m_t[f]),
+        "within_10pct": m_t[i] <= 1.1 * m_t[f],
+    }
 
 
 def model_dims(kind: str, a: argparse.Namespace) -> dict:
-    m = dict(kind=kind, layers=a.layers, heads=4, vocab=a.vocab, seq=a.seq, global_batch=a.global_batch,
-             dim=a.dim)
+    m = dict(
+        kind=kind,
+        layers=a.layers,
+        heads=4,
+        vocab=a.vocab,
+        seq=a.seq,
+        global_batch=a.global_batch,
+        dim=a.dim,
+    )
     if kind == "reader":
-        m.update(dim=a.reader_dim, vision_width=a.reader_dim, vision_layers=2, docs=a.reader_docs,
-                 doc_tokens=24, q_tokens=12, a_tokens=6)
+        m.update(
+            dim=a.reader_dim,
+            vision_width=a.reader_dim,
+            vision_layers=2,
+            docs=a.reader_docs,
+            doc_tokens=24,
+            q_tokens=12,
+            a_tokens=6,
+        )
         m.pop("seq")
     return m
 
@@ -489,17 +622,34 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     trace = trace_model(model, example, passes=1)
     flops_per_sample = trace.modules[""].flops / trace_batch
     overhead_s = 0.0
-    if a.efficiency == "model":  # the model's own rate and per-call overhead, one process, one thread
-        rate, overhead_s = measure_model(functools.partial(model_step, m, model), flops_per_sample,
-                                         batches=sorted({1, 2, a.global_batch // a.world, 2 * a.global_batch // a.world}))
+    if (
+        a.efficiency == "model"
+    ):  # the model's own rate and per-call overhead, one process, one thread
+        rate, overhead_s = measure_model(
+            functools.partial(model_step, m, model),
+            flops_per_sample,
+            batches=sorted({1, 2, a.global_batch // a.world, 2 * a.global_batch // a.world}),
+        )
         cluster = cluster.with_model_rate(rate)
-        log(f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the matmul rate), "
-            f"{overhead_s * 1e3:.1f} ms fixed per forward + backward")
+        log(
+            f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the matmul rate), "
+            f"{overhead_s * 1e3:.1f} ms fixed per forward + backward"
+        )
     # tp must divide the attention heads (the reader's ViT has vision_width / 32 heads: 4 here)
     tp_div = m["heads"] if kind == "reader" else None
-    plan = plan_layout(model, example, cluster, global_batch=a.global_batch, schedules=("1f1b",),
-                       precisions=("fp32",), checkpointing=(False,), offload=(False,), tp_divisor=tp_div,
-                       overhead_s=overhead_s, trace=trace)
+    plan = plan_layout(
+        model,
+        example,
+        cluster,
+        global_batch=a.global_batch,
+        schedules=("1f1b",),
+        precisions=("fp32",),
+        checkpointing=(False,),
+        offload=(False,),
+        tp_divisor=tp_div,
+        overhead_s=overhead_s,
+        trace=trace,
+    )
     plan_s = time.perf_counter() - t0
     del model
     stats = plan.planner.stats
@@ -512,10 +662,14 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             try:
                 parts[n] = planner_partition(plan, s["pp"])
             except Exception as e:  # noqa: BLE001 - the layout is then skipped, with the reason
-                skipped[n] = {"reason": f"planner partition: {type(e).__name__}: {e}",
-                              "predicted_step_time_s": lay.step_time_s}
-        log(f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
-            f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})"))
+                skipped[n] = {
+                    "reason": f"planner partition: {type(e).__name__}: {e}",
+                    "predicted_step_time_s": lay.step_time_s,
+                }
+        log(
+            f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
+            f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})")
+        )
     stage_flops = {}
     for s in specs.values():
         if s["pp"] > 1 and not isinstance(ps := plan.planner.stages(s["pp"]), str):
@@ -524,10 +678,16 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
 
     # --- measured
     run_names = [n for n in names if n not in skipped]
-    log(f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)")
+    log(
+        f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)"
+    )
     jobs = [(n, specs[n], parts.get(n)) for n in run_names]
     t0 = time.perf_counter()
-    res = measure_all(a.world, jobs, m, a.steps, a.warmup, not a.no_peak, a.rounds) if jobs else [{} for _ in range(a.world)]
+    res = (
+        measure_all(a.world, jobs, m, a.steps, a.warmup, not a.no_peak, a.rounds)
+        if jobs
+        else [{} for _ in range(a.world)]
+    )
     measure_s = time.perf_counter() - t0
 
     # --- compare
@@ -536,12 +696,18 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         lay, ranks = preds[n], [r[n] for r in res]
         if any("error" in r for r in ranks):
             err = next(r for r in ranks if "error" in r)
-            skipped[n] = {"reason": err["error"], "failed_ranks": err["failed_ranks"],
-                          "errors_by_rank": err.get("errors"), "predicted_step_time_s": lay.step_time_s}
+            skipped[n] = {
+                "reason": err["error"],
+                "failed_ranks": err["failed_ranks"],
+                "errors_by_rank": err.get("errors"),
+                "predicted_step_time_s": lay.step_time_s,
+            }
             log(f"{kind}: {n} skipped: {err['error'][:300]}")
             continue
         timed = len(ranks[0]["train_step_s"])  # steps x rounds
-        steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(timed)]  # the slowest rank
+        steps_fb = [
+            max(r["train_step_s"][i] for r in ranks) for i in range(timed)
+        ]  # the slowest rank
         steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(timed)]
         t_fb, t_op = statistics.median(steps_fb), statistics.median(steps_op)
         full = max(ranks, key=lambda r: sum(r["state"].values()))
@@ -551,41 +717,69 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         pm = max(lay.memory_kinds_by_rank, key=lambda k: k["params"] + k["grads"] + k["optimizer"])
         p_state = pm["params"] + pm["grads"] + pm["optimizer"]
         entry = {
-            "layout": specs[n], "planner_key": lay.key, "fits": lay.fits, "microbatch_size": lay.microbatch_size,
+            "layout": specs[n],
+            "planner_key": lay.key,
+            "fits": lay.fits,
+            "microbatch_size": lay.microbatch_size,
             "predicted": {
-                "state_bytes": p_state, "peak_bytes": lay.memory_bytes_per_device,
+                "state_bytes": p_state,
+                "peak_bytes": lay.memory_bytes_per_device,
                 "peak_bytes_by_pp_rank": lay.memory_by_rank,
-                "memory_bytes": dict(lay.memory), "memory_bytes_of_the_fullest_state": dict(pm),
-                "step_time_s": lay.step_time_s, "breakdown_s": lay.breakdown, "reasons": lay.reasons},
+                "memory_bytes": dict(lay.memory),
+                "memory_bytes_of_the_fullest_state": dict(pm),
+                "step_time_s": lay.step_time_s,
+                "breakdown_s": lay.breakdown,
+                "reasons": lay.reasons,
+            },
             "measured": {
-                "state_bytes": state, "state_bytes_by_kind": st,
+                "state_bytes": state,
+                "state_bytes_by_kind": st,
                 "state_bytes_per_rank": [sum(r["state"].values()) for r in ranks],
                 "pp_rank": [r["pp_rank"] for r in ranks],
-                "train_step_s": t_fb, "train_step_s_all": [round(x, 4) for x in steps_fb],
-                "optimizer_step_s": t_op, "setup_s": max(r["setup_s"] for r in ranks)},
+                "train_step_s": t_fb,
+                "train_step_s_all": [round(x, 4) for x in steps_fb],
+                "optimizer_step_s": t_op,
+                "setup_s": max(r["setup_s"] for r in ranks),
+            },
             "ratio_measured_over_predicted": {
                 "state": _ratio(state, p_state),
                 "params": _ratio(st["params"], pm.get("params", 0.0)),
                 "grads": _ratio(st["grads"], pm.get("grads", 0.0)),
                 "optimizer": _ratio(st["optimizer"], pm.get("optimizer", 0.0)),
-                "step_time": _ratio(t_fb, lay.step_time_s)},
-            "relative_error_step_time": round(abs(t_fb - lay.step_time_s) / t_fb, 4) if t_fb else None,
+                "step_time": _ratio(t_fb, lay.step_time_s),
+            },
+            "relative_error_step_time": round(abs(t_fb - lay.step_time_s) / t_fb, 4)
+            if t_fb
+            else None,
         }
         if not a.no_peak:
             pk = max(ranks, key=lambda r: r["peak"]["total"])["peak"]
             entry["measured"]["peak_bytes"] = pk["total"]
-            entry["measured"]["peak_detail"] = {**pk, "per_rank": [r["peak"]["total"] for r in ranks]}
-            entry["ratio_measured_over_predicted"]["peak"] = _ratio(pk["total"], lay.memory_bytes_per_device)
-            by_pp = [max(r["peak"]["total"] for r in ranks if r["pp_rank"] == q) for q in range(specs[n]["pp"])]
+            entry["measured"]["peak_detail"] = {
+                **pk,
+                "per_rank": [r["peak"]["total"] for r in ranks],
+            }
+            entry["ratio_measured_over_predicted"]["peak"] = _ratio(
+                pk["total"], lay.memory_bytes_per_device
+            )
+            by_pp = [
+                max(r["peak"]["total"] for r in ranks if r["pp_rank"] == q)
+                for q in range(specs[n]["pp"])
+            ]
             entry["measured"]["peak_bytes_by_pp_rank"] = by_pp
             entry["ratio_measured_over_predicted"]["peak_by_pp_rank"] = [
-                _ratio(b, p) for b, p in zip(by_pp, lay.memory_by_rank)]
+                _ratio(b, p) for b, p in zip(by_pp, lay.memory_by_rank)
+            ]
         notes = []
         if specs[n]["pp"] > 1 and specs[n]["dp_shard"] > 1:
-            notes.append("predicted grads are the unsharded gradients a pipeline stage accumulates during the step "
-                         "(its peak); measured after the step, when FSDP has reduce-scattered them to a shard")
+            notes.append(
+                "predicted grads are the unsharded gradients a pipeline stage accumulates during the step "
+                "(its peak); measured after the step, when FSDP has reduce-scattered them to a shard"
+            )
         if specs[n]["pp"] > 1:
-            notes.append("peak: the fullest pipeline rank's, predicted and measured (by_pp_rank: each rank's)")
+            notes.append(
+                "peak: the fullest pipeline rank's, predicted and measured (by_pp_rank: each rank's)"
+            )
         if notes:
             entry["notes"] = notes
         part_table = next((r.get("partition") for r in ranks if r.get("partition")), None)
@@ -593,9 +787,11 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             entry["measured"]["partition"] = part_table.splitlines()
         out_layouts[n] = entry
         r = entry["ratio_measured_over_predicted"]
-        log(f"{kind}: {n}: state {_mb(state)} / {_mb(p_state)} MiB (x{r['state']}), "
+        log(
+            f"{kind}: {n}: state {_mb(state)} / {_mb(p_state)} MiB (x{r['state']}), "
             f"step {t_fb * 1e3:.1f} / {lay.step_time_s * 1e3:.1f} ms (x{r['step_time']})"
-            + (f", peak x{r['peak']}" if "peak" in r else ""))
+            + (f", peak x{r['peak']}" if "peak" in r else "")
+        )
 
     ok = [n for n in names if n in out_layouts and preds[n].fits]
     p_t = [preds[n].step_time_s for n in ok]
@@ -604,8 +800,11 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     rho = spearman(p_t, m_t)
     return {
         "model": model_info(m, numel, a, flops_per_sample),
-        "compute_model": {"efficiency": a.efficiency, "compute_efficiency": round(cluster.compute_efficiency, 4),
-                          "overhead_s_per_fwd_bwd": round(overhead_s, 5)},
+        "compute_model": {
+            "efficiency": a.efficiency,
+            "compute_efficiency": round(cluster.compute_efficiency, 4),
+            "overhead_s_per_fwd_bwd": round(overhead_s, 5),
+        },
         "median_relative_error": round(statistics.median(rel), 4) if rel else None,
         "spearman_rho": round(rho, 4) if rho is not None else None,
         "first_choice": first_choice(ok, p_t, m_t),
@@ -613,43 +812,75 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         "skipped": skipped,
         "diagnostics": {
             "model_fwd_bwd_one_process": diag,
-            "model_flops_rate_over_calibrated_matmul": round(diag["flops_per_s"] / cluster.peak_flops["fp32"], 3),
+            "model_flops_rate_over_calibrated_matmul": round(
+                diag["flops_per_s"] / cluster.peak_flops["fp32"], 3
+            ),
             "oversubscription_ranks_per_core": round(a.world / len(os.sched_getaffinity(0)), 2),
             "pipeline_stage_flops_sum_over_model_flops": stage_flops,
-            "plan_s": round(plan_s, 2), "measure_s": round(measure_s, 1)},
+            "plan_s": round(plan_s, 2),
+            "measure_s": round(measure_s, 1),
+        },
         "layouts": out_layouts,
         "ranking_by_step_time": {
             "layouts": ok,
             "predicted_order": [n for _, n in sorted(zip(p_t, ok))],
             "measured_order": [n for _, n in sorted(zip(m_t, ok))],
             "spearman_rho": rho,
-            "pairwise": pairs(ok, p_t, m_t)},
+            "pairwise": pairs(ok, p_t, m_t),
+        },
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="llama", help=f"comma-separated, of {', '.join(MODELS)}")
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument(
+        "--layouts", default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(LAYOUTS)}"
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per layout (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="measure every layout this many times, alternating the order; step times pooled")
-    ap.add_argument("--world", type=int, default=4, help="gloo ranks (every layout's degrees must multiply to it)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every layout this many times, alternating the order; step times pooled",
+    )
+    ap.add_argument(
+        "--world",
+        type=int,
+        default=4,
+        help="gloo ranks (every layout's degrees must multiply to it)",
+    )
     ap.add_argument("--dim", type=int, default=256, help="llama / gpt2 width")
     ap.add_argument("--reader-dim", type=int, default=128, help="reader width (text and vision)")
     ap.add_argument("--reader-docs", type=int, default=2, help="reader documents per query")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=64, help="llama / gpt2 tokens per sequence")
-    ap.add_argument("--global-batch", type=int, default=16, help="samples per optimizer step, all ranks")
-    ap.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (pp > 1 layouts)")
-    ap.add_argument("--partition", choices=("planner", "auto"), default="planner",
-                    help="pipeline stages: the planner's split, or the runtime's own (traced and timed)")
-    ap.add_argument("--no-peak", action="store_true", help="skip the profiled step that measures peak memory")
-    ap.add_argument("--efficiency", choices=("model", "matmul"), default="model",
-                    help="compute rate: the model's own, with its fixed per-call overhead (fitted on its step "
-                         "time at batch 1, 2, the per-rank batch and twice it), or the calibrated matmul rate")
+    ap.add_argument(
+        "--global-batch", type=int, default=16, help="samples per optimizer step, all ranks"
+    )
+    ap.add_argument(
+        "--microbatches", type=int, default=4, help="pipeline microbatches (pp > 1 layouts)"
+    )
+    ap.add_argument(
+        "--partition",
+        choices=("planner", "auto"),
+        default="planner",
+        help="pipeline stages: the planner's split, or the runtime's own (traced and timed)",
+    )
+    ap.add_argument(
+        "--no-peak", action="store_true", help="skip the profiled step that measures peak memory"
+    )
+    ap.add_argument(
+        "--efficiency",
+        choices=("model", "matmul"),
+        default="model",
+        help="compute rate: the model's own, with its fixed per-call overhead (fitted on its step "
+        "time at batch 1, 2, the per-rank batch and twice it), or the calibrated matmul rate",
+    )
     ap.add_argument("--json", default="", help="also write the JSON here")
     a = ap.parse_args()
 
@@ -685,18 +916,30 @@ def main() -> None:
         models[kind] = run_model(kind, a, cluster, specs)
         models[kind]["total_s"] = round(time.perf_counter() - t0, 1)
         sec = models[kind]
-        log(f"{kind}: median relative error {sec['median_relative_error']}, spearman {sec['spearman_rho']}, "
-            f"first choice {sec['first_choice']}")
+        log(
+            f"{kind}: median relative error {sec['median_relative_error']}, spearman {sec['spearman_rho']}, "
+            f"first choice {sec['first_choice']}"
+        )
 
     result = {
         "benchmark": "plan_accuracy",
-        "world": a.world, "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "partition": a.partition,
+        "world": a.world,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "rounds": a.rounds,
+        "partition": a.partition,
         "layouts": names,
-        "cluster": {"name": cluster.name, "devices_per_node": cluster.devices_per_node,
-                    "fp32_flops_per_s": cluster.peak_flops["fp32"], "bf16_flops_per_s": cluster.peak_flops["bf16"],
-                    "link_bandwidth_Bps": cluster.intra_bandwidth, "link_latency_s": cluster.intra_latency_s,
-                    "fsdp_unit_s": cluster.fsdp_unit_s, "tp_call_s": cluster.tp_call_s,
-                    "calibrate_s": round(calib_s, 1)},
+        "cluster": {
+            "name": cluster.name,
+            "devices_per_node": cluster.devices_per_node,
+            "fp32_flops_per_s": cluster.peak_flops["fp32"],
+            "bf16_flops_per_s": cluster.peak_flops["bf16"],
+            "link_bandwidth_Bps": cluster.intra_bandwidth,
+            "link_latency_s": cluster.intra_latency_s,
+            "fsdp_unit_s": cluster.fsdp_unit_s,
+            "tp_call_s": cluster.tp_call_s,
+            "calibrate_s": round(calib_s, 1),
+        },
         "models": models,
         "machine": {**machine(), "loadavg_before": load0, "loadavg_after": os.getloadavg()},
         "total_s": round(time.perf_counter() - t_start, 1),

@@ -26,10 +26,22 @@ def commands(out: Path, full: bool) -> dict[str, list[str]]:
     quick = not full
     return {
         "partition": ["--skip-quality"] if quick else ["--markdown"],
-        "attention": ["--out", str(out / "attention.json"), *(["--quick"] if quick else ["--backward"])],
+        "attention": [
+            "--out",
+            str(out / "attention.json"),
+            *(["--quick"] if quick else ["--backward"]),
+        ],
         "comm": ["--out", str(out / "comm.json"), *(["--budget", "0.3"] if quick else [])],
-        "index": ["--out", str(out / "index.json"), *(["--n", "100000", "--nq", "1000"] if quick else [])],
-        "pipeline": ["--out", str(out / "pipeline.json"), *(["--steps", "10", "--reader-reps", "1"] if quick else [])],
+        "index": [
+            "--out",
+            str(out / "index.json"),
+            *(["--n", "100000", "--nq", "1000"] if quick else []),
+        ],
+        "pipeline": [
+            "--out",
+            str(out / "pipeline.json"),
+            *(["--steps", "10", "--reader-reps", "1"] if quick else []),
+        ],
         "memory": ["--json", str(out / "memory.json")],
         "train_throughput": ["--steps", "10" if quick else "20"],
         "accum_sync": ["--out", str(out / "accum_sync.json"), "--steps", "5" if quick else "20"],
@@ -48,7 +60,9 @@ def main() -> int:
         names = args.only.split(",")
         unknown = sorted(set(names) - set(todo))
         if unknown:
-            print(f"run_all: unknown benchmark(s) {unknown}; known: {sorted(todo)}", file=sys.stderr)
+            print(
+                f"run_all: unknown benchmark(s) {unknown}; known: {sorted(todo)}", file=sys.stderr
+            )
             return 2
         todo = {n: todo[n] for n in names}
     summary = {}
@@ -58,9 +72,15 @@ def main() -> int:
         t0 = time.perf_counter()
         with open(args.out / f"{name}.log", "w") as log:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        summary[name] = {"cmd": cmd[1:], "returncode": rc, "wall_s": round(time.perf_counter() - t0, 1),
-                         "log": str(args.out / f"{name}.log")}
-        print(f"   rc={rc} in {summary[name]['wall_s']} s (log: {summary[name]['log']})", flush=True)
+        summary[name] = {
+            "cmd": cmd[1:],
+            "returncode": rc,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "log": str(args.out / f"{name}.log"),
+        }
+        print(
+            f"   rc={rc} in {summary[name]['wall_s']} s (log: {summary[name]['log']})", flush=True
+        )
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False))
     print(json.dumps(summary, indent=1, allow_nan=False))
     return 0 if all(v["returncode"] == 0 for v in summary.values()) else 1

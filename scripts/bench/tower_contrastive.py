@@ -44,11 +44,14 @@ RIDGE = 10.0  # probe's L2 penalty on standardised features
 
 def qa_tokens(b: dict, text_ids: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """open_clip tokens of each question followed by its answer (no EOT), and an id per distinct text."""
-    rows = [torch.cat([b["q_ids"][i, :b["q_len"][i]], b["a_ids"][i, :b["a_len"][i] - 1]]) for i in range(len(b["q_len"]))]
+    rows = [
+        torch.cat([b["q_ids"][i, : b["q_len"][i]], b["a_ids"][i, : b["a_len"][i] - 1]])
+        for i in range(len(b["q_len"]))
+    ]
     lens = torch.tensor([len(r) for r in rows])
     ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
+        ids[i, : len(r)] = r
     tid = torch.tensor([text_ids.setdefault(tuple(r.tolist()), len(text_ids)) for r in rows])
     return clip_tokens(ids, lens, CONTEXT), tid
 
@@ -56,7 +59,9 @@ def qa_tokens(b: dict, text_ids: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def pretrain(cfg, steps: int, lr: float) -> nn.Module:
     tower = build_vision_tower(cfg.model)
     head = nn.Linear(cfg.model.vision_width, EMBED)
-    text = TextTransformer(context_length=CONTEXT, vocab_size=49408, width=128, heads=4, layers=2, output_dim=EMBED)
+    text = TextTransformer(
+        context_length=CONTEXT, vocab_size=49408, width=128, heads=4, layers=2, output_dim=EMBED
+    )
     scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))  # CLIP's initial temperature
     params = [*tower.parameters(), *head.parameters(), *text.parameters(), scale]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
@@ -65,11 +70,19 @@ def pretrain(cfg, steps: int, lr: float) -> nn.Module:
     while step < steps:
         for b in make_stream(cfg, "train", True):
             for g in opt.param_groups:  # 100 warm-up steps, then cosine to a tenth
-                g["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+                g["lr"] = (
+                    lr
+                    * min(1.0, (step + 1) / 100)
+                    * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+                )
             tok, tid = qa_tokens(b, text_ids)
             pooled, _ = tower(b["image"])
-            loss = contrastive(F.normalize(head(pooled), dim=-1), F.normalize(text(tok), dim=-1), tid,
-                               scale.clamp(max=math.log(100)).exp())
+            loss = contrastive(
+                F.normalize(head(pooled), dim=-1),
+                F.normalize(text(tok), dim=-1),
+                tid,
+                scale.clamp(max=math.log(100)).exp(),
+            )
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -77,8 +90,17 @@ def pretrain(cfg, steps: int, lr: float) -> nn.Module:
             avg = loss.item() if avg is None else 0.9 * avg + 0.1 * loss.item()
             step += 1
             if step % 50 == 0:
-                print(json.dumps({"step": step, "loss": round(avg, 4), "seconds": round(time.time() - t0, 1),
-                                  "distinct_texts": len(text_ids)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "loss": round(avg, 4),
+                            "seconds": round(time.time() - t0, 1),
+                            "distinct_texts": len(text_ids),
+                        }
+                    ),
+                    flush=True,
+                )
             if step >= steps:
                 break
     return tower
@@ -103,8 +125,11 @@ def probe(cfg, tower: nn.Module, answers: list[str], limit: int) -> dict:
     T = F.one_hot(y, len(answers)).float()
     W = torch.linalg.solve(Z[:n].T @ Z[:n] + RIDGE * torch.eye(Z.shape[1]), Z[:n].T @ T[:n])
     majority = torch.bincount(y[n:], minlength=len(answers)).max().item() / (len(y) - n)
-    return {"n": len(y), "probe_acc": round((Z[n:] @ W).argmax(1).eq(y[n:]).float().mean().item(), 3),
-            "majority": round(majority, 3)}
+    return {
+        "n": len(y),
+        "probe_acc": round((Z[n:] @ W).argmax(1).eq(y[n:]).float().mean().item(), 3),
+        "majority": round(majority, 3),
+    }
 
 
 def main() -> None:
@@ -113,16 +138,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--answers", default="circle,rectangle,triangle", help="the attribute's answers, comma-separated")
+    ap.add_argument(
+        "--answers",
+        default="circle,rectangle,triangle",
+        help="the attribute's answers, comma-separated",
+    )
     ap.add_argument("--probe-limit", type=int, default=1500)
     args = ap.parse_args()
     cfg = load_config(args.run, [f"data.batch_size={args.batch}"])
     answers = args.answers.split(",")
     torch.manual_seed(0)
-    print(json.dumps({"tower": "init", **probe(cfg, build_vision_tower(cfg.model), answers, args.probe_limit)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "tower": "init",
+                **probe(cfg, build_vision_tower(cfg.model), answers, args.probe_limit),
+            }
+        ),
+        flush=True,
+    )
     torch.manual_seed(0)
     tower = pretrain(cfg, args.steps, args.lr)
-    print(json.dumps({"tower": f"contrastive {args.steps} steps", **probe(cfg, tower, answers, args.probe_limit)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "tower": f"contrastive {args.steps} steps",
+                **probe(cfg, tower, answers, args.probe_limit),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

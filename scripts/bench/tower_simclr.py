@@ -45,8 +45,18 @@ def pretrain(cfg, steps: int, lr: float) -> nn.Module:
                 yield b["image"]
 
     t0 = time.time()
-    pretrain_tower(tower, pictures(), steps, lr, on_log=lambda step, loss: print(json.dumps(
-        {"step": step, "loss": round(loss, 4), "seconds": round(time.time() - t0, 1)}), flush=True))
+    pretrain_tower(
+        tower,
+        pictures(),
+        steps,
+        lr,
+        on_log=lambda step, loss: print(
+            json.dumps(
+                {"step": step, "loss": round(loss, 4), "seconds": round(time.time() - t0, 1)}
+            ),
+            flush=True,
+        ),
+    )
     return tower
 
 
@@ -56,18 +66,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--answers", default="circle,rectangle,triangle", help="the attribute's answers, comma-separated")
+    ap.add_argument(
+        "--answers",
+        default="circle,rectangle,triangle",
+        help="the attribute's answers, comma-separated",
+    )
     ap.add_argument("--probe-limit", type=int, default=1500)
-    ap.add_argument("--save", type=Path, default=None, help="write the pretrained tower's state dict here")
+    ap.add_argument(
+        "--save", type=Path, default=None, help="write the pretrained tower's state dict here"
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.vision_layers=4")
     args = ap.parse_args()
     cfg = load_config(args.run, [f"data.batch_size={args.batch}", *args.overrides])
     answers = args.answers.split(",")
     torch.manual_seed(0)
-    print(json.dumps({"tower": "init", **probe(cfg, build_vision_tower(cfg.model), answers, args.probe_limit)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "tower": "init",
+                **probe(cfg, build_vision_tower(cfg.model), answers, args.probe_limit),
+            }
+        ),
+        flush=True,
+    )
     torch.manual_seed(0)
     tower = pretrain(cfg, args.steps, args.lr)
-    print(json.dumps({"tower": f"simclr {args.steps} steps", **probe(cfg, tower, answers, args.probe_limit)}), flush=True)
+    print(
+        json.dumps(
+            {"tower": f"simclr {args.steps} steps", **probe(cfg, tower, answers, args.probe_limit)}
+        ),
+        flush=True,
+    )
     if args.save:
         torch.save(tower.state_dict(), args.save)
 

@@ -47,13 +47,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (tuning, compiling)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--batch", type=int, default=32, help="queries per step")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "bf16-params"], default="fp32",
-                    help="bf16: autocast over fp32 weights, as optim.precision=bf16 trains; "
-                         "bf16-params: the weights in bf16 too")
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "bf16-params"],
+        default="fp32",
+        help="bf16: autocast over fp32 weights, as optim.precision=bf16 trains; "
+        "bf16-params: the weights in bf16 too",
+    )
     ap.add_argument("--checkpointing", action="store_true", help="recompute each block in backward")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block")
     ap.add_argument("--out", default="", help="also write the JSON to this file")
-    ap.add_argument("overrides", nargs="*", help="training overrides, e.g. model=llama3_2_1b retriever.top_k=2")
+    ap.add_argument(
+        "overrides", nargs="*", help="training overrides, e.g. model=llama3_2_1b retriever.top_k=2"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -65,24 +71,41 @@ def main() -> None:
     key = "model.attention_backend="
     backend = next((o.split("=", 1)[1] for o in args.overrides if o.startswith(key)), "auto")
     params = {"fp32": "fp32", "bf16": "fp32+autocast", "bf16-params": "bf16"}[args.precision]
-    setup = sb.StepSetup(name="train_throughput", batch=args.batch, params=params,
-                         ac="full" if args.checkpointing else "none", attention=backend,
-                         compile=args.compile)
+    setup = sb.StepSetup(
+        name="train_throughput",
+        batch=args.batch,
+        params=params,
+        ac="full" if args.checkpointing else "none",
+        attention=backend,
+        compile=args.compile,
+    )
     peaks = sb.device_peaks(device, "fp32" if args.precision == "fp32" else "bf16")
     row = sb.measure(overrides, setup, device, warmup=args.warmup, steps=args.steps, peaks=peaks)
     cfg, _, _ = sb.compose_run(overrides)
-    dev_name = peaks["device"] if device.type == "cuda" else \
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    report = strict_dumps({
-        "bench": "train_throughput", "device": dev_name, "part": peaks["part"],
-        "torch": torch.__version__,
-        "model": cfg.model.name, "family": cfg.model.family, "precision": args.precision,
-        "docs_per_query": cfg.retriever.top_k, "checkpointing": args.checkpointing,
-        "flops_counted": "meta device, once (stepbench.meta_flops)",
-        "peak_datasheet_TFLOPs": (None if peaks["datasheet"] is None
-                                  else round(peaks["datasheet"] / 1e12, 1)),
-        "matmul_TFLOPs": round(peaks["measured"] / 1e12, 3), **row,
-    })
+    dev_name = (
+        peaks["device"]
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
+    report = strict_dumps(
+        {
+            "bench": "train_throughput",
+            "device": dev_name,
+            "part": peaks["part"],
+            "torch": torch.__version__,
+            "model": cfg.model.name,
+            "family": cfg.model.family,
+            "precision": args.precision,
+            "docs_per_query": cfg.retriever.top_k,
+            "checkpointing": args.checkpointing,
+            "flops_counted": "meta device, once (stepbench.meta_flops)",
+            "peak_datasheet_TFLOPs": (
+                None if peaks["datasheet"] is None else round(peaks["datasheet"] / 1e12, 1)
+            ),
+            "matmul_TFLOPs": round(peaks["measured"] / 1e12, 3),
+            **row,
+        }
+    )
     print(report)
     if args.out:
         Path(args.out).write_text(report + "\n")

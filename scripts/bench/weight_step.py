@@ -55,8 +55,15 @@ def paired(rank, m, steps, schedule):
             if e.kind in ("F", "B", "I", "W"):
                 events[fast].setdefault(e.kind, []).append(e.end - e.start)
     split_backward.LINEAR_FAST_PATH = True
-    return {"times": times, "action_us": {("fast" if f else "engine"): {k: statistics.median(v) * 1e6 for k, v in
-                                                                         events[f].items()} for f in (True, False)}}
+    return {
+        "times": times,
+        "action_us": {
+            ("fast" if f else "engine"): {
+                k: statistics.median(v) * 1e6 for k, v in events[f].items()
+            }
+            for f in (True, False)
+        },
+    }
 
 
 def main() -> None:
@@ -67,17 +74,27 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, 1 thread/rank; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, 1 thread/rank; load average {os.getloadavg()[0]:.1f}"
+    )
     res = []
     for schedule in a.schedules.split(","):
         for m in (int(v) for v in a.ms.split(",")):
             r = spawn(paired, 2, m=m, steps=a.steps, schedule=schedule)
             # a step's time is the slower rank's
-            fast, engine = ([max(t) for t in zip(*(x["times"][f] for x in r))] for f in (True, False))
-            row = {"schedule": schedule, "m": m,
-                   "ratio_fast_over_engine": statistics.median(a / b for a, b in zip(fast, engine)),
-                   "step_ms": {"fast": statistics.median(fast) * 1e3, "engine": statistics.median(engine) * 1e3},
-                   "action_us": [x["action_us"] for x in r]}
+            fast, engine = (
+                [max(t) for t in zip(*(x["times"][f] for x in r))] for f in (True, False)
+            )
+            row = {
+                "schedule": schedule,
+                "m": m,
+                "ratio_fast_over_engine": statistics.median(a / b for a, b in zip(fast, engine)),
+                "step_ms": {
+                    "fast": statistics.median(fast) * 1e3,
+                    "engine": statistics.median(engine) * 1e3,
+                },
+                "action_us": [x["action_us"] for x in r],
+            }
             res.append(row)
             print(strict_dumps(row), flush=True)
     if a.out:

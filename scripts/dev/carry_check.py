@@ -20,16 +20,36 @@ ROOT = Path(__file__).resolve().parents[2]
 TRANSFER_LIMIT = 64 * 2**20  # bytes the device tool carries: working tree plus carried folders
 # distribution name stems (PEP 427, lower case) that must be among the carried wheels
 REQUIRED_WHEELS = (
-    "numpy", "faiss_cpu", "pytest", "ninja", "hydra_core", "omegaconf", "antlr4_python3_runtime",
-    "webdataset", "braceexpand", "open_clip_torch", "ftfy", "regex", "safetensors", "tokenizers",
-    "huggingface_hub", "transformers", "timm", "pyyaml", "rich",
+    "numpy",
+    "faiss_cpu",
+    "pytest",
+    "ninja",
+    "hydra_core",
+    "omegaconf",
+    "antlr4_python3_runtime",
+    "webdataset",
+    "braceexpand",
+    "open_clip_torch",
+    "ftfy",
+    "regex",
+    "safetensors",
+    "tokenizers",
+    "huggingface_hub",
+    "transformers",
+    "timm",
+    "pyyaml",
+    "rich",
 )
 
 
 def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the working tree as the device tool carries it."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root,
-                            capture_output=True, check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    )
     names = [f for f in listed.stdout.decode().split("\0") if f]
     return sum((root / f).stat().st_size for f in names if (root / f).is_file())
 
@@ -40,8 +60,9 @@ def wheel_problems(folder: Path) -> tuple[list[str], dict[str, int]]:
     wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
     have = {w.name.split("-")[0].lower() for w in wheels}
     tree = tree_bytes()
-    sizes = dict(wheels=len(wheels), wheel_bytes=sum(w.stat().st_size for w in wheels),
-                 tree_bytes=tree)
+    sizes = dict(
+        wheels=len(wheels), wheel_bytes=sum(w.stat().st_size for w in wheels), tree_bytes=tree
+    )
     problems = []
     fetch = "run `make -f scripts/dev/Makefile gpu-wheels`"
     if not wheels:
@@ -49,22 +70,31 @@ def wheel_problems(folder: Path) -> tuple[list[str], dict[str, int]]:
     elif missing := [r for r in REQUIRED_WHEELS if r not in have]:
         problems.append(f"{folder} lacks wheels for {', '.join(missing)}: {fetch}")
     if sizes["wheel_bytes"] + tree > TRANSFER_LIMIT:
-        problems.append(f"wheels {sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree "
-                        f"{tree / 2**20:.1f} MiB exceed the {TRANSFER_LIMIT / 2**20:.0f} MiB "
-                        "the device tool carries")
+        problems.append(
+            f"wheels {sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree "
+            f"{tree / 2**20:.1f} MiB exceed the {TRANSFER_LIMIT / 2**20:.0f} MiB "
+            "the device tool carries"
+        )
     return problems, sizes
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu_wheels",
-                    help="the folder of wheels to carry (default: .gpu_wheels)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--wheels",
+        type=Path,
+        default=ROOT / ".gpu_wheels",
+        help="the folder of wheels to carry (default: .gpu_wheels)",
+    )
     args = ap.parse_args()
     problems, sizes = wheel_problems(args.wheels)
-    print(f"carry_check: {sizes['wheels']} wheels in {args.wheels}, "
-          f"{sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree "
-          f"{sizes['tree_bytes'] / 2**20:.1f} MiB of {TRANSFER_LIMIT / 2**20:.0f} MiB")
+    print(
+        f"carry_check: {sizes['wheels']} wheels in {args.wheels}, "
+        f"{sizes['wheel_bytes'] / 2**20:.1f} MiB + working tree "
+        f"{sizes['tree_bytes'] / 2**20:.1f} MiB of {TRANSFER_LIMIT / 2**20:.0f} MiB"
+    )
     for line in problems:
         print(f"carry_check: {line}", file=sys.stderr)
     return 1 if problems else 0

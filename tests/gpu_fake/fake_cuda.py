@@ -41,9 +41,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parents[2]
-PROJECT = tuple(str(REPO / d) + "/" for d in ("rag_mm", "retriever", "parallel"))  # whose code is audited
+PROJECT = tuple(
+    str(REPO / d) + "/" for d in ("rag_mm", "retriever", "parallel")
+)  # whose code is audited
 aten = torch.ops.aten
-_COPIES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+_COPIES = {
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+}
 
 
 @dataclass
@@ -72,10 +79,16 @@ class HostAudit(TorchDispatchMode):
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         on_cuda = any(a.device.type == "cuda" for a in ins)
         if torch.Tag.data_dependent_output in func.tags:
-            if not on_cuda:  # a host tensor's value (copied back by a counted sync): no data here either
+            if (
+                not on_cuda
+            ):  # a host tensor's value (copied back by a counted sync): no data here either
                 return self._stand_in(func, args, kwargs)
             return self._sync(func, args, kwargs, str(func))
-        if on_cuda and torch.Tag.dynamic_output_shape in func.tags and _data_dependent_shape(func, args):
+        if (
+            on_cuda
+            and torch.Tag.dynamic_output_shape in func.tags
+            and _data_dependent_shape(func, args)
+        ):
             return self._sync(func, args, kwargs, f"{func} (output size read back)")
         out = func(*args, **kwargs)
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -116,7 +129,12 @@ class HostAudit(TorchDispatchMode):
 def _data_dependent_shape(func, args) -> bool:
     """Whether this call's output size depends on the data: indexing takes the tag for its boolean
     masks, and integer indices give a size known from the shapes."""
-    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+    if func in (
+        aten.index.Tensor,
+        aten.index_put.default,
+        aten.index_put_.default,
+        aten._index_put_impl_.default,
+    ):
         return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
     return True
 
@@ -127,7 +145,9 @@ def _where() -> str:
     for fr in reversed(stack):
         if fr.filename.startswith(PROJECT):
             return f"{Path(fr.filename).relative_to(REPO)}:{fr.lineno} in {fr.name}"
-    caller = [fr for fr in stack if fr.filename != __file__ and "/torch/" not in fr.filename]  # torch's own: skipped
+    caller = [
+        fr for fr in stack if fr.filename != __file__ and "/torch/" not in fr.filename
+    ]  # torch's own: skipped
     fr = caller[-1] if caller else stack[-1]
     return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} in {fr.name} (outside the project)"
 

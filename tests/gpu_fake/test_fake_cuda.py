@@ -46,13 +46,20 @@ def _engine_error() -> str | None:
 def _inputs(m, k: int) -> dict:
     """A batch on fake CUDA, ragged lengths, k documents per query."""
     lens = lambda hi, *s: torch.randint(1, hi + 1, s, device=CUDA)  # noqa: E731
-    x = dict(image=torch.randn(B, 3, m.image_size, m.image_size, device=CUDA),
-             q_ids=torch.randint(0, VOCAB, (B, m.max_question), device=CUDA), q_len=lens(m.max_question, B),
-             a_ids=torch.randint(0, VOCAB, (B, m.max_answer), device=CUDA), a_len=lens(m.max_answer - 1, B) + 1)
+    x = dict(
+        image=torch.randn(B, 3, m.image_size, m.image_size, device=CUDA),
+        q_ids=torch.randint(0, VOCAB, (B, m.max_question), device=CUDA),
+        q_len=lens(m.max_question, B),
+        a_ids=torch.randint(0, VOCAB, (B, m.max_answer), device=CUDA),
+        a_len=lens(m.max_answer - 1, B) + 1,
+    )
     if k:
-        x.update(doc_image=torch.randn(B, k, 3, m.image_size, m.image_size, device=CUDA),
-                 doc_ids=torch.randint(0, VOCAB, (B, k, m.max_doc_text), device=CUDA),
-                 doc_len=lens(m.max_doc_text, B, k), doc_prior=torch.randn(B, k, device=CUDA).log_softmax(-1))
+        x.update(
+            doc_image=torch.randn(B, k, 3, m.image_size, m.image_size, device=CUDA),
+            doc_ids=torch.randint(0, VOCAB, (B, k, m.max_doc_text), device=CUDA),
+            doc_len=lens(m.max_doc_text, B, k),
+            doc_prior=torch.randn(B, k, device=CUDA).log_softmax(-1),
+        )
     return x
 
 
@@ -86,7 +93,9 @@ def _train_steps(model, forward, steps: int = 2):
     """``steps`` training steps (the trainer's order: forward, backward, clip, non-finite check,
     fused AdamW update); the last one, a steady-state step, audited."""
     opt = build_optimizer(model, _cfg().optim)
-    assert opt.defaults["fused"], "AdamW on CUDA parameters must be fused (it skips non-finite steps on the device)"
+    assert opt.defaults["fused"], (
+        "AdamW on CUDA parameters must be fused (it skips non-finite steps on the device)"
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     guard = NonFiniteGuard(opt, CUDA, limit=10, window=steps)
     assert guard.on_device
@@ -110,9 +119,15 @@ def test_audit_sees_syncs_cpu_tensors_and_mismatches():
     """Each kind of host sync and CPU tensor the audit is for is found, with its place."""
     with fake_cuda():
         x = torch.randn(4, device=CUDA)
-        cases = {"item": lambda: x.sum().item(), "float": lambda: float(x.sum()), "bool": lambda: bool(x.all()),
-                 "cpu": lambda: x.cpu(), "tolist": lambda: x.tolist(), "nonzero": lambda: x.nonzero(),
-                 "tensor(list, cuda)": lambda: torch.tensor([1.0, 2.0], device=CUDA)}
+        cases = {
+            "item": lambda: x.sum().item(),
+            "float": lambda: float(x.sum()),
+            "bool": lambda: bool(x.all()),
+            "cpu": lambda: x.cpu(),
+            "tolist": lambda: x.tolist(),
+            "nonzero": lambda: x.nonzero(),
+            "tensor(list, cuda)": lambda: torch.tensor([1.0, 2.0], device=CUDA),
+        }
         for name, fn in cases.items():
             with audited() as audit:
                 fn()
@@ -167,8 +182,9 @@ def test_reader_forward_with_flex_on_fake_cuda(model, monkeypatch):
     monkeypatch.setattr(flex, "_run", lambda q, k, v, mask, scale, compiled: torch.empty_like(q))
     built = []
     real = flex.create_block_mask
-    monkeypatch.setattr(flex, "create_block_mask",
-                        lambda *a, **kw: (built.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(
+        flex, "create_block_mask", lambda *a, **kw: (built.append(1), real(*a, **kw))[1]
+    )
     cfg = _cfg("model.attention_backend=flex", *(["model=hf_tiny"] if model == "hf_tiny" else []))
     m, k = cfg.model, cfg.retriever.top_k
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -195,16 +211,23 @@ def test_retriever_on_fake_cuda():
             torch.manual_seed(0)
             enc = DualEncoder(r, m.image_size).train()
         x = _inputs(m, k)
-        gold, hard_ids = torch.randint(0, 256, (B,), device=CUDA), torch.randint(0, 256, (B * k,), device=CUDA)
+        gold, hard_ids = (
+            torch.randint(0, 256, (B,), device=CUDA),
+            torch.randint(0, 256, (B * k,), device=CUDA),
+        )
         with audited() as audit:
             q = enc.embed_queries(random_views(x["image"]), x["q_ids"], x["q_len"])  # (B, E)
-            d = enc.embed_docs(x["doc_image"].flatten(0, 1), x["doc_ids"].flatten(0, 1),
-                               x["doc_len"].flatten(0, 1)).view(B, k, -1)  # (B, k, E)
+            d = enc.embed_docs(
+                x["doc_image"].flatten(0, 1), x["doc_ids"].flatten(0, 1), x["doc_len"].flatten(0, 1)
+            ).view(B, k, -1)  # (B, k, E)
             scores = enc.scale() * torch.einsum("be,bke->bk", q, d)  # (B, k)
             nll = torch.rand(B, k, device=CUDA)
-            total = (losses.perplexity_distillation(scores, nll, 0.1) + losses.emdr2(scores, -nll)
-                     + losses.attention_distillation(scores, torch.rand(B, k, device=CUDA))
-                     + losses.contrastive(q, d[:, 0], gold, enc.scale(), d.flatten(0, 1), hard_ids))
+            total = (
+                losses.perplexity_distillation(scores, nll, 0.1)
+                + losses.emdr2(scores, -nll)
+                + losses.attention_distillation(scores, torch.rand(B, k, device=CUDA))
+                + losses.contrastive(q, d[:, 0], gold, enc.scale(), d.flatten(0, 1), hard_ids)
+            )
     assert total.device.type == "cuda" and scores.shape == (B, k)
     _assert_clean(audit, "retriever")
 
@@ -221,7 +244,9 @@ def test_parallel_model_step_on_fake_cuda(monkeypatch):
         pm = parallel.parallelize(reader, ParallelConfig(microbatches=2), x)
         params = list(pm.parameters())
         if _engine_error() is not None:  # the step's own backward: zero gradients in its place
-            monkeypatch.setattr(torch.Tensor, "backward", lambda loss, *a, **kw: _backward(loss, params))
+            monkeypatch.setattr(
+                torch.Tensor, "backward", lambda loss, *a, **kw: _backward(loss, params)
+            )
         tokens = lambda mb, _: (mb["a_len"] - 1).clamp_min(0).sum()  # noqa: E731
         for _ in range(2):
             with audited() as audit:
@@ -243,14 +268,18 @@ def test_trainer_step_path_on_fake_cuda(monkeypatch):
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     reader = _reader(cfg.model, mode)
     with fake_cuda(mode):
-        rag = RagModel(reader, DocumentStore.empty(cfg.model.image_size, cfg.model.max_doc_text), cfg.retriever)
+        rag = RagModel(
+            reader, DocumentStore.empty(cfg.model.image_size, cfg.model.max_doc_text), cfg.retriever
+        )
         spread = SpreadRag(rag, cfg, CUDA)
         opt = build_optimizer(spread, cfg.optim)
         guard = NonFiniteGuard(opt, CUDA, limit=10, window=2)
         x = {**_inputs(cfg.model, 0), "gold": torch.full((B,), -1, device=CUDA)}
         params = list(spread.parameters())
         if _engine_error() is not None:
-            monkeypatch.setattr(torch.Tensor, "backward", lambda loss, *a, **kw: _backward(loss, params))
+            monkeypatch.setattr(
+                torch.Tensor, "backward", lambda loss, *a, **kw: _backward(loss, params)
+            )
         for step in range(2):
             with audited() as audit:
                 out = spread.train_step(x)
@@ -271,7 +300,10 @@ def test_nonfinite_check_reads_back_at_log_steps_only():
         guard = NonFiniteGuard(opt, CUDA, limit=10, window=4)
         with audited() as audit:
             for step in range(4):
-                lin.weight.grad, lin.bias.grad = torch.ones_like(lin.weight), torch.ones_like(lin.bias)
+                lin.weight.grad, lin.bias.grad = (
+                    torch.ones_like(lin.weight),
+                    torch.ones_like(lin.bias),
+                )
                 assert guard.check(step, lin.weight.sum(), torch.ones((), device=CUDA))
                 opt.step()
         _assert_clean(audit, "four checked steps")

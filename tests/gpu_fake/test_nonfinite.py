@@ -45,12 +45,18 @@ def test_a_non_finite_step_leaves_weights_and_moments_untouched(caplog):
     with caplog.at_level(logging.WARNING, logger="rag_mm.components.nonfinite"):
         _step(lin, opt, guard, 1, poison=True)
         after = _state(lin, opt)
-        assert all(torch.equal(a, b) for a, b in zip(before, after)), "the fused update did not skip itself"
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), (
+            "the fused update did not skip itself"
+        )
         assert "non-finite" not in caplog.text  # nothing read back yet
         _step(lin, opt, guard, 2, poison=False)
-        assert not all(torch.equal(a, b) for a, b in zip(after, _state(lin, opt)))  # a finite step updates
+        assert not all(
+            torch.equal(a, b) for a, b in zip(after, _state(lin, opt))
+        )  # a finite step updates
         guard.flush()
-    assert caplog.text.count("non-finite loss or gradient at step 1: step skipped (1 in a row)") == 1
+    assert (
+        caplog.text.count("non-finite loss or gradient at step 1: step skipped (1 in a row)") == 1
+    )
     assert caplog.text.count("non-finite") == 1 and guard.bad_run == 0
     assert all(torch.isfinite(p).all() for p in lin.parameters())
 

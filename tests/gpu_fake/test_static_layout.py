@@ -26,7 +26,9 @@ def _case(name: str):
         prior = torch.log_softmax(torch.randn(3, 2, generator=torch.Generator().manual_seed(5)), -1)
         return tiny_reader(copy_head=True).train(), {**batch(), "doc_prior": prior}
     if name == "native-closed":  # no documents, no copy head
-        return tiny_reader(copy_head=False).train(), {k: v for k, v in batch().items() if not k.startswith("doc_")}
+        return tiny_reader(copy_head=False).train(), {
+            k: v for k, v in batch().items() if not k.startswith("doc_")
+        }
     return tiny_hf_reader(copy_head=True).train(), reader_inputs()  # a Llama LM, ragged lengths
 
 
@@ -37,7 +39,9 @@ def test_static_layout_matches_packed(name):
     static, g_static = _run(reader, x, packed=False)
     # the static layout really is the other path: all slots kept, fill rows present
     assert static.valid is not None and packed.valid is None
-    assert len(static.example) == x["image"].shape[0] * x["a_ids"].shape[1] > len(packed.example), name
+    assert len(static.example) == x["image"].shape[0] * x["a_ids"].shape[1] > len(packed.example), (
+        name
+    )
     torch.testing.assert_close(static.loss, packed.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(static.nll, packed.nll, rtol=1e-5, atol=1e-6)
     assert torch.equal(static.correct, packed.correct)
@@ -48,8 +52,12 @@ def test_static_layout_matches_packed(name):
         torch.testing.assert_close(static.doc_attention, packed.doc_attention, rtol=1e-5, atol=1e-6)
     assert g_static.keys() == g_packed.keys()
     for n, g in g_packed.items():
-        assert torch.isfinite(g_static[n]).all(), f"{name}: non-finite gradient of {n} on the static layout"
-        torch.testing.assert_close(g_static[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{name}, {n}: {m}")
+        assert torch.isfinite(g_static[n]).all(), (
+            f"{name}: non-finite gradient of {n} on the static layout"
+        )
+        torch.testing.assert_close(
+            g_static[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{name}, {n}: {m}"
+        )
 
 
 def test_static_layout_generates_the_same_answers():

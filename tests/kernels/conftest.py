@@ -18,5 +18,7 @@ def comm_built():
     if not ok:
         has_cc, _ = _build.compiler_available()
         if has_cc:
-            pytest.fail(f"a C++ compiler is present but the rmm_comm extension did not build: {why}")
+            pytest.fail(
+                f"a C++ compiler is present but the rmm_comm extension did not build: {why}"
+            )
         pytest.skip(f"rmm_comm extension unavailable: {why}")

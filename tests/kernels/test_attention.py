@@ -63,15 +63,26 @@ def make_case(layout: str, dtype, seed: int):
         shape = (B, H, S, D)
         extra = {"causal": layout == "causal"}
         if layout == "retrieval":
-            extra = {"seg_offsets": random_seg_offsets(gen, B, S, int(torch.randint(0, 5, (1,), generator=gen)))}
+            extra = {
+                "seg_offsets": random_seg_offsets(
+                    gen, B, S, int(torch.randint(0, 5, (1,), generator=gen))
+                )
+            }
     q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype) for _ in range(3))
     return q, k, v, extra
 
 
 def run(backend: str, q, k, v, extra):
     if "cu_seqlens" in extra:
-        return A.varlen_attention(q, k, v, extra["cu_seqlens"], extra["max_seqlen"], causal=extra["causal"],
-                                  backend=backend)
+        return A.varlen_attention(
+            q,
+            k,
+            v,
+            extra["cu_seqlens"],
+            extra["max_seqlen"],
+            causal=extra["causal"],
+            backend=backend,
+        )
     return A.attention(q, k, v, backend=backend, **extra)
 
 
@@ -79,8 +90,6 @@ def out_and_grads(backend, q, k, v, extra, grad):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     o = run(backend, q, k, v, extra)
     return [o.detach(), *torch.autograd.grad(o, (q, k, v), grad)]
-
-
 
 
 LAYOUTS = ["dense", "causal", "retrieval", "varlen"]
@@ -94,7 +103,9 @@ def test_fp32_matches_reference(fused, layout, seed):
     got = out_and_grads("fused", q, k, v, extra, grad)
     ref = out_and_grads("reference", q, k, v, extra, grad)
     for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
-        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            g, r, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}"
+        )  # noqa: B023
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -102,12 +113,17 @@ def test_bf16_within_twice_lowp_error(fused, layout):
     """bf16 kernel error against the fp64 truth <= 2x that of a pure-bf16 reference (+ slack)."""
     q, k, v, extra = make_case(layout, torch.bfloat16, seed=3)
     grad = torch.randn_like(q)
-    truth = [t.double() for t in out_and_grads("reference", *(t.double() for t in (q, k, v)), extra, grad.double())]
+    truth = [
+        t.double()
+        for t in out_and_grads("reference", *(t.double() for t in (q, k, v)), extra, grad.double())
+    ]
     got = out_and_grads("fused", q, k, v, extra, grad)
     base = _lowp_reference_errors(q, k, v, extra, grad, truth)
     for name, g, t, b in zip(["out", "dq", "dk", "dv"], got, truth, base):
         err = (g.double() - t).abs().max().item()
-        assert err <= 2 * b + 1e-2, f"{layout} {name}: bf16 error {err:.4g} vs pure-bf16 reference {b:.4g}"
+        assert err <= 2 * b + 1e-2, (
+            f"{layout} {name}: bf16 error {err:.4g} vs pure-bf16 reference {b:.4g}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,8 +136,11 @@ def test_long_odd_offsets(fused, layout, dtype):
     grad = torch.randn(2, 2, S, D, generator=gen).to(dtype)
     extra = {"causal": layout == "causal"}
     if layout == "retrieval":
-        extra = {"seg_offsets": torch.tensor([[0, 101, 230, 231, 377, 571], [0, 3, 300, 301, 500, 587]],
-                                             dtype=torch.int32)}
+        extra = {
+            "seg_offsets": torch.tensor(
+                [[0, 101, 230, 231, 377, 571], [0, 3, 300, 301, 500, 587]], dtype=torch.int32
+            )
+        }
     got = out_and_grads("fused", q, k, v, extra, grad)
     truth = out_and_grads("reference", *(t.double() for t in (q, k, v)), extra, grad.double())
     tol = 2e-5 if dtype == torch.float32 else 5e-2
@@ -135,8 +154,11 @@ def _lowp_reference_errors(q, k, v, extra, grad, truth):
     def lowp(q, k, v, causal=False, seg_offsets=None):
         S = q.shape[-2]
         s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # bf16 matmul
-        allowed = A.layout_mask(seg_offsets, S) if seg_offsets is not None else (
-            torch.ones(S, S, dtype=torch.bool).tril() if causal else None)
+        allowed = (
+            A.layout_mask(seg_offsets, S)
+            if seg_offsets is not None
+            else (torch.ones(S, S, dtype=torch.bool).tril() if causal else None)
+        )
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
         p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)
@@ -174,8 +196,12 @@ def test_noncontiguous_inputs(fused):
     """(B, S, H, D) projections viewed as (B, H, S, D), as a model produces them."""
     x = torch.randn(3, 2, 50, 3, 32).unbind(0)
     q, k, v = (t.transpose(1, 2) for t in x)
-    torch.testing.assert_close(A.attention(q, k, v, causal=True, backend="fused"),
-                               A.reference_attention(q, k, v, causal=True), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        A.attention(q, k, v, causal=True, backend="fused"),
+        A.reference_attention(q, k, v, causal=True),
+        atol=2e-5,
+        rtol=1e-4,
+    )
 
 
 # ----------------------------------------------------------------------------- opcheck / gradcheck
@@ -215,7 +241,19 @@ def test_gradcheck_fp64(fused, layout):
 def test_bwd_opcheck(fused):
     q, k, v, seg, cu, ms, causal, scale = _op_args("retrieval", torch.float32)
     out, lse = fused.fwd(q, k, v, seg, cu, ms, causal, scale)
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, seg, cu, ms, causal, scale)
+    args = (
+        torch.randn_like(out),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse,
+        seg,
+        cu,
+        ms,
+        causal,
+        scale,
+    )
     torch.library.opcheck(fused.bwd, args)
 
 
@@ -224,7 +262,9 @@ def test_bwd_opcheck(fused):
 def test_sdpa_baselines_match_reference(layout):
     """The SDPA paths (dense mask / padded) the benchmark compares against compute the same thing."""
     q, k, v, extra = make_case(layout, torch.float32, seed=7)
-    torch.testing.assert_close(run("sdpa", q, k, v, extra), run("reference", q, k, v, extra), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        run("sdpa", q, k, v, extra), run("reference", q, k, v, extra), atol=2e-5, rtol=1e-4
+    )
 
 
 def test_auto_picks_fused_with_reason(fused, caplog, monkeypatch):
@@ -238,15 +278,21 @@ def test_auto_picks_fused_with_reason(fused, caplog, monkeypatch):
 
 
 def test_fallback_to_sdpa_logged_once(monkeypatch, caplog):
-    monkeypatch.setattr(A, "fused_available", lambda: (False, "no C++ compiler ('c++' not on PATH)"))
+    monkeypatch.setattr(
+        A, "fused_available", lambda: (False, "no C++ compiler ('c++' not on PATH)")
+    )
     monkeypatch.setattr(A, "_logged", set())
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     with caplog.at_level(logging.INFO, logger=A.__name__):
         for _ in range(3):
             out = A.attention(q, k, v, causal=True, backend="auto")
-    torch.testing.assert_close(out, A.reference_attention(q, k, v, causal=True), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out, A.reference_attention(q, k, v, causal=True), atol=2e-5, rtol=1e-4
+    )
     msgs = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
-    assert msgs == ["attention backend: sdpa (fused unavailable: no C++ compiler ('c++' not on PATH))"]
+    assert msgs == [
+        "attention backend: sdpa (fused unavailable: no C++ compiler ('c++' not on PATH))"
+    ]
     with pytest.raises(RuntimeError, match="unavailable"):
         A.attention(q, k, v, backend="fused")
 
@@ -312,7 +358,9 @@ def test_forced_isa_matches_reference(force_isa, fused, isa, dtype, layout):
     # fp32: the kernels' fp32 accumulation; bf16: inputs and outputs rounded to bf16 (8 bits)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=0)
     for name, g, t in zip(["out", "dq", "dk", "dv"], got, truth):
-        torch.testing.assert_close(g.double(), t, **tol, msg=lambda m: f"{isa} {layout} D={D} {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            g.double(), t, **tol, msg=lambda m: f"{isa} {layout} D={D} {name}: {m}"
+        )  # noqa: B023
 
 
 @pytest.mark.parametrize("isa", ISA_ORDER)
@@ -325,8 +373,12 @@ def test_kernel_choice_per_isa(force_isa, fused, isa):
     assert fused.cpu_kernel(torch.float32, 20) == "generic"  # D % 8 != 0
     assert fused.cpu_kernel(torch.float64, 64) == "generic"
     q, k, v = (torch.randn(1, 2, 70, 20) for _ in range(3))  # the generic path under every ISA
-    torch.testing.assert_close(A.attention(q, k, v, causal=True, backend="fused"),
-                               A.reference_attention(q, k, v, causal=True), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        A.attention(q, k, v, causal=True, backend="fused"),
+        A.reference_attention(q, k, v, causal=True),
+        atol=2e-5,
+        rtol=1e-4,
+    )
 
 
 def test_isa_env_override_and_auto_reason(fused):
@@ -334,12 +386,20 @@ def test_isa_env_override_and_auto_reason(fused):
     import subprocess
     import sys
 
-    code = ("import torch; from parallel.kernels import attention as A; A.fused_available(); "
-            "print(torch.ops.rag_attn.cpu_isa(), A.cpu_capability(), "
-            "A.select_backend('auto', torch.randn(1, 1, 8, 64), 'retrieval')[1])")
+    code = (
+        "import torch; from parallel.kernels import attention as A; A.fused_available(); "
+        "print(torch.ops.rag_attn.cpu_isa(), A.cpu_capability(), "
+        "A.select_backend('auto', torch.randn(1, 1, 8, 64), 'retrieval')[1])"
+    )
     env = dict(os.environ, RAG_ATTN_ISA="generic", **{autotune.ENV: "0"})
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     isa, cap, reason = res.stdout.split(maxsplit=2)
     assert (isa, cap) == ("generic", "generic") and "generic" in reason, res.stdout

@@ -48,8 +48,12 @@ def test_every_cuda_source_is_built_and_its_kernels_are_found():
     assert cb.orphan_sources(exts, _build.CSRC) == []
     ops = {e.name: cb.declared_cuda_ops([_build.CSRC / s for s in e.cuda_sources]) for e in exts}
     assert ops["rag_mm_attention"] == ["rag_attn::bwd", "rag_attn::fwd"]
-    assert ops["rmm_comm"] == ["rmm_comm::dequantize_int8", "rmm_comm::dequantize_sum_int8",
-                               "rmm_comm::quantize_int8", "rmm_comm::quantize_int8_ef"]
+    assert ops["rmm_comm"] == [
+        "rmm_comm::dequantize_int8",
+        "rmm_comm::dequantize_sum_int8",
+        "rmm_comm::quantize_int8",
+        "rmm_comm::quantize_int8_ef",
+    ]
 
 
 def test_a_cuda_source_no_extension_builds_is_reported(tmp_path):
@@ -72,7 +76,9 @@ def test_cuda_build_names_a_source_that_does_not_compile(tmp_path, monkeypatch, 
     monkeypatch.setenv(_build.ARCHS_ENV, "80")
     (tmp_path / "ok.cpp").write_text("int rag_mm_test_ok = 0;\n")
     (tmp_path / "broken.cu").write_text("__global__ void k() { this is not CUDA; }\n")
-    ext = cb.Extension(f"rag_mm_broken_{os.getpid()}", [str(tmp_path / "ok.cpp")], [str(tmp_path / "broken.cu")])
+    ext = cb.Extension(
+        f"rag_mm_broken_{os.getpid()}", [str(tmp_path / "ok.cpp")], [str(tmp_path / "broken.cu")]
+    )
     records, status = cb.build_all([ext], verbose=False)
     assert status == 1 and not records[0]["ok"]
     assert "broken.cu(1): error" in records[0]["reason"] and records[0]["archs"] == ["80"]
@@ -93,15 +99,25 @@ def test_cuda_build_compiles_and_registers_every_cuda_op(tmp_path):
     if torch.version.cuda is None:
         pytest.skip("a CPU-only torch")
     out = tmp_path / "cuda_build.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cuda_build.py"), "--quiet", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "cuda_build.py"), "--quiet", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     if proc.returncode == 2:
         pytest.skip(proc.stderr.strip()[-500:])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     summary = json.loads(out.read_text())
     assert {"80", "90"} <= set(summary["archs"])
     cuda_ops = {op for op, keys in summary["ops"].items() if "CUDA" in keys}
-    assert {"rag_attn::fwd", "rag_attn::bwd", "rmm_comm::quantize_int8", "rmm_comm::dequantize_sum_int8"} <= cuda_ops
+    assert {
+        "rag_attn::fwd",
+        "rag_attn::bwd",
+        "rmm_comm::quantize_int8",
+        "rmm_comm::dequantize_sum_int8",
+    } <= cuda_ops
 
 
 def _cuda(t):
@@ -123,7 +139,9 @@ def test_cuda_matches_reference(layout, dtype):
     ref = out_and_grads("reference", q, k, v, extra, grad)
     tol = dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
-        torch.testing.assert_close(g.float(), r.float(), **tol, msg=lambda m: f"{layout} {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            g.float(), r.float(), **tol, msg=lambda m: f"{layout} {name}: {m}"
+        )  # noqa: B023
 
 
 @pytest.mark.gpu

@@ -114,11 +114,14 @@ def test_close_candidates_get_a_run_off(monkeypatch):
             calls[name] += 1
             _burn(ms(calls[name]) / 1e3)
             return ref
+
         return run
 
-    cands = {"steady": cand("steady", lambda n: 2.0),
-             "late": cand("late", lambda n: 2.15 if n <= 1 + T.MIN_REPS else 1.9),
-             "slow": cand("slow", lambda n: 4.0)}
+    cands = {
+        "steady": cand("steady", lambda n: 2.0),
+        "late": cand("late", lambda n: 2.15 if n <= 1 + T.MIN_REPS else 1.9),
+        "slow": cand("slow", lambda n: 4.0),
+    }
     key = T.Key("fwd", "dense", "float32", 64, 64, 1, "cpu")
     rec = T.measure(key, cands, ref, 1e-3)
     assert rec["choice"] == "late", rec
@@ -131,7 +134,9 @@ def test_fused_isa_choice_matches_reference_and_restores_isa(tuner):
     process ISA afterwards."""
     q, k, v = (_q(70, 40).requires_grad_(True) for _ in range(3))
     key = A._tune_key(q, "causal", True)
-    T.pin({key.shape_id(): {"choice": "fused:generic", "ms": {"fused:generic": 1.0}, "rejected": {}}})
+    T.pin(
+        {key.shape_id(): {"choice": "fused:generic", "ms": {"fused:generic": 1.0}, "rejected": {}}}
+    )
     before = torch.ops.rag_attn.cpu_isa()
     assert A.select_backend("auto", q, "causal", grad=True)[0] == "fused:generic"
     out = A.attention(q, k, v, causal=True)
@@ -151,13 +156,16 @@ def test_cache_written_and_reused_by_the_next_process(tuner):
     keys = [k for sec in data["machines"].values() for k in sec["choices"]]
     assert keys == ["fwd/dense/float32/d64/s64/t1/cpu"]
     assert [p.name for p in tuner.parent.iterdir()] == [tuner.name]  # atomic: no temporary left
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from parallel.kernels import attention as A, autotune as T\n"
-            "c, _ = A.select_backend('auto', torch.randn(1, 2, 64, 64), 'dense')\n"
-            "print(c, T.stats['measured'])\n")
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from parallel.kernels import attention as A, autotune as T\n"
+        "c, _ = A.select_backend('auto', torch.randn(1, 2, 64, 64), 'dense')\n"
+        "print(c, T.stats['measured'])\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), **{T.CACHE_ENV: str(tuner)})
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split() == [choice, "0"], res.stdout  # same choice, nothing measured
 
@@ -273,7 +281,9 @@ def _ranks_use_rank0_choice(rank, world, cache_dir):
         return cands
 
     T.candidates = fake
-    q = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))  # the same on both ranks
+    q = torch.randn(
+        1, 2, 64, 64, generator=torch.Generator().manual_seed(0)
+    )  # the same on both ranks
     before = A.select_backend("auto", q, "dense")  # no lazy timing under torch.distributed
     chosen = A.autotune([A.TuneSpec("dense", 64, 64, grad=False)])
     after = A.select_backend("auto", q, "dense")

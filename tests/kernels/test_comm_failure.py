@@ -94,7 +94,9 @@ def _absent_peer(rank, world):
         dist.barrier()  # now let rank 1 try: rank 0 has marked the group aborted
         return "timeout"
     dist.barrier()
-    with pytest.raises(RuntimeError, match="local rank 0 aborted the group because local rank 1 timed out"):
+    with pytest.raises(
+        RuntimeError, match="local rank 0 aborted the group because local rank 1 timed out"
+    ):
         g.all_reduce_(torch.ones(10))
     return "aborted"
 

@@ -60,7 +60,9 @@ def _ddp(rank, world):
     for kind in ("shm", "auto"):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
-        ref_net = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        ref_net = torch.nn.Sequential(
+            torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
+        )
         ref_net.load_state_dict(net.state_dict())
         ddp = DDP(net, bucket_cap_mb=0.005)  # several buckets
         ref = DDP(ref_net, bucket_cap_mb=0.005)

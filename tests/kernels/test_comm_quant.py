@@ -10,7 +10,9 @@ from parallel.kernels import comm as K
 pytestmark = pytest.mark.usefixtures("comm_built")
 
 
-@pytest.mark.parametrize("shape,block", [((1000,), 256), ((3, 517), 64), ((2, 5000), 2048), ((7,), 256)])
+@pytest.mark.parametrize(
+    "shape,block", [((1000,), 256), ((3, 517), 64), ((2, 5000), 2048), ((7,), 256)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_matches_reference(shape, block, dtype):
     x = (torch.randn(shape) * torch.logspace(-3, 2, shape[-1])).to(dtype)
@@ -57,7 +59,9 @@ def test_error_feedback_keeps_the_running_sum():
 def test_dequantize_sum():
     q = torch.randint(-127, 128, (3, 2, 300), dtype=torch.int8)
     s = torch.rand(3, 2, 3)
-    torch.testing.assert_close(K.dequantize_sum_int8(q, s, 128), K.dequantize_sum_int8_ref(q, s, 128))
+    torch.testing.assert_close(
+        K.dequantize_sum_int8(q, s, 128), K.dequantize_sum_int8_ref(q, s, 128)
+    )
 
 
 def test_opcheck_quant_ops():

@@ -36,7 +36,11 @@ def _check_collectives(rank, world):
                     dist.all_reduce(ref)
                     y = x.clone()
                     g.all_reduce_(y)
-                    tol = dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+                    tol = (
+                        dict(rtol=1e-6, atol=1e-5)
+                        if dtype == torch.float32
+                        else dict(rtol=8e-3, atol=8e-3)
+                    )
                     torch.testing.assert_close(y.float(), ref.to(dtype).float(), **tol)
                     assert torch.equal(g.all_reduce(x), y)
                     # bitwise identical on every rank
@@ -66,10 +70,16 @@ def _check_collectives(rank, world):
     torch.testing.assert_close(x.grad, torch.full((4, 3), float(world)))
     z = g.reduce_scatter(torch.ones(world * 2, 5))
     assert z.shape == (2, 5) and torch.equal(z, torch.full((2, 5), float(world)))
-    torch.library.opcheck(torch.ops.rmm_comm.all_reduce.default, (torch.randn(10), g.handle),
-                          test_utils=("test_schema", "test_faketensor"))
-    torch.library.opcheck(torch.ops.rmm_comm.all_gather.default, (torch.randn(3, 2), g.handle),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.rmm_comm.all_reduce.default,
+        (torch.randn(10), g.handle),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+    torch.library.opcheck(
+        torch.ops.rmm_comm.all_gather.default,
+        (torch.randn(3, 2), g.handle),
+        test_utils=("test_schema", "test_faketensor"),
+    )
     for grp in groups:
         grp.close()
     return checked, sorted(e for e in os.listdir("/dev/shm") if e.startswith("rmm_"))
@@ -104,7 +114,9 @@ def _channel(rank, world, cross_host):
     out = torch.empty(4, 6).t()  # receive into a non-contiguous view
     fwd.recv(out)
     assert torch.equal(out, torch.arange(24.0).reshape(4, 6).t())
-    assert torch.equal(fwd.recv(torch.empty(7, dtype=torch.bfloat16)), torch.arange(7, dtype=torch.bfloat16))
+    assert torch.equal(
+        fwd.recv(torch.empty(7, dtype=torch.bfloat16)), torch.arange(7, dtype=torch.bfloat16)
+    )
     for t in got:
         bwd.send(t * 2)
     return None

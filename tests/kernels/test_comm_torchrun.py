@@ -27,12 +27,17 @@ def worker(out_dir: str) -> None:  # runs under torchrun
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"host": os.environ["RAG_MM_HOST_ID"], "local_world": int(os.environ["LOCAL_WORLD_SIZE"])}
+    result = {
+        "host": os.environ["RAG_MM_HOST_ID"],
+        "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+    }
     g = torch.Generator().manual_seed(0)
     w_true = torch.randn(64, 4, generator=g)
     for kind in ("shm", "hier_int8"):
         torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+        net = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4)
+        )
         ddp = DDP(net, bucket_cap_mb=0.02)
         hook, state = make_grad_reduce_hook(kind)
         ddp.register_comm_hook(state, hook)
@@ -46,8 +51,14 @@ def worker(out_dir: str) -> None:  # runs under torchrun
             opt.step()
             losses.append(loss.item())
         r = state.reducer
-        result[kind] = dict(losses=losses, inter_bytes=r.stats.inter_bytes, hosts=r.n_hosts, local=r.n_local,
-                            shm=r.shm is not None, params=torch.cat([p.detach().flatten() for p in net.parameters()]).tolist())
+        result[kind] = dict(
+            losses=losses,
+            inter_bytes=r.stats.inter_bytes,
+            hosts=r.n_hosts,
+            local=r.n_local,
+            shm=r.shm is not None,
+            params=torch.cat([p.detach().flatten() for p in net.parameters()]).tolist(),
+        )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -60,10 +71,24 @@ def test_two_node_torchrun_int8_sends_fewer_bytes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     procs = []
     for node in range(2):
-        env = dict(os.environ, RAG_MM_HOST_ID=f"node{node}", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        cmd = torchrun + ["--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-                          f"--master-port={port}", "-m", "tests.kernels.test_comm_torchrun", str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ, RAG_MM_HOST_ID=f"node{node}", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)
+        )
+        cmd = torchrun + [
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "tests.kernels.test_comm_torchrun",
+            str(tmp_path),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outs = []
     for p in procs:
         try:

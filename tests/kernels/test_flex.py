@@ -24,14 +24,20 @@ def _case(layout: str, dtype=torch.float32, S: int = 37, D: int = 16, seed: int 
     """q, k, v and keyword arguments; S = 37 is not a multiple of any block size."""
     gen = torch.Generator().manual_seed(seed)
     if layout == "varlen":
-        cu = torch.tensor([0, 9, 9, 30, 33], dtype=torch.int32)  # an empty sequence; 2 tokens past the end
+        cu = torch.tensor(
+            [0, 9, 9, 30, 33], dtype=torch.int32
+        )  # an empty sequence; 2 tokens past the end
         shape, extra = (35, 2, D), dict(cu_seqlens=cu, max_seqlen=21, causal=bool(seed % 2))
     else:
         shape, extra = (2, 2, S, D), {"causal": layout == "causal"}
         if layout == "retrieval":
             # row 0: docs 0..9, an empty doc, 10..20, query 20..29, padding 29..36
             # row 1: an empty first doc, doc 0..17, query 17..37 (no padding)
-            extra = {"seg_offsets": torch.tensor([[0, 10, 10, 20, 29], [0, 0, 17, 17, S]], dtype=torch.int32)}
+            extra = {
+                "seg_offsets": torch.tensor(
+                    [[0, 10, 10, 20, 29], [0, 0, 17, 17, S]], dtype=torch.int32
+                )
+            }
     q, k, v, g = (torch.randn(shape, generator=gen).to(dtype) for _ in range(4))
     return q, k, v, g, extra
 
@@ -45,7 +51,9 @@ def _out_and_grads(fn, q, k, v, g, extra):
 def _flex(compiled):
     def fn(q, k, v, extra):
         if "cu_seqlens" in extra:
-            return F.flex_varlen_attention(q, k, v, extra["cu_seqlens"], causal=extra["causal"], compiled=compiled)
+            return F.flex_varlen_attention(
+                q, k, v, extra["cu_seqlens"], causal=extra["causal"], compiled=compiled
+            )
         return F.flex_attention(q, k, v, compiled=compiled, **extra)
 
     return fn
@@ -68,7 +76,9 @@ def test_fp32_matches_reference(layout, seed):
     got = _out_and_grads(_flex(False), q, k, v, g, extra)
     ref = _out_and_grads(_reference, q, k, v, g, extra)
     for name, a, b in zip(NAMES, got, ref):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}"
+        )  # noqa: B023
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -81,7 +91,9 @@ def test_bf16_close_to_fp32_reference(layout):
         assert a.dtype == torch.bfloat16
         # bf16 keeps 8 mantissa bits (eps 2^-8 = 0.0039); outputs and gradients here are O(1) after
         # one rounding of the result and of a few O(1) intermediates
-        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=2e-2, msg=lambda m: f"{layout} {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            a.float(), b, atol=3e-2, rtol=2e-2, msg=lambda m: f"{layout} {name}: {m}"
+        )  # noqa: B023
 
 
 def test_padding_rows_and_empty_docs_zero():
@@ -103,11 +115,15 @@ def test_compiled_retrieval_matches_reference():
         pytest.skip(f"flex compile unavailable: {why}")
     S, D = 80, 32
     q, k, v, g, _ = _case("retrieval", S=S, D=D, seed=4)
-    extra = {"seg_offsets": torch.tensor([[0, 30, 30, 50, 71], [0, 0, 40, 41, S]], dtype=torch.int32)}
+    extra = {
+        "seg_offsets": torch.tensor([[0, 30, 30, 50, 71], [0, 0, 40, 41, S]], dtype=torch.int32)
+    }
     got = _out_and_grads(_flex(True), q, k, v, g, extra)
     ref = _out_and_grads(_reference, q, k, v, g, extra)
     for name, a, b in zip(NAMES, got, ref):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"compiled {name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"compiled {name}: {m}"
+        )  # noqa: B023
     assert not F._compile_off, f"compile fell back to eager: {F._compile_off}"
 
 
@@ -125,18 +141,25 @@ def test_block_mask_cached_per_layout():
     n = len(F._cache)
     del seg
     assert len(F._cache) == n - 1
-    assert F.block_mask_for(seq_len=16, device="cpu", causal=True) is F.block_mask_for(seq_len=16, device="cpu",
-                                                                                       causal=True)
+    assert F.block_mask_for(seq_len=16, device="cpu", causal=True) is F.block_mask_for(
+        seq_len=16, device="cpu", causal=True
+    )
     assert F.block_mask_for(seq_len=16, device="cpu") is None
 
 
 def test_backend_switch_routes_flex(monkeypatch):
     calls = []
     real = F.flex_attention
-    monkeypatch.setattr(F, "flex_attention", lambda *a, **kw: calls.append("flex") or real(*a, **kw))
+    monkeypatch.setattr(
+        F, "flex_attention", lambda *a, **kw: calls.append("flex") or real(*a, **kw)
+    )
     q, k, v, _, extra = _case("causal")
-    torch.testing.assert_close(A.attention(q, k, v, backend="flex", **extra),
-                               A.reference_attention(q, k, v, **extra), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        A.attention(q, k, v, backend="flex", **extra),
+        A.reference_attention(q, k, v, **extra),
+        atol=2e-5,
+        rtol=1e-4,
+    )
     assert calls == ["flex"]
 
 
@@ -149,8 +172,10 @@ def test_flex_missing_raises_and_auto_skips(monkeypatch, caplog):
     assert not ok and torch.__version__ in why
     # auto on CUDA logs why flex was skipped; the CUDA rule is checked without a GPU
     monkeypatch.setattr(A, "_flex_gate", lambda q: (False, why))
-    assert A._auto_cuda(q, "retrieval", True, "ok") == ("fused", f"retrieval on CUDA: flex unavailable ({why}); "
-                                                                  "fused kernel skips masked blocks")
+    assert A._auto_cuda(q, "retrieval", True, "ok") == (
+        "fused",
+        f"retrieval on CUDA: flex unavailable ({why}); fused kernel skips masked blocks",
+    )
 
 
 def test_cuda_rule():
@@ -170,7 +195,9 @@ EXPECTED = {
 
 @pytest.mark.parametrize("cap", sorted(EXPECTED))
 def test_auto_table_by_cpu_capability(monkeypatch, caplog, cap):
-    monkeypatch.setenv(autotune.ENV, "0")  # the fixed rule (measuring is tests/kernels/test_autotune.py)
+    monkeypatch.setenv(
+        autotune.ENV, "0"
+    )  # the fixed rule (measuring is tests/kernels/test_autotune.py)
     monkeypatch.setattr(A, "cpu_capability", lambda: cap)
     monkeypatch.setattr(A, "fused_available", lambda: (True, "fused kernels built"))
     monkeypatch.setattr(A, "_logged", set())
@@ -187,14 +214,18 @@ def test_auto_table_by_cpu_capability(monkeypatch, caplog, cap):
         for _ in range(2):  # logged once per (layout, dtype)
             A.attention(q, q, q, backend="auto")
             A.attention(q, q, q, causal=True, backend="auto")
-            A.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, 8)
+            A.varlen_attention(
+                q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, 8
+            )
             A.attention(q, q, q, seg_offsets=seg, backend="auto")
     assert used == [EXPECTED[cap][lay] for lay in ("dense", "causal", "packed", "retrieval")] * 2
     msgs = [r.getMessage() for r in caplog.records if "attention backend" in r.getMessage()]
     assert len(msgs) == 4, msgs
     row = cap if cap in A.CPU_AUTO_TABLE else f"generic (no row for {cap})"
     for lay, msg in zip(("dense", "causal", "packed", "retrieval"), msgs):
-        assert msg.startswith(f"attention backend: {EXPECTED[cap][lay]} ({lay} float32 on a {row} CPU"), msg
+        assert msg.startswith(
+            f"attention backend: {EXPECTED[cap][lay]} ({lay} float32 on a {row} CPU"
+        ), msg
 
 
 def test_cpu_capability_reads_torch_without_the_extension(monkeypatch):

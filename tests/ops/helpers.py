@@ -27,12 +27,33 @@ def env(**extra: str) -> dict:
     return out
 
 
-def torchrun(root, run_dir, *extra: str, nproc: int = 2, launcher: tuple = ("--standalone",),
-             fault: str = "", timeout: int = 600) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}",
-            "-m", "rag_mm.train", *tiny_overrides(root, run_dir, *FT_ARGS, *extra)]
-    return subprocess.run(args, cwd=REPO, env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
-                          capture_output=True, text=True, timeout=timeout)
+def torchrun(
+    root,
+    run_dir,
+    *extra: str,
+    nproc: int = 2,
+    launcher: tuple = ("--standalone",),
+    fault: str = "",
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(root, run_dir, *FT_ARGS, *extra),
+    ]
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def final_state(root, run_dir) -> tuple[int, dict[str, torch.Tensor]]:
@@ -57,11 +78,15 @@ def train_losses(run_dir) -> dict[int, float]:
 
 
 def valid_checkpoints(run_dir) -> list[Path]:
-    ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+    ckpts = sorted(
+        p for p in (Path(run_dir) / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")
+    )
     return [p for p in ckpts if checkpoint.verify(p) is None]
 
 
 def assert_same_params(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys()
     diff = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not diff, f"{what}: {len(diff)} tensors differ from the uninterrupted run, e.g. {diff[:3]}"
+    assert not diff, (
+        f"{what}: {len(diff)} tensors differ from the uninterrupted run, e.g. {diff[:3]}"
+    )

@@ -68,10 +68,23 @@ def one_checkpoint(root, run_dir) -> int:
     return disk.checkpoint_bytes(build_rag(cfg, torch.device("cpu")).rag)
 
 
-def train(root, run_dir, *extra: str, fault: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "rag_mm.train", *tiny_overrides(root, run_dir, *DISK_ARGS, *extra)]
-    return subprocess.run(args, cwd=REPO, env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
-                          capture_output=True, text=True, timeout=timeout)
+def train(
+    root, run_dir, *extra: str, fault: str = "", timeout: int = 300
+) -> subprocess.CompletedProcess:
+    args = [
+        sys.executable,
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(root, run_dir, *DISK_ARGS, *extra),
+    ]
+    return subprocess.run(
+        args,
+        cwd=REPO,
+        env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_estimate_matches_a_written_checkpoint(tiny_world, tmp_path):
@@ -85,25 +98,47 @@ def test_estimate_matches_a_written_checkpoint(tiny_world, tmp_path):
     assert written <= t.ckpt_bytes <= 1.1 * written, (written, t.ckpt_bytes)
 
 
-def test_too_little_space_warns_with_the_numbers_or_stops_when_asked(tiny_world, tmp_path, monkeypatch, caplog):
+def test_too_little_space_warns_with_the_numbers_or_stops_when_asked(
+    tiny_world, tmp_path, monkeypatch, caplog
+):
     one = one_checkpoint(tiny_world, tmp_path / "run")
     monkeypatch.setattr(disk, "free_bytes", lambda path: int(1.5 * one))
     with pytest.raises(ConfigError) as err:
-        Trainer(compose(tiny_overrides(tiny_world, tmp_path / "run", *DISK_ARGS, "disk_check=stop")))
+        Trainer(
+            compose(tiny_overrides(tiny_world, tmp_path / "run", *DISK_ARGS, "disk_check=stop"))
+        )
     msg = str(err.value)
-    assert f"{disk.human(1.5 * one)} free" in msg and f"~{disk.human(one)}" in msg and "room for 2 checkpoints" in msg
+    assert (
+        f"{disk.human(1.5 * one)} free" in msg
+        and f"~{disk.human(one)}" in msg
+        and "room for 2 checkpoints" in msg
+    )
     assert not (tmp_path / "run" / "checkpoints").exists()
     caplog.set_level("WARNING", logger="rag_mm.trainer")
-    Trainer(compose(tiny_overrides(tiny_world, tmp_path / "run", *DISK_ARGS))).close()  # disk_check=warn
+    Trainer(
+        compose(tiny_overrides(tiny_world, tmp_path / "run", *DISK_ARGS))
+    ).close()  # disk_check=warn
     assert "keep_checkpoints=1 needs room for 2 checkpoints" in caplog.text
 
 
 def test_fault_finds_space_and_permission_errors_wrapped_by_dcp():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    short = CheckpointException("save", {0: (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), [])})
+    short = CheckpointException(
+        "save",
+        {
+            0: (
+                RuntimeError(
+                    "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+                ),
+                [],
+            )
+        },
+    )
     assert disk.fault(short).kind == "full"
-    full = CheckpointException("save", {1: (OSError(errno.ENOSPC, "No space left on device", "/r/x.distcp"), [])})
+    full = CheckpointException(
+        "save", {1: (OSError(errno.ENOSPC, "No space left on device", "/r/x.distcp"), [])}
+    )
     assert (disk.fault(full).kind, disk.fault(full).path) == ("full", "/r/x.distcp")
     try:
         try:
@@ -111,14 +146,22 @@ def test_fault_finds_space_and_permission_errors_wrapped_by_dcp():
         except OSError as exc:
             raise RuntimeError("while logging") from exc
     except RuntimeError as wrapped:
-        assert (disk.fault(wrapped).kind, disk.fault(wrapped).path) == ("read-only", "/r/metrics.jsonl")
-    assert disk.fault(RuntimeError("size mismatch")) is None and disk.fault(OSError(errno.ENOENT, "gone")) is None
+        assert (disk.fault(wrapped).kind, disk.fault(wrapped).path) == (
+            "read-only",
+            "/r/metrics.jsonl",
+        )
+    assert (
+        disk.fault(RuntimeError("size mismatch")) is None
+        and disk.fault(OSError(errno.ENOENT, "gone")) is None
+    )
 
 
 def _assert_one_message(res, kind: str, last: str) -> None:
     assert res.returncode == 1, res.stderr[-3000:]
-    assert "Traceback" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr[-3000:]
-    msg = res.stderr[res.stderr.index("rag_mm.train: "):]
+    assert "Traceback" not in res.stderr and "Exception in thread" not in res.stderr, res.stderr[
+        -3000:
+    ]
+    msg = res.stderr[res.stderr.index("rag_mm.train: ") :]
     head = "the disk is full" if kind == "full" else "the run directory is not writable"
     assert msg.startswith(f"rag_mm.train: {head}: writing "), msg
     assert "free space: " in msg and "one checkpoint needs ~" in msg
@@ -152,20 +195,33 @@ def _nothing(path: Path):
     yield path
 
 
-def test_read_only_run_directory_mid_run_stops_with_one_message_and_resume_goes_on(tiny_world, tmp_path, can_mount):
+def test_read_only_run_directory_mid_run_stops_with_one_message_and_resume_goes_on(
+    tiny_world, tmp_path, can_mount
+):
     run_dir = tmp_path / "run"
     if not can_mount:
         res = train(tiny_world, run_dir, "max_steps=6", fault="erofs:step=3")
     else:  # the run directory turns read-only once the checkpoint of step 2 is written
-        args = [sys.executable, "-m", "rag_mm.train", *tiny_overrides(tiny_world, run_dir, *DISK_ARGS, "max_steps=500")]
+        args = [
+            sys.executable,
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(tiny_world, run_dir, *DISK_ARGS, "max_steps=500"),
+        ]
         err_path = tmp_path / f"stderr-{uuid.uuid4().hex}.txt"
         with open(err_path, "w") as err:
-            proc = subprocess.Popen(args, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = subprocess.Popen(
+                args, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=err, text=True
+            )
             deadline = time.monotonic() + 300
             while not (run_dir / "checkpoints" / "step_00000002").is_dir():
-                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+                assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[
+                    -3000:
+                ]
                 time.sleep(0.05)
-            assert _mount("--bind", str(run_dir), str(run_dir)) and _mount("-o", "remount,bind,ro", str(run_dir))
+            assert _mount("--bind", str(run_dir), str(run_dir)) and _mount(
+                "-o", "remount,bind,ro", str(run_dir)
+            )
             try:
                 out, _ = proc.communicate(timeout=300)
             finally:

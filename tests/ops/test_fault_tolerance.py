@@ -56,24 +56,36 @@ def _check_killed_run_matches(tiny_world, run_dir, fault: str, reference) -> Non
     res = torchrun(tiny_world, run_dir, launcher=("--standalone", "--max-restarts=1"), fault=fault)
     where = f"[{fault}] (replay with RAG_MM_TEST_KILL='{fault}')"
     assert res.returncode == 0, f"{where}\n{res.stderr[-4000:]}"
-    assert f"fault injection: kill rank {fault.rsplit('=', 1)[1]}" in res.stderr, f"{where}: the fault did not fire"
+    assert f"fault injection: kill rank {fault.rsplit('=', 1)[1]}" in res.stderr, (
+        f"{where}: the fault did not fire"
+    )
     assert res.stderr.count("rank 0/2 joined") == 2, f"{where}: the worker group was not restarted"
     resume_at = _resume_step(fault)
     if resume_at:  # the restart loaded the newest complete checkpoint rather than starting over
-        assert f"step_{resume_at:08d} at step {resume_at}" in res.stderr, f"{where}: did not resume from step {resume_at}"
+        assert f"step_{resume_at:08d} at step {resume_at}" in res.stderr, (
+            f"{where}: did not resume from step {resume_at}"
+        )
     else:
-        assert "starting fresh" in res.stderr, f"{where}: no checkpoint was complete, yet it did not start over"
+        assert "starting fresh" in res.stderr, (
+            f"{where}: no checkpoint was complete, yet it did not start over"
+        )
     step, params = final_state(tiny_world, run_dir)
     assert step == 8, where
     ref_params, ref_losses = reference
     assert_same_params(params, ref_params, where)
-    assert train_losses(run_dir) == ref_losses, f"{where}: per-step losses differ (data order not replayed exactly?)"
+    assert train_losses(run_dir) == ref_losses, (
+        f"{where}: per-step losses differ (data order not replayed exactly?)"
+    )
     assert json.loads((run_dir / "metrics.json").read_text())["step"] == 8
-    assert not list((run_dir / "checkpoints").glob("*.tmp")), f"{where}: an unfinished save was left behind"
+    assert not list((run_dir / "checkpoints").glob("*.tmp")), (
+        f"{where}: an unfinished save was left behind"
+    )
 
 
 @pytest.mark.multirank
-def test_sigkill_one_rank_at_a_random_point_restart_matches_uninterrupted(tiny_world, tmp_path, reference):
+def test_sigkill_one_rank_at_a_random_point_restart_matches_uninterrupted(
+    tiny_world, tmp_path, reference
+):
     """torchrun --max-restarts=1 brings the group back; resume=auto from the newest complete
     checkpoint; same final parameters. Drawn among the points with a checkpoint to resume from."""
     seed = int(os.environ.get("RAG_MM_TEST_KILL_SEED", "0"))
@@ -94,13 +106,31 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tiny_world, tmp_path):
     """A real SIGTERM mid-training to every process of the job (as SLURM and container runtimes
     send it; a DataLoader worker included): exit 0, a valid checkpoint at the stop step."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "rag_mm.train",
-            *tiny_overrides(tiny_world, run_dir, "max_steps=500", "log_every=1", "ckpt_every=0", "deterministic=true",
-                            "data.num_workers=1")]
+    args = [
+        sys.executable,
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(
+            tiny_world,
+            run_dir,
+            "max_steps=500",
+            "log_every=1",
+            "ckpt_every=0",
+            "deterministic=true",
+            "data.num_workers=1",
+        ),
+    ]
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(args, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
         metrics = run_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
@@ -112,13 +142,24 @@ def test_sigterm_checkpoints_exits_cleanly_and_resumes(tiny_world, tmp_path):
     stderr = err_path.read_text()
     assert proc.returncode == 0, stderr[-3000:]
     assert "received signal 15" in stderr
-    stopped = json.loads(out[out.index("{"):])["stopped_at"]
+    stopped = json.loads(out[out.index("{") :])["stopped_at"]
     assert 2 <= stopped < 500
     ckpts = valid_checkpoints(run_dir)
     assert ckpts and ckpts[-1].name == f"step_{stopped:08d}"
     assert not (run_dir / "metrics.json").exists()  # stopped, not finished
-    resume = [sys.executable, "-m", "rag_mm.train", *tiny_overrides(
-        tiny_world, run_dir, f"max_steps={stopped + 2}", "log_every=1", "ckpt_every=0", "deterministic=true")]
+    resume = [
+        sys.executable,
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(
+            tiny_world,
+            run_dir,
+            f"max_steps={stopped + 2}",
+            "log_every=1",
+            "ckpt_every=0",
+            "deterministic=true",
+        ),
+    ]
     res = subprocess.run(resume, cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"at step {stopped}" in res.stderr and "resumed from" in res.stderr
@@ -137,14 +178,26 @@ def _fit(root, run_dir, *extra) -> Trainer:
 
 def test_truncated_newest_checkpoint_is_skipped_for_the_previous_one(tiny_world, tmp_path, caplog):
     run_dir = tmp_path / "run"
-    full = {k: v.clone() for k, v in _fit(tiny_world, run_dir, "max_steps=6", "ckpt_every=3").model.state_dict().items()}
+    full = {
+        k: v.clone()
+        for k, v in _fit(tiny_world, run_dir, "max_steps=6", "ckpt_every=3")
+        .model.state_dict()
+        .items()
+    }
     newest = run_dir / "checkpoints" / "step_00000006"
-    shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    shard = max(
+        (p for p in newest.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size
+    )
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a write cut short
     with caplog.at_level(logging.WARNING, logger="rag_mm.components.checkpoint"):
-        assert checkpoint.latest_valid(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_00000003"
+        assert (
+            checkpoint.latest_valid(run_dir / "checkpoints")
+            == run_dir / "checkpoints" / "step_00000003"
+        )
     assert "skipping damaged checkpoint" in caplog.text and "truncated" in caplog.text
-    with pytest.raises(RuntimeError, match="failed verification"):  # an explicit path is refused too
+    with pytest.raises(
+        RuntimeError, match="failed verification"
+    ):  # an explicit path is refused too
         checkpoint.load(newest, {})
     resumed = _fit(tiny_world, run_dir, "max_steps=6", "ckpt_every=3")  # resume=auto: from step 3
     assert resumed.step == 6
@@ -183,12 +236,16 @@ def test_nonfinite_losses_skip_the_step_then_abort(tiny_world, tmp_path, caplog)
 @pytest.mark.multirank
 def test_collective_timeout_names_the_stuck_rank_and_operation(tiny_world, tmp_path):
     """Rank 1 hangs at step 2; rank 0's gradient all_reduce times out; the error says who and where."""
-    res = torchrun(tiny_world, tmp_path / "run", "launch.timeout_s=15", fault="hang:step=2:rank=1", timeout=300)
+    res = torchrun(
+        tiny_world, tmp_path / "run", "launch.timeout_s=15", fault="hang:step=2:rank=1", timeout=300
+    )
     assert res.returncode != 0
     err = res.stderr
     assert "rank 0 failed in 'forward/backward (gradient reduction)' at step 2" in err, err[-4000:]
     assert "stuck rank(s): 1" in err
     # what rank 1 last did: step 2's checkpoint save (ckpt_every=2), then it hung
-    assert "rank 1: step 2, in 'checkpoint save (DCP write + barriers)'" in err and "<- behind" in err
+    assert (
+        "rank 1: step 2, in 'checkpoint save (DCP write + barriers)'" in err and "<- behind" in err
+    )
     # and the watchdog said so before the timeout fired
     assert "rank 0 has waited" in err

@@ -51,10 +51,19 @@ def _kernel_env(tmp_path: Path) -> dict:
     """A python3 kernelspec that runs this interpreter, found before any user-installed one."""
     spec = tmp_path / "jupyter" / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "rag_mm venv", "language": "python"}))
-    return {"JUPYTER_PATH": str(tmp_path / "jupyter"), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "rag_mm venv",
+                "language": "python",
+            }
+        )
+    )
+    return {
+        "JUPYTER_PATH": str(tmp_path / "jupyter"),
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
 
 
 def _execute(name: str, tmp_path: Path, **env: str):
@@ -65,8 +74,9 @@ def _execute(name: str, tmp_path: Path, **env: str):
     old = dict(os.environ)
     os.environ.update({**_kernel_env(tmp_path), "OMP_NUM_THREADS": "1", **env})
     try:
-        nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+        nbclient.NotebookClient(
+            nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(NOTEBOOKS)}}
+        ).execute()
     finally:
         os.environ.clear()
         os.environ.update(old)
@@ -74,7 +84,9 @@ def _execute(name: str, tmp_path: Path, **env: str):
 
 
 def _outputs(nb) -> str:
-    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    return "\n".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
 
 
 def _check_pngs(figures: Path, names: list[str]) -> None:
@@ -88,21 +100,33 @@ def test_evaluate_run_notebook(run_dirs, tiny_world, tmp_path):
     learned, _ = run_dirs
     # closed book / learned / oracle on the run's checkpoint, written into its metrics.json (the
     # fixture trained in this process: its config is saved where Hydra's job would have put it)
-    cfg = compose(tiny_overrides(tiny_world, learned, "eval_every=2", "retriever=learned",
-                                 "retriever.refresh_every=2", "name=learned"))
+    cfg = compose(
+        tiny_overrides(
+            tiny_world,
+            learned,
+            "eval_every=2",
+            "retriever=learned",
+            "retriever.refresh_every=2",
+            "name=learned",
+        )
+    )
     (learned / ".hydra").mkdir(exist_ok=True)
     OmegaConf.save(cfg, learned / ".hydra" / "config.yaml")
     assert evaluate.main([str(learned), "split=test", "modes=all"]) == 0
     figures = tmp_path / "figures"
-    nb = _execute("evaluate_run.ipynb", tmp_path, RAG_MM_RUN_DIR=str(learned), RAG_MM_FIGURES=str(figures))
+    nb = _execute(
+        "evaluate_run.ipynb", tmp_path, RAG_MM_RUN_DIR=str(learned), RAG_MM_FIGURES=str(figures)
+    )
     _check_pngs(figures, ["loss", "accuracy", "recall_at_k", "timeline", "gallery"])
     text = _outputs(nb)
     assert "run 'learned'" in text and "step_00000006" in text and "'recall@5'" not in text
     # does the reader use the picture: accuracy, blind prior, blanked accuracy per split and answer type
     test = runs.load_run(learned).summary["test"]
     assert "split | answer type | n | accuracy | blind prior | blanked | image drop" in text
-    assert (f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | {test['acc_blank']:.3f} | "
-            f"{test['image_drop']:.3f}") in text
+    assert (
+        f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | {test['acc_blank']:.3f} | "
+        f"{test['image_drop']:.3f}"
+    ) in text
     # what retrieval adds: the trained mode per split, then the three modes side by side
     assert "split | mode | n | acc seen | acc held out | answer match | InfoSeek | recall@1" in text
     assert f"test | learned (trained) | {test['n']} | {test['acc_seen']:.3f}" in text
@@ -110,14 +134,21 @@ def test_evaluate_run_notebook(run_dirs, tiny_world, tmp_path):
     for mode in ("closed_book", "learned", "oracle"):
         assert f"test | {mode} | {test['n']} |" in text, mode
     assert "test: retrieval_gain" in text and "oracle_gap" in text
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb.cells for o in c.get("outputs", []))  # figures are shown inline too
+    assert any(
+        o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+        for c in nb.cells
+        for o in c.get("outputs", [])
+    )  # figures are shown inline too
 
 
 def test_compare_runs_notebook(run_dirs, tmp_path):
     figures = tmp_path / "figures"
-    nb = _execute("compare_runs.ipynb", tmp_path, RAG_MM_RUNS=os.pathsep.join(map(str, run_dirs)),
-                  RAG_MM_FIGURES=str(figures))
+    nb = _execute(
+        "compare_runs.ipynb",
+        tmp_path,
+        RAG_MM_RUNS=os.pathsep.join(map(str, run_dirs)),
+        RAG_MM_FIGURES=str(figures),
+    )
     _check_pngs(figures, ["compare_loss", "compare_accuracy", "compare_recall_at_k"])
     text = _outputs(nb)
     assert "2 runs: ['learned', 'closed_book']" in text
@@ -126,14 +157,25 @@ def test_compare_runs_notebook(run_dirs, tmp_path):
 
 def test_run_reader_keeps_the_last_record_of_a_replayed_step(tmp_path):
     """After a restart, steps past the last checkpoint are logged twice: the later record counts."""
-    recs = [{"kind": "train", "step": 2, "loss": 5.0}, {"kind": "train", "step": 4, "loss": 4.0},
-            {"kind": "train", "step": 4, "loss": 3.0}, {"kind": "val", "step": 4, "acc": 0.5}]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + '\n{"kind": "tra')  # cut by a kill
+    recs = [
+        {"kind": "train", "step": 2, "loss": 5.0},
+        {"kind": "train", "step": 4, "loss": 4.0},
+        {"kind": "train", "step": 4, "loss": 3.0},
+        {"kind": "val", "step": 4, "acc": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(map(json.dumps, recs)) + '\n{"kind": "tra'
+    )  # cut by a kill
     run = runs.load_run(tmp_path)
     assert run.series("train", "loss") == ([2, 4], [5.0, 3.0])
     assert run.summary is None and run.examples is None and run.trace is None
-    for plot in (runs.plot_loss([run]), runs.plot_accuracy([run]), runs.plot_recall([run]),
-                 runs.plot_timeline(run), runs.plot_gallery(run)):  # absent parts draw a note, not an error
+    for plot in (
+        runs.plot_loss([run]),
+        runs.plot_accuracy([run]),
+        runs.plot_recall([run]),
+        runs.plot_timeline(run),
+        runs.plot_gallery(run),
+    ):  # absent parts draw a note, not an error
         assert plot is not None
 
 
@@ -145,12 +187,21 @@ def test_evaluate_run_notebook_draws_the_runs_timeline(pipelined_run, tmp_path):
 
     events = check_run_timeline(pipelined_run)
     run = runs.load_run(pipelined_run)
-    assert [(e.rank, e.kind, e.mb) for e in timeline.from_chrome_trace(run.trace)] == \
-        [(e.rank, e.kind, e.mb) for e in events]
+    assert [(e.rank, e.kind, e.mb) for e in timeline.from_chrome_trace(run.trace)] == [
+        (e.rank, e.kind, e.mb) for e in events
+    ]
     title = f"pipeline timeline, 2 ranks: bubble {timeline.bubble_fraction(events):.1%}"
     assert runs.plot_timeline(run).axes[0].get_title() == title
     figures = tmp_path / "figures"
-    nb = _execute("evaluate_run.ipynb", tmp_path, RAG_MM_RUN_DIR=str(pipelined_run), RAG_MM_FIGURES=str(figures))
+    nb = _execute(
+        "evaluate_run.ipynb",
+        tmp_path,
+        RAG_MM_RUN_DIR=str(pipelined_run),
+        RAG_MM_FIGURES=str(figures),
+    )
     _check_pngs(figures, ["timeline"])
     text = _outputs(nb)
-    assert title in text and f"bubble fraction {run.summary['pipeline']['bubble_fraction']:.3f}" in text
+    assert (
+        title in text
+        and f"bubble fraction {run.summary['pipeline']['bubble_fraction']:.3f}" in text
+    )

@@ -49,10 +49,25 @@ def test_pickle_members_in_shards_are_never_unpickled(tmp_path):
     meta = json.dumps({"answer": "red", "doc_id": 0, "attribute": "colour", "heldout": False})
     for split in ("q", "corpus"):
         with wds.TarWriter(str(tmp_path / f"{split}.tar")) as sink:
-            sink.write({"__key__": "s0", "png": _png(), "txt": "what colour is it?", "json": meta,
-                        "pyd": blob, "pkl": blob, "pth": blob})
-    spec = StreamSpec(urls=[str(tmp_path / "q.tar")], image_size=32, max_question=24, max_answer=8,
-                      batch_size=4, train=False)
+            sink.write(
+                {
+                    "__key__": "s0",
+                    "png": _png(),
+                    "txt": "what colour is it?",
+                    "json": meta,
+                    "pyd": blob,
+                    "pkl": blob,
+                    "pth": blob,
+                }
+            )
+    spec = StreamSpec(
+        urls=[str(tmp_path / "q.tar")],
+        image_size=32,
+        max_question=24,
+        max_answer=8,
+        batch_size=4,
+        train=False,
+    )
     batches = list(make_loader(spec, 0))
     assert batches[0]["question"] == ["what colour is it?"]  # the sample itself was read
     store = DocumentStore.load([str(tmp_path / "corpus.tar")], 32, 40)
@@ -66,8 +81,11 @@ def _ckpt(tmp_path: Path, state: dict) -> Path:
 
 def _reseal(ckpt: Path) -> None:
     """What an attacker would do: rewrite the manifest so the checksums match the altered files."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
-             for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != checkpoint.MANIFEST}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+        for p in sorted(ckpt.iterdir())
+        if p.is_file() and p.name != checkpoint.MANIFEST
+    }
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps({"step": 1, "files": files}))
 
 
@@ -90,7 +108,9 @@ def test_crafted_non_tensor_entry_is_refused(tmp_path):
     with pytest.raises(UnsafeCheckpointError):
         checkpoint.load(ckpt, {"w": torch.zeros(3), "extra": None})
     assert not marker.exists()
-    dcp.load({"w": torch.zeros(3), "extra": None}, checkpoint_id=str(ckpt))  # DCP's default planner...
+    dcp.load(
+        {"w": torch.zeros(3), "extra": None}, checkpoint_id=str(ckpt)
+    )  # DCP's default planner...
     assert marker.exists()  # ...would have run it: the guard is what stops it
 
 
@@ -100,9 +120,17 @@ def test_every_torch_load_in_the_code_is_weights_only():
     for pkg in ("rag_mm", "retriever", "parallel", "scripts"):
         for path in (REPO / pkg).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "load"
-                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "load"
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "torch"
+                ):
                     kw = {k.arg: k.value for k in node.keywords}
-                    if not (isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True):
+                    if not (
+                        isinstance(kw.get("weights_only"), ast.Constant)
+                        and kw["weights_only"].value is True
+                    ):
                         offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, f"torch.load without weights_only=True: {offenders}"

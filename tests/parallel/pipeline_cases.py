@@ -15,6 +15,7 @@ VOCAB = 512
 
 def _resize(inputs, b: int, gen: torch.Generator):
     """The factory's inputs with batch b (fresh random values; all-ones masks stay ones)."""
+
     def one(x):
         if not isinstance(x, torch.Tensor):
             return x
@@ -57,8 +58,15 @@ def reader_case(b: int = 8):
     from rag_mm.model import Reader
 
     torch.manual_seed(0)
-    cfg = ModelConfig(dim=64, layers=4, heads=4, vision_width=64, vision_layers=1, vision_head_width=32,
-                      attention_backend="reference")
+    cfg = ModelConfig(
+        dim=64,
+        layers=4,
+        heads=4,
+        vision_width=64,
+        vision_layers=1,
+        vision_head_width=32,
+        attention_backend="reference",
+    )
     model = Reader(cfg, 49408)
     gen = torch.Generator().manual_seed(1)
     k, lt, lq, la = 2, 6, 5, 4
@@ -132,8 +140,14 @@ class SkipMLP(torch.nn.Module):
         super().__init__()
         self.inp = torch.nn.Linear(d, d)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.GELU(),
-                                torch.nn.Linear(2 * d, d)) for _ in range(n))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(d),
+                torch.nn.Linear(d, 2 * d),
+                torch.nn.GELU(),
+                torch.nn.Linear(2 * d, d),
+            )
+            for _ in range(n)
+        )
         self.out = torch.nn.Linear(d, d)
 
     def forward(self, x):

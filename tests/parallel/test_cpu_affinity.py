@@ -48,6 +48,6 @@ def test_bind_cores_gives_each_rank_its_own_cores():
         assert a0 == b0 and "left as is" in d0
         return
     k = len(b0) // 2
-    assert a0 == b0[:k] and a1 == b0[k:2 * k], (d0, a0, a1)
+    assert a0 == b0[:k] and a1 == b0[k : 2 * k], (d0, a0, a1)
     assert n0 == min(4, k) and n1 == min(4, k)  # intra-op threads capped at the slice
     assert "left as is" in g0 and "already bound" in g0

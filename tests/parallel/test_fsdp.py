@@ -38,9 +38,17 @@ def test_fsdp2_x_tp_2d_matches_one_process():
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_hsdp_and_2d_llama():
-    for r in run_ranks(tp_cases.spmd_case, 4, dict(dp_replicate=2, dp_shard=2), "reader", timeout_s=300):
+    for r in run_ranks(
+        tp_cases.spmd_case, 4, dict(dp_replicate=2, dp_shard=2), "reader", timeout_s=300
+    ):
         _check(r, "hsdp")
-    for r in run_ranks(tp_cases.spmd_case, 4, dict(dp_shard=2, tp=2, sequence_parallel=True), "llama", timeout_s=300):
+    for r in run_ranks(
+        tp_cases.spmd_case,
+        4,
+        dict(dp_shard=2, tp=2, sequence_parallel=True),
+        "llama",
+        timeout_s=300,
+    ):
         _check(r, "fsdp2 x tp+sp llama")
 
 
@@ -80,5 +88,7 @@ def test_fsdp2_bf16_mixed_precision():
 def test_fsdp2_cpu_offload_matches_one_process():
     """CPUOffloadPolicy (sharded parameters, gradients and Adam state on the host; on a CPU-only
     machine this exercises the offload path's copies, on a GPU it moves the state off the device)."""
-    for r in run_ranks(tp_cases.spmd_case, 2, dict(dp_shard=2, cpu_offload=True), "reader", timeout_s=240):
+    for r in run_ranks(
+        tp_cases.spmd_case, 2, dict(dp_shard=2, cpu_offload=True), "reader", timeout_s=240
+    ):
         _check(r, "fsdp2 cpu offload")

@@ -26,7 +26,9 @@ def _mlp() -> torch.nn.Module:
 def _data(world: int, accum: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(accum, world * rows, 8) inputs and (accum, world * rows, 4) targets, alike on every rank."""
     g = torch.Generator().manual_seed(1)
-    return torch.randn(accum, world * rows, 8, generator=g), torch.randn(accum, world * rows, 4, generator=g)
+    return torch.randn(accum, world * rows, 8, generator=g), torch.randn(
+        accum, world * rows, 4, generator=g
+    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -43,16 +45,22 @@ def count_case(rank: int, world: int) -> dict:
     import parallel
 
     calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor")}
+    originals = {
+        name: getattr(dist, name)
+        for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor")
+    }
 
     def counting(name):
         def wrapped(*args, **kwargs):
             # what is reduced: all_reduce(tensor), reduce_scatter_*(output, input)
             key, at = ("tensor", 0) if name == "all_reduce" else ("input", 1)
             t = kwargs[key] if key in kwargs else args[at]
-            if t.numel() > 1:  # the step loss shared over the ranks is one number: not a gradient bucket
+            if (
+                t.numel() > 1
+            ):  # the step loss shared over the ranks is one number: not a gradient bucket
                 calls.append(name)
             return originals[name](*args, **kwargs)
+
         return wrapped
 
     out = {}
@@ -68,8 +76,12 @@ def count_case(rank: int, world: int) -> dict:
                 pm.zero_grad()
                 calls.clear()
                 for i in range(accum):
-                    pm.train_step((x[i, mine],), target=y[i, mine], sync=i == accum - 1,
-                                  loss_fn=lambda o, t, a=accum: torch.nn.functional.mse_loss(o, t) / a)
+                    pm.train_step(
+                        (x[i, mine],),
+                        target=y[i, mine],
+                        sync=i == accum - 1,
+                        loss_fn=lambda o, t, a=accum: torch.nn.functional.mse_loss(o, t) / a,
+                    )
                 counts[accum] = list(calls)
         finally:
             for name, fn in originals.items():
@@ -98,6 +110,10 @@ def test_accumulation_syncs_gradients_once_per_optimizer_step():
             if layout == "dp":
                 assert one == ["all_reduce"], one  # one flat bucket
             # as many collectives for 4 accumulated micro-steps as for one: one per bucket
-            assert four == one, f"{layout}: {len(four)} gradient collectives with accumulation {ACCUM}, {len(one)} without"
+            assert four == one, (
+                f"{layout}: {len(four)} gradient collectives with accumulation {ACCUM}, {len(one)} without"
+            )
             for n, g in ref.items():
-                torch.testing.assert_close(got["grads"][n], g, rtol=1e-5, atol=1e-6, msg=f"{layout} {n}")
+                torch.testing.assert_close(
+                    got["grads"][n], g, rtol=1e-5, atol=1e-6, msg=f"{layout} {n}"
+                )

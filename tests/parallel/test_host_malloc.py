@@ -37,12 +37,19 @@ LOOP = textwrap.dedent("""
 
 
 def _faults(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", LOOP, mode], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", LOOP, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "OMP_NUM_THREADS": "1"},
+    )
     return float(out.stdout.split()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc and /proc are Linux's")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc malloc and /proc are Linux's"
+)
 def test_steady_malloc_stops_page_fault_churn():
     churn, steady = _faults("default"), _faults("steady")
     # measured on the dev box: 1600-3000 faults per step with glibc's dynamic thresholds, 10-200
@@ -50,11 +57,18 @@ def test_steady_malloc_stops_page_fault_churn():
     # 1620 against 195); a no-op steady_malloc would read about the same in both
     if churn < 500:
         pytest.skip(f"this libc's default thresholds do not churn ({churn:.0f} faults per step)")
-    assert steady < churn / 4, f"{steady:.0f} faults per step with steady_malloc vs {churn:.0f} without"
+    assert steady < churn / 4, (
+        f"{steady:.0f} faults per step with steady_malloc vs {churn:.0f} without"
+    )
 
 
 def test_steady_malloc_respects_the_environment():
     code = "from parallel.host_malloc import steady_malloc; print(steady_malloc())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "MALLOC_TRIM_THRESHOLD_": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ".", "MALLOC_TRIM_THRESHOLD_": "1"},
+    )
     assert "environment" in out.stdout

@@ -23,7 +23,11 @@ def _saved_bytes_and_grads(model, inputs):
     with SavedBytes(model) as saved:
         loss = tp_cases.run(model, inputs, tp_cases.reader_loss)
     loss.backward()
-    return saved.nbytes, float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (
+        saved.nbytes,
+        float(loss),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 def _reader(layers=4):
@@ -49,7 +53,9 @@ def test_activation_checkpointing_same_grads_less_memory():
 def test_every_nth_block():
     model, _ = _reader()
     assert apply_activation_checkpointing(list(model.blocks), "every_n", 2) == [1, 3]
-    assert hasattr(model.blocks[1], "_ac_inner_forward") and not hasattr(model.blocks[0], "_ac_inner_forward")
+    assert hasattr(model.blocks[1], "_ac_inner_forward") and not hasattr(
+        model.blocks[0], "_ac_inner_forward"
+    )
     with pytest.raises(ValueError, match="activation_checkpointing"):
         apply_activation_checkpointing(list(model.blocks), "selective")
 
@@ -71,7 +77,9 @@ def test_activation_offload_moves_to_host_on_gpu():
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     hooks = OffloadActivations()
-    torch.tanh(x.detach() @ w.detach())  # cuBLAS takes its workspace (32 MiB) from the allocator once
+    torch.tanh(
+        x.detach() @ w.detach()
+    )  # cuBLAS takes its workspace (32 MiB) from the allocator once
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
     with hooks:

@@ -9,11 +9,18 @@ from parallel.config import ParallelConfig
 
 
 def test_every_problem_is_named_at_once():
-    bad = ParallelConfig(pp=0, dp_shard=-2, schedule="round_robin", p2p="tcp", partition="evenly",
-                         memory_cap_bytes=0)
+    bad = ParallelConfig(
+        pp=0, dp_shard=-2, schedule="round_robin", p2p="tcp", partition="evenly", memory_cap_bytes=0
+    )
     problems = bad.problems(4)
-    for key in ("pp must be >= 1", "dp_shard must be >= 1 or -1", "schedule must be one of",
-                "p2p must be one of", "partition must be one of", "memory_cap_bytes must be positive"):
+    for key in (
+        "pp must be >= 1",
+        "dp_shard must be >= 1 or -1",
+        "schedule must be one of",
+        "p2p must be one of",
+        "partition must be one of",
+        "memory_cap_bytes must be positive",
+    ):
         assert any(p.startswith(key) for p in problems), (key, problems)
     with pytest.raises(ValueError, match="invalid ParallelConfig: pp must be >= 1"):
         bad.validate(4)
@@ -22,20 +29,33 @@ def test_every_problem_is_named_at_once():
 
 def test_minus_one_takes_the_ranks_left_over_on_either_data_parallel_dimension():
     replicas = ParallelConfig(dp_replicate=-1, tp=2)
-    assert replicas.resolved(8).dp_replicate == 4 and replicas.dp_replicate == -1  # resolved() copies
+    assert (
+        replicas.resolved(8).dp_replicate == 4 and replicas.dp_replicate == -1
+    )  # resolved() copies
     shards = ParallelConfig(pp=2, dp_shard=-1).validate(8)
     assert (shards.dp_replicate, shards.dp_shard, shards.dp, shards.world_size) == (1, 4, 4, 8)
-    assert shards.pp_enabled and shards.dp_shard_enabled and shards.fsdp_enabled and not shards.tp_enabled
+    assert (
+        shards.pp_enabled
+        and shards.dp_shard_enabled
+        and shards.fsdp_enabled
+        and not shards.tp_enabled
+    )
     assert ParallelConfig(dp_replicate=-1, dp_shard=-1).problems(4) == [
         "dp_replicate and dp_shard are both -1: at most one takes the ranks left over (dp_replicate=1 with "
-        "dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)"]
+        "dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)"
+    ]
     assert ParallelConfig(dp_replicate=-1, tp=3).problems(8) == [
-        "world size 8 is not divisible by pp*dp_shard*tp = 3"]
-    with pytest.raises(ValueError, match=r"dp_replicate=-1 is not resolved yet: call validate\(world_size\)"):
+        "world size 8 is not divisible by pp*dp_shard*tp = 3"
+    ]
+    with pytest.raises(
+        ValueError, match=r"dp_replicate=-1 is not resolved yet: call validate\(world_size\)"
+    ):
         ParallelConfig(dp_replicate=-1).dp  # noqa: B018  (a question before the check)
     # an option x layout rule sees the resolved degree: FSDP over the left-over ranks
-    assert any("stage_path='graph' with tp=1, dp_shard=2" in p
-               for p in ParallelConfig(pp=2, dp_shard=-1, stage_path="graph").problems(4))
+    assert any(
+        "stage_path='graph' with tp=1, dp_shard=2" in p
+        for p in ParallelConfig(pp=2, dp_shard=-1, stage_path="graph").problems(4)
+    )
 
 
 def test_the_mesh_checks_through_the_config():

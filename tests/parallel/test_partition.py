@@ -56,8 +56,14 @@ def check_settled(tr: TraceResult, part: parallel.Partition) -> None:
             continue
         top = tr.modules[u.module]
         sub = [m for m in tr.modules if m == u.module or m.startswith(u.module + ".")]
-        if any(tr.modules[m].calls and not top.first_seq <= tr.modules[m].first_seq <= tr.modules[m].last_seq
-               <= top.last_seq for m in sub):
+        if any(
+            tr.modules[m].calls
+            and not top.first_seq
+            <= tr.modules[m].first_seq
+            <= tr.modules[m].last_seq
+            <= top.last_seq
+            for m in sub
+        ):
             continue
         stages = {s for v, s in zip(part.units, part.unit_stage) if v.module in sub}
         assert len(stages) > 1, f"{u.module} expanded although all its units are on stage {stages}"
@@ -78,7 +84,9 @@ def check_complete(model: nn.Module, part: parallel.Partition) -> None:
     colocated = {p for g in part.shared if not g.grad_sync for p in g.params}
     for name, st in part.param_stages.items():
         if len(st) > 1:
-            assert name in synced or (name in colocated and len({part.stage_rank[s] for s in st}) == 1), name
+            assert name in synced or (
+                name in colocated and len({part.stage_rank[s] for s in st}) == 1
+            ), name
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -88,8 +96,13 @@ def test_trace_records_gpt2_structure_and_dataflow():
     model, tr = traced("gpt2")
     mods = tr.modules
     # execution order follows the forward
-    assert mods["transformer.wte"].first_seq < mods["transformer.h.0"].first_seq < mods["transformer.h.3"].first_seq \
-        < mods["transformer.ln_f"].first_seq < mods["lm_head"].first_seq
+    assert (
+        mods["transformer.wte"].first_seq
+        < mods["transformer.h.0"].first_seq
+        < mods["transformer.h.3"].first_seq
+        < mods["transformer.ln_f"].first_seq
+        < mods["lm_head"].first_seq
+    )
     assert mods["transformer.h.1.attn.c_attn"].calls == 1 and mods["transformer.h"].calls == 0
     # parameters counted once (tied embedding / LM head share one tensor)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -97,15 +110,22 @@ def test_trace_records_gpt2_structure_and_dataflow():
     assert tr.param_alias["lm_head.weight"] == "transformer.wte.weight"
     assert [sorted(g.modules) for g in tr.shared] == [["lm_head", "transformer.wte"]]
     # activations and times were measured; FLOPs counted for matmuls
-    assert mods["transformer.h.0.mlp.c_fc"].saved_bytes > 0 and mods["transformer.h.0.mlp.c_fc"].out_bytes == 2 * 16 * 256 * 4
+    assert (
+        mods["transformer.h.0.mlp.c_fc"].saved_bytes > 0
+        and mods["transformer.h.0.mlp.c_fc"].out_bytes == 2 * 16 * 256 * 4
+    )
     assert mods[""].fwd_time > 0 and mods[""].bwd_time > 0 and mods["transformer.h.0"].bwd_time > 0
-    assert mods["transformer.h.0.mlp.c_fc"].flops == 3 * 2 * (2 * 16) * 64 * 256  # fwd + 2 bwd matmuls
+    assert (
+        mods["transformer.h.0.mlp.c_fc"].flops == 3 * 2 * (2 * 16) * 64 * 256
+    )  # fwd + 2 bwd matmuls
     # dataflow: each block feeds the next, through the residual glue; c_fc feeds act feeds c_proj
     edges = {(a, b) for a, b, _ in tr.edges()}
     assert ("transformer.h.0", "transformer.h.1") in edges
     assert ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.act") in edges
     assert ("transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj") in edges  # via SDPA glue
-    ids = [t for t in tr.tensors if t.producer == EXTERNAL and not t.via and t.dtype == "torch.int64"]
+    ids = [
+        t for t in tr.tensors if t.producer == EXTERNAL and not t.via and t.dtype == "torch.int64"
+    ]
     assert ids and "transformer.wte" in {tr.calls[c].module for c in ids[0].consumers}
     # JSON round trip
     assert TraceResult.from_dict(tr.to_dict()) == tr
@@ -165,7 +185,9 @@ def test_auto_partition_every_model(name, tmp_path):
     model, tr = traced(name)
     part = parallel.partition_trace(tr, 4)
     check_complete(model, part)
-    assert [s.stage for s in part.stages] == [0, 1, 2, 3] and all(s.num_units > 0 for s in part.stages)
+    assert [s.stage for s in part.stages] == [0, 1, 2, 3] and all(
+        s.num_units > 0 for s in part.stages
+    )
     got, best = exact_optimum(part)
     assert got <= 1.05 * best, f"{name}: largest stage {got:.4f} vs optimum {best:.4f}"
     # every unit belongs to one stage, in execution order
@@ -202,11 +224,21 @@ def test_descends_into_blocks_when_too_coarse():
     # 9 modules in GPT-2's layer list (embeddings, 4 blocks, ln_f, lm_head) for 12 stages: must cut
     # inside blocks (with fewer stages the replayed block code may make whole blocks the better cut)
     part = parallel.partition_trace(tr, 12)
-    assert all(any(part.units[i].kind == "module" for i in range(len(part.units)) if part.unit_stage[i] == s)
-               for s in range(12)), "every stage runs a module"
+    assert all(
+        any(
+            part.units[i].kind == "module"
+            for i in range(len(part.units))
+            if part.unit_stage[i] == s
+        )
+        for s in range(12)
+    ), "every stage runs a module"
     names = {u.name for u in part.units}
     assert any(n.startswith("transformer.h.") and n.count(".") >= 3 for n in names)
-    spans = [st for m, st in part.module_stages.items() if m.startswith("transformer.h.") and m.count(".") == 2]
+    spans = [
+        st
+        for m, st in part.module_stages.items()
+        if m.startswith("transformer.h.") and m.count(".") == 2
+    ]
     assert any(len(st) > 1 for st in spans), "some block should be split across stages"
 
 
@@ -249,7 +281,9 @@ def test_child_called_before_its_parent_is_placed_where_it_runs():
     names = [u.name for u in units]
     assert names.index("lm.embed") < names.index("lm.layers.0"), names
     part = parallel.partition_trace(tr, 3)
-    assert len({tuple(st) for m, st in part.module_stages.items() if m.startswith("lm.layers.")}) >= 2, part.module_stages
+    assert (
+        len({tuple(st) for m, st in part.module_stages.items() if m.startswith("lm.layers.")}) >= 2
+    ), part.module_stages
 
 
 # ----------------------------------------------------------------------------- tied weights
@@ -264,18 +298,29 @@ def test_tied_weights_never_unsynchronised_copies():
         assert st_head == st_emb  # one parameter, one set of holders
         (group,) = part.shared
         assert set(group.params) == {"lm_head.weight", "transformer.wte.weight"}
-        assert group.stages == st_head and len(st_head) == 2 and group.grad_sync and group.policy == "replicated"
+        assert (
+            group.stages == st_head
+            and len(st_head) == 2
+            and group.grad_sync
+            and group.policy == "replicated"
+        )
         # every stage with a user holds a copy
-        assert set(part.module_stages["lm_head"]) | set(part.module_stages["transformer.wte"]) <= set(group.stages)
+        assert set(part.module_stages["lm_head"]) | set(
+            part.module_stages["transformer.wte"]
+        ) <= set(group.stages)
     # V-shaped schedule: the first and last stage are on rank 0, so the tie can be co-located
-    v = parallel.partition_trace(tr, 4, schedule="zbv", manual=["transformer.h.0", "transformer.h.2", "transformer.ln_f"])
+    v = parallel.partition_trace(
+        tr, 4, schedule="zbv", manual=["transformer.h.0", "transformer.h.2", "transformer.ln_f"]
+    )
     (group,) = v.shared
     assert group.stages == [0, 3] and v.stage_rank[0] == v.stage_rank[3] == 0
     assert group.policy == "colocated" and not group.grad_sync
     auto_v = parallel.partition_trace(tr, 4, schedule="zbv")
     (group,) = auto_v.shared
     ranks = {auto_v.stage_rank[s] for s in group.stages}
-    assert group.grad_sync == (len(ranks) > 1) and (group.policy == "colocated") == (len(ranks) == 1)
+    assert group.grad_sync == (len(ranks) > 1) and (group.policy == "colocated") == (
+        len(ranks) == 1
+    )
     # SageMaker's rule (co-locate): with the embedding and head at both ends nothing can be cut
     with pytest.raises(InfeasiblePartition, match="colocate"):
         parallel.partition_trace(tr, 4, shared="colocate")
@@ -327,9 +372,13 @@ def test_manual_override():
     assert part.method == "manual"
     assert part.stage_of("transformer.h.1") == 0 and part.stage_of("transformer.h.2") == 1
     assert part.stage_of("lm_head") == 1 and part.stage_of("transformer.h.2.mlp.c_fc.weight") == 1
-    lists = parallel.partition_trace(tr, 2, manual=[["transformer.wte", "transformer.h.0"],
-                                                    ["transformer.h.1.attn", "lm_head"]])
-    assert lists.stage_of("transformer.h.0") == 0 and lists.stage_of("transformer.h.1.attn.c_attn") == 1
+    lists = parallel.partition_trace(
+        tr, 2, manual=[["transformer.wte", "transformer.h.0"], ["transformer.h.1.attn", "lm_head"]]
+    )
+    assert (
+        lists.stage_of("transformer.h.0") == 0
+        and lists.stage_of("transformer.h.1.attn.c_attn") == 1
+    )
     check_complete(model, lists)
     with pytest.raises(ValueError):
         parallel.partition_trace(tr, 2, manual=["transformer.h.2", "transformer.h.1"])
@@ -339,8 +388,17 @@ def test_meta_device_trace_uses_flops():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
-                                           bos_token_id=0, eos_token_id=0))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=4,
+                n_embd=64,
+                n_head=4,
+                vocab_size=512,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     ids = torch.randint(0, 512, (2, 16), device="meta")
     part = parallel.auto_partition(model, (ids,), 4)
     assert not part.timed and part.units[0].fwd_time == 0.0
@@ -354,16 +412,20 @@ def test_auto_partition_api_with_dict_inputs():
     model, inputs = MODELS["hf_vit"]()
     part = parallel.auto_partition(model, inputs, 2, passes=1)
     assert isinstance(part, parallel.Partition) and part.num_stages == 2
-    assert part.stage_of("classifier") == 1 and part.stage_of("vit.embeddings.patch_embeddings") == 0
+    assert (
+        part.stage_of("classifier") == 1 and part.stage_of("vit.embeddings.patch_embeddings") == 0
+    )
 
 
 def test_baselines_balance_their_own_measure():
     assert uniform_bounds(10, 4) == [0, 3, 6, 8, 10]
     w = [5, 1, 1, 1, 1, 1, 5, 2, 2, 2]
     b = balanced_bounds(w, 3)
-    worst = max(sum(w[b[s]:b[s + 1]]) for s in range(3))
+    worst = max(sum(w[b[s] : b[s + 1]]) for s in range(3))
     # brute force over all 2-cut placements
-    best = min(max(sum(w[:i]), sum(w[i:j]), sum(w[j:])) for i in range(1, 9) for j in range(i + 1, 10))
+    best = min(
+        max(sum(w[:i]), sum(w[i:j]), sum(w[j:])) for i in range(1, 9) for j in range(i + 1, 10)
+    )
     assert worst == best
     _, tr = traced("llama")
     for method in ("uniform", "parameters", "time"):
@@ -393,4 +455,6 @@ def test_partition_follows_measured_costs_not_flops():
     # by measured time the slow layer is a stage alone; by FLOPs the cut falls in the middle
     assert part.module_stages["0"] == [0] and part.module_stages["1"] == [1], part.table()
     flops_only = parallel.partition_trace(dataclasses.replace(tr, timed=False), 2)
-    assert flops_only.module_stages["1"] == [0] and flops_only.module_stages["2"] == [1], flops_only.table()
+    assert flops_only.module_stages["1"] == [0] and flops_only.module_stages["2"] == [1], (
+        flops_only.table()
+    )

@@ -34,9 +34,13 @@ def _compare(pm, loss, ref_loss, ref_grads) -> list[str]:
         n += 1
         r = torch.zeros_like(p) if r is None else r
         g = torch.zeros_like(r) if g is None else g
-        tol = RTOL * (r.abs() + r.abs().max() * 1e-2) + floor  # rtol 1e-4, floors: 1% of the tensor's scale
+        tol = (
+            RTOL * (r.abs() + r.abs().max() * 1e-2) + floor
+        )  # rtol 1e-4, floors: 1% of the tensor's scale
         if not bool(((g - r).abs() <= tol).all()):
-            bad.append(f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| {float(r.abs().max()):.3g})")
+            bad.append(
+                f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| {float(r.abs().max()):.3g})"
+            )
     if n == 0 and any(True for _ in pm.parameters()):
         bad.append("this rank checked no gradient")
     return bad
@@ -49,8 +53,9 @@ def _equivalence_worker(rank, world, name, schedules, m, partition, pp=None, **c
     for schedule in schedules:
         model, inputs, target, loss_fn, weight_fn = make_case(name)
         ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, m)
-        cfg = parallel.ParallelConfig(pp=pp or world, microbatches=m, schedule=schedule, partition=partition,
-                                      **cfg_extra)
+        cfg = parallel.ParallelConfig(
+            pp=pp or world, microbatches=m, schedule=schedule, partition=partition, **cfg_extra
+        )
         pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
         loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
         bad = _compare(pm, loss, ref_loss, ref_grads)
@@ -69,33 +74,59 @@ def _check(results, label):
 
 
 FAST = [  # (model, ranks, schedules, partition): every capability once, in about two minutes
-    ("reader", 2, ("gpipe", "1f1b", "zero_bubble"), "auto"),  # 4 stages: GPT-2 below; the reader's in SLOW
+    (
+        "reader",
+        2,
+        ("gpipe", "1f1b", "zero_bubble"),
+        "auto",
+    ),  # 4 stages: GPT-2 below; the reader's in SLOW
     ("gpt2", 2, ("gpipe", "1f1b", "interleaved_1f1b", "zbv"), "auto"),
     ("gpt2", 4, ("1f1b", "eager_1f1b"), "uniform"),  # gpipe on 4 ranks: SLOW
 ]
 SLOW = [
-    (name, world, ("gpipe", "1f1b", "eager_1f1b") + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()),
-     part)
-    for name in ("reader", "gpt2", "llama", "bert", "t5") for world in (2, 4) for part in ("auto", "uniform")
+    (
+        name,
+        world,
+        ("gpipe", "1f1b", "eager_1f1b")
+        + (("interleaved_1f1b", "zero_bubble", "zbv") if world == 2 else ()),
+        part,
+    )
+    for name in ("reader", "gpt2", "llama", "bert", "t5")
+    for world in (2, 4)
+    for part in ("auto", "uniform")
 ] + [
-    (name, 2, ("looped_bfs", "dualpipev"), "auto") for name in ("reader", "gpt2", "llama", "bert", "t5")
+    (name, 2, ("looped_bfs", "dualpipev"), "auto")
+    for name in ("reader", "gpt2", "llama", "bert", "t5")
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name,world,schedules,partition", FAST, ids=[f"{c[0]}-{c[1]}" for c in FAST])
+@pytest.mark.parametrize(
+    "name,world,schedules,partition", FAST, ids=[f"{c[0]}-{c[1]}" for c in FAST]
+)
 def test_pipeline_matches_single_process(name, world, schedules, partition):
-    _check(run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=240), name)
+    _check(
+        run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=240), name
+    )
 
 
 # Llama, BERT and T5 once each, carrying the two schedules no FAST case runs and the memory
 # partition objective; one process group
-HF_FAST = (("llama", ("looped_bfs",), {}), ("bert", ("dualpipev",), {}), ("t5", ("1f1b",), {"objective": "memory"}))
+HF_FAST = (
+    ("llama", ("looped_bfs",), {}),
+    ("bert", ("dualpipev",), {}),
+    ("t5", ("1f1b",), {"objective": "memory"}),
+)
 
 
 def _models_worker(rank, world, cases, m, partition):
-    return {f"{name} {schedule}": bad for name, schedules, extra in cases
-            for schedule, bad in _equivalence_worker(rank, world, name, schedules, m, partition, **extra).items()}
+    return {
+        f"{name} {schedule}": bad
+        for name, schedules, extra in cases
+        for schedule, bad in _equivalence_worker(
+            rank, world, name, schedules, m, partition, **extra
+        ).items()
+    }
 
 
 @pytest.mark.multirank
@@ -105,9 +136,13 @@ def test_pipeline_matches_single_process_hf_models():
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("name,world,schedules,partition", SLOW, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in SLOW])
+@pytest.mark.parametrize(
+    "name,world,schedules,partition", SLOW, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in SLOW]
+)
 def test_pipeline_grid(name, world, schedules, partition):
-    _check(run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=600), name)
+    _check(
+        run_ranks(_equivalence_worker, world, name, schedules, 4, partition, timeout_s=600), name
+    )
 
 
 # ----------------------------------------------------------------------------- pp x dp
@@ -119,7 +154,9 @@ def _pp_dp_worker(rank, world):
 
     model, inputs, target, loss_fn, _ = hf_case("gpt2", b=16)
     ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
-    cfg = parallel.ParallelConfig(pp=2, dp_replicate=2, microbatches=4, schedule="1f1b", partition="uniform")
+    cfg = parallel.ParallelConfig(
+        pp=2, dp_replicate=2, microbatches=4, schedule="1f1b", partition="uniform"
+    )
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
     lo, hi = pm.dp_rank * 8, (pm.dp_rank + 1) * 8  # each replica its half of the global batch
     loss = pm.train_step((inputs[0][lo:hi],), target=target[lo:hi], loss_fn=loss_fn)
@@ -144,21 +181,33 @@ def _structures_worker(rank, world, schedule):
     from rag_mm.model.rag import one_document_inputs
 
     model, inputs, _, loss_fn, weight_fn = make_case("reader")
-    one = one_document_inputs({n: t for n, t in inputs.items() if not n.startswith("doc_")},
-                              {n: t for n, t in inputs.items() if n.startswith("doc_")})
+    one = one_document_inputs(
+        {n: t for n, t in inputs.items() if not n.startswith("doc_")},
+        {n: t for n, t in inputs.items() if n.startswith("doc_")},
+    )
     closed = {n: t for n, t in inputs.items() if not n.startswith("doc_")}
-    refs = {name: reference(model, x, None, loss_fn, weight_fn, 4)
-            for name, x in (("default", inputs), ("one_document", one), ("closed_book", closed))}
+    refs = {
+        name: reference(model, x, None, loss_fn, weight_fn, 4)
+        for name, x in (("default", inputs), ("one_document", one), ("closed_book", closed))
+    }
     with torch.no_grad():
         ref_nll = copy.deepcopy(model)(**one).nll
     cfg = parallel.ParallelConfig(pp=world, microbatches=4, schedule=schedule, partition="auto")
-    pm = parallel.parallelize(model, cfg, inputs, timeout_s=60,
-                              structures={"one_document": one, "closed_book": closed})
-    out = {"calls": {n: len(p.names) for n, p in pm.plans.items()} | {"default": len(pm.plan.names)}}
-    for name, x in (("one_document", one), ("closed_book", closed), ("default", inputs)):  # default last
+    pm = parallel.parallelize(
+        model, cfg, inputs, timeout_s=60, structures={"one_document": one, "closed_book": closed}
+    )
+    out = {
+        "calls": {n: len(p.names) for n, p in pm.plans.items()} | {"default": len(pm.plan.names)}
+    }
+    for name, x in (
+        ("one_document", one),
+        ("closed_book", closed),
+        ("default", inputs),
+    ):  # default last
         pm.zero_grad()
-        loss = pm.train_step(x, loss_fn=loss_fn, weight_fn=weight_fn,
-                             structure=None if name == "default" else name)
+        loss = pm.train_step(
+            x, loss_fn=loss_fn, weight_fn=weight_fn, structure=None if name == "default" else name
+        )
         out[name] = _compare(pm, loss, *refs[name])
     nll = torch.cat(pm.predict(one, output_fn=lambda o, _: o.nll, structure="one_document"))
     out["predict"] = bool(torch.allclose(nll, ref_nll, rtol=1e-5, atol=1e-6))
@@ -177,11 +226,15 @@ def test_pipeline_input_structures(schedule):
     each trains (loss and gradients) and predicts as one process does."""
     for rank, res in enumerate(run_ranks(_structures_worker, 2, schedule, timeout_s=240)):
         calls = res["calls"]
-        assert calls["closed_book"] < calls["one_document"] < calls["default"], calls  # tok_emb per document
+        assert calls["closed_book"] < calls["one_document"] < calls["default"], (
+            calls
+        )  # tok_emb per document
         for name in ("one_document", "closed_book", "default"):
             assert not res[name], f"{schedule} rank {rank} {name}: {res[name][:5]}"
         assert res["predict"], f"rank {rank}: per-document NLL differs from one process"
-        assert "two_documents" in res["unknown"] and "one_document" in res["unknown"], res["unknown"]
+        assert "two_documents" in res["unknown"] and "one_document" in res["unknown"], res[
+            "unknown"
+        ]
 
 
 # ----------------------------------------------------------------------------- mixed precision
@@ -217,18 +270,31 @@ def _autocast_worker(rank, world, schedule, partition):
         loss = pm.train_step(inputs, loss_fn=loss_fn, weight_fn=weight_fn)
     held = {n: p.grad for n, p in pm.named_parameters() if p.grad is not None}
 
-    def gap(grads):  # relative distance of this rank's gradients, all as one vector, from the bf16 step's
+    def gap(
+        grads,
+    ):  # relative distance of this rank's gradients, all as one vector, from the bf16 step's
         a = torch.cat([grads[n].reshape(-1) for n in held])
         b = torch.cat([ref[1][n].reshape(-1) for n in held])
         return float((a - b).norm() / b.norm())
 
-    worst = max((float((held[n] - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-30)), n) for n in held)
-    return {"pipe": gap(held), "fp32": gap(fp32[1]), "worst": worst, "loss": (float(loss), ref[0], fp32[0]),
-            "n": len(held), "cut": pm.partition.bounds, "autocast_after": torch.is_autocast_enabled("cpu")}
+    worst = max(
+        (float((held[n] - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-30)), n) for n in held
+    )
+    return {
+        "pipe": gap(held),
+        "fp32": gap(fp32[1]),
+        "worst": worst,
+        "loss": (float(loss), ref[0], fp32[0]),
+        "n": len(held),
+        "cut": pm.partition.bounds,
+        "autocast_after": torch.is_autocast_enabled("cpu"),
+    }
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("schedule,cut", [("1f1b", "layers"), ("zero_bubble", "layers"), ("1f1b", "in_block")])
+@pytest.mark.parametrize(
+    "schedule,cut", [("1f1b", "layers"), ("zero_bubble", "layers"), ("1f1b", "in_block")]
+)
 def test_pipeline_under_autocast(schedule, cut, tmp_path):
     """``train_step`` inside ``torch.autocast``: the forwards run in bf16, the backwards (full, or
     split into input and weight parts) without autocast. A pipeline whose first stage lost autocast
@@ -251,8 +317,13 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
         from parallel.inputs import split_microbatches
 
         model, inputs, *_ = make_case("reader")
-        part = auto_partition(model, split_microbatches(inputs, 4)[0], 2, manual=["blocks.3.mlp"],
-                              loss_fn=lambda out: out.loss)
+        part = auto_partition(
+            model,
+            split_microbatches(inputs, 4)[0],
+            2,
+            manual=["blocks.3.mlp"],
+            loss_fn=lambda out: out.loss,
+        )
         partition = str(tmp_path / "in_block.json")
         part.save(partition)
     for rank, res in enumerate(run_ranks(_autocast_worker, 2, schedule, partition, timeout_s=240)):
@@ -261,7 +332,9 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
         bound = res["fp32"] / 30 if cut == "layers" else res["fp32"] / 2
         assert res["pipe"] < bound, f"{schedule} {cut} rank {rank}: {res}"
         loss, ref, fp32 = res["loss"]
-        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, res  # the last stage's loss, on every rank
+        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, (
+            res
+        )  # the last stage's loss, on every rank
         assert not res["autocast_after"]
 
 
@@ -319,7 +392,9 @@ def _timeline_worker(rank, world, schedule):
     from parallel.timeline import gather
 
     model, inputs, target, loss_fn, _ = make_case("gpt2")
-    cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule=schedule, partition="uniform", stages_per_rank=2)
+    cfg = parallel.ParallelConfig(
+        pp=2, microbatches=4, schedule=schedule, partition="uniform", stages_per_rank=2
+    )
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
     pm.train_step(inputs, target=target, loss_fn=loss_fn)
     return gather(pm.events)
@@ -355,8 +430,14 @@ def test_timeline_export(tmp_path):
 def test_schedule_orders_are_complete():
     from parallel.pipeline.schedule import Action, pipeline_order, split_last_backward
 
-    for schedule, v in [("gpipe", 1), ("1f1b", 1), ("eager_1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
-                        ("zbv", 2)]:
+    for schedule, v in [
+        ("gpipe", 1),
+        ("1f1b", 1),
+        ("eager_1f1b", 1),
+        ("interleaved_1f1b", 2),
+        ("zero_bubble", 2),
+        ("zbv", 2),
+    ]:
         for p, m in [(2, 4), (4, 8)]:
             order = pipeline_order(schedule, p, v, m)  # raises if a stage misses or repeats work
             assert sorted(order) == list(range(p))
@@ -367,9 +448,15 @@ def test_schedule_orders_are_complete():
     drained = pipeline_order("1f1b", 4, 1, 8, split_drain=True)
     assert [a.kind for a in drained[0][-2:]] == ["B", "B"] and drained[0] == one[0]
     for r in (1, 2, 3):
-        b6, b7 = (next(i for i, a in enumerate(one[r]) if a.kind == "B" and a.mb == mb) for mb in (6, 7))
-        want = one[r][:b6] + [Action("I", r, 6)] + one[r][b6 + 1:b7] + [Action("I", r, 7), Action("W", r, 6),
-                                                                          Action("W", r, 7)]
+        b6, b7 = (
+            next(i for i, a in enumerate(one[r]) if a.kind == "B" and a.mb == mb) for mb in (6, 7)
+        )
+        want = (
+            one[r][:b6]
+            + [Action("I", r, 6)]
+            + one[r][b6 + 1 : b7]
+            + [Action("I", r, 7), Action("W", r, 6), Action("W", r, 7)]
+        )
         assert drained[r] == want, (r, drained[r][-6:])
     assert split_last_backward(one, depth=1)[3][-2:] == [Action("I", 3, 7), Action("W", 3, 7)]
     eager = pipeline_order("eager_1f1b", 4, 1, 8)  # 2 (p - r - 1) warm-up forwards
@@ -390,11 +477,17 @@ def test_tree_roundtrip_keeps_structure():
         loss: torch.Tensor
         extra: object = None
 
-    obj = (CausalLMOutputWithPast(logits=torch.ones(2, 3)), {"a": [torch.zeros(1), 3, None]}, Out(torch.ones(())))
+    obj = (
+        CausalLMOutputWithPast(logits=torch.ones(2, 3)),
+        {"a": [torch.zeros(1), 3, None]},
+        Out(torch.ones(())),
+    )
     spec, leaves = flatten(obj)
     assert len(leaves) == 3
     back = unflatten(spec, [t + 1 for t in leaves])
-    assert isinstance(back[0], CausalLMOutputWithPast) and torch.equal(back[0].logits, torch.full((2, 3), 2.0))
+    assert isinstance(back[0], CausalLMOutputWithPast) and torch.equal(
+        back[0].logits, torch.full((2, 3), 2.0)
+    )
     assert back[1]["a"][1:] == [3, None] and isinstance(back[2], Out) and float(back[2].loss) == 2.0
 
 
@@ -402,7 +495,9 @@ def test_split_microbatches():
     from parallel.inputs import split_microbatches
 
     parts = split_microbatches({"x": torch.arange(8).view(8, 1), "flag": True}, 4)
-    assert len(parts) == 4 and parts[1]["x"].flatten().tolist() == [2, 3] and parts[3]["flag"] is True
+    assert (
+        len(parts) == 4 and parts[1]["x"].flatten().tolist() == [2, 3] and parts[3]["flag"] is True
+    )
 
 
 # ----------------------------------------------------------------------------- p2p lanes
@@ -418,7 +513,9 @@ def _p2p_worker(rank, world, mode, budget):
     for name in ("gpt2", "reader"):
         model, inputs, target, loss_fn, weight_fn = make_case(name)
         ref_loss, ref_grads = reference(model, inputs, target, loss_fn, weight_fn, 4)
-        cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule="1f1b", partition="uniform", p2p=mode)
+        cfg = parallel.ParallelConfig(
+            pp=2, microbatches=4, schedule="1f1b", partition="uniform", p2p=mode
+        )
         pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
         loss = pm.train_step(inputs, target=target, loss_fn=loss_fn, weight_fn=weight_fn)
         limits = [ch.limit for (peer, *_), ch in pm.transport.lanes.items() if peer == 1 - rank]
@@ -438,7 +535,11 @@ def test_pipeline_p2p_transports(mode, budget):
                 assert limits == []
             else:  # one ring each way between the two stages
                 assert len(limits) == 2, limits
-                assert all(lim <= (256 << 10) for lim in limits) if budget else all(lim >= (1 << 20) for lim in limits)
+                assert (
+                    all(lim <= (256 << 10) for lim in limits)
+                    if budget
+                    else all(lim >= (1 << 20) for lim in limits)
+                )
 
 
 def test_lanes_follow_the_schedule():
@@ -459,7 +560,9 @@ def test_lanes_follow_the_schedule():
         o = pipeline_order(schedule, 2, 2, 4)
         ranks = [0, 1, 1, 0] if schedule == "zbv" else [0, 1, 0, 1]
         sends, recvs = messages(o, ranks)
-        mixed = [pair for pair in sends if sends[pair] != recvs[pair]]  # pairs whose edges interleave
+        mixed = [
+            pair for pair in sends if sends[pair] != recvs[pair]
+        ]  # pairs whose edges interleave
         assert bool(mixed) == (schedule != "interleaved_1f1b"), (schedule, mixed)
         lanes, why = plan_lanes([o], ranks)
         assert why == "", (schedule, why)
@@ -470,7 +573,10 @@ def test_lanes_follow_the_schedule():
                 f, b = lanes[(*pair, kind, st)]
                 assert (f if kind == "f" else b) == sum(1 for k in keys if k[:2] == (kind, st))
     # a receiver that takes the microbatches in another order than they were sent: no FIFO lane
-    swapped = {0: order[0], 1: [Action(a.kind, a.stage, 1 - a.mb if a.mb < 2 else a.mb) for a in order[1]]}
+    swapped = {
+        0: order[0],
+        1: [Action(a.kind, a.stage, 1 - a.mb if a.mb < 2 else a.mb) for a in order[1]],
+    }
     lanes, why = plan_lanes([swapped], [0, 1])
     assert (0, 1, "f", 0) not in lanes and "another order" in why
     # the ring holds one step of its lane: headers + metadata (one slot each) and payloads
@@ -491,8 +597,14 @@ def _graph_worker(rank, world):
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)):  # 2 or 4 stages
         model, inputs, target, loss_fn, _ = make_case("skip_mlp")
         ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
-        cfg = parallel.ParallelConfig(pp=2, microbatches=4, schedule=schedule, stages_per_rank=v,
-                                      partition="uniform", stage_path="graph")
+        cfg = parallel.ParallelConfig(
+            pp=2,
+            microbatches=4,
+            schedule=schedule,
+            stages_per_rank=v,
+            partition="uniform",
+            stage_path="graph",
+        )
         pm = parallel.parallelize(model, cfg, inputs, timeout_s=60)
         kinds = {type(st).__name__ for st in pm.stages.values()}
         loss = pm.train_step(inputs, target=target, loss_fn=loss_fn)
@@ -505,13 +617,26 @@ def _graph_worker(rank, world):
             full = make_case("skip_mlp")[0](*inputs)  # a fresh copy of the same model
         same = bool(torch.allclose(preds, full, rtol=1e-5, atol=1e-6))
         relay = [len(s) for s in pm.plan.send]
-        out[schedule] = (bad, kinds, relay, isinstance(next(iter(pm.stages.values())), GraphStage), same)
+        out[schedule] = (
+            bad,
+            kinds,
+            relay,
+            isinstance(next(iter(pm.stages.values())), GraphStage),
+            same,
+        )
     model, inputs, target, loss_fn, _ = make_case("seq_mlp")
     ref_loss, ref_grads = reference(model, inputs, target, loss_fn, None, 4)
-    pm = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=4, partition="uniform",
-                                                             stage_path="auto"), inputs, timeout_s=60)
+    pm = parallel.parallelize(
+        model,
+        parallel.ParallelConfig(pp=2, microbatches=4, partition="uniform", stage_path="auto"),
+        inputs,
+        timeout_s=60,
+    )
     loss = pm.train_step(inputs, target=target, loss_fn=loss_fn)
-    out["seq_mlp"] = (_compare(pm, loss, ref_loss, ref_grads), type(next(iter(pm.stages.values()))).__name__)
+    out["seq_mlp"] = (
+        _compare(pm, loss, ref_loss, ref_grads),
+        type(next(iter(pm.stages.values()))).__name__,
+    )
     # a Hugging Face model export can take (ViT): the last stage returns the model's own ModelOutput
     # (export flattens it; the loss function reads ``.logits``), gradients as one process
     from tests.parallel.partition_models import hf_vit
@@ -522,14 +647,25 @@ def _graph_worker(rank, world):
     px, labels = torch.randn(8, 3, 32, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)
     ce = lambda out, t: torch.nn.functional.cross_entropy(out.logits, t)  # noqa: E731
     ref_loss, ref_grads = reference(vit, {"pixel_values": px}, labels, ce, None, 4)
-    pm = parallel.parallelize(vit, parallel.ParallelConfig(pp=2, microbatches=4, partition="auto", stage_path="graph"),
-                              {"pixel_values": px}, timeout_s=60)
+    pm = parallel.parallelize(
+        vit,
+        parallel.ParallelConfig(pp=2, microbatches=4, partition="auto", stage_path="graph"),
+        {"pixel_values": px},
+        timeout_s=60,
+    )
     loss = pm.train_step({"pixel_values": px}, target=labels, loss_fn=ce)
-    out["vit"] = (_compare(pm, loss, ref_loss, ref_grads), type(next(iter(pm.stages.values()))).__name__)
+    out["vit"] = (
+        _compare(pm, loss, ref_loss, ref_grads),
+        type(next(iter(pm.stages.values()))).__name__,
+    )
     # auto: the reader's data-dependent packing cannot be exported -> the eager path, with a reason
     model, inputs, _, _, _ = make_case("reader")
-    pm = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=2, partition="uniform",
-                                                             stage_path="auto"), inputs, timeout_s=60)
+    pm = parallel.parallelize(
+        model,
+        parallel.ParallelConfig(pp=2, microbatches=2, partition="uniform", stage_path="auto"),
+        inputs,
+        timeout_s=60,
+    )
     out["reader-auto"] = type(next(iter(pm.stages.values()))).__name__
     return out
 
@@ -545,7 +681,11 @@ def test_graph_path_matches_single_process():
             bad, kinds, relay, is_graph, same = res[schedule]
             assert not bad, f"graph {schedule} rank {rank}: {bad[:5]}"
             assert kinds == {"GraphStage"} and is_graph and same
-        assert res["interleaved_1f1b"][2][:3] == [2, 2, 2], res["interleaved_1f1b"][2]  # activation + skip
-        assert res["seq_mlp"] == ([], "GraphStage"), res["seq_mlp"]  # auto takes the graph path where it can
+        assert res["interleaved_1f1b"][2][:3] == [2, 2, 2], res["interleaved_1f1b"][
+            2
+        ]  # activation + skip
+        assert res["seq_mlp"] == ([], "GraphStage"), res[
+            "seq_mlp"
+        ]  # auto takes the graph path where it can
         assert res["reader-auto"] == "EagerStage"
         assert res["vit"] == ([], "GraphStage"), res["vit"]

@@ -39,7 +39,11 @@ def _full(model, h, ids, gy):
 def test_split_matches_full_backward(seed):
     torch.manual_seed(seed)
     model = Shapes().double()
-    h, ids, gy = torch.randn(4, 8, dtype=torch.double), torch.randint(0, 10, (4,)), torch.randn(4, 8, dtype=torch.double)
+    h, ids, gy = (
+        torch.randn(4, 8, dtype=torch.double),
+        torch.randint(0, 10, (4,)),
+        torch.randn(4, 8, dtype=torch.double),
+    )
     ref_dh, ref = _full(model, h, ids, gy)
     model.zero_grad()
     x = h.detach().requires_grad_(True)
@@ -103,7 +107,9 @@ class Linears(nn.Module):
 
     def forward(self, h):
         h = self.conv1d(torch.tanh(self.nobias(torch.relu(self.seq(h)))))
-        s = torch.addmm(self.scaled.bias, h.reshape(-1, 8), self.scaled.weight.t(), beta=0.5).view_as(h)
+        s = torch.addmm(
+            self.scaled.bias, h.reshape(-1, 8), self.scaled.weight.t(), beta=0.5
+        ).view_as(h)
         return self.hooked(torch.sigmoid(s))
 
 

@@ -14,7 +14,11 @@ RTOL = 1e-4
 
 
 def _check(res: dict, name: str) -> None:
-    assert abs(res["loss"] - res["ref"]) <= RTOL * abs(res["ref"]) + 1e-6, (name, res["loss"], res["ref"])
+    assert abs(res["loss"] - res["ref"]) <= RTOL * abs(res["ref"]) + 1e-6, (
+        name,
+        res["loss"],
+        res["ref"],
+    )
     assert res["gerr"] < RTOL, (name, res["gerr"])
     assert res["gerr_global"] < RTOL, (name, res["gerr_global"])
     assert res["dtensors"], f"{name}: nothing was sharded"
@@ -27,7 +31,9 @@ def default_suite():
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["reader", "gpt2", "bert", "t5", "llama+sp", "llama+loss_parallel"])
+@pytest.mark.parametrize(
+    "case", ["reader", "gpt2", "bert", "t5", "llama+sp", "llama+loss_parallel"]
+)
 def test_tp2_matches_one_process(default_suite, case):
     """The automatic plan on each model: one process's loss and gradients, and no planned module
     that the self-check had to leave replicated (a wrong rule would hide behind the fallback).
@@ -36,13 +42,19 @@ def test_tp2_matches_one_process(default_suite, case):
     for rank_res in default_suite:
         r = rank_res[case]
         _check(r, case)
-        failed = [line for line in r["log"] if line.startswith("self-check:") and "left replicated" in line]
+        failed = [
+            line
+            for line in r["log"]
+            if line.startswith("self-check:") and "left replicated" in line
+        ]
         if case != "t5":
             assert not failed, (case, failed)
             continue
         attn = [n for n in r["roles"] if n.endswith((".q", ".k", ".v", ".o"))]
         assert attn and all(r["roles"][n] == "replicate" for n in attn), r["roles"]
-        assert len(failed) == 9 and any("which a later module takes in" in line for line in failed), failed
+        assert len(failed) == 9 and any(
+            "which a later module takes in" in line for line in failed
+        ), failed
         assert r["roles"]["encoder.block.0.layer.1.DenseReluDense.wi"] == "colwise", r["roles"]
 
 
@@ -51,8 +63,14 @@ def test_tp_plan_roles(default_suite):
     r = default_suite[0]
     gpt2 = r["gpt2"]["roles"]
     # GPT-2's fused c_attn (Conv1D, q|k|v) feeds c_proj; the MLP's c_fc feeds its c_proj via GELU
-    assert gpt2["transformer.h.0.attn.c_attn"] == "colwise" and gpt2["transformer.h.0.attn.c_proj"] == "rowwise"
-    assert gpt2["transformer.h.0.mlp.c_fc"] == "colwise" and gpt2["transformer.h.0.mlp.c_proj"] == "rowwise"
+    assert (
+        gpt2["transformer.h.0.attn.c_attn"] == "colwise"
+        and gpt2["transformer.h.0.attn.c_proj"] == "rowwise"
+    )
+    assert (
+        gpt2["transformer.h.0.mlp.c_fc"] == "colwise"
+        and gpt2["transformer.h.0.mlp.c_proj"] == "rowwise"
+    )
     # tied wte / lm_head: left replicated, and logged
     assert gpt2["lm_head"] == "replicate" and gpt2["transformer.wte"] == "replicate"
     assert any("tied parameter" in line for line in r["gpt2"]["log"])
@@ -62,7 +80,9 @@ def test_tp_plan_roles(default_suite):
     reader = r["reader"]["roles"]
     assert reader["blocks.0.mlp.fc"] == "colwise" and reader["blocks.0.mlp.proj"] == "rowwise"
     # rag_mm's own attention, no rule registered: the fused q|k|v read off its dataflow
-    assert reader["blocks.0.attn.qkv"] == "colwise" and reader["blocks.0.attn.proj"] == "rowwise", reader
+    assert reader["blocks.0.attn.qkv"] == "colwise" and reader["blocks.0.attn.proj"] == "rowwise", (
+        reader
+    )
     assert reader["vision.transformer.resblocks.0.attn"] == "rule:multihead_attention"
     assert reader["lm_head"] == "replicate"  # tied to tok_emb
 
@@ -70,7 +90,9 @@ def test_tp_plan_roles(default_suite):
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_tp2_model_grid():
-    res = run_ranks(tp_cases.suite, 2, ["llama", "open_clip"], ["gpt2", "bert", "t5", "reader"], timeout_s=600)
+    res = run_ranks(
+        tp_cases.suite, 2, ["llama", "open_clip"], ["gpt2", "bert", "t5", "reader"], timeout_s=600
+    )
     for rank_res in res:
         for case, r in rank_res.items():
             _check(r, case)
@@ -96,7 +118,10 @@ def test_head_count_not_divisible_fails_before_sharding():
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"tp=3 does not divide the head count .*num_heads=4"):
         discover_plan(model, 3, example_inputs=inputs)
-    assert all(torch.equal(p, before[n]) and type(p) is torch.nn.Parameter for n, p in model.named_parameters())
+    assert all(
+        torch.equal(p, before[n]) and type(p) is torch.nn.Parameter
+        for n, p in model.named_parameters()
+    )
 
 
 def test_bad_mesh_layout_fails_with_message():
@@ -141,18 +166,31 @@ def test_self_check_leaves_misread_modules_replicated(default_suite):
     r = default_suite[0]["selfcheck_lm"]
     roles, blocks, log = r["roles"], r["blocks"], r["log"]
     assert roles["mix.qkv"] == roles["mix.out"] == "replicate", roles
-    assert any(line.startswith("self-check: mix left replicated: max relative error") for line in log), log
-    assert roles["attn.qkv"] == "colwise" and blocks["attn.qkv"] == 1 and roles["attn.out"] == "rowwise", roles
+    assert any(
+        line.startswith("self-check: mix left replicated: max relative error") for line in log
+    ), log
+    assert (
+        roles["attn.qkv"] == "colwise"
+        and blocks["attn.qkv"] == 1
+        and roles["attn.out"] == "rowwise"
+    ), roles
     assert roles["mlp.0"] == "colwise" and roles["mlp.2"] == "rowwise"
     assert roles["emb"] == "vocab_embedding" and roles["head"] == "lm_head"
     # ``skew``'s rule is wrong on rank 1 only: both ranks leave it replicated (one decision)
     for rank_res in default_suite:
         s = rank_res["selfcheck_lm"]
         assert s["roles"]["skew"] == "replicate", s["roles"]
-        assert any(line.startswith("self-check: skew left replicated") for line in s["log"]), s["log"]
+        assert any(line.startswith("self-check: skew left replicated") for line in s["log"]), s[
+            "log"
+        ]
     w = default_suite[0]["selfcheck_lm+width_rule"]
-    assert w["roles"]["attn.qkv"] == "replicate" and w["roles"]["mix.qkv"] == "replicate", w["roles"]
-    assert any(line.startswith("self-check: attn left replicated") and "blocks=3" in line for line in w["log"])
+    assert w["roles"]["attn.qkv"] == "replicate" and w["roles"]["mix.qkv"] == "replicate", w[
+        "roles"
+    ]
+    assert any(
+        line.startswith("self-check: attn left replicated") and "blocks=3" in line
+        for line in w["log"]
+    )
     assert w["roles"]["mlp.0"] == "colwise"
 
 
@@ -162,9 +200,15 @@ def test_self_check_on_a_pipeline_part(default_suite):
     the part's units are checked and decided as on the whole model."""
     for rank_res in default_suite:
         r = rank_res["selfcheck_part"]
-        assert r["roles"]["attn.qkv"] == "colwise" and r["roles"]["mix.qkv"] == "replicate", r["roles"]
-        assert any(line.startswith("self-check: mix left replicated") for line in r["log"]), r["log"]
-        assert any(line.startswith("self-check: 1 of 2 units sharded") for line in r["log"]), r["log"]
+        assert r["roles"]["attn.qkv"] == "colwise" and r["roles"]["mix.qkv"] == "replicate", r[
+            "roles"
+        ]
+        assert any(line.startswith("self-check: mix left replicated") for line in r["log"]), r[
+            "log"
+        ]
+        assert any(line.startswith("self-check: 1 of 2 units sharded") for line in r["log"]), r[
+            "log"
+        ]
         assert max(r["errs"].values()) < 1e-5, r["errs"]
 
 
@@ -180,7 +224,9 @@ def test_hf_fused_layouts(default_suite):
     neox = "gpt_neox.layers.0.attention"
     for case in ("gptneox", "gptneox+sp"):
         assert r[case]["roles"][f"{neox}.query_key_value"] == "colwise"
-        assert r[case]["blocks"][f"{neox}.query_key_value"] == 1  # [q_h k_h v_h] per head: one block
+        assert (
+            r[case]["blocks"][f"{neox}.query_key_value"] == 1
+        )  # [q_h k_h v_h] per head: one block
         assert not any("left replicated" in line for line in r[case]["log"])
     assert any(line.startswith("sequence parallel over") for line in r["gptneox+sp"]["log"])
     # the width rule's three blocks are caught by the self-check; sequence parallel then stays off
@@ -205,7 +251,9 @@ def test_tp2_more_hf_models():
     """Qwen2, Mistral (grouped-query, separate q / k / v), Phi (partial rotary) shard whole;
     GPT-BigCode's multi-query fused c_attn (one k and one v head read by every rank) fits no
     DTensor placement and stays replicated, logged. All match one process."""
-    res = run_ranks(tp_cases.selfcheck_suite, 2, ["qwen2", "mistral", "phi", "gpt_bigcode"], timeout_s=600)
+    res = run_ranks(
+        tp_cases.selfcheck_suite, 2, ["qwen2", "mistral", "phi", "gpt_bigcode"], timeout_s=600
+    )
     for rank_res in res:
         for case, r in rank_res.items():
             _check(r, case)
@@ -225,7 +273,9 @@ def test_fused_layout_read_from_dataflow():
     model, inputs = tp_cases.SELFCHECK_MODELS["selfcheck_lm"]()
     plan = discover_plan(model, 2, example_inputs=inputs)
     assert plan.entries["attn.qkv"].blocks == 1 and plan.entries["mix.qkv"].blocks == 3
-    assert any("attn.qkv: fused layout read from the dataflow: blocks=1" in line for line in plan.log)
+    assert any(
+        "attn.qkv: fused layout read from the dataflow: blocks=1" in line for line in plan.log
+    )
     width_rule = discover_plan(model, 2, example_inputs=inputs, read_layouts=False)
     assert width_rule.entries["attn.qkv"].blocks == 3
 
@@ -242,11 +292,17 @@ def test_one_kv_head_shards_query_heads(default_suite):
         _check(r, "gemma3_mqa")
         for i in (0, 1):
             attn = f"model.layers.{i}.self_attn"
-            roles = {k.rpartition(".")[2]: v for k, v in r["roles"].items()
-                     if k.startswith(attn + ".")}
-            assert roles == {"q_proj": "colwise", "k_proj": "kv_replicate",
-                             "v_proj": "kv_replicate", "q_norm": "head_local",
-                             "k_norm": "head_local", "o_proj": "rowwise"}, roles
+            roles = {
+                k.rpartition(".")[2]: v for k, v in r["roles"].items() if k.startswith(attn + ".")
+            }
+            assert roles == {
+                "q_proj": "colwise",
+                "k_proj": "kv_replicate",
+                "v_proj": "kv_replicate",
+                "q_norm": "head_local",
+                "k_norm": "head_local",
+                "o_proj": "rowwise",
+            }, roles
             placed = r["placements"]
             assert placed[f"{attn}.q_proj.weight"] == placed[f"{attn}.o_proj.weight"] == "sharded"
             assert r["placements"][f"{attn}.k_proj.weight"] == "whole"
@@ -272,7 +328,10 @@ def test_one_kv_head_by_the_width_rule():
         assert k.role == "kv_replicate" and k.factor == 4, (read, k)
         assert k.rows == [list(range(16))] * 4, (read, k)
         assert plan.entries["model.layers.0.self_attn.q_proj"].role == "colwise"
-    divs = {(m.rpartition(".")[2], a): by for m, a, by in head_divisions(model, plan, tp=4)
-            if m == "model.layers.0.self_attn"}
+    divs = {
+        (m.rpartition(".")[2], a): by
+        for m, a, by in head_divisions(model, plan, tp=4)
+        if m == "model.layers.0.self_attn"
+    }
     # 4 query heads per key/value head -> 1 per rank
     assert divs == {("self_attn", "num_key_value_groups"): 4}, divs

@@ -73,7 +73,9 @@ def test_unit_left_replicated_is_one_warning(tp_suite):
         lines = sorted(r["warnings"])
         assert len(lines) == 2, lines
         assert lines[0].startswith("tp: self-check: mix left replicated: max relative error"), lines
-        assert lines[1].startswith("tp: self-check: skew left replicated: max relative error"), lines
+        assert lines[1].startswith("tp: self-check: skew left replicated: max relative error"), (
+            lines
+        )
         assert all("layout was" in line for line in lines), lines
 
 
@@ -88,13 +90,18 @@ def test_sharded_multihead_attention_cross_and_aliased(tp_suite):
     the self-check)."""
     for r in tp_suite:
         m = r["mha"]
-        assert m["roles"] == {"mix": "rule:multihead_attention", "pool": "rule:multihead_attention"}, m["roles"]
+        assert m["roles"] == {
+            "mix": "rule:multihead_attention",
+            "pool": "rule:multihead_attention",
+        }, m["roles"]
         assert m["sharded"] == 1.0, m
         assert m["out_err"] < 1e-5 and m["err"] < RTOL, m
 
 
-PP_TP_DP = [(name, dict(pp=2, tp=2, dp_shard=2))
-            for name in ("llava", "mistral3", "paligemma_mqa", "gemma3")]
+PP_TP_DP = [
+    (name, dict(pp=2, tp=2, dp_shard=2))
+    for name in ("llava", "mistral3", "paligemma_mqa", "gemma3")
+]
 
 
 @pytest.mark.multirank

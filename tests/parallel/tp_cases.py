@@ -18,17 +18,27 @@ def reader_factory(layers: int = 2):
     from rag_mm.config import ModelConfig
     from rag_mm.model import Reader
 
-    cfg = ModelConfig(dim=64, layers=layers, heads=4, vision_width=64, vision_layers=1, vision_head_width=32,
-                      attention_backend="reference")
+    cfg = ModelConfig(
+        dim=64,
+        layers=layers,
+        heads=4,
+        vision_width=64,
+        vision_layers=1,
+        vision_head_width=32,
+        attention_backend="reference",
+    )
     model = Reader(cfg, vocab_size=96)
     g = torch.Generator().manual_seed(1)
     B = 2
     inputs = dict(
         image=torch.randn(B, 3, 32, 32, generator=g),
-        q_ids=torch.randint(0, 96, (B, 6), generator=g), q_len=torch.tensor([6, 4]),
-        a_ids=torch.randint(0, 96, (B, 4), generator=g), a_len=torch.tensor([4, 3]),
+        q_ids=torch.randint(0, 96, (B, 6), generator=g),
+        q_len=torch.tensor([6, 4]),
+        a_ids=torch.randint(0, 96, (B, 4), generator=g),
+        a_len=torch.tensor([4, 3]),
         doc_image=torch.randn(B, 1, 3, 32, 32, generator=g),
-        doc_ids=torch.randint(0, 96, (B, 1, 5), generator=g), doc_len=torch.tensor([[5], [3]]),
+        doc_ids=torch.randint(0, 96, (B, 1, 5), generator=g),
+        doc_len=torch.tensor([[5], [3]]),
     )
     return model, inputs
 
@@ -91,6 +101,7 @@ def lm_loss(ids):
 
             return vocab_parallel_cross_entropy(lg, ids)
         return F.cross_entropy(lg.flatten(0, 1).float(), ids.flatten())
+
     return loss_fn
 
 
@@ -121,12 +132,18 @@ def tp_equivalence(rank, world, name, sequence_parallel=False, loss_parallel=Fal
     ref_loss = run(ref, inputs, loss_fn)
     ref_loss.backward()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    plan = apply_tp(model, mesh, inputs, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    plan = apply_tp(
+        model, mesh, inputs, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
     loss = run(model, inputs, loss_fn)
     loss.backward()
-    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
-                roles={n: e.role for n, e in plan.entries.items()}, log=plan.log)
-
+    return dict(
+        loss=float(loss),
+        ref=float(ref_loss),
+        **compare_grads(ref, model),
+        roles={n: e.role for n, e in plan.entries.items()},
+        log=plan.log,
+    )
 
 
 def suite(rank, world, names, sp_names=(), lp_names=()):
@@ -217,8 +234,13 @@ def spmd_case(rank, world, cfg_kw, name="reader", steps=1):
         opt.zero_grad()
         ref_opt.zero_grad()
     refp = dict(ref.named_parameters())
-    res["perr"] = max(float((full(p.detach()) - refp[n].detach()).abs().max()) for n, p in model.named_parameters())
-    res["names_equal"] = [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    res["perr"] = max(
+        float((full(p.detach()) - refp[n].detach()).abs().max())
+        for n, p in model.named_parameters()
+    )
+    res["names_equal"] = [n for n, _ in model.named_parameters()] == [
+        n for n, _ in ref.named_parameters()
+    ]
     return res
 
 
@@ -248,10 +270,19 @@ def meta_fsdp_case(rank, world):
     loss = run(model, inputs, loss_fn)
     ref_loss = run(ref, inputs, loss_fn)
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    sd_err = max(float((full_sd[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full_sd)
+    sd_err = max(
+        float((full_sd[k] - v).abs().max()) for k, v in ref.state_dict().items() if k in full_sd
+    )
     total = sum(p.numel() * p.element_size() for p in ref.parameters())
-    return dict(on_meta=on_meta, loss=float(loss), ref=float(ref_loss), local=local_param_bytes(model),
-                total=total, sd_err=sd_err, keys_equal=set(full_sd) == set(ref.state_dict()))
+    return dict(
+        on_meta=on_meta,
+        loss=float(loss),
+        ref=float(ref_loss),
+        local=local_param_bytes(model),
+        total=total,
+        sd_err=sd_err,
+        keys_equal=set(full_sd) == set(ref.state_dict()),
+    )
 
 
 def api_case(rank, world, cfg_kw):
@@ -264,8 +295,12 @@ def api_case(rank, world, cfg_kw):
     ref_loss = run(ref, inputs, reader_loss)
     ref_loss.backward()
     names = [n for n, _ in pm.named_parameters()]
-    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
-                names_ok=set(names) == {n for n, _ in ref.named_parameters()})
+    return dict(
+        loss=float(loss),
+        ref=float(ref_loss),
+        **compare_grads(ref, model),
+        names_ok=set(names) == {n for n, _ in ref.named_parameters()},
+    )
 
 
 def pp_tp_case(rank, world, name, cfg_kw, m=4):
@@ -287,11 +322,20 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
         from parallel.inputs import split_microbatches
         from parallel.partition import auto_partition
 
-        partition = auto_partition(model, split_microbatches(inputs, m)[0], cfg.pp, manual=split, passes=1)
+        partition = auto_partition(
+            model, split_microbatches(inputs, m)[0], cfg.pp, manual=split, passes=1
+        )
         model.zero_grad(set_to_none=True)  # tracing ran backward passes
     pm = parallel.parallelize(model, cfg, inputs, timeout_s=60, partition=partition)
-    res = dict(pp_rank=pm.pp_rank, losses=[], err=0.0, n=0, dtensors=[], names=[],
-               fsdp_units=len(pm.sharded.fsdp_units))
+    res = dict(
+        pp_rank=pm.pp_rank,
+        losses=[],
+        err=0.0,
+        n=0,
+        dtensors=[],
+        names=[],
+        fsdp_units=len(pm.sharded.fsdp_units),
+    )
     for step in range(2):
         pm.zero_grad()
         with count_collectives() as calls:
@@ -315,14 +359,20 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
     res["names"] = sorted(n for n, _ in pm.named_parameters())
     # tensor-parallel shards that FSDP left whole on every data-parallel rank (a DTensor on the tp
     # mesh alone): under pp the units are chosen after TP replaced the parameters
-    res["tp_not_fsdp"] = sorted(n for n, p in pm.named_parameters() if isinstance(p, DTensor)
-                                and "dp_shard" not in (p.device_mesh.mesh_dim_names or ()))
+    res["tp_not_fsdp"] = sorted(
+        n
+        for n, p in pm.named_parameters()
+        if isinstance(p, DTensor) and "dp_shard" not in (p.device_mesh.mesh_dim_names or ())
+    )
     tp_log = pm.sharded.tp_plan.log if pm.sharded.tp_plan is not None else []
     res["sp_regions"] = [line for line in tp_log if line.startswith("sequence parallel over")]
     # the collective timeout (timeout_s above) of every group on the mesh, not torch's 30 min
     mesh = pm.layout.mesh
-    res["group_timeouts_s"] = {d: mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-                               for d in mesh.mesh_dim_names if mesh[d].size() > 1}
+    res["group_timeouts_s"] = {
+        d: mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for d in mesh.mesh_dim_names
+        if mesh[d].size() > 1
+    }
     return res
 
 
@@ -332,8 +382,12 @@ def count_collectives():
     ``*_single`` collectives, 2.11 the ``*_tensor`` ones)."""
     import torch.distributed as dist
 
-    kinds = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
+    kinds = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
     calls = {"all_gather": 0, "reduce_scatter": 0}
     orig = {n: getattr(dist, n) for n in kinds if hasattr(dist, n)}
 
@@ -341,6 +395,7 @@ def count_collectives():
         def call(*a, **k):
             calls[kinds[n]] += 1
             return orig[n](*a, **k)
+
         return call
 
     for n in orig:
@@ -374,17 +429,26 @@ def fsdp_mixed_precision_case(rank, world, name="llama"):
     fc = model.model.layers[-1].mlp.up_proj
     fc.register_forward_pre_hook(lambda m, a: compute.append((m.weight.dtype, a[0].dtype)))
     reduced = []  # dtypes of the tensors FSDP hands to the reduction collectives
-    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce") if hasattr(dist, n)]
+    names = [
+        n
+        for n in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce")
+        if hasattr(dist, n)
+    ]
     orig = {n: getattr(dist, n) for n in names}
 
     def spy(n):
         def call(*a, **k):
             ts = [v for v in list(a) + list(k.values()) if isinstance(v, torch.Tensor)]
-            reduced.append(ts[-1].dtype if n != "all_reduce" else ts[0].dtype)  # the input (last for RS)
+            reduced.append(
+                ts[-1].dtype if n != "all_reduce" else ts[0].dtype
+            )  # the input (last for RS)
             return orig[n](*a, **k)
+
         return call
 
-    for n in names:  # torch 2.11 reduce-scatters with reduce_scatter_tensor, 2.14 with reduce_scatter_single
+    for n in (
+        names
+    ):  # torch 2.11 reduce-scatters with reduce_scatter_tensor, 2.14 with reduce_scatter_single
         setattr(dist, n, spy(n))
     try:
         loss = run(model, inputs, loss_fn)
@@ -396,11 +460,17 @@ def fsdp_mixed_precision_case(rank, world, name="llama"):
     ref_loss.backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
-    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model), compute=compute,
-                reduced=reduced, loss_dtype=loss.dtype,
-                param_dtypes={p.dtype for p in model.parameters()},
-                grad_dtypes={p.grad.dtype for p in model.parameters() if p.grad is not None},
-                state_dtypes={v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"})
+    return dict(
+        loss=float(loss),
+        ref=float(ref_loss),
+        **compare_grads(ref, model),
+        compute=compute,
+        reduced=reduced,
+        loss_dtype=loss.dtype,
+        param_dtypes={p.dtype for p in model.parameters()},
+        grad_dtypes={p.grad.dtype for p in model.parameters() if p.grad is not None},
+        state_dtypes={v.dtype for st in opt.state.values() for k, v in st.items() if k != "step"},
+    )
 
 
 # ----------------------------------------------------------------------------- the TP self-check
@@ -418,7 +488,9 @@ class InterleavedAttention(torch.nn.Module):
 
     def forward(self, x):
         B, S, _ = x.shape
-        q, k, v = self.qkv(x).view(B, S, self.heads, 3, -1).permute(3, 0, 2, 1, 4)  # 3 x (B, H, S, hd)
+        q, k, v = (
+            self.qkv(x).view(B, S, self.heads, 3, -1).permute(3, 0, 2, 1, 4)
+        )  # 3 x (B, H, S, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).flatten(2))
 
@@ -479,7 +551,9 @@ class SelfCheckLM(torch.nn.Module):
         self.attn = InterleavedAttention(dim, heads)
         self.mix = GroupsAttention(dim, heads)
         self.skew = SkewedMLP(dim)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+        )
         self.head = torch.nn.Linear(dim, vocab, bias=False)
 
     def forward(self, input_ids):
@@ -503,8 +577,15 @@ def _selfcheck_lm():
 def _gptneox():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    cfg = GPTNeoXConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                        vocab_size=256, max_position_embeddings=64, rotary_pct=0.5)
+    cfg = GPTNeoXConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        rotary_pct=0.5,
+    )
     return GPTNeoXForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
 
 
@@ -512,8 +593,16 @@ def _phi3():
     from transformers import Phi3Config, Phi3ForCausalLM
 
     # grouped-query attention (2 kv heads for 4 query heads) in a fused qkv_proj: unequal blocks
-    cfg = Phi3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, vocab_size=256, max_position_embeddings=64, pad_token_id=0)
+    cfg = Phi3Config(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     return Phi3ForCausalLM(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
 
 
@@ -521,23 +610,44 @@ def _hf_causal_lm(config_cls: str, model_cls: str, **kw):
     """A tiny random-initialised causal LM of ``transformers`` and its example (2 x 12 tokens)."""
     import transformers
 
-    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-                vocab_size=256, max_position_embeddings=64)
+    base = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=64,
+    )
     cfg = getattr(transformers, config_cls)(**(base | kw))
     return getattr(transformers, model_cls)(cfg), {"input_ids": torch.randint(0, 256, (2, 12))}
 
 
 SELFCHECK_MODELS = {
-    "selfcheck_lm": _selfcheck_lm, "gptneox": _gptneox, "phi3": _phi3,
+    "selfcheck_lm": _selfcheck_lm,
+    "gptneox": _gptneox,
+    "phi3": _phi3,
     "qwen2": lambda: _hf_causal_lm("Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2),
     "mistral": lambda: _hf_causal_lm("MistralConfig", "MistralForCausalLM", num_key_value_heads=2),
     "phi": lambda: _hf_causal_lm("PhiConfig", "PhiForCausalLM", partial_rotary_factor=0.5),
     # multi-query attention in separate q / k / v projections, with per-head q_norm / k_norm
-    "gemma3_mqa": lambda: _hf_causal_lm("Gemma3TextConfig", "Gemma3ForCausalLM",
-                                        num_key_value_heads=1, head_dim=16, sliding_window=8),
+    "gemma3_mqa": lambda: _hf_causal_lm(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=8,
+    ),
     # multi-query attention in a fused c_attn (q | one k head | one v head)
-    "gpt_bigcode": lambda: _hf_causal_lm("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_layer=2, n_embd=64,
-                                         n_head=4, n_positions=64, multi_query=True, attn_pdrop=0.0),
+    "gpt_bigcode": lambda: _hf_causal_lm(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        multi_query=True,
+        attn_pdrop=0.0,
+    ),
 }
 
 
@@ -545,6 +655,7 @@ def _next_token_loss(ids):
     def loss_fn(out):
         lg = out if isinstance(out, torch.Tensor) else out.logits
         return F.cross_entropy(lg[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
     return loss_fn
 
 
@@ -566,17 +677,29 @@ def selfcheck_case(rank, world, name, read_layouts=True, sequence_parallel=False
     ref_loss.backward()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     t0 = time.perf_counter()
-    plan = discover_plan(model, world, example_inputs=inputs, read_layouts=read_layouts,
-                         sequence_parallel=sequence_parallel)
+    plan = discover_plan(
+        model,
+        world,
+        example_inputs=inputs,
+        read_layouts=read_layouts,
+        sequence_parallel=sequence_parallel,
+    )
     t1 = time.perf_counter()
     plan = apply_tp(model, mesh, inputs, plan=plan, sequence_parallel=sequence_parallel)
     t2 = time.perf_counter()
     loss = run(model, inputs, loss_fn)
     loss.backward()
-    return dict(loss=float(loss), ref=float(ref_loss), **compare_grads(ref, model),
-                roles={n: e.role for n, e in plan.entries.items()},
-                blocks={n: e.blocks for n, e in plan.entries.items()}, log=plan.log,
-                discover_s=t1 - t0, apply_s=t2 - t1, placements=_placements(model))
+    return dict(
+        loss=float(loss),
+        ref=float(ref_loss),
+        **compare_grads(ref, model),
+        roles={n: e.role for n, e in plan.entries.items()},
+        blocks={n: e.blocks for n, e in plan.entries.items()},
+        log=plan.log,
+        discover_s=t1 - t0,
+        apply_s=t2 - t1,
+        placements=_placements(model),
+    )
 
 
 def _placements(model) -> dict[str, str]:
@@ -601,7 +724,9 @@ def tp_default_group(rank, world):
     out["selfcheck_part"] = selfcheck_part_case(rank, world)
     out["gptneox"] = selfcheck_case(rank, world, "gptneox")
     out["gptneox+sp"] = selfcheck_case(rank, world, "gptneox", sequence_parallel=True)
-    out["gptneox+width_rule+sp"] = selfcheck_case(rank, world, "gptneox", read_layouts=False, sequence_parallel=True)
+    out["gptneox+width_rule+sp"] = selfcheck_case(
+        rank, world, "gptneox", read_layouts=False, sequence_parallel=True
+    )
     out["phi3"] = selfcheck_case(rank, world, "phi3")
     out["gemma3_mqa"] = selfcheck_case(rank, world, "gemma3_mqa")
     return out
@@ -623,8 +748,11 @@ def selfcheck_part_case(rank, world):
     for n, p in model.named_parameters():
         if not n.startswith(tuple(h + "." for h in held)):
             p.data = torch.empty(0)  # another pipeline rank's
-    part = TPPlan(entries={n: e for n, e in plan.entries.items() if n.split(".")[0] in held},
-                  owners={g: o for g, o in plan.owners.items() if o in held}, log=list(plan.log))
+    part = TPPlan(
+        entries={n: e for n, e in plan.entries.items() if n.split(".")[0] in held},
+        owners={g: o for g, o in plan.owners.items() if o in held},
+        log=list(plan.log),
+    )
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     applied = verify_and_apply(model, part, mesh, captured)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))

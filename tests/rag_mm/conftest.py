@@ -14,28 +14,52 @@ import pytest
 from rag_mm.data.knowledge_world import WorldConfig, generate
 
 TINY_MODEL = [
-    "model.dim=32", "model.layers=2", "model.heads=2", "model.vision_width=32",
-    "model.vision_layers=1", "model.vision_head_width=16",
+    "model.dim=32",
+    "model.layers=2",
+    "model.heads=2",
+    "model.vision_width=32",
+    "model.vision_layers=1",
+    "model.vision_head_width=16",
 ]
 
 
 def tiny_overrides(root, run_dir, *extra: str) -> list[str]:
     return [
-        f"data.root={root}", f"run_dir={run_dir}",
+        f"data.root={root}",
+        f"run_dir={run_dir}",
         # brace patterns are quoted: Hydra's override grammar reserves { }
-        "data.corpus='corpus/corpus-{000000..000000}.tar'", "data.train='train/train-{000000..000002}.tar'",
-        "data.val='val/val-{000000..000000}.tar'", "data.test='test/test-{000000..000000}.tar'",
-        "data.batch_size=8", "data.eval_batch_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
-        "max_steps=6", "log_every=2", "eval_every=0", "ckpt_every=3", "progress=false", "optim.warmup_steps=2",
-        *TINY_MODEL, *extra,
+        "data.corpus='corpus/corpus-{000000..000000}.tar'",
+        "data.train='train/train-{000000..000002}.tar'",
+        "data.val='val/val-{000000..000000}.tar'",
+        "data.test='test/test-{000000..000000}.tar'",
+        "data.batch_size=8",
+        "data.eval_batch_size=32",
+        "data.num_workers=0",
+        "data.shuffle_buffer=16",
+        "max_steps=6",
+        "log_every=2",
+        "eval_every=0",
+        "ckpt_every=3",
+        "progress=false",
+        "optim.warmup_steps=2",
+        *TINY_MODEL,
+        *extra,
     ]
 
 
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    generate(WorldConfig(out=str(root), num_entities=24, train_queries_per_entity=4, val_queries_per_entity=1,
-                         test_queries_per_entity=1, shard_size=32))
+    generate(
+        WorldConfig(
+            out=str(root),
+            num_entities=24,
+            train_queries_per_entity=4,
+            val_queries_per_entity=1,
+            test_queries_per_entity=1,
+            shard_size=32,
+        )
+    )
     return root
 
 

@@ -41,7 +41,11 @@ def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:
         batch = next(iter(make_stream(cfg, "test", train=False)))
         learned = rag.rcfg.mode == "learned"
         with torch.no_grad():
-            out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=SHOWN if learned else 0)
+            out = rag(
+                **batch_inputs(batch, device),
+                retriever_loss=False,
+                search_k=SHOWN if learned else 0,
+            )
             preds = _greedy(rag, batch, out, device, torch.arange(len(batch["key"])), parts.tok)
         scale = float(rag.retriever.scale().detach()) if learned else 1.0
     finally:
@@ -52,13 +56,19 @@ def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:
 
 def _query_files(world: Path, keys: list[str], questions: list[str], folder: Path) -> Path:
     """The test queries' pictures as files (pics/<key>.png) and a jsonl naming them relatively."""
-    pics = {s["__key__"]: s["png"] for s in wds.DataPipeline(
-        wds.SimpleShardList([str(world / "test" / "test-000000.tar")]), wds.tarfile_to_samples())}
+    pics = {
+        s["__key__"]: s["png"]
+        for s in wds.DataPipeline(
+            wds.SimpleShardList([str(world / "test" / "test-000000.tar")]), wds.tarfile_to_samples()
+        )
+    }
     (folder / "pics").mkdir(parents=True)
     lines = []
     for key, question in zip(keys, questions):
         (folder / "pics" / f"{key}.png").write_bytes(pics[key])
-        lines.append(json.dumps({"image": f"pics/{key}.png", "question": question, "question_id": key}))
+        lines.append(
+            json.dumps({"image": f"pics/{key}.png", "question": question, "question_id": key})
+        )
     path = folder / "queries.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -80,7 +90,9 @@ def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path
     finally:
         asker.close()
 
-    res = run_module(["-m", "rag_mm.ask", str(run), "--questions", str(queries), "--top-k", str(SHOWN)])
+    res = run_module(
+        ["-m", "rag_mm.ask", str(run), "--questions", str(queries), "--top-k", str(SHOWN)]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines()]
     assert [r["question_id"] for r in rows] == batch["key"]
@@ -93,7 +105,9 @@ def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path
         for i, r in enumerate(rows):
             docs = r["documents"]
             assert [d["doc_id"] for d in docs] == out.doc_ids[i, :SHOWN].tolist()
-            read = torch.tensor([d["score"] for d in docs[:2]]) * scale  # the two the reader read, scaled as evaluated
+            read = (
+                torch.tensor([d["score"] for d in docs[:2]]) * scale
+            )  # the two the reader read, scaled as evaluated
             torch.testing.assert_close(read, out.scores[i].float(), atol=1e-5, rtol=1e-5)
             assert [d["score"] for d in docs] == sorted((d["score"] for d in docs), reverse=True)
             for d in docs:  # knowledge-world documents: one passage line, key doc<6-digit id>
@@ -102,18 +116,44 @@ def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path
 
     # one picture and question on the command line: the same answer, as one JSON object and as text
     first = tmp_path / "pics" / f"{batch['key'][0]}.png"
-    res = run_module(["-m", "rag_mm.ask", str(run), "--image", str(first), "--question", batch["question"][0],
-                      "--json", "--top-k", str(SHOWN)])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.ask",
+            str(run),
+            "--image",
+            str(first),
+            "--question",
+            batch["question"][0],
+            "--json",
+            "--top-k",
+            str(SHOWN),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     one = json.loads(res.stdout)
     assert set(one) == {"answer", "documents", "checkpoint", "step", "image", "question"}
     assert one["answer"] == rows[0]["answer"]
     assert [d["doc_id"] for d in one["documents"]] == [d["doc_id"] for d in rows[0]["documents"]]
     # one question alone, or padded in a batch of 24: the similarities agree to float rounding
-    assert [d["score"] for d in one["documents"]] == pytest.approx([d["score"] for d in rows[0]["documents"]], abs=1e-5)
+    assert [d["score"] for d in one["documents"]] == pytest.approx(
+        [d["score"] for d in rows[0]["documents"]], abs=1e-5
+    )
     if name == "learned":
-        res = run_module(["-m", "rag_mm.ask", str(run), "--image", str(first), "--question", batch["question"][0]])
-        assert res.returncode == 0 and f"answer: {one['answer']}\n" in res.stdout, res.stderr[-3000:]
+        res = run_module(
+            [
+                "-m",
+                "rag_mm.ask",
+                str(run),
+                "--image",
+                str(first),
+                "--question",
+                batch["question"][0],
+            ]
+        )
+        assert res.returncode == 0 and f"answer: {one['answer']}\n" in res.stdout, res.stderr[
+            -3000:
+        ]
         assert res.stdout.count("corpus-000000.tar#doc") == 2  # the reader's top_k by default
 
 
@@ -137,7 +177,13 @@ def test_ask_bad_input_exits_2_with_one_line(runs, tmp_path, capsys):
     keys.write_text(json.dumps({"picture": str(picture), "question": "what?"}) + "\n")
     q = ["--image", str(picture), "--question", "What does it eat?"]
     cases = {
-        (str(run), "--image", str(tmp_path / "nope.png"), "--question", "what?"): f"{tmp_path / 'nope.png'} does not exist",
+        (
+            str(run),
+            "--image",
+            str(tmp_path / "nope.png"),
+            "--question",
+            "what?",
+        ): f"{tmp_path / 'nope.png'} does not exist",
         (str(run), "--image", str(text), "--question", "what?"): f"{text} is not a picture",
         (str(run), "--image", str(picture), "--question", "  "): "--question is empty",
         (str(bare), *q): "no valid checkpoint",
@@ -145,7 +191,11 @@ def test_ask_bad_input_exits_2_with_one_line(runs, tmp_path, capsys):
         (str(run), *q, "--checkpoint", "99"): "steps there: 3, 6",
         (str(oracle), *q): "retriever.mode=oracle",
         (str(run), "--questions", str(lines)): f"{lines} line 2 is not JSON",
-        (str(run), "--questions", str(keys)): f'{keys} line 1: expected {{"image": path, "question": text}}',
+        (
+            str(run),
+            "--questions",
+            str(keys),
+        ): f'{keys} line 1: expected {{"image": path, "question": text}}',
         (str(run), "--questions", str(tmp_path / "none.jsonl")): "does not exist",
         (str(run), *q, "--top-k", "0"): "--top-k must be positive",
     }

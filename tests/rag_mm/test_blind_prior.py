@@ -38,8 +38,11 @@ def _shard(path: Path, rows: list[tuple]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with wds.TarWriter(str(path)) as sink:
         for i, (question, meta, picture) in enumerate(rows):
-            sample = {"__key__": f"q{i:06d}", "txt": question,
-                      "json": meta if isinstance(meta, str) else json.dumps(meta)}
+            sample = {
+                "__key__": f"q{i:06d}",
+                "txt": question,
+                "json": meta if isinstance(meta, str) else json.dumps(meta),
+            }
             if picture:
                 sample["png"] = _png()
             sink.write(sample)
@@ -53,26 +56,49 @@ def _shard(path: Path, rows: list[tuple]) -> Path:
 # Overall: red 3, yes 2, 2 2, blue 1, no 1, 3 1                              -> fallback red
 # Not counted: a sample without a picture ("square"), one with bad JSON, one without an answer.
 TRAIN = [
-    [("What colour is it?", {"answer": "red"}, True), ("what colour  is it", {"answer": "Red."}, True),
-     ("Is it round?", {"answer": "yes"}, True), ("How many?", {"answer": "two"}, True),
-     ("How many?", {"answer": "square"}, False), ("How many?", {"answer": "3"}, True)],
-    [("What colour is it ?", {"answer": "red"}, True), ("What colour is it?", {"answer": "blue"}, True),
-     ("Is it round?", {"answer": "yes"}, True), ("Is it round?", {"answer": "no"}, True),
-     ("How many?", {"answer": "2"}, True), ("How many?", '{"answer": ', True),
-     ("Is it round?", {"doc_id": 3}, True)],
+    [
+        ("What colour is it?", {"answer": "red"}, True),
+        ("what colour  is it", {"answer": "Red."}, True),
+        ("Is it round?", {"answer": "yes"}, True),
+        ("How many?", {"answer": "two"}, True),
+        ("How many?", {"answer": "square"}, False),
+        ("How many?", {"answer": "3"}, True),
+    ],
+    [
+        ("What colour is it ?", {"answer": "red"}, True),
+        ("What colour is it?", {"answer": "blue"}, True),
+        ("Is it round?", {"answer": "yes"}, True),
+        ("Is it round?", {"answer": "no"}, True),
+        ("How many?", {"answer": "2"}, True),
+        ("How many?", '{"answer": ', True),
+        ("Is it round?", {"doc_id": 3}, True),
+    ],
 ]
 
 
 def _train_shards(root: Path) -> list[str]:
-    return [str(_shard(root / "train" / f"train-{i:06d}.tar", rows)) for i, rows in enumerate(TRAIN)]
+    return [
+        str(_shard(root / "train" / f"train-{i:06d}.tar", rows)) for i, rows in enumerate(TRAIN)
+    ]
 
 
 def test_question_key_and_answer_types():
-    assert question_key("  What colour\tis it ?!\n") == question_key("what colour is it") == "what colour is it"
+    assert (
+        question_key("  What colour\tis it ?!\n")
+        == question_key("what colour is it")
+        == "what colour is it"
+    )
     assert question_key("What is 2.5") == "what is 2.5"  # only trailing punctuation goes
     # inferred from the normalised gold answer ...
-    assert [answer_type(None, a) for a in ("Yes", "no.", "Two", "12", "1.5", "red", "")] == \
-        ["yes/no", "yes/no", "number", "number", "other", "other", "other"]
+    assert [answer_type(None, a) for a in ("Yes", "no.", "Two", "12", "1.5", "red", "")] == [
+        "yes/no",
+        "yes/no",
+        "number",
+        "number",
+        "other",
+        "other",
+        "other",
+    ]
     # ... unless the annotation says (VQAv2 types "yes" questions as "other" at times); an unknown
     # annotation value is inferred past
     assert answer_type("other", "yes") == "other" and answer_type("number", "many") == "number"
@@ -101,32 +127,54 @@ def test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change(tmp_path
     cache.parent.mkdir()
     first = load_or_build(urls, cache)
     saved = json.loads(cache.read_text())
-    assert saved["fingerprint"] == blind_prior.fingerprint(urls) and saved["answers"]["is it round"] == "yes"
-    assert os.listdir(cache.parent) == ["blind_prior.json"]  # the temporary file was renamed, none left
+    assert (
+        saved["fingerprint"] == blind_prior.fingerprint(urls)
+        and saved["answers"]["is it round"] == "yes"
+    )
+    assert os.listdir(cache.parent) == [
+        "blind_prior.json"
+    ]  # the temporary file was renamed, none left
 
     built = []
     real_build = blind_prior.build
-    monkeypatch.setattr(blind_prior, "build", lambda u, *rest: built.append(u) or real_build(u, *rest))
+    monkeypatch.setattr(
+        blind_prior, "build", lambda u, *rest: built.append(u) or real_build(u, *rest)
+    )
     assert load_or_build(urls, cache) == first and built == []  # same shards: the cache, no read
 
     # the training set changes: "is it round" now mostly "no" -> rebuilt, and the cache follows
     _shard(Path(urls[1]), TRAIN[1] + [("Is it round?", {"answer": "no"}, True)] * 3)
     again = load_or_build(urls, cache)
     assert len(built) == 1 and again.answers["is it round"] == "no"
-    assert json.loads(cache.read_text())["fingerprint"] == blind_prior.fingerprint(urls) != saved["fingerprint"]
+    assert (
+        json.loads(cache.read_text())["fingerprint"]
+        == blind_prior.fingerprint(urls)
+        != saved["fingerprint"]
+    )
     assert load_or_build(urls, cache) == again and len(built) == 1
     # fewer shards is another training set too; a damaged cache file is rebuilt, not trusted
     assert load_or_build(urls[:1], cache).answers["is it round"] == "yes" and len(built) == 2
-    cache.write_text('{"version": 1, "fingerprint": "' + blind_prior.fingerprint(urls) + '", "answers": [')
+    cache.write_text(
+        '{"version": 1, "fingerprint": "' + blind_prior.fingerprint(urls) + '", "answers": ['
+    )
     assert load_or_build(urls, cache) == again and len(built) == 3
 
 
 def test_the_pipeline_passes_answer_types_through(tmp_path):
-    shard = _shard(tmp_path / "q.tar", [("Is it round?", {"answer": "yes", "answer_type": "yes/no"}, True),
-                                        ("What colour?", {"answer": "red"}, True),
-                                        ("How many?", {"answer": "2", "answer_type": 7}, True)])  # not a string: dropped
-    loader = make_loader(StreamSpec(urls=[str(shard)], image_size=8, max_question=8, max_answer=4, batch_size=8,
-                                    train=False), 0)
+    shard = _shard(
+        tmp_path / "q.tar",
+        [
+            ("Is it round?", {"answer": "yes", "answer_type": "yes/no"}, True),
+            ("What colour?", {"answer": "red"}, True),
+            ("How many?", {"answer": "2", "answer_type": 7}, True),
+        ],
+    )  # not a string: dropped
+    loader = make_loader(
+        StreamSpec(
+            urls=[str(shard)], image_size=8, max_question=8, max_answer=4, batch_size=8, train=False
+        ),
+        0,
+    )
     batches = list(loader)
     assert len(batches) == 1 and batches[0]["answer_type"] == ["yes/no", None]
     assert loader.skipped_total() == {"bad_json": 1}
@@ -145,7 +193,9 @@ class _Reader:
     def answers(self, image: torch.Tensor) -> list[str]:
         if not self.looks:
             return ["yes"] * image.shape[0]
-        return ["yes" if m > 0 else "no" for m in image[:, 0].mean((1, 2)).tolist()]  # the red channel
+        return [
+            "yes" if m > 0 else "no" for m in image[:, 0].mean((1, 2)).tolist()
+        ]  # the red channel
 
     def generate(self, image, *args, **kwargs) -> list[list[int]]:
         return [self.tok.encode(a) for a in self.answers(image)]
@@ -171,8 +221,14 @@ class _Rag:
         self.seen.append(image)
         tok = self.reader.tok
         pred = [tok.encode(a) + [tok.eot_id] for a in self.reader.answers(image)]
-        correct = torch.tensor([p == a_ids[i, : int(a_len[i])].tolist() for i, p in enumerate(pred)])
-        return SimpleNamespace(reader=SimpleNamespace(correct=correct, nll=torch.ones(len(pred))), doc_ids=None, scores=None)
+        correct = torch.tensor(
+            [p == a_ids[i, : int(a_len[i])].tolist() for i, p in enumerate(pred)]
+        )
+        return SimpleNamespace(
+            reader=SimpleNamespace(correct=correct, nll=torch.ones(len(pred))),
+            doc_ids=None,
+            scores=None,
+        )
 
 
 def _batches(vqa: bool, types: tuple = (None,) * 4) -> list[dict]:
@@ -186,10 +242,21 @@ def _batches(vqa: bool, types: tuple = (None,) * 4) -> list[dict]:
         for i, gold in enumerate(["yes", "no", "yes", "no"]):
             image = torch.full((3, 4, 4), 1.0 if gold == "yes" else -1.0)
             image[1] = 0.3  # channels differ: the blank keeps each channel's mean, (0, 0.3, 0) here
-            samples.append({"key": f"{b}-{i}", "image": image, "question": "Is it bright?", "answer": gold,
-                            "q_ids": tok.encode("Is it bright?"), "a_ids": tok.encode(gold) + [tok.eot_id],
-                            "doc_id": -1, "heldout": False, "attribute": "", "answers": [gold] * 10 if vqa else None,
-                            "answer_type": types[i]})
+            samples.append(
+                {
+                    "key": f"{b}-{i}",
+                    "image": image,
+                    "question": "Is it bright?",
+                    "answer": gold,
+                    "q_ids": tok.encode("Is it bright?"),
+                    "a_ids": tok.encode(gold) + [tok.eot_id],
+                    "doc_id": -1,
+                    "heldout": False,
+                    "attribute": "",
+                    "answers": [gold] * 10 if vqa else None,
+                    "answer_type": types[i],
+                }
+            )
         out.append(collate(samples))
     return out
 
@@ -207,26 +274,46 @@ def test_blanking_the_picture_costs_a_reader_that_looks_and_not_one_that_does_no
     assert ("vqa_acc_blank" in res) == vqa and res.get("vqa_acc_blank", 0.5) == 0.5
     blank = looks.seen[1]
     assert torch.equal(blank, looks.seen[0].mean((0, 2, 3), keepdim=True).expand_as(blank))
-    assert res["by_type"] == {"yes/no": {"n": 8, "acc": 1.0, **({"vqa_acc": 1.0} if vqa else {}), "blind_prior": 0.5,
-                                         "acc_blank": 0.5, **({"vqa_acc_blank": 0.5} if vqa else {}), "image_drop": 0.5}}
+    assert res["by_type"] == {
+        "yes/no": {
+            "n": 8,
+            "acc": 1.0,
+            **({"vqa_acc": 1.0} if vqa else {}),
+            "blind_prior": 0.5,
+            "acc_blank": 0.5,
+            **({"vqa_acc_blank": 0.5} if vqa else {}),
+            "image_drop": 0.5,
+        }
+    }
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == []
-    assert any(r.levelno == logging.INFO and r.getMessage().startswith("test: accuracy 1.000, blind prior 0.500")
-               for r in caplog.records)
+    assert any(
+        r.levelno == logging.INFO
+        and r.getMessage().startswith("test: accuracy 1.000, blind prior 0.500")
+        for r in caplog.records
+    )
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="rag_mm.evaluate"):
         res = evaluate(blind, _batches(vqa), CPU, prior=prior, split="test")
-    assert res[key] == res.get("vqa_acc_blank", res["acc_blank"]) == 0.5 and res["image_drop"] == 0.0
+    assert (
+        res[key] == res.get("vqa_acc_blank", res["acc_blank"]) == 0.5 and res["image_drop"] == 0.0
+    )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(
         "test: accuracy 0.500 is within 2 points of the blind prior 0.500 (answering from the "
-        "question alone) / the picture is barely used: blanking it costs 0.000; scripts/bench/picture_signal.py")
+        "question alone) / the picture is barely used: blanking it costs 0.000; scripts/bench/picture_signal.py"
+    )
 
 
 def test_accuracy_by_answer_type_takes_the_annotated_type_first():
     # the first query of each batch is annotated "other" (VQAv2 does that to some yes/no answers)
-    res = evaluate(_Rag(looks=True), _batches(vqa=False, types=("other", None, "yes/no", None)), CPU, ablation=False)
+    res = evaluate(
+        _Rag(looks=True),
+        _batches(vqa=False, types=("other", None, "yes/no", None)),
+        CPU,
+        ablation=False,
+    )
     assert {k: t["n"] for k, t in res["by_type"].items()} == {"yes/no": 6, "other": 2}
     assert res["by_type"]["other"] == {"n": 2, "acc": 1.0, "blind_prior": None}
 
@@ -235,7 +322,9 @@ def test_ablation_off_is_one_forward_per_batch_and_results_are_strict_json():
     rag = _Rag(looks=True)
     res = evaluate(rag, _batches(vqa=False), CPU, ablation=False)
     assert len(rag.seen) == 2  # no blanked forward
-    assert not {"acc_blank", "vqa_acc_blank", "image_drop"} & set(res) and res["blind_prior"] is None
+    assert (
+        not {"acc_blank", "vqa_acc_blank", "image_drop"} & set(res) and res["blind_prior"] is None
+    )
     # no held-out query: acc_heldout averages nothing; written as null, never NaN
     text = json.dumps(json_safe(res), allow_nan=False)
     assert json.loads(text)["acc_heldout"] is None

@@ -93,10 +93,14 @@ def test_hugging_face_answers_are_normalised_unless_kept(tmp_path, capsys):
 
     buf = io.BytesIO()
     Image.new("RGB", (8, 8), COLOURS[0]).save(buf, format="PNG")
-    rows = {"image": [{"bytes": buf.getvalue(), "path": None}], "question": ["How many?"],
-            "answers": [["Seven"] * 9 + ["seven"]]}
+    rows = {
+        "image": [{"bytes": buf.getvalue(), "path": None}],
+        "question": ["How many?"],
+        "answers": [["Seven"] * 9 + ["seven"]],
+    }
     datasets.Dataset.from_dict(rows).cast_column("image", datasets.Image()).to_parquet(
-        str(tmp_path / "val.parquet"))
+        str(tmp_path / "val.parquet")
+    )
     for flags, answer in (([], "7"), (["--keep-answers"], "Seven")):
         out = tmp_path / f"out{len(flags)}"
         argv = ["hf", "--path", str(tmp_path / "val.parquet"), "--split", "val", "--out", str(out)]
@@ -198,13 +202,44 @@ def test_okvqa_passage_corpus_and_questions(tmp_path):
     doc_map = json.loads((out / "corpus" / DOC_MAP).read_text())
     assert doc_map == {"layout": "okvqa", "doc_ids": {"0": 0, "1": 1}}
     _picture(tmp_path / "val2014" / "COCO_val2014_000000000042.jpg", 0)
-    (tmp_path / "q.json").write_text(json.dumps({"questions": [
-        {"image_id": 42, "question": "What do firemen use this for?", "question_id": 420}]}))
+    (tmp_path / "q.json").write_text(
+        json.dumps(
+            {
+                "questions": [
+                    {
+                        "image_id": 42,
+                        "question": "What do firemen use this for?",
+                        "question_id": 420,
+                    }
+                ]
+            }
+        )
+    )
     answers = ["Water"] * 6 + ["put out fires"] * 4
-    (tmp_path / "a.json").write_text(json.dumps({"annotations": [
-        {"question_id": 420, "image_id": 42, "answer_type": "other", "question_type": "other",
-         "answers": [{"answer": a, "raw_answer": a, "answer_confidence": "yes", "answer_id": i}
-                     for i, a in enumerate(answers, 1)], "confidence": 3}]}))
+    (tmp_path / "a.json").write_text(
+        json.dumps(
+            {
+                "annotations": [
+                    {
+                        "question_id": 420,
+                        "image_id": 42,
+                        "answer_type": "other",
+                        "question_type": "other",
+                        "answers": [
+                            {
+                                "answer": a,
+                                "raw_answer": a,
+                                "answer_confidence": "yes",
+                                "answer_id": i,
+                            }
+                            for i, a in enumerate(answers, 1)
+                        ],
+                        "confidence": 3,
+                    }
+                ]
+            }
+        )
+    )
     res = convert_vqa(tmp_path / "q.json", tmp_path / "a.json", tmp_path / "val2014", out, "val")
     meta = _metas(out, "val")[0]
     assert meta["answer"] == "water" and "doc_id" not in meta and res["normalised"]["changed"] == 6
@@ -329,10 +364,22 @@ def test_infoseek_questions_carry_their_entity_document_and_unseen_mark(tmp_path
     # the pipeline hands gold, mark and scoring fields to evaluation; a malformed kvqa is skipped
     shard = next((out / "val").glob("*.tar"))
     with wds.TarWriter(str(out / "val" / "bad.tar")) as sink:
-        sink.write({"__key__": "x", "jpg": _samples(out, "corpus")[0]["jpg"], "txt": "?",
-                    "json": json.dumps({"answer": "a", "kvqa": ["not", "an", "object"]})})
-    spec = StreamSpec([str(shard), str(out / "val" / "bad.tar")], image_size=16, max_question=16,
-                      max_answer=8, batch_size=8, train=False)
+        sink.write(
+            {
+                "__key__": "x",
+                "jpg": _samples(out, "corpus")[0]["jpg"],
+                "txt": "?",
+                "json": json.dumps({"answer": "a", "kvqa": ["not", "an", "object"]}),
+            }
+        )
+    spec = StreamSpec(
+        [str(shard), str(out / "val" / "bad.tar")],
+        image_size=16,
+        max_question=16,
+        max_answer=8,
+        batch_size=8,
+        train=False,
+    )
     batches = list(QueryStream(spec))
     assert len(batches) == 1 and batches[0]["doc_id"].tolist() == [0, 1, 1]
     assert batches[0]["heldout"].tolist() == [False, True, True]
@@ -561,8 +608,17 @@ def test_kvqa_commands_and_their_bad_input(tmp_path, capsys):
     bad_section = tmp_path / "bad_section.csv"
     bad_section.write_text(f["csv"].read_text().replace(",1,", ",one,", 1))
     cases = {
-        ("evqa", "--csv", str(bad_section), "--images", str(f["images"]), "--out",
-         str(tmp_path / "o5"), "--split", "val"): "row 2: evidence_section_id 'one' is no section",
+        (
+            "evqa",
+            "--csv",
+            str(bad_section),
+            "--images",
+            str(f["images"]),
+            "--out",
+            str(tmp_path / "o5"),
+            "--split",
+            "val",
+        ): "row 2: evidence_section_id 'one' is no section",
         (
             "evqa",
             "--csv",

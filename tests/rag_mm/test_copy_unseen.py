@@ -24,8 +24,19 @@ TEST_POOL = torch.arange(2000, 2200)  # value tokens never seen as an answer
 
 
 def tiny_reader(**kw) -> Reader:
-    cfg = ModelConfig(dim=64, layers=2, heads=2, vision_width=32, vision_layers=1, vision_head_width=16,
-                      image_size=16, patch_size=8, max_answer=4, attention_backend="reference", **kw)
+    cfg = ModelConfig(
+        dim=64,
+        layers=2,
+        heads=2,
+        vision_width=32,
+        vision_layers=1,
+        vision_head_width=16,
+        image_size=16,
+        patch_size=8,
+        max_answer=4,
+        attention_backend="reference",
+        **kw,
+    )
     torch.manual_seed(0)
     return Reader(cfg, vocab_size=49408)
 
@@ -35,15 +46,26 @@ def make_batch(B: int, pool: torch.Tensor, g: torch.Generator) -> dict:
     value; every value drawn from ``pool``."""
     values = pool[torch.randint(0, len(pool), (B, len(ATTRS), 2), generator=g)]  # (B, 3, 2)
     asked = torch.randint(0, len(ATTRS), (B,), generator=g)
-    order = torch.stack([torch.randperm(len(ATTRS), generator=g) for _ in range(B)])  # facts in random order
-    doc = torch.stack([torch.cat([torch.tensor([ATTRS[a], COLON, *values[b, a].tolist(), STOP]) for a in order[b]])
-                       for b in range(B)])  # (B, 15)
+    order = torch.stack(
+        [torch.randperm(len(ATTRS), generator=g) for _ in range(B)]
+    )  # facts in random order
+    doc = torch.stack(
+        [
+            torch.cat(
+                [torch.tensor([ATTRS[a], COLON, *values[b, a].tolist(), STOP]) for a in order[b]]
+            )
+            for b in range(B)
+        ]
+    )  # (B, 15)
     answer = values[torch.arange(B), asked]  # (B, 2)
     return dict(
         image=torch.randn(B, 3, 16, 16, generator=g),
-        q_ids=torch.tensor(ATTRS)[asked][:, None], q_len=torch.ones(B, dtype=torch.long),
-        a_ids=torch.cat([answer, torch.full((B, 1), EOT)], 1), a_len=torch.full((B,), 3),
-        doc_image=torch.randn(B, 1, 3, 16, 16, generator=g), doc_ids=doc[:, None],
+        q_ids=torch.tensor(ATTRS)[asked][:, None],
+        q_len=torch.ones(B, dtype=torch.long),
+        a_ids=torch.cat([answer, torch.full((B, 1), EOT)], 1),
+        a_len=torch.full((B,), 3),
+        doc_image=torch.randn(B, 1, 3, 16, 16, generator=g),
+        doc_ids=doc[:, None],
         doc_len=torch.full((B, 1), doc.shape[1]),
     )
 
@@ -54,7 +76,9 @@ def train(reader: Reader, steps: int = 200) -> Reader:
     opt = torch.optim.AdamW(reader.parameters(), lr=2e-3)
     reader.train()
     for _ in range(steps):
-        batch = anonymize_answers(make_batch(32, TRAIN_POOL, g), reader.cfg.copy_anonymize, reader.vocab_size)
+        batch = anonymize_answers(
+            make_batch(32, TRAIN_POOL, g), reader.cfg.copy_anonymize, reader.vocab_size
+        )
         loss = reader(**batch).loss
         opt.zero_grad()
         loss.backward()
@@ -84,14 +108,20 @@ def test_renaming_answers_shows_the_span_and_keeps_what_must_be_generated():
     for i in range(1, 8):
         new = r["a_ids"][i, :2]
         assert not torch.isin(new, b["a_ids"][i]).any() and r["a_ids"][i, 2] == EOT
-        assert torch.isin(new, r["doc_ids"][i]).all() and not torch.isin(b["a_ids"][i, :2], r["doc_ids"][i]).any()
+        assert (
+            torch.isin(new, r["doc_ids"][i]).all()
+            and not torch.isin(b["a_ids"][i, :2], r["doc_ids"][i]).any()
+        )
     half = anonymize_answers({k: v[4:] for k, v in b.items()}, 1.0, 49408)
-    assert torch.equal(half["a_ids"], r["a_ids"][4:]) and torch.equal(half["doc_ids"], r["doc_ids"][4:])
+    assert torch.equal(half["a_ids"], r["a_ids"][4:]) and torch.equal(
+        half["doc_ids"], r["doc_ids"][4:]
+    )
 
 
 @pytest.mark.slow
 def test_without_the_copy_path_unseen_answers_fail(monkeypatch):
     """The control: the same training with the copy head's mixture bypassed answers nothing."""
+
     def no_copy(self, h, ex, pos, h_all, tok, seg, q, a, gen_logp, prior=None, target=None):
         return gen_logp, torch.zeros(len(ex), h_all.shape[1]), torch.zeros(len(ex))
 

@@ -13,18 +13,33 @@ from rag_mm.data.world import ATTRIBUTES, make_entities
 
 
 def test_generator_is_deterministic_and_splits_heldout(tmp_path):
-    cfgs = [WorldConfig(out=str(tmp_path / n), num_entities=16, train_queries_per_entity=2, val_queries_per_entity=2,
-                        test_queries_per_entity=2, shard_size=64, name_questions=True) for n in "ab"]
+    cfgs = [
+        WorldConfig(
+            out=str(tmp_path / n),
+            num_entities=16,
+            train_queries_per_entity=2,
+            val_queries_per_entity=2,
+            test_queries_per_entity=2,
+            shard_size=64,
+            name_questions=True,
+        )
+        for n in "ab"
+    ]
     s1, s2 = generate(cfgs[0]), generate(cfgs[1])
     assert s1["counts"] == s2["counts"] == {"corpus": 16, "train": 24, "val": 32, "test": 32}
-    a, b = (tmp_path / "a" / "train" / "train-000000.tar").read_bytes(), (tmp_path / "b" / "train" / "train-000000.tar").read_bytes()
+    a, b = (
+        (tmp_path / "a" / "train" / "train-000000.tar").read_bytes(),
+        (tmp_path / "b" / "train" / "train-000000.tar").read_bytes(),
+    )
     # tar headers carry mtimes; compare the members' contents
     ta, tb = tarfile.open(fileobj=io.BytesIO(a)), tarfile.open(fileobj=io.BytesIO(b))
     assert [ta.extractfile(m).read() for m in ta] == [tb.extractfile(m).read() for m in tb]
     heldout = set(s1["heldout_doc_ids"])
     assert len(heldout) == 4
     with tarfile.open(tmp_path / "a" / "train" / "train-000000.tar") as t:
-        train_docs = {json.loads(t.extractfile(m).read())["doc_id"] for m in t if m.name.endswith(".json")}
+        train_docs = {
+            json.loads(t.extractfile(m).read())["doc_id"] for m in t if m.name.endswith(".json")
+        }
     assert not train_docs & heldout  # held-out entities never appear in training queries
     with tarfile.open(tmp_path / "a" / "test" / "test-000000.tar") as t:
         metas = [json.loads(t.extractfile(m).read()) for m in t if m.name.endswith(".json")]
@@ -32,7 +47,9 @@ def test_generator_is_deterministic_and_splits_heldout(tmp_path):
     facts = [m for m in metas if m["attribute"] != "name"]
     assert facts and all(m["answer"] in ATTRIBUTES[m["attribute"]] for m in facts)
     # name questions: the creature's own name, which its passage states
-    names = {e.doc_id: e.name for e in make_entities(s1["config"]["num_entities"], s1["config"]["seed"])}
+    names = {
+        e.doc_id: e.name for e in make_entities(s1["config"]["num_entities"], s1["config"]["seed"])
+    }
     asked = [m for m in metas if m["attribute"] == "name"]
     assert asked and all(m["answer"] == names[m["doc_id"]] for m in asked)
 
@@ -44,7 +61,9 @@ def test_generator_cli_rejects_bad_values(tmp_path, capsys):
 
 
 def test_document_store_matches_passages(tiny_world):
-    store = DocumentStore.load(expand_urls(str(tiny_world), "corpus/corpus-{000000..000000}.tar"), 32, 40)
+    store = DocumentStore.load(
+        expand_urls(str(tiny_world), "corpus/corpus-{000000..000000}.tar"), 32, 40
+    )
     assert len(store) == 24
     d = store.fetch(torch.tensor([[3, 5]]))
     assert d["doc_image"].shape == (1, 2, 3, 32, 32) and d["doc_ids"].shape[:2] == (1, 2)
@@ -52,8 +71,14 @@ def test_document_store_matches_passages(tiny_world):
 
 
 def _spec(root, **kw):
-    base = dict(urls=expand_urls(str(root), "train/train-{000000..000002}.tar"), image_size=32, max_question=24,
-                max_answer=8, batch_size=8, shuffle_buffer=16)
+    base = dict(
+        urls=expand_urls(str(root), "train/train-{000000..000002}.tar"),
+        image_size=32,
+        max_question=24,
+        max_answer=8,
+        batch_size=8,
+        shuffle_buffer=16,
+    )
     base.update(kw)
     return StreamSpec(**base)
 
@@ -79,7 +104,9 @@ def test_stream_splits_by_rank_without_overlap(tiny_world):
     for rank in range(2):
         spec = _spec(tiny_world, train=False, rank=rank, world_size=2, batch_size=5)
         keys.append([k for b in make_loader(spec, 0) for k in b["key"]])
-    assert not set(keys[0]) & set(keys[1]) and len(keys[0]) + len(keys[1]) == 72  # 18 seen entities x 4
+    assert (
+        not set(keys[0]) & set(keys[1]) and len(keys[0]) + len(keys[1]) == 72
+    )  # 18 seen entities x 4
 
 
 def test_process_exits_with_a_training_pass_still_open(tiny_world):
@@ -103,8 +130,14 @@ def test_process_exits_with_a_training_pass_still_open(tiny_world):
         print("leaving", flush=True)
     """)
     root = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0 and "leaving" in res.stdout, res.stderr[-2000:]
 
 
@@ -112,7 +145,7 @@ def _square(size: int = 32, side: int = 8) -> torch.Tensor:
     """A (3, size, size) picture: zeros with a square of ones in the middle."""
     x = torch.zeros(3, size, size)
     lo = (size - side) // 2
-    x[:, lo:lo + side, lo:lo + side] = 1.0
+    x[:, lo : lo + side, lo : lo + side] = 1.0
     return x
 
 
@@ -129,7 +162,10 @@ def test_augment_shifts_by_crop_pad_and_zoom_out_shrinks_the_content():
     assert all(float(m[0].sum()) == 64.0 for m in moved)
     assert len({tuple(m[0].nonzero().min(0).values.tolist()) for m in moved}) > 5  # many places
     # zoom out: the content shrinks (the square's mass falls) by up to 1/zoom_out per side
-    zoomed = [float(_augment(x, random.Random(k), 0.0, crop_pad=8, zoom_out=1.5)[0].sum()) for k in range(40)]
+    zoomed = [
+        float(_augment(x, random.Random(k), 0.0, crop_pad=8, zoom_out=1.5)[0].sum())
+        for k in range(40)
+    ]
     assert min(zoomed) < 64.0 * 0.6 and max(zoomed) <= 64.0 + 1e-3
     assert min(zoomed) >= 64.0 / 1.5**2 - 2.0  # never smaller than the largest crop makes it
 

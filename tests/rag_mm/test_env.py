@@ -18,7 +18,9 @@ def recorded(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(
+        dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw))
+    )
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
     return calls
 
@@ -27,12 +29,12 @@ def test_nccl_group_carries_gloo_for_host_tensors(recorded):
     """Under NCCL the group also has a gloo backend: the stop flag, counts and object broadcasts
     are host tensors, which NCCL alone refuses ("No backend type associated with device type cpu")."""
     e = env.init_distributed(device="cuda", backend="nccl", timeout_s=30)
-    (backend, kw), = recorded
+    ((backend, kw),) = recorded
     assert backend == "cpu:gloo,cuda:nccl"
     assert kw["device_id"] == torch.device("cuda", 0) and e.device == torch.device("cuda", 0)
 
 
 def test_gloo_group_stays_plain(recorded):
     env.init_distributed(device="cpu", backend="gloo", timeout_s=30)
-    (backend, kw), = recorded
+    ((backend, kw),) = recorded
     assert backend == "gloo" and kw["device_id"] is None

@@ -196,37 +196,65 @@ def _infoseek_data(root: Path) -> list[str]:
     questions = {"train": [], "val": []}
     for k in range(1, 7):
         qid = f"Q{k}0{k}"
-        wiki.append({"wikidata_id": qid, "wikipedia_title": f"Entity {k}",
-                     "wikipedia_summary": f"Entity {k} was built in 18{k}0 by Person {k}."})
+        wiki.append(
+            {
+                "wikidata_id": qid,
+                "wikipedia_title": f"Entity {k}",
+                "wikipedia_summary": f"Entity {k} was built in 18{k}0 by Person {k}.",
+            }
+        )
         _picture(pics / f"{qid}.jpg", k - 1)
         splits = ["train", "train", "val"] if k <= 4 else ["val", "val"]
         for j, split in enumerate(splits):
             image_id = f"oven_{k:04d}{j:04d}"
             _picture(root / "oven" / f"{image_id}.jpg", k - 1)
-            data_split = "train" if split == "train" else (
-                "val_unseen_question" if k <= 4 else "val_unseen_entity")
-            row = {"data_id": f"infoseek_{split}_{k}{j}", "image_id": image_id, "entity_id": qid,
-                   "data_split": data_split}
+            data_split = (
+                "train"
+                if split == "train"
+                else ("val_unseen_question" if k <= 4 else "val_unseen_entity")
+            )
+            row = {
+                "data_id": f"infoseek_{split}_{k}{j}",
+                "image_id": image_id,
+                "entity_id": qid,
+                "data_split": data_split,
+            }
             if j % 2:
-                row.update(question="Who built this?", answer=[f"Person {k}"],
-                           answer_eval=[f"Person {k}"], question_type="STRING")
+                row.update(
+                    question="Who built this?",
+                    answer=[f"Person {k}"],
+                    answer_eval=[f"Person {k}"],
+                    question_type="STRING",
+                )
             else:
                 year = 1800 + 10 * k
-                row.update(question="When was this built?", answer=[str(year)],
-                           answer_eval=[{"wikidata": year, "range": [year, year]}],
-                           question_type="NUMERICAL")
+                row.update(
+                    question="When was this built?",
+                    answer=[str(year)],
+                    answer_eval=[{"wikidata": year, "range": [year, year]}],
+                    question_type="NUMERICAL",
+                )
             questions[split].append(row)
     _jsonl(root / "Wiki6M_ver_1_0.jsonl", wiki)
     withkb = {s: _jsonl(root / f"infoseek_{s}_withkb.jsonl", q) for s, q in questions.items()}
     for s, q in questions.items():
-        _jsonl(root / f"infoseek_{s}_qtype.jsonl",
-               [{"data_id": r["data_id"], "question_type": r["question_type"]} for r in q])
+        _jsonl(
+            root / f"infoseek_{s}_qtype.jsonl",
+            [{"data_id": r["data_id"], "question_type": r["question_type"]} for r in q],
+        )
     data = root / "data"
-    overrides = convert_kb("infoseek", root / "Wiki6M_ver_1_0.jsonl", data, images=pics,
-                           linked=list(withkb.values()))["overrides"]
+    overrides = convert_kb(
+        "infoseek", root / "Wiki6M_ver_1_0.jsonl", data, images=pics, linked=list(withkb.values())
+    )["overrides"]
     for split, source in (("train", "train"), ("val", "val"), ("test", "val")):
-        res = convert_infoseek(withkb[source], root / "oven", data, split,
-                               qtype=root / f"infoseek_{source}_qtype.jsonl", shard_size=4)
+        res = convert_infoseek(
+            withkb[source],
+            root / "oven",
+            data,
+            split,
+            qtype=root / f"infoseek_{source}_qtype.jsonl",
+            shard_size=4,
+        )
         overrides.append(res["overrides"][1])
     return overrides
 
@@ -236,11 +264,27 @@ def test_infoseek_converted_trains_and_evaluates_closed_book_learned_and_oracle(
     evaluated three ways: the table in the JSON line, the log and the run's metrics.json."""
     overrides = _infoseek_data(tmp_path)
     run = tmp_path / "run"
-    res = run_module(["-m", "rag_mm.train", *overrides, f"run_dir={run}", "retriever=learned",
-                      "retriever.top_k=2", "data.batch_size=4", "data.eval_batch_size=8",
-                      "data.num_workers=0", "data.shuffle_buffer=4", "max_steps=2", "log_every=1",
-                      "eval_every=0", "ckpt_every=2", "progress=false", "optim.warmup_steps=1",
-                      *TINY_MODEL])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            *overrides,
+            f"run_dir={run}",
+            "retriever=learned",
+            "retriever.top_k=2",
+            "data.batch_size=4",
+            "data.eval_batch_size=8",
+            "data.num_workers=0",
+            "data.shuffle_buffer=4",
+            "max_steps=2",
+            "log_every=1",
+            "eval_every=0",
+            "ckpt_every=2",
+            "progress=false",
+            "optim.warmup_steps=1",
+            *TINY_MODEL,
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "metrics.json").read_text())
     # beside every score of the trainer's final evaluation

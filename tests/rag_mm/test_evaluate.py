@@ -24,7 +24,13 @@ def _no_nan(constant: str):
 def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path, capsys):
     run = tmp_path / "run"
     # validation on training queries: no held-out entity, so acc_heldout averages nothing (null)
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, "data.val='train/train-{000000..000000}.tar'")])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(tiny_world, run, "data.val='train/train-{000000..000000}.tar'"),
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run / "metrics.json").read_text(), parse_constant=_no_nan)
     assert summary["val"]["n_heldout"] == 0 and summary["val"]["acc_heldout"] is None
@@ -47,7 +53,11 @@ def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1], parse_constant=_no_nan)
     assert "test: accuracy" in res.stderr  # the split's summary line
-    for key in ("blind_prior", "acc_blank", "image_drop"):  # the cached table, the same blanked forward
+    for key in (
+        "blind_prior",
+        "acc_blank",
+        "image_drop",
+    ):  # the cached table, the same blanked forward
         assert out[key] == pytest.approx(test[key], abs=1e-6), key
     assert out["by_type"]["other"]["n"] == test["by_type"]["other"]["n"]
     assert out["split"] == "test" and out["step"] == summary["step"] == 6
@@ -58,7 +68,9 @@ def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path
 
     # bad input: a message on stderr, exit status 2, no traceback
     res = run_module(["-m", "rag_mm.evaluate", str(tmp_path / "nowhere")])
-    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2 and "not found" in res.stderr and "Traceback" not in res.stderr, (
+        res.stderr
+    )
     bare = tmp_path / "bare"  # a run directory whose training never checkpointed
     shutil.copytree(run / ".hydra", bare / ".hydra")
     cases = {
@@ -78,16 +90,24 @@ def test_predictions_name_each_answer_by_its_shards_question_id(tmp_path):
     a key two samples share with different ids is refused rather than guessed."""
     shard = tmp_path / "q-000000.tar"
     with wds.TarWriter(str(shard)) as sink:
-        for key, meta in [("q0", {"answer": "a", "question_id": 7}), ("q1", {"answer": "b", "question_id": "x9"}),
-                          ("q2", {"answer": "c"})]:
+        for key, meta in [
+            ("q0", {"answer": "a", "question_id": 7}),
+            ("q1", {"answer": "b", "question_id": "x9"}),
+            ("q2", {"answer": "c"}),
+        ]:
             sink.write({"__key__": key, "txt": "?", "json": json.dumps(meta)})
     out = tmp_path / "preds" / "test.json"
     assert write_predictions(out, [("q1", "blue"), ("q0", "2"), ("q2", "no")], [str(shard)]) == 3
-    assert json.loads(out.read_text()) == [{"question_id": "x9", "answer": "blue"}, {"question_id": 7, "answer": "2"},
-                                           {"question_id": "q2", "answer": "no"}]
+    assert json.loads(out.read_text()) == [
+        {"question_id": "x9", "answer": "blue"},
+        {"question_id": 7, "answer": "2"},
+        {"question_id": "q2", "answer": "no"},
+    ]
     other = tmp_path / "q-000001.tar"  # a second conversion's shard: its keys restart at q0
     with wds.TarWriter(str(other)) as sink:
-        sink.write({"__key__": "q0", "txt": "?", "json": json.dumps({"answer": "a", "question_id": 8})})
+        sink.write(
+            {"__key__": "q0", "txt": "?", "json": json.dumps({"answer": "a", "question_id": 8})}
+        )
     with pytest.raises(PredictionError, match="the key 'q0' and different question ids"):
         write_predictions(out, [("q0", "2")], [str(shard), str(other)])
 
@@ -99,9 +119,26 @@ def test_evaluate_writes_the_vqa_results_file_it_scored(tmp_path, capsys):
     for split in ("train", "val", "test"):  # the six answered questions in each split, 4 per shard
         overrides += convert_vqa(q, a, images, data, split, shard_size=4)["overrides"][1:]
     run = tmp_path / "run"
-    res = run_module(["-m", "rag_mm.train", *overrides, f"run_dir={run}", "retriever=none", "data.batch_size=4",
-                      "data.eval_batch_size=4", "data.num_workers=0", "data.shuffle_buffer=4", "max_steps=2",
-                      "log_every=1", "eval_every=0", "ckpt_every=2", "progress=false", "optim.warmup_steps=1", *TINY_MODEL])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            *overrides,
+            f"run_dir={run}",
+            "retriever=none",
+            "data.batch_size=4",
+            "data.eval_batch_size=4",
+            "data.num_workers=0",
+            "data.shuffle_buffer=4",
+            "max_steps=2",
+            "log_every=1",
+            "eval_every=0",
+            "ckpt_every=2",
+            "progress=false",
+            "optim.warmup_steps=1",
+            *TINY_MODEL,
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
     out = tmp_path / "results" / "test.json"  # its folder is created
@@ -113,9 +150,13 @@ def test_evaluate_writes_the_vqa_results_file_it_scored(tmp_path, capsys):
     # every test question once, under the VQA question id its shard carries (two batches of 4 and 2)
     assert sorted(p["question_id"] for p in preds) == [101, 102, 201, 202, 301, 302]
     # the answers are the greedy answers evaluation scored: their VQA accuracy is the reported one
-    human = {json.loads(s["json"])["question_id"]: json.loads(s["json"])["answers"]
-             for s in wds.DataPipeline(wds.SimpleShardList([str(p) for p in sorted((data / "test").glob("*.tar"))]),
-                                       wds.tarfile_to_samples())}
+    human = {
+        json.loads(s["json"])["question_id"]: json.loads(s["json"])["answers"]
+        for s in wds.DataPipeline(
+            wds.SimpleShardList([str(p) for p in sorted((data / "test").glob("*.tar"))]),
+            wds.tarfile_to_samples(),
+        )
+    }
     scores = [vqa_accuracy(p["answer"], human[p["question_id"]]) for p in preds]
     assert metrics["n_vqa"] == 6 and sum(scores) / 6 == pytest.approx(metrics["vqa_acc"], abs=1e-9)
 

@@ -53,12 +53,16 @@ def test_documents_follow_the_retrieval_layout(family):
     x = reader_inputs(k=2)
     with torch.no_grad():
         a = reader.assemble(**x)
-        h = reader.lm.base_model(inputs_embeds=a.x, position_ids=a.pos, seg_offsets=a.seg_offsets).last_hidden_state
+        h = reader.lm.base_model(
+            inputs_embeds=a.x, position_ids=a.pos, seg_offsets=a.seg_offsets
+        ).last_hidden_state
         ref = _own_forward(reader, a, _layout_bias(a)).logits
         causal = _own_forward(reader, a).logits
     valid = torch.arange(a.x.shape[1])[None] < a.seg_offsets[:, -1:]  # (B, S)
     torch.testing.assert_close(reader.lm.lm_head(h)[valid], ref[valid], atol=1e-5, rtol=0)
-    assert not torch.allclose(ref[valid], causal[valid], atol=1e-3)  # the layout is not plain causal
+    assert not torch.allclose(
+        ref[valid], causal[valid], atol=1e-3
+    )  # the layout is not plain causal
     assert int(a.pos.max()) < a.x.shape[1] // 2  # positions restart per segment
 
 
@@ -67,13 +71,24 @@ def test_models_that_bypass_the_attention_interface_are_refused():
     its own attention, would silently read documents as one causal stream: refused at build."""
     from rag_mm.model.hf_attention import check_dispatch
 
-    falcon = model_config("llama", lm=dict(model_type="falcon", hidden_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, vocab_size=512))
+    falcon = model_config(
+        "llama",
+        lm=dict(
+            model_type="falcon",
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=512,
+        ),
+    )
     with pytest.raises(ValueError, match="cannot build this LM with rag_mm's attention"):
         tiny_hf_reader(lm=falcon.lm)
     lm = tiny_hf_reader("llama").lm
     check_dispatch(lm)
-    lm.model.layers[1].self_attn.forward = lambda hidden_states, **_: (torch.zeros_like(hidden_states), None)
+    lm.model.layers[1].self_attn.forward = lambda hidden_states, **_: (
+        torch.zeros_like(hidden_states),
+        None,
+    )
     with pytest.raises(ValueError, match="1 of its 2 layers do not call their attention"):
         check_dispatch(lm)
 
@@ -83,10 +98,14 @@ def test_reader_trains_and_generates():
     x = reader_inputs(k=2)
     out = reader(**x)
     out.loss.backward()
-    assert reader.projector.fc1.weight.grad.abs().sum() > 0 and reader.rank_emb.weight.grad.abs().sum() > 0
+    assert (
+        reader.projector.fc1.weight.grad.abs().sum() > 0
+        and reader.rank_emb.weight.grad.abs().sum() > 0
+    )
     assert out.doc_attention.shape == (4, 2)
-    answers = reader.eval().generate(x["image"], x["q_ids"], x["q_len"], x["doc_image"], x["doc_ids"], x["doc_len"],
-                                     eot_id=2)
+    answers = reader.eval().generate(
+        x["image"], x["q_ids"], x["q_len"], x["doc_image"], x["doc_ids"], x["doc_len"], eot_id=2
+    )
     assert len(answers) == 4 and all(len(a) <= reader.max_answer for a in answers)
 
 
@@ -119,7 +138,9 @@ def test_meta_reader_materializes_like_a_fresh_one():
 
     cfg = model_config("llama")
     meta = materialize(build_reader(cfg, 512, meta=True)).eval()
-    assert not any(p.is_meta for p in meta.parameters()) and not any(b.is_meta for b in meta.buffers())
+    assert not any(p.is_meta for p in meta.parameters()) and not any(
+        b.is_meta for b in meta.buffers()
+    )
     fresh = build_reader(cfg, 512).eval()
     x = reader_inputs(k=1)
     for name, b in fresh.named_buffers():  # rotary frequencies are computed, not initialised
@@ -129,10 +150,17 @@ def test_meta_reader_materializes_like_a_fresh_one():
         want, got = fresh_params[name].detach(), p.detach()
         assert got.abs().max() <= 10 * want.abs().max() + 1e-6, name
         if want.numel() > 16 and want.std() > 0:
-            assert 0.7 < float(got.std() / want.std()) < 1.4, (name, float(got.std()), float(want.std()))
+            assert 0.7 < float(got.std() / want.std()) < 1.4, (
+                name,
+                float(got.std()),
+                float(want.std()),
+            )
     with torch.no_grad():
         out = meta(**x)
-    assert torch.isfinite(out.logits).all() and abs(float(out.loss) - float(torch.log(torch.tensor(512.0)))) < 1.5
+    assert (
+        torch.isfinite(out.logits).all()
+        and abs(float(out.loss) - float(torch.log(torch.tensor(512.0)))) < 1.5
+    )
 
 
 def save_word_tokenizer(path, words) -> int:
@@ -143,7 +171,9 @@ def save_word_tokenizer(path, words) -> int:
     vocab = {w: i for i, w in enumerate(["<pad>", "</s>", "[UNK]", *sorted(set(words))])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="[UNK]", pad_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="</s>", unk_token="[UNK]", pad_token="<pad>"
+    )
     tok.save_pretrained(path)
     return len(vocab)
 
@@ -162,9 +192,13 @@ def test_pretrained_directory_and_its_tokenizer(tmp_path):
     n = save_word_tokenizer(tmp_path / "tok", "what colour is the red circle ?".split())
     torch.manual_seed(0)
     fields = dict(LM_CONFIGS["qwen2"], vocab_size=n, eos_token_id=1)
-    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    saved = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields)
+    )
     saved.save_pretrained(tmp_path / "lm")
-    cfg = model_config("qwen2", pretrained=str(tmp_path / "lm"), tokenizer=str(tmp_path / "tok"), lm={})
+    cfg = model_config(
+        "qwen2", pretrained=str(tmp_path / "lm"), tokenizer=str(tmp_path / "tok"), lm={}
+    )
     tok = get_tokenizer(reader_tokenizer(cfg))
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == n and tok.eot_id == 1
     assert tok.decode(tok.encode("what colour is the circle ?")) == "what colour is the circle ?"
@@ -174,8 +208,12 @@ def test_pretrained_directory_and_its_tokenizer(tmp_path):
     with torch.no_grad():
         out = reader(**x)
         a = reader.assemble(**x)
-        ref = saved.eval()(inputs_embeds=a.x, position_ids=a.pos).logits  # its own default attention
-    torch.testing.assert_close(out.logits, torch.log_softmax(ref[a.labels != IGNORE], -1), atol=1e-5, rtol=0)
+        ref = saved.eval()(
+            inputs_embeds=a.x, position_ids=a.pos
+        ).logits  # its own default attention
+    torch.testing.assert_close(
+        out.logits, torch.log_softmax(ref[a.labels != IGNORE], -1), atol=1e-5, rtol=0
+    )
 
 
 def test_export_import_round_trip(tmp_path):
@@ -192,15 +230,26 @@ def test_export_import_round_trip(tmp_path):
     visual = torch.load(tmp_path / "out" / "open_clip_visual.pt", weights_only=True)
     assert visual and all(k.startswith("visual.") for k in visual)
     values = dict(o.split("=", 1) for o in overrides)
-    imported_cfg = model_config("llama", copy_head=True, lm={}, pretrained=values["model.pretrained"],
-                                vision_checkpoint=values["model.vision_checkpoint"], adapter=values["model.adapter"])
+    imported_cfg = model_config(
+        "llama",
+        copy_head=True,
+        lm={},
+        pretrained=values["model.pretrained"],
+        vision_checkpoint=values["model.vision_checkpoint"],
+        adapter=values["model.adapter"],
+    )
     torch.manual_seed(123)  # another init: everything must come from the files
     imported = build_reader(imported_cfg, 512).eval()
     x = reader_inputs(k=2)
     with torch.no_grad():
         assert torch.equal(reader(**x).logits, imported(**x).logits)
-    wrong = model_config("llama", copy_head=False, lm={}, pretrained=values["model.pretrained"],
-                         adapter=values["model.adapter"])
+    wrong = model_config(
+        "llama",
+        copy_head=False,
+        lm={},
+        pretrained=values["model.pretrained"],
+        adapter=values["model.adapter"],
+    )
     with pytest.raises(ValueError, match="does not fit this reader"):
         build_reader(wrong, 512)
 
@@ -267,17 +316,41 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
     from tests.rag_mm.conftest import tiny_overrides
 
     n = save_word_tokenizer(tmp_path / "tok", _world_words(tiny_world))
-    fields = dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, vocab_size=n,
-                  eos_token_id=1, bos_token_id=None, pad_token_id=0)
+    fields = dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        vocab_size=n,
+        eos_token_id=1,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
-    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    saved = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(fields.pop("model_type"), **fields)
+    )
     saved.save_pretrained(tmp_path / "lm")
-    cfg = compose(["+experiment=demo_hf", *tiny_overrides(tiny_world, tmp_path / "run"),
-                   f"model.pretrained={tmp_path / 'lm'}", f"model.tokenizer={tmp_path / 'tok'}",
-                   "retriever.top_k=2", "retriever.embed_dim=16", "retriever.vision_width=16", "retriever.warmup_steps=2",
-                   "retriever.bank_negatives=8", "retriever.pseudo_queries=4", "retriever.refresh_every=2",
-                   "max_steps=3", "ckpt_every=0"])
+    cfg = compose(
+        [
+            "+experiment=demo_hf",
+            *tiny_overrides(tiny_world, tmp_path / "run"),
+            f"model.pretrained={tmp_path / 'lm'}",
+            f"model.tokenizer={tmp_path / 'tok'}",
+            "retriever.top_k=2",
+            "retriever.embed_dim=16",
+            "retriever.vision_width=16",
+            "retriever.warmup_steps=2",
+            "retriever.bank_negatives=8",
+            "retriever.pseudo_queries=4",
+            "retriever.refresh_every=2",
+            "max_steps=3",
+            "ckpt_every=0",
+        ]
+    )
     t = Trainer(cfg)
     try:
         assert isinstance(t.tok, HFTokenizer) and t.tok.vocab_size == n
@@ -299,10 +372,14 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
     from rag_mm.model.factory import build_reader
 
     (tmp_path / "run" / ".hydra").mkdir()
-    OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")  # what `python -m rag_mm.train` saves
+    OmegaConf.save(
+        cfg, tmp_path / "run" / ".hydra" / "config.yaml"
+    )  # what `python -m rag_mm.train` saves
     assert export_main([str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     overrides = json.loads((tmp_path / "out" / "import.json").read_text())["overrides"]
-    back = compose(["+experiment=demo_hf", *tiny_overrides(tiny_world, tmp_path / "run2"), *overrides])
+    back = compose(
+        ["+experiment=demo_hf", *tiny_overrides(tiny_world, tmp_path / "run2"), *overrides]
+    )
     imported = build_reader(back.model, n).eval()
     x = reader_inputs(b=2, k=2, vocab=n)
     with torch.no_grad():
@@ -320,10 +397,20 @@ def test_bad_hf_inputs_name_the_key(tiny_world, tmp_path):
     (tmp_path / "tok").mkdir()
     cases = [
         (["model=hf"], "model.family=hf needs model.pretrained"),
-        (["model=hf_tiny", "model.lm.model_type=nosuch"], "model.lm.model_type='nosuch' is no model type"),
+        (
+            ["model=hf_tiny", "model.lm.model_type=nosuch"],
+            "model.lm.model_type='nosuch' is no model type",
+        ),
         (["model=hf", f"model.pretrained={tmp_path}"], "is not a directory holding config.json"),
-        (["model=hf_tiny", f"model.tokenizer={tmp_path / 'tok'}", "retriever=learned", "retriever.fusion=sum"],
-         "set retriever.fusion=image"),
+        (
+            [
+                "model=hf_tiny",
+                f"model.tokenizer={tmp_path / 'tok'}",
+                "retriever=learned",
+                "retriever.fusion=sum",
+            ],
+            "set retriever.fusion=image",
+        ),
         (["model=hf_tiny", f"model.adapter={tmp_path / 'none.safetensors'}"], "model.adapter="),
         (["model.pretrained=/x"], "model.pretrained needs model.family=hf"),
     ]
@@ -331,6 +418,10 @@ def test_bad_hf_inputs_name_the_key(tiny_world, tmp_path):
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate(compose([*base, *extra]))
     # a family that looks its attention up itself passes validation and is refused at build
-    res = run_module(["-m", "rag_mm.train", *base, "model=hf_tiny", "model.lm.model_type=falcon"], timeout=180)
+    res = run_module(
+        ["-m", "rag_mm.train", *base, "model=hf_tiny", "model.lm.model_type=falcon"], timeout=180
+    )
     assert res.returncode == 2, res.stderr[-2000:]
-    assert "AttentionInterface" in res.stderr and "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
+    assert "AttentionInterface" in res.stderr and "Traceback" not in res.stderr + res.stdout, (
+        res.stderr[-2000:]
+    )

@@ -18,9 +18,21 @@ VOCAB = 512  # the tokenizer's; the small configs add one row for the image plac
 
 def vlm_model_config(family: str = "llava", **kw) -> ModelConfig:
     """A tiny VLM reader: 2 text layers of width 64 over a 1-layer tower on 32 px pictures (16 patches)."""
-    base = dict(family="hf_vlm", vlm_config=family, dim=64, layers=2, heads=4, mlp_ratio=2.0, vision_width=32,
-                vision_layers=2, vision_head_width=16, patch_size=8, image_size=32, copy_head=False,
-                attention_backend="reference")
+    base = dict(
+        family="hf_vlm",
+        vlm_config=family,
+        dim=64,
+        layers=2,
+        heads=4,
+        mlp_ratio=2.0,
+        vision_width=32,
+        vision_layers=2,
+        vision_head_width=16,
+        patch_size=8,
+        image_size=32,
+        copy_head=False,
+        attention_backend="reference",
+    )
     return ModelConfig(**(base | kw))
 
 
@@ -50,22 +62,41 @@ def _own_logits(reader, x: dict) -> torch.Tensor:
         pixels = reader.pixel_values(x["image"])
         P = reader.encode_images(x["image"][:1]).shape[1]
         for b in range(x["image"].shape[0]):
-            q, a = x["q_ids"][b, :x["q_len"][b]], x["a_ids"][b, :x["a_len"][b] - 1]
+            q, a = x["q_ids"][b, : x["q_len"][b]], x["a_ids"][b, : x["a_len"][b] - 1]
             ids = torch.cat([torch.full((P,), image_token), q, a])[None]
-            logits = vlm(input_ids=ids, pixel_values=pixels[b:b + 1]).logits[0]  # (L, V)
+            logits = vlm(input_ids=ids, pixel_values=pixels[b : b + 1]).logits[0]  # (L, V)
             first = P + len(q) - 1  # the last question token predicts the first answer token
-            rows.append(logits[first:first + int(x["a_len"][b])])
+            rows.append(logits[first : first + int(x["a_len"][b])])
     return torch.log_softmax(torch.cat(rows).float(), -1)
 
 
 # Gemma 3 from a config.json (model.vlm_config=PATH): SigLIP, pooling to 4 tokens per picture,
 # Gemma 3 text (q/k norms, sliding-window layers whose window exceeds the sequence)
-GEMMA3 = dict(model_type="gemma3", image_token_index=VOCAB, mm_tokens_per_image=4,
-              text_config=dict(model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB + 1,
-                               sliding_window=512),
-              vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8))
+GEMMA3 = dict(
+    model_type="gemma3",
+    image_token_index=VOCAB,
+    mm_tokens_per_image=4,
+    text_config=dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB + 1,
+        sliding_window=512,
+    ),
+    vision_config=dict(
+        model_type="siglip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    ),
+)
 
 
 @pytest.mark.parametrize("family", ["llava", "paligemma", "gemma3"])
@@ -100,9 +131,14 @@ def test_documents_follow_the_retrieval_layout():
     x = reader_inputs(k=2, vocab=VOCAB)
     with torch.no_grad():
         a = reader.assemble(**x)
-        h = reader.decoder(inputs_embeds=a.x, position_ids=a.pos, seg_offsets=a.seg_offsets).last_hidden_state
-        ref = _eager(reader.vlm).get_decoder()(inputs_embeds=a.x, position_ids=a.pos,
-                                               attention_mask=_layout_bias(a)).last_hidden_state
+        h = reader.decoder(
+            inputs_embeds=a.x, position_ids=a.pos, seg_offsets=a.seg_offsets
+        ).last_hidden_state
+        ref = (
+            _eager(reader.vlm)
+            .get_decoder()(inputs_embeds=a.x, position_ids=a.pos, attention_mask=_layout_bias(a))
+            .last_hidden_state
+        )
         valid = torch.arange(a.x.shape[1])[None] < a.seg_offsets[:, -1:]  # (B, S)
         torch.testing.assert_close(h[valid], ref[valid], atol=1e-5, rtol=0)
 
@@ -113,12 +149,18 @@ def test_documents_follow_the_retrieval_layout():
 
         other = dict(x, q_ids=(x["q_ids"] + 7) % VOCAB)  # another question, the same documents
         a2 = reader.assemble(**other)
-        h2 = reader.decoder(inputs_embeds=a2.x, position_ids=a2.pos, seg_offsets=a2.seg_offsets).last_hidden_state
+        h2 = reader.decoder(
+            inputs_embeds=a2.x, position_ids=a2.pos, seg_offsets=a2.seg_offsets
+        ).last_hidden_state
     docs_end = a.seg_offsets[:, -2]  # (B,) where the query segment starts
     for b in range(h.shape[0]):
         n = int(docs_end[b])
-        torch.testing.assert_close(h2[b, :n], h[b, :n], atol=1e-6, rtol=0)  # documents do not see the query
-        assert (h2[b, n:int(a.seg_offsets[b, -1])] - h[b, n:int(a.seg_offsets[b, -1])]).abs().max() > 1e-4
+        torch.testing.assert_close(
+            h2[b, :n], h[b, :n], atol=1e-6, rtol=0
+        )  # documents do not see the query
+        assert (
+            h2[b, n : int(a.seg_offsets[b, -1])] - h[b, n : int(a.seg_offsets[b, -1])]
+        ).abs().max() > 1e-4
 
 
 def test_builds_from_a_save_pretrained_directory(tmp_path):
@@ -133,8 +175,16 @@ def test_builds_from_a_save_pretrained_directory(tmp_path):
     proc = SiglipImageProcessor(size={"height": 32, "width": 32})
     proc.save_pretrained(tmp_path)
     torch.manual_seed(0)
-    reader = build_reader(ModelConfig(family="hf_vlm", pretrained=str(tmp_path), image_size=32, copy_head=False,
-                                      attention_backend="reference"), VOCAB).eval()
+    reader = build_reader(
+        ModelConfig(
+            family="hf_vlm",
+            pretrained=str(tmp_path),
+            image_size=32,
+            copy_head=False,
+            attention_backend="reference",
+        ),
+        VOCAB,
+    ).eval()
     assert type(reader.processor).__name__ == "SiglipImageProcessor"
     for name, p in src.vlm.state_dict().items():
         torch.testing.assert_close(reader.vlm.state_dict()[name], p, atol=0, rtol=0)
@@ -142,7 +192,9 @@ def test_builds_from_a_save_pretrained_directory(tmp_path):
     from rag_mm.data.pipeline import MEAN, STD
 
     raw = x["image"] * STD + MEAN  # 0..1
-    torch.testing.assert_close(reader.pixel_values(x["image"]), (raw - 0.5) / 0.5, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        reader.pixel_values(x["image"]), (raw - 0.5) / 0.5, atol=1e-5, rtol=0
+    )
     src.processor = reader.processor
     with torch.no_grad():
         torch.testing.assert_close(reader(**x).logits, src(**x).logits, atol=1e-5, rtol=0)
@@ -161,8 +213,12 @@ def test_presets_on_meta_have_the_public_parameter_counts(preset):
     public = PUBLIC_PARAMETERS[cfg.model.vlm_config]
     n = count_parameters(reader.vlm)
     assert abs(n - public) <= 0.01 * public, (preset, n, public)
-    assert reader.encode_images(torch.empty(1, 3, cfg.model.image_size, cfg.model.image_size, device="meta")).shape[1] \
+    assert (
+        reader.encode_images(
+            torch.empty(1, 3, cfg.model.image_size, cfg.model.image_size, device="meta")
+        ).shape[1]
         == {"llava1_5_7b": 576, "paligemma_3b": 256}[preset]
+    )
     # tp divides the VLM's own query heads: Vicuna's 32 and CLIP-L's 16; Gemma-2B's 8 and SigLIP's
     # 16 (Gemma-2B's one key/value head is replicated over the tp ranks)
     assert rplan.tp_divisor(cfg) == {"llava1_5_7b": 16, "paligemma_3b": 8}[preset]
@@ -191,18 +247,32 @@ def test_what_is_no_vlm_is_refused_by_name(tmp_path):
     from rag_mm.config import ConfigError, compose, validate
     from rag_mm.model.factory import build_reader
 
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                 vocab_size=VOCAB)).save_pretrained(tmp_path / "lm")
-    cfg = ModelConfig(family="hf_vlm", pretrained=str(tmp_path / "lm"), attention_backend="reference")
-    with pytest.raises(ValueError, match=r"holds a LlamaForCausalLM model, not a vision-language model"):
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=VOCAB,
+        )
+    ).save_pretrained(tmp_path / "lm")
+    cfg = ModelConfig(
+        family="hf_vlm", pretrained=str(tmp_path / "lm"), attention_backend="reference"
+    )
+    with pytest.raises(
+        ValueError, match=r"holds a LlamaForCausalLM model, not a vision-language model"
+    ):
         build_reader(cfg, VOCAB)
     (tmp_path / "qwen").mkdir()
     (tmp_path / "qwen" / "config.json").write_text(
-        '{"model_type": "qwen2_vl", "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}}')
+        '{"model_type": "qwen2_vl", "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}}'
+    )
     with pytest.raises(ValueError, match="multimodal rotary positions"):
         build_reader(vlm_model_config(str(tmp_path / "qwen")), VOCAB)
-    for bad, why in [([f"model.pretrained={tmp_path}"], "is not a directory holding config.json"),
-                     (["model.vlm_config=nosuch"], "model.vlm_config='nosuch' is none of")]:
+    for bad, why in [
+        ([f"model.pretrained={tmp_path}"], "is not a directory holding config.json"),
+        (["model.vlm_config=nosuch"], "model.vlm_config='nosuch' is none of"),
+    ]:
         with pytest.raises(ConfigError, match=why):
             validate(compose(["model=hf_vlm", "run_dir=/tmp/unused", *bad]))
     from rag_mm.build import build_rag

@@ -22,18 +22,42 @@ DEFAULT = ParallelConfig()
 # a value unlike the default for every field, in two layouts the runtime accepts together:
 # a pipeline with tp and FSDP on 8 ranks, and HSDP with bf16 parameters and CPU offload on 4
 PIPELINE = {
-    "pp": 2, "tp": 2, "dp_shard": 2, "microbatches": 4, "schedule": "interleaved_1f1b", "stages_per_rank": 2,
-    "partition": "uniform", "objective": "memory", "memory_cap_bytes": 123456789, "sequence_parallel": True,
-    "activation_checkpointing": "every_n", "ac_every": 2, "ac_skip": ["vision", "copy"],
-    "activation_offload": True, "grad_reduce": "shm",
-    "p2p": "gloo", "gc_pause": False, "steady_malloc": False, "split_drain": False, "bind_cores": True,
+    "pp": 2,
+    "tp": 2,
+    "dp_shard": 2,
+    "microbatches": 4,
+    "schedule": "interleaved_1f1b",
+    "stages_per_rank": 2,
+    "partition": "uniform",
+    "objective": "memory",
+    "memory_cap_bytes": 123456789,
+    "sequence_parallel": True,
+    "activation_checkpointing": "every_n",
+    "ac_every": 2,
+    "ac_skip": ["vision", "copy"],
+    "activation_offload": True,
+    "grad_reduce": "shm",
+    "p2p": "gloo",
+    "gc_pause": False,
+    "steady_malloc": False,
+    "split_drain": False,
+    "bind_cores": True,
 }
-HSDP = {"dp_replicate": 2, "dp_shard": 2, "mixed_precision": "bf16", "cpu_offload": True,
-        "stage_path": "graph", "compile": True, "compile_backend": "aot_eager"}
+HSDP = {
+    "dp_replicate": 2,
+    "dp_shard": 2,
+    "mixed_precision": "bf16",
+    "cpu_offload": True,
+    "stage_path": "graph",
+    "compile": True,
+    "compile_backend": "aot_eager",
+}
 
 
 def _line(values: dict) -> list[str]:
-    return [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    return [
+        f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()
+    ]
 
 
 def test_every_runtime_field_is_a_command_line_key_that_reaches_the_runtime():
@@ -49,7 +73,12 @@ def test_every_runtime_field_is_a_command_line_key_that_reaches_the_runtime():
         assert runtime.world_size == world
     # the questions the one check answers
     pipe = parallel_config(compose(_line(PIPELINE)), 8)
-    assert pipe.pp_enabled and pipe.tp_enabled and pipe.dp_shard_enabled and not pipe.dp_replicate_enabled
+    assert (
+        pipe.pp_enabled
+        and pipe.tp_enabled
+        and pipe.dp_shard_enabled
+        and not pipe.dp_replicate_enabled
+    )
     assert pipe.dp == 2 and not pipe.whole_model
 
 

@@ -25,13 +25,22 @@ DEMO, REF = "+experiment=demo", "model.attention_backend=reference"
 def test_cli_table_and_json_layouts_run_in_rag_mm(capsys):
     assert rplan.main([DEMO, REF, "cluster=p4d", "top=5"]) == 0
     out = capsys.readouterr().out
-    assert "on p4d: 1 x 8 devices of 40 GiB, global batch 32" in out  # the demo's data.global_batch_size
+    assert (
+        "on p4d: 1 x 8 devices of 40 GiB, global batch 32" in out
+    )  # the demo's data.global_batch_size
     assert "best layouts, as rag_mm runs them:" in out
-    launch = [line.strip() for line in out.splitlines() if line.strip().startswith("torchrun --nnodes=1 --nproc_per_node=8")]
+    launch = [
+        line.strip()
+        for line in out.splitlines()
+        if line.strip().startswith("torchrun --nnodes=1 --nproc_per_node=8")
+    ]
     assert launch, out
     assert "parallel.pp=" in launch[0] and DEMO in launch[0]
 
-    assert rplan.main([DEMO, REF, "cluster=p4d", "cluster.nodes=2", "global_batch=512", "format=json"]) == 0
+    assert (
+        rplan.main([DEMO, REF, "cluster=p4d", "cluster.nodes=2", "global_batch=512", "format=json"])
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert {"parameters", "device_memory_bytes", "layouts"} <= plan.keys()
     assert plan["world"] == 16 and plan["global_batch"] == 512
@@ -41,14 +50,22 @@ def test_cli_table_and_json_layouts_run_in_rag_mm(capsys):
     cfg = compose([DEMO, REF, *best["overrides"]])
     validate(cfg, 16)
     p = parallel_config(cfg, 16)
-    assert (p.pp, p.tp, p.dp_replicate, p.dp_shard) == tuple(best[k] for k in ("pp", "tp", "dp_replicate", "dp_shard"))
+    assert (p.pp, p.tp, p.dp_replicate, p.dp_shard) == tuple(
+        best[k] for k in ("pp", "tp", "dp_replicate", "dp_shard")
+    )
     assert cfg.data.batch_size * p.dp * cfg.optim.grad_accum == 512  # the global batch is kept
 
 
 def test_bad_input_exits_2_without_traceback(capsys):
     # one real process (the module's entry point); the other cases in process
-    r = subprocess.run([sys.executable, "-m", "rag_mm.plan", DEMO, "cluster=nosuch"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "rag_mm.plan", DEMO, "cluster=nosuch"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 2, r.stderr
     assert "unknown cluster preset 'nosuch'" in r.stderr and "Traceback" not in r.stderr
     assert r.stdout == ""
@@ -64,7 +81,10 @@ def test_bad_input_exits_2_without_traceback(capsys):
     for msg, argv in cases.items():
         assert rplan.main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith("rag_mm.plan: ") and msg in err and "Traceback" not in err, (argv, err)
+        assert err.startswith("rag_mm.plan: ") and msg in err and "Traceback" not in err, (
+            argv,
+            err,
+        )
 
 
 def test_auto_resolves_single_process_layout_and_logs_it(caplog):
@@ -82,12 +102,16 @@ def test_auto_resolves_single_process_layout_and_logs_it(caplog):
     validate(cfg, 1)
     text = caplog.text
     assert "parallel=auto: pp1 tp1 dpr1 dps1" in text and "1 x 1 devices" in text
-    assert "parallel=auto overrides: parallel.pp=1 parallel.dp_replicate=1 parallel.dp_shard=1 parallel.tp=1" in text
+    assert (
+        "parallel=auto overrides: parallel.pp=1 parallel.dp_replicate=1 parallel.dp_shard=1 parallel.tp=1"
+        in text
+    )
 
 
 def _local(memory: float):
     def cluster(world, local_world=None):
         return Cluster.preset("local", nodes=1, devices_per_node=world, device_memory_bytes=memory)
+
     return cluster
 
 
@@ -117,8 +141,20 @@ def test_a_billion_parameter_preset_plans_on_the_meta_device(capsys):
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    assert rplan.main([DEMO, "model=llama3_2_1b", "retriever.top_k=2", "data.batch_size=4", "cluster=p4d",
-                       "cluster.nodes=2", "format=json"]) == 0
+    assert (
+        rplan.main(
+            [
+                DEMO,
+                "model=llama3_2_1b",
+                "retriever.top_k=2",
+                "data.batch_size=4",
+                "cluster=p4d",
+                "cluster.nodes=2",
+                "format=json",
+            ]
+        )
+        == 0
+    )
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
     plan = json.loads(capsys.readouterr().out)
     assert 1.40e9 < plan["parameters"] < 1.41e9, plan["parameters"]  # 1.57 B with 128,256 rows
@@ -132,8 +168,12 @@ def test_global_batch_size_sets_the_per_replica_batch():
     not divide it stop the run with a message naming the key."""
     from rag_mm.config import resolve_batch
 
-    for world, extra, per_replica in ((1, [], 32), (4, ["parallel.pp=2", "parallel.dp_shard=2"], 16),
-                                      (4, [], 8), (8, ["parallel.tp=2"], 8)):
+    for world, extra, per_replica in (
+        (1, [], 32),
+        (4, ["parallel.pp=2", "parallel.dp_shard=2"], 16),
+        (4, [], 8),
+        (8, ["parallel.tp=2"], 8),
+    ):
         cfg = compose([DEMO, *extra])
         resolve_batch(cfg, world)
         assert cfg.data.batch_size == per_replica, (world, extra)
@@ -142,7 +182,9 @@ def test_global_batch_size_sets_the_per_replica_batch():
     assert cfg.data.batch_size == 24  # 0: the per-replica batch as given
     cfg = compose([DEMO, "data.global_batch_size=30"])
     resolve_batch(cfg, 4)
-    with pytest.raises(ConfigError, match=r"data.global_batch_size \(30\) must be divisible by the 4 data-parallel"):
+    with pytest.raises(
+        ConfigError, match=r"data.global_batch_size \(30\) must be divisible by the 4 data-parallel"
+    ):
         validate(cfg, 4)
 
 
@@ -163,7 +205,9 @@ def test_planned_configs_become_command_lines_that_reach_the_runtime():
             continue
         seen.add(kind)
         overrides = rplan.layout_overrides(cfg, est)
-        assert not any(o.startswith(("parallel.dp=", "parallel.backend", "parallel.auto")) for o in overrides)
+        assert not any(
+            o.startswith(("parallel.dp=", "parallel.backend", "parallel.auto")) for o in overrides
+        )
         run = compose([DEMO, REF, "parallel.grad_reduce=shm", *overrides])
         validate(run, world)
         assert parallel_config(run, world) == c, (overrides, c)

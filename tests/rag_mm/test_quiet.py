@@ -38,10 +38,16 @@ def quiet_env(tmp_path) -> dict:
 
 
 def test_foreign_lines_are_found():
-    assert foreign_lines("W1125 21:15:15.534000 14306 torch/utils/cpp_extension.py:183] No CUDA runtime is found\n")
-    assert foreign_lines("x.py:488: UserWarning: torch.distributed is disabled\n  return func(*args)\n")
+    assert foreign_lines(
+        "W1125 21:15:15.534000 14306 torch/utils/cpp_extension.py:183] No CUDA runtime is found\n"
+    )
+    assert foreign_lines(
+        "x.py:488: UserWarning: torch.distributed is disabled\n  return func(*args)\n"
+    )
     assert foreign_lines("2026-11-25 21:15:16,583 | rank 0 | WARNING | torch.distributed | gloo\n")
-    assert not foreign_lines("2026-11-25 21:15:16,583 | rank 0 | WARNING | rag_mm.evaluate | below the prior\n")
+    assert not foreign_lines(
+        "2026-11-25 21:15:16,583 | rank 0 | WARNING | rag_mm.evaluate | below the prior\n"
+    )
 
 
 def test_one_process_run_prints_no_third_party_warning(tiny_world, tmp_path):
@@ -49,8 +55,16 @@ def test_one_process_run_prints_no_third_party_warning(tiny_world, tmp_path):
     checkpoint load): stderr holds rag_mm's log lines only."""
     run_dir = tmp_path / "run"
     for steps in (2, 4):
-        res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run_dir, f"max_steps={steps}", "ckpt_every=2",
-                                                                 "data.num_workers=1")], env_extra=quiet_env(tmp_path))
+        res = run_module(
+            [
+                "-m",
+                "rag_mm.train",
+                *tiny_overrides(
+                    tiny_world, run_dir, f"max_steps={steps}", "ckpt_every=2", "data.num_workers=1"
+                ),
+            ],
+            env_extra=quiet_env(tmp_path),
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         assert not foreign_lines(res.stderr), "\n".join(foreign_lines(res.stderr))
     assert "resumed from" in res.stderr
@@ -58,8 +72,16 @@ def test_one_process_run_prints_no_third_party_warning(tiny_world, tmp_path):
 
 @pytest.mark.multirank
 def test_two_rank_run_prints_no_third_party_warning(tiny_world, tmp_path):
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rag_mm.train",
-            *tiny_overrides(tiny_world, tmp_path / "run", "max_steps=2", "ckpt_every=2")]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(tiny_world, tmp_path / "run", "max_steps=2", "ckpt_every=2"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", **quiet_env(tmp_path)}
     res = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

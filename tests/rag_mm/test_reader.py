@@ -8,8 +8,16 @@ EOT = 49407
 
 
 def tiny_reader(**kw):
-    cfg = ModelConfig(dim=32, layers=2, heads=2, vision_width=32, vision_layers=1, vision_head_width=16,
-                      attention_backend="reference", **kw)
+    cfg = ModelConfig(
+        dim=32,
+        layers=2,
+        heads=2,
+        vision_width=32,
+        vision_layers=1,
+        vision_head_width=16,
+        attention_backend="reference",
+        **kw,
+    )
     torch.manual_seed(0)
     return Reader(cfg, vocab_size=49408).eval()
 
@@ -19,9 +27,12 @@ def batch(B=3, k=2, seed=0):
     r = lambda *s: torch.randint(1, 1000, s, generator=g)  # noqa: E731
     return dict(
         image=torch.randn(B, 3, 32, 32, generator=g),
-        q_ids=r(B, 6), q_len=torch.tensor([6, 3, 1])[:B],
-        a_ids=torch.cat([r(B, 2), torch.full((B, 1), EOT)], 1), a_len=torch.tensor([3, 2, 3])[:B],
-        doc_image=torch.randn(B, k, 3, 32, 32, generator=g), doc_ids=r(B, k, 10),
+        q_ids=r(B, 6),
+        q_len=torch.tensor([6, 3, 1])[:B],
+        a_ids=torch.cat([r(B, 2), torch.full((B, 1), EOT)], 1),
+        a_len=torch.tensor([3, 2, 3])[:B],
+        doc_image=torch.randn(B, k, 3, 32, 32, generator=g),
+        doc_ids=r(B, k, 10),
         doc_len=torch.tensor([[10, 4], [7, 7], [1, 9]])[:B, :k],
     )
 
@@ -35,7 +46,12 @@ def test_assembly_offsets_and_labels():
     doc_counts = (P + b["doc_len"]).tolist()
     query = (P + b["q_len"] + b["a_len"] - 1).tolist()
     for i in range(3):
-        assert seg[i].tolist() == [0, doc_counts[i][0], sum(doc_counts[i]), sum(doc_counts[i]) + query[i]]
+        assert seg[i].tolist() == [
+            0,
+            doc_counts[i][0],
+            sum(doc_counts[i]),
+            sum(doc_counts[i]) + query[i],
+        ]
     # one label per answer token, EOT included, in order
     for i in range(3):
         got = labels[i][labels[i] != IGNORE].tolist()
@@ -59,7 +75,9 @@ def test_documents_are_isolated_and_query_is_causal():
     last = int(seg[0, -1]) - 1
     x2[0, last] += 1.0
     h2 = _hidden(m, x2, seg)
-    assert torch.allclose(h1[0, :last], h2[0, :last], atol=1e-6) and not torch.allclose(h1[0, last], h2[0, last])
+    assert torch.allclose(h1[0, :last], h2[0, :last], atol=1e-6) and not torch.allclose(
+        h1[0, last], h2[0, last]
+    )
     # a document's hidden states do not depend on the other document
     x3 = x.clone()
     d1 = slice(int(seg[0, 1]), int(seg[0, 2]))
@@ -90,7 +108,9 @@ def test_teacher_forced_argmax_reproduces_greedy_generation():
     torch.manual_seed(1)
     m = tiny_reader()
     b = batch()
-    gen = m.generate(b["image"], b["q_ids"], b["q_len"], b["doc_image"], b["doc_ids"], b["doc_len"], eot_id=EOT)
+    gen = m.generate(
+        b["image"], b["q_ids"], b["q_len"], b["doc_image"], b["doc_ids"], b["doc_len"], eot_id=EOT
+    )
     assert all(len(g) > 0 for g in gen)
     # feed each example its own greedy tokens: every argmax must reproduce the next greedy token
     a = [g + [EOT] for g in gen]

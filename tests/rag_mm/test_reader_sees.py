@@ -19,7 +19,12 @@ from rag_mm.config import compose
 from rag_mm.data.pipeline import MEAN, STD
 from rag_mm.data.tokenizer import get_tokenizer
 
-COLOURS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 0.6, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 0.9, 0.0)}
+COLOURS = {
+    "red": (1.0, 0.0, 0.0),
+    "green": (0.0, 0.6, 0.0),
+    "blue": (0.0, 0.0, 1.0),
+    "yellow": (1.0, 0.9, 0.0),
+}
 SIZE = 32  # the recipe's picture size
 STEPS = 60  # optimizer steps of batch 32: the native reader passes 0.9 from about step 40
 BATCH = 32
@@ -33,7 +38,7 @@ def pictures(colours: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     for i, c in enumerate(colours.tolist()):
         side = int(torch.randint(8, 15, (1,), generator=g))
         y, x = (int(v) for v in torch.randint(0, SIZE - side + 1, (2,), generator=g))
-        img[i, :, y:y + side, x:x + side] = rgb[c][:, None, None]
+        img[i, :, y : y + side, x : x + side] = rgb[c][:, None, None]
     return (img - MEAN) / STD
 
 
@@ -43,21 +48,34 @@ def task_batch(tok, g: torch.Generator, B: int = BATCH) -> tuple[dict, torch.Ten
     answers = [tok.encode(name)[:1] + [tok.eot_id] for name in COLOURS]  # one token + EOT each
     return {
         "image": pictures(colours, g),
-        "q_ids": torch.tensor([q] * B), "q_len": torch.full((B,), len(q)),
-        "a_ids": torch.tensor([answers[c] for c in colours.tolist()]), "a_len": torch.full((B,), 2),
+        "q_ids": torch.tensor([q] * B),
+        "q_len": torch.full((B,), len(q)),
+        "a_ids": torch.tensor([answers[c] for c in colours.tolist()]),
+        "a_len": torch.full((B,), 2),
     }, colours
 
 
 @pytest.mark.parametrize("model", ["native", "hf_tiny"])
 def test_recipe_reader_learns_from_the_picture(model, tmp_path):
     extra = ["model=hf_tiny"] if model == "hf_tiny" else []
-    cfg = compose(["+experiment=vqa", f"data.root={tmp_path}", f"run_dir={tmp_path}/run",
-                   "model.attention_backend=reference", *extra])
+    cfg = compose(
+        [
+            "+experiment=vqa",
+            f"data.root={tmp_path}",
+            f"run_dir={tmp_path}/run",
+            "model.attention_backend=reference",
+            *extra,
+        ]
+    )
     torch.manual_seed(0)
     reader = build_rag(cfg, torch.device("cpu")).reader
     tok = get_tokenizer()
-    opt = torch.optim.AdamW(reader.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
-                            betas=(cfg.optim.beta1, cfg.optim.beta2))
+    opt = torch.optim.AdamW(
+        reader.parameters(),
+        lr=cfg.optim.lr,
+        weight_decay=cfg.optim.weight_decay,
+        betas=(cfg.optim.beta1, cfg.optim.beta2),
+    )
     g = torch.Generator().manual_seed(0)
     reader.train()
     for step in range(STEPS):
@@ -78,4 +96,6 @@ def test_recipe_reader_learns_from_the_picture(model, tmp_path):
         acc_blank = float(reader(**blank).correct.float().mean())
     # the blind prior is 1/4: one colour for the one question
     assert acc >= 0.9, f"{model}: accuracy {acc:.3f} after {STEPS} steps: the picture is not read"
-    assert acc_blank <= 0.4, f"{model}: accuracy {acc_blank:.3f} with a blank picture: the answer does not come from it"
+    assert acc_blank <= 0.4, (
+        f"{model}: accuracy {acc_blank:.3f} with a blank picture: the answer does not come from it"
+    )

@@ -31,7 +31,13 @@ TRAIN, TEST = 240, 120  # pictures
 STEPS = 100  # optimizer steps of batch 32
 # The recipe's picture path (picture size, patch grid, image tokens) in front of a reader small
 # enough to train here in well under a minute: the picture settings are what the test checks.
-READER = ("model.dim=64", "model.layers=2", "model.heads=2", "model.vision_width=64", "model.vision_layers=1")
+READER = (
+    "model.dim=64",
+    "model.layers=2",
+    "model.heads=2",
+    "model.vision_width=64",
+    "model.vision_layers=1",
+)
 MARGIN = 0.05  # how far below the pixel classifier the reader may end
 QUESTION = "what digit is this?"
 

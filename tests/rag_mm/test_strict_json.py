@@ -31,14 +31,21 @@ def strict_loads(text: str):
 def test_strict_loads_refuses_what_python_writes_by_default():
     with pytest.raises(ValueError, match="NaN"):
         strict_loads(json.dumps({"acc": float("nan")}))
-    assert strict_loads(strict_dumps({"acc": float("nan"), "x": [float("inf")]})) == {"acc": None, "x": [None]}
+    assert strict_loads(strict_dumps({"acc": float("nan"), "x": [float("inf")]})) == {
+        "acc": None,
+        "x": [None],
+    }
 
 
 def test_every_json_of_a_run_is_strict(tiny_world, tmp_path, caplog, capsys):
-    root = rewrite_queries(tiny_world, tmp_path / "seen_only", lambda meta: {**meta, "heldout": False})
+    root = rewrite_queries(
+        tiny_world, tmp_path / "seen_only", lambda meta: {**meta, "heldout": False}
+    )
     run_dir = tmp_path / "run"
     # learned retrieval (retrieved_examples.json), a validation pass (metrics.jsonl), checkpoints
-    cfg = compose(tiny_overrides(root, run_dir, *WARMUP, "max_steps=4", "eval_every=2", "ckpt_every=2"))
+    cfg = compose(
+        tiny_overrides(root, run_dir, *WARMUP, "max_steps=4", "eval_every=2", "ckpt_every=2")
+    )
     caplog.set_level(logging.INFO, logger="rag_mm.trainer")
     t = Trainer(cfg)
     try:
@@ -55,13 +62,20 @@ def test_every_json_of_a_run_is_strict(tiny_world, tmp_path, caplog, capsys):
 
     written = sorted(p for p in run_dir.rglob("*.json") if ".hydra" not in p.parts)
     names = {p.name for p in written}
-    assert {"metrics.json", "blind_prior.json", "retrieved_examples.json", "manifest.json",
-            "trainer_state.json"} <= names, names
+    assert {
+        "metrics.json",
+        "blind_prior.json",
+        "retrieved_examples.json",
+        "manifest.json",
+        "trainer_state.json",
+    } <= names, names
     for path in [*written, predictions]:
         strict_loads(path.read_text())
     records = [strict_loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["acc_heldout"] for r in records if r["kind"] == "val"] == [None]
-    assert strict_loads(stdout.strip().splitlines()[-1])["acc_heldout"] is None  # evaluate's JSON line
+    assert (
+        strict_loads(stdout.strip().splitlines()[-1])["acc_heldout"] is None
+    )  # evaluate's JSON line
     summary = strict_loads((run_dir / "metrics.json").read_text())
     assert summary["val"]["acc_heldout"] is None and summary["test"]["n_heldout"] == 0
     assert len(strict_loads(predictions.read_text())) == summary["val"]["n"]

@@ -22,9 +22,13 @@ from tests.rag_mm.conftest import tiny_overrides
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_module(args: list[str], env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_module(
+    args: list[str], env_extra: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", **(env_extra or {})}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bad_config_is_rejected_before_work(tmp_path):
@@ -45,9 +49,19 @@ def test_bad_config_is_rejected_before_work(tmp_path):
 
 
 def test_unknown_key_and_missing_data_are_rejected(tmp_path):
-    res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", "model.widht=3"])
+    res = run_module(
+        ["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", "model.widht=3"]
+    )
     assert res.returncode != 0 and "widht" in res.stderr and "Traceback" not in res.stderr
-    res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", f"data.root={tmp_path}/nowhere"])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            "+experiment=demo",
+            f"run_dir={tmp_path}/run",
+            f"data.root={tmp_path}/nowhere",
+        ]
+    )
     assert res.returncode == 2 and "data.corpus" in res.stderr and "knowledge_world" in res.stderr
     assert "Traceback" not in res.stderr
 
@@ -78,7 +92,9 @@ def test_resume_after_checkpoint_matches_uninterrupted_run(tiny_world, tmp_path)
     # the second run started from the checkpoint at step 3, not over from step 0 (a deterministic
     # rerun from scratch reaches the same parameters, so equal weights alone prove nothing)
     assert resumed["restored_at"] == 3
-    assert _trained_steps(tmp_path / "split") == [2, 4, 6], "steps 1-3 were trained again after the restart"
+    assert _trained_steps(tmp_path / "split") == [2, 4, 6], (
+        "steps 1-3 were trained again after the restart"
+    )
     assert resumed["step"] == full["step"] == 6
     assert abs(resumed["final_train_loss"] - full["final_train_loss"]) <= 1e-6
     for (n, a), (_, b) in zip(t_full.model.state_dict().items(), t_res.model.state_dict().items()):
@@ -119,7 +135,11 @@ def test_corrupt_shards_are_skipped_and_counted(tiny_world, tmp_path):
     out, _ = _final_loss(bad, tmp_path / "run", "max_steps=12", "ckpt_every=0")
     assert out["step"] == 12  # training went on
     skipped = out["skipped_samples"]
-    assert skipped.get("bad_json", 0) >= 1 and skipped.get("bad_image", 0) >= 1 and skipped.get("missing_key", 0) >= 1
+    assert (
+        skipped.get("bad_json", 0) >= 1
+        and skipped.get("bad_image", 0) >= 1
+        and skipped.get("missing_key", 0) >= 1
+    )
     assert any(k.startswith("tar:") for k in skipped)
     saved = json.loads((tmp_path / "run" / "metrics.json").read_text())["skipped_samples"]
     assert saved == skipped
@@ -134,12 +154,36 @@ def test_torchrun_two_nodes_ddp_hier_int8(tiny_world, tmp_path):
     run_dir, port = tmp_path / "ddp", free_port()
     procs = []
     for node in range(2):
-        args = ["-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-                "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "rag_mm.train",
-                *tiny_overrides(tiny_world, run_dir, "max_steps=4", "ckpt_every=2", "parallel.grad_reduce=hier_int8")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", "RAG_MM_HOST_ID": f"node{node}"}
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        args = [
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(
+                tiny_world, run_dir, "max_steps=4", "ckpt_every=2", "parallel.grad_reduce=hier_int8"
+            ),
+        ]
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "HYDRA_FULL_ERROR": "0",
+            "RAG_MM_HOST_ID": f"node{node}",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:
@@ -151,7 +195,10 @@ def test_torchrun_two_nodes_ddp_hier_int8(tiny_world, tmp_path):
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["step"] == 4
     assert summary["test"]["n"] == 24  # both ranks' shares of the test split were counted once
-    assert summary["grad_reduce"]["kind"] == "hier_int8" and summary["grad_reduce"]["inter_host_bytes"] > 0
+    assert (
+        summary["grad_reduce"]["kind"] == "hier_int8"
+        and summary["grad_reduce"]["inter_host_bytes"] > 0
+    )
     assert (run_dir / "checkpoints" / "step_00000004" / "manifest.json").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
 
@@ -167,9 +214,17 @@ def test_torchrun_two_nodes_ddp_hier_int8(tiny_world, tmp_path):
     ids=["pdist", "emdr-background", "adist", "contrastive-query-side"],
 )
 def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
-    overrides = ["retriever=learned", "retriever.top_k=3", "retriever.refresh_every=2", "max_steps=4",
-                 "retriever.embed_dim=16", "retriever.vision_width=32", "retriever.vision_layers=1",
-                 "retriever.text_width=32", *extra]
+    overrides = [
+        "retriever=learned",
+        "retriever.top_k=3",
+        "retriever.refresh_every=2",
+        "max_steps=4",
+        "retriever.embed_dim=16",
+        "retriever.vision_width=32",
+        "retriever.vision_layers=1",
+        "retriever.text_width=32",
+        *extra,
+    ]
     cfg = compose(tiny_overrides(tiny_world, tmp_path / "run", *overrides))
     t = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in t.rag.retriever.named_parameters()}
@@ -190,10 +245,22 @@ def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
     assert examples and len(examples[0]["retrieved"]) == 3 and examples[0]["query_image"]
 
 
-WARMUP = ["retriever=learned", "retriever.top_k=2", "retriever.embed_dim=16", "retriever.shared_towers=true",
-          "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.vision_layers=1",
-          "retriever.fusion=image", "retriever.warmup_steps=3", "retriever.bank_negatives=8", "retriever.pseudo_queries=4",
-          "retriever.refresh_every=2", "max_steps=2", "ckpt_every=0"]
+WARMUP = [
+    "retriever=learned",
+    "retriever.top_k=2",
+    "retriever.embed_dim=16",
+    "retriever.shared_towers=true",
+    "retriever.vision_tower=resnet",
+    "retriever.vision_width=16",
+    "retriever.vision_layers=1",
+    "retriever.fusion=image",
+    "retriever.warmup_steps=3",
+    "retriever.bank_negatives=8",
+    "retriever.pseudo_queries=4",
+    "retriever.refresh_every=2",
+    "max_steps=2",
+    "ckpt_every=0",
+]
 
 
 def _train_rank(rank, world, overrides):
@@ -218,7 +285,9 @@ def test_retriever_warmup_then_joint_training(tiny_world, tmp_path):
     assert 0 < out["refresh_fraction"] < 1
     # refresh_every=2: step 1 searched a fresh index, step 2 the same one a step older
     fresh, stale = out["train_recall@2_fresh_index"], out["train_recall@2_stale_index"]
-    assert 0 <= fresh <= 1 and 0 <= stale <= 1 and out["recall_drift"] == pytest.approx(fresh - stale)
+    assert (
+        0 <= fresh <= 1 and 0 <= stale <= 1 and out["recall_drift"] == pytest.approx(fresh - stale)
+    )
 
 
 @pytest.mark.multirank
@@ -227,23 +296,48 @@ def test_retriever_warmup_keeps_ranks_identical(tiny_world, tmp_path):
     afterwards) must leave every rank with the same retriever."""
     from tests.distributed import run_ranks
 
-    (p0, out0), (p1, _) = run_ranks(_train_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *WARMUP),
-                                    timeout_s=300)
+    (p0, out0), (p1, _) = run_ranks(
+        _train_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *WARMUP), timeout_s=300
+    )
     assert out0["world_size"] == 2
     assert all(np.array_equal(p0[n], p1[n]) for n in p0)
 
 
 def test_closed_book_needs_no_corpus_and_custom_data_gets_the_converter_hint(tmp_path, tiny_world):
     # retriever=none with data.corpus=null: no memory is read, and training runs
-    over = tiny_overrides(tiny_world, tmp_path / "run", "retriever=none", "data.corpus=null", "max_steps=2",
-                          "ckpt_every=2")
+    over = tiny_overrides(
+        tiny_world,
+        tmp_path / "run",
+        "retriever=none",
+        "data.corpus=null",
+        "max_steps=2",
+        "ckpt_every=2",
+    )
     res = run_module(["-m", "rag_mm.train", *over])
     assert res.returncode == 0, res.stderr[-2000:]
     # a retriever that reads documents cannot run without them: named before any work
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / "r2", "retriever=oracle", "data.corpus=null")])
-    assert res.returncode == 2 and "data.corpus is needed" in res.stderr and "Traceback" not in res.stderr
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(tiny_world, tmp_path / "r2", "retriever=oracle", "data.corpus=null"),
+        ]
+    )
+    assert (
+        res.returncode == 2
+        and "data.corpus is needed" in res.stderr
+        and "Traceback" not in res.stderr
+    )
     # custom data whose shards are missing: the hint names the converter, not the demo world
-    res = run_module(["-m", "rag_mm.train", "+experiment=vqa", f"run_dir={tmp_path}/r3", f"data.root={tmp_path}/nowhere"])
+    res = run_module(
+        [
+            "-m",
+            "rag_mm.train",
+            "+experiment=vqa",
+            f"run_dir={tmp_path}/r3",
+            f"data.root={tmp_path}/nowhere",
+        ]
+    )
     assert res.returncode == 2 and "data.train" in res.stderr and "scripts/convert.py" in res.stderr
     assert "knowledge_world" not in res.stderr and "data.corpus" not in res.stderr
 
@@ -252,8 +346,16 @@ def test_rerank_reads_the_live_towers_top_k(tiny_world, tmp_path):
     """Between refreshes the index holds the embeddings of the last one. Over-retrieving the whole
     memory and reranking with the document tower as it is now gives the live towers' exact top-k;
     the index alone gives the stale one."""
-    cfg = compose(tiny_overrides(tiny_world, tmp_path / "run", "retriever=learned", "retriever.top_k=2",
-                                 "retriever.embed_dim=16", "retriever.rerank=24"))
+    cfg = compose(
+        tiny_overrides(
+            tiny_world,
+            tmp_path / "run",
+            "retriever=learned",
+            "retriever.top_k=2",
+            "retriever.embed_dim=16",
+            "retriever.rerank=24",
+        )
+    )
     t = Trainer(cfg)
     try:
         t._ensure_index()
@@ -264,14 +366,21 @@ def test_rerank_reads_the_live_towers_top_k(tiny_world, tmp_path):
                 p.add_(torch.randn_like(p) * 0.5)
         g = torch.Generator().manual_seed(0)
         B, size = 16, cfg.model.image_size
-        q = dict(image=torch.rand(B, 3, size, size, generator=g), q_ids=torch.randint(1, 1000, (B, 4), generator=g),
-                 q_len=torch.full((B,), 4), a_ids=torch.full((B, 1), 49407), a_len=torch.ones(B, dtype=torch.long))
+        q = dict(
+            image=torch.rand(B, 3, size, size, generator=g),
+            q_ids=torch.randint(1, 1000, (B, 4), generator=g),
+            q_len=torch.full((B,), 4),
+            a_ids=torch.full((B, 1), 49407),
+            a_len=torch.ones(B, dtype=torch.long),
+        )
         _, ids, (q_emb, *_) = t.rag.reader_inputs(q, grad=False)
         live = t.memory.embed()  # (N, E) every document by the live tower
         exact = torch.from_numpy(t.memory.doc_ids)[(q_emb @ live.T).topk(2).indices]  # (B, 2)
         assert torch.equal(ids[:, :2], exact)
         t.rag.rcfg.rerank = 0
         _, stale, _ = t.rag.reader_inputs(q, grad=False)
-        assert not torch.equal(stale[:, :2], exact)  # the test can tell a stale top-k from a live one
+        assert not torch.equal(
+            stale[:, :2], exact
+        )  # the test can tell a stale top-k from a live one
     finally:
         t.close()

@@ -15,7 +15,13 @@ from tests.rag_mm.test_train import run_module
 STEPS = 4
 # oracle retrieval, deterministic kernels, no clipping surprises: the pipeline must reproduce the
 # single-process losses up to float reassociation (microbatch sums, token-weighted)
-COMMON = ["retriever=oracle", "deterministic=true", f"max_steps={STEPS}", "log_every=1", "ckpt_every=2"]
+COMMON = [
+    "retriever=oracle",
+    "deterministic=true",
+    f"max_steps={STEPS}",
+    "log_every=1",
+    "ckpt_every=2",
+]
 
 
 PP2 = [*COMMON, "parallel.pp=2", "parallel.microbatches=2"]
@@ -28,8 +34,15 @@ def pp2_run(root, tmp_path_factory) -> tuple[Path, Path]:
     The one-process comparison below and the notebook tests (its timeline) read it."""
     if "run" not in _PP2_RUN:
         run = tmp_path_factory.mktemp("pp2") / "run"
-        args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                "-m", "rag_mm.train", *tiny_overrides(root, run, *PP2)]
+        args = [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(root, run, *PP2),
+        ]
         res = run_module(args, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         _PP2_RUN["run"] = (Path(root), run)
@@ -69,7 +82,9 @@ def check_run_timeline(run_dir: Path, microbatches: int = 2) -> list:
     assert pipe["bubble_fraction"] == pytest.approx(bf, abs=1e-6)  # the trace keeps microseconds
     assert trace["otherData"]["bubble_fraction"] == pipe["bubble_fraction"]
     assert pipe["theory_bubble"] == pytest.approx(theory_bubble(2, microbatches))
-    assert pipe["step"] == STEPS and pipe["ranks"] == [0, 1] and pipe["microbatches"] == microbatches
+    assert (
+        pipe["step"] == STEPS and pipe["ranks"] == [0, 1] and pipe["microbatches"] == microbatches
+    )
     return events
 
 
@@ -78,27 +93,52 @@ def test_timeline_merges_ranks_of_other_hosts_on_the_barrier():
     id) is shifted so that its barrier read lands on the first rank's."""
     from parallel.timeline import Event, align
 
-    parts = [("host-a", 10.0, [Event(0, "F", 0, 0, 9.0, 9.5)]),  # barrier left at 10.0 on clock A
-             ("host-a", 10.001, [Event(1, "F", 1, 0, 9.5, 9.8)]),  # same clock: kept as it is
-             ("host-b", 500.0, [Event(2, "F", 2, 0, 499.8, 499.9)]),  # clock B reads 500.0 at that barrier
-             ("host-b", 500.002, [Event(3, "F", 3, 0, 499.9, 499.95)])]  # one shift for all of host B
+    parts = [
+        ("host-a", 10.0, [Event(0, "F", 0, 0, 9.0, 9.5)]),  # barrier left at 10.0 on clock A
+        ("host-a", 10.001, [Event(1, "F", 1, 0, 9.5, 9.8)]),  # same clock: kept as it is
+        (
+            "host-b",
+            500.0,
+            [Event(2, "F", 2, 0, 499.8, 499.9)],
+        ),  # clock B reads 500.0 at that barrier
+        ("host-b", 500.002, [Event(3, "F", 3, 0, 499.9, 499.95)]),
+    ]  # one shift for all of host B
     got = [(e.rank, round(e.start, 6), round(e.end, 6)) for e in align(parts)]
     assert got == [(0, 9.0, 9.5), (1, 9.5, 9.8), (2, 9.8, 9.9), (3, 9.9, 9.95)]
 
 
 def _losses(run_dir) -> list[float]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r and "step" in r and not any(k.startswith(("val", "test")) for k in r)]
+    return [
+        r["loss"]
+        for r in rows
+        if "loss" in r and "step" in r and not any(k.startswith(("val", "test")) for k in r)
+    ]
 
 
 def test_pipeline_config_rejections(tiny_world, tmp_path):
     """Unsupported combinations are named before any work."""
     cfg = compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=3"))
-    with pytest.raises(ConfigError, match=r"parallel.microbatches \(3\) must divide data.batch_size"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.microbatches \(3\) must divide data.batch_size"
+    ):
         validate(cfg, world_size=2)
-    validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=2")), world_size=2)
-    validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=2",
-                                    "optim.precision=bf16")), world_size=2)
+    validate(
+        compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.microbatches=2")),
+        world_size=2,
+    )
+    validate(
+        compose(
+            tiny_overrides(
+                tiny_world,
+                tmp_path,
+                "parallel.pp=2",
+                "parallel.microbatches=2",
+                "optim.precision=bf16",
+            )
+        ),
+        world_size=2,
+    )
 
 
 @pytest.mark.multirank
@@ -127,10 +167,15 @@ def test_torchrun_pipeline_matches_one_process(tiny_world, tmp_path_factory, tmp
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name,extra", [("pp2", ["parallel.pp=2", "parallel.microbatches=2"]),
-                                        # bf16 tensor parallel: parallel's own bf16 tests cover its step
-                                        pytest.param("tp2", ["parallel.tp=2"], marks=pytest.mark.slow)],
-                         ids=["pp2", "tp2"])
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("pp2", ["parallel.pp=2", "parallel.microbatches=2"]),
+        # bf16 tensor parallel: parallel's own bf16 tests cover its step
+        pytest.param("tp2", ["parallel.tp=2"], marks=pytest.mark.slow),
+    ],
+    ids=["pp2", "tp2"],
+)
 def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path, name, extra):
     """optim.precision=bf16 with the reader pipelined (pp=2) and, separately, tensor-parallel
     (tp=2): the trainer's autocast covers the spread step's forwards; the losses follow one bf16
@@ -139,10 +184,19 @@ def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path, name, ex
     process's autocast step, so bf16 is really computed on each stage."""
     common = [*COMMON, "optim.precision=bf16"]
     single = tmp_path / "single"
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *common)], timeout=600)
+    res = run_module(
+        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *common)], timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / name, *common, *extra)]
+    args = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(tiny_world, tmp_path / name, *common, *extra),
+    ]
     res = run_module(args, timeout=600)
     assert res.returncode == 0, (name, res.stderr[-3000:])
     a, b = _losses(single), _losses(tmp_path / name)
@@ -153,10 +207,22 @@ def test_torchrun_bf16_spread_matches_one_process(tiny_world, tmp_path, name, ex
 
 # the learned retriever as +experiment=demo trains it: the top 2 read with the retrieval prior; no
 # pseudo-queries / bank negatives (random draws), so both runs see the same losses
-LEARNED = ["retriever=learned", "retriever.top_k=2", "retriever.reader_prior=true",
-           "retriever.embed_dim=16", "retriever.vision_width=32", "retriever.vision_layers=1",
-           "retriever.text_width=32", "retriever.pseudo_queries=0", "retriever.bank_negatives=0",
-           "retriever.refresh_every=2", "deterministic=true", f"max_steps={STEPS}", "log_every=1", "ckpt_every=0"]
+LEARNED = [
+    "retriever=learned",
+    "retriever.top_k=2",
+    "retriever.reader_prior=true",
+    "retriever.embed_dim=16",
+    "retriever.vision_width=32",
+    "retriever.vision_layers=1",
+    "retriever.text_width=32",
+    "retriever.pseudo_queries=0",
+    "retriever.bank_negatives=0",
+    "retriever.refresh_every=2",
+    "deterministic=true",
+    f"max_steps={STEPS}",
+    "log_every=1",
+    "ckpt_every=0",
+]
 
 
 def _retriever_losses(run_dir) -> list[float]:
@@ -165,12 +231,16 @@ def _retriever_losses(run_dir) -> list[float]:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("split,loss", [(("parallel.pp=2", "parallel.microbatches=2"), "pdist"),
-                                        # adist also runs in one process in the default tests (test_train.py)
-                                        pytest.param(("parallel.pp=2", "parallel.microbatches=2"), "adist",
-                                                     marks=pytest.mark.slow),
-                                        (("parallel.tp=2",), "emdr")],
-                         ids=["pp2-pdist", "pp2-adist", "tp2-emdr"])
+@pytest.mark.parametrize(
+    "split,loss",
+    [
+        (("parallel.pp=2", "parallel.microbatches=2"), "pdist"),
+        # adist also runs in one process in the default tests (test_train.py)
+        pytest.param(("parallel.pp=2", "parallel.microbatches=2"), "adist", marks=pytest.mark.slow),
+        (("parallel.tp=2",), "emdr"),
+    ],
+    ids=["pp2-pdist", "pp2-adist", "tp2-emdr"],
+)
 def test_torchrun_pipeline_learned_matches_one_process(tiny_world, tmp_path, split, loss):
     """The spread reader with the learned retriever: every rank of a replica runs the same search,
     the reader reads the retrieval prior, and the retriever loss is RagModel's own, reader-driven
@@ -180,11 +250,25 @@ def test_torchrun_pipeline_learned_matches_one_process(tiny_world, tmp_path, spl
     # the reader-driven term alone, its target sharpened: a wrong per-document NLL or attention
     # moves the retriever loss far beyond the tolerance (with the contrastive term on, a 1.3x NLL
     # passed). The contrastive term under pp runs in the copies test below, not compared here.
-    learned = [*LEARNED, f"retriever.loss={loss}", "retriever.contrastive_weight=0", "retriever.gold_temperature=0.01"]
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *learned)], timeout=600)
+    learned = [
+        *LEARNED,
+        f"retriever.loss={loss}",
+        "retriever.contrastive_weight=0",
+        "retriever.gold_temperature=0.01",
+    ]
+    res = run_module(
+        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *learned)], timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "rag_mm.train", *tiny_overrides(tiny_world, pipe, *learned, *split)]
+    args = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(tiny_world, pipe, *learned, *split),
+    ]
     res = run_module(args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = _losses(single), _losses(pipe)
@@ -203,11 +287,27 @@ def test_torchrun_pipeline_retriever_copies_stay_one(tiny_world, tmp_path):
     still take the same steps and read the same statistics, or the stages would search different
     documents; the trainer checks the parameters bit for bit at every index refresh."""
     run = tmp_path / "pp2"
-    learned = [*LEARNED, "retriever.loss=pdist", "retriever.pseudo_queries=4", "retriever.bank_negatives=8",
-               "retriever.vision_tower=resnet", "retriever.vision_width=16", "retriever.shared_towers=true",
-               "retriever.fusion=image", "parallel.pp=2", "parallel.microbatches=2"]
-    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "rag_mm.train", *tiny_overrides(tiny_world, run, *learned)]
+    learned = [
+        *LEARNED,
+        "retriever.loss=pdist",
+        "retriever.pseudo_queries=4",
+        "retriever.bank_negatives=8",
+        "retriever.vision_tower=resnet",
+        "retriever.vision_width=16",
+        "retriever.shared_towers=true",
+        "retriever.fusion=image",
+        "parallel.pp=2",
+        "parallel.microbatches=2",
+    ]
+    args = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(tiny_world, run, *learned),
+    ]
     res = run_module(args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(_retriever_losses(run)) == STEPS
@@ -229,8 +329,15 @@ def test_torchrun_fsdp_under_pipeline_matches_replicated(tiny_world, tmp_path):
     learned = [*LEARNED, "retriever.loss=pdist", "parallel.pp=2", "parallel.microbatches=2"]
     runs = {"sharded": ["parallel.dp_shard=2"], "replicated": ["parallel.dp_replicate=2"]}
     for name, extra in runs.items():
-        args = ["-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}",
-                "-m", "rag_mm.train", *tiny_overrides(tiny_world, tmp_path / name, *learned, *extra)]
+        args = [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=4",
+            f"--master_port={free_port()}",
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(tiny_world, tmp_path / name, *learned, *extra),
+        ]
         res = run_module(args, timeout=600)
         assert res.returncode == 0, (name, res.stderr[-3000:])
     a, b = _losses(tmp_path / "replicated"), _losses(tmp_path / "sharded")

@@ -20,26 +20,49 @@ def test_tp_config_rejections(tiny_world, tmp_path):
             validate(compose(tiny_overrides(tiny_world, tmp_path, *over)), world_size=world)
 
     bad(2, "parallel.tp=4", match=r"world size 2 is not divisible by pp\*dp_shard\*tp = 4")
-    bad(3, "parallel.tp=3", "model.heads=3", "model.dim=48", match=r"parallel.tp \(3\) must divide the vision heads")
+    bad(
+        3,
+        "parallel.tp=3",
+        "model.heads=3",
+        "model.dim=48",
+        match=r"parallel.tp \(3\) must divide the vision heads",
+    )
     bad(2, "parallel.schedule=bogus", match=r"parallel.schedule must be one of")
     bad(2, "parallel.dp_shard=4", match=r"world size 2 is not divisible by pp\*dp_shard\*tp = 4")
     for ok in (["parallel.tp=2"], ["parallel.dp_shard=2"]):
         validate(compose(tiny_overrides(tiny_world, tmp_path, *ok)), world_size=2)
-    validate(compose(tiny_overrides(tiny_world, tmp_path, "parallel.pp=2", "parallel.tp=2",
-                                    "parallel.microbatches=2")), world_size=4)
-    for ok, world in ((["parallel.pp=2", "parallel.dp_shard=2"], 4),
-                      (["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"], 8),
-                      (["parallel.pp=2", "parallel.tp=2"], 8)):  # pp x tp with 2 replicas
+    validate(
+        compose(
+            tiny_overrides(
+                tiny_world, tmp_path, "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2"
+            )
+        ),
+        world_size=4,
+    )
+    for ok, world in (
+        (["parallel.pp=2", "parallel.dp_shard=2"], 4),
+        (["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"], 8),
+        (["parallel.pp=2", "parallel.tp=2"], 8),
+    ):  # pp x tp with 2 replicas
         validate(compose(tiny_overrides(tiny_world, tmp_path, *ok)), world_size=world)
 
 
 @pytest.mark.multirank
 def test_torchrun_tp_matches_one_process(tiny_world, tmp_path):
     single, tp = tmp_path / "single", tmp_path / "tp2"
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *COMMON)], timeout=600)
+    res = run_module(
+        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, single, *COMMON)], timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-            "-m", "rag_mm.train", *tiny_overrides(tiny_world, tp, *COMMON, "parallel.tp=2")]
+    args = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(tiny_world, tp, *COMMON, "parallel.tp=2"),
+    ]
     res = run_module(args, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((tp / "metrics.json").read_text())
@@ -62,13 +85,22 @@ def test_torchrun_fsdp_matches_ddp(tiny_world, tmp_path):
     runs = {}
     for name, extra in (("ddp", ["parallel.grad_reduce=shm"]), ("fsdp", ["parallel.dp_shard=2"])):
         d = tmp_path / name
-        args = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                "-m", "rag_mm.train", *tiny_overrides(tiny_world, d, *COMMON, *extra)]
+        args = [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "-m",
+            "rag_mm.train",
+            *tiny_overrides(tiny_world, d, *COMMON, *extra),
+        ]
         res = run_module(args, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = d
         if name == "ddp":
-            assert "intra=shm" in res.stderr, res.stderr[-3000:]  # the shared-memory path, no fallback to gloo
+            assert "intra=shm" in res.stderr, res.stderr[
+                -3000:
+            ]  # the shared-memory path, no fallback to gloo
     assert (runs["fsdp"] / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").is_file()
     a, b = _losses(runs["ddp"]), _losses(runs["fsdp"])
     assert len(a) == len(b) == STEPS

@@ -15,7 +15,13 @@ from rag_mm.model.vision_ssl import nt_xent, picture_views
 from rag_mm.trainer import Trainer
 from tests.rag_mm.conftest import tiny_overrides
 
-SSL = ["retriever=none", "data.corpus=null", "model.vision_ssl_steps=4", "max_steps=2", "ckpt_every=2"]
+SSL = [
+    "retriever=none",
+    "data.corpus=null",
+    "model.vision_ssl_steps=4",
+    "max_steps=2",
+    "ckpt_every=2",
+]
 
 
 def _square(n: int = 64) -> torch.Tensor:
@@ -57,7 +63,12 @@ def test_warmup_batch_is_its_own(tiny_world, tmp_path):
     from rag_mm.config import ConfigError, validate
 
     over = tiny_overrides(tiny_world, tmp_path / "run", *SSL, "data.batch_size=4")
-    assert next(_pictures(compose([*over, "model.vision_ssl_batch=6"]), 0, 1, torch.device("cpu"))).shape[0] == 6
+    assert (
+        next(
+            _pictures(compose([*over, "model.vision_ssl_batch=6"]), 0, 1, torch.device("cpu"))
+        ).shape[0]
+        == 6
+    )
     assert next(_pictures(compose(over), 0, 1, torch.device("cpu"))).shape[0] == 4
     with pytest.raises(ConfigError, match="vision_ssl_batch"):
         validate(compose([*over, "model.vision_ssl_batch=1"]))
@@ -70,8 +81,12 @@ def _tower(t: Trainer) -> dict:
 def test_warmup_trains_the_tower_on_a_fresh_start_only(tiny_world, tmp_path):
     over = tiny_overrides(tiny_world, tmp_path / "run", *SSL)
     torch.manual_seed(0)
-    plain = Trainer(compose([*over[:-len(SSL)], *SSL, "model.vision_ssl_steps=0", f"run_dir={tmp_path / 'plain'}"]),
-                    log_metrics=False)
+    plain = Trainer(
+        compose(
+            [*over[: -len(SSL)], *SSL, "model.vision_ssl_steps=0", f"run_dir={tmp_path / 'plain'}"]
+        ),
+        log_metrics=False,
+    )
     before = _tower(plain)
     plain.close()
     t = Trainer(compose(over))
@@ -106,14 +121,21 @@ def test_warmup_keeps_ranks_identical(tiny_world, tmp_path):
     """Two gloo ranks warm up on different pictures; the averaged gradients keep their towers equal."""
     from tests.distributed import run_ranks
 
-    p0, p1 = run_ranks(_warm_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *SSL), timeout_s=300)
+    p0, p1 = run_ranks(
+        _warm_rank, 2, tiny_overrides(tiny_world, tmp_path / "run", *SSL), timeout_s=300
+    )
     assert all(np.array_equal(p0[n], p1[n]) for n in p0)
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25])
 def test_vision_lr_scale_sets_the_towers_rate_or_freezes_it(tiny_world, tmp_path, scale):
-    over = tiny_overrides(tiny_world, tmp_path / "run", "retriever=none", "data.corpus=null",
-                          f"optim.vision_lr_scale={scale}")
+    over = tiny_overrides(
+        tiny_world,
+        tmp_path / "run",
+        "retriever=none",
+        "data.corpus=null",
+        f"optim.vision_lr_scale={scale}",
+    )
     t = Trainer(compose(over), log_metrics=False)
     t.close()
     tower = {id(p) for p in t.model.vision.parameters()}

@@ -344,7 +344,9 @@ def test_background_rebuild_embeds_on_its_thread_and_reports_the_swap(data):
         assert seen["thread"] is not threading.current_thread() and seen["served"]
         np.testing.assert_array_equal(seen["emb"], 2 * x)
         holder.rebuild(lambda: 1 / 0, background=True)
-        with pytest.raises(ZeroDivisionError):  # a failed rebuild surfaces in wait(), the old index serves
+        with pytest.raises(
+            ZeroDivisionError
+        ):  # a failed rebuild surfaces in wait(), the old index serves
             holder.wait()
         assert holder.version == 2
     finally:

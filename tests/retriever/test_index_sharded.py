@@ -116,7 +116,14 @@ def test_embed_sharded_splits_rows_and_gathers_them_in_order():
         (5, None, [[(0, 3, True)], [(3, 5, True)]]),  # one pass, split
         (1, None, [[(0, 1, False)], [(0, 1, False)]]),  # fewer rows than ranks: both embed it whole
         # passes of 3 rows as one process makes them, each split; the last (1 row) whole on both
-        (7, 3, [[(0, 2, True), (3, 5, True), (6, 7, False)], [(2, 3, True), (5, 6, True), (6, 7, False)]]),
+        (
+            7,
+            3,
+            [
+                [(0, 2, True), (3, 5, True), (6, 7, False)],
+                [(2, 3, True), (5, 6, True), (6, 7, False)],
+            ],
+        ),
     )
     for n, chunk, calls in cases:
         out = run_ranks(_embed_rows, 2, n, chunk)

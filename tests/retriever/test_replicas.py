@@ -14,8 +14,16 @@ from retriever.memory import RetrievalMemory
 from retriever.replicas import Replicas
 from tests.distributed import run_ranks
 
-SMALL = dict(embed_dim=16, vision_width=32, vision_layers=1, vision_head_width=16, text_width=32, text_layers=1,
-             text_heads=2, context_length=16)
+SMALL = dict(
+    embed_dim=16,
+    vision_width=32,
+    vision_layers=1,
+    vision_head_width=16,
+    text_width=32,
+    text_layers=1,
+    text_heads=2,
+    context_length=16,
+)
 N_DOCS, B, K = 24, 6, 2  # memory documents; global batch of queries; hard negatives per query
 
 
@@ -30,7 +38,10 @@ def _rag(rcfg: RetrieverConfig) -> RagModel:
     torch.manual_seed(0)  # the same documents and retriever on every rank
     g = torch.Generator().manual_seed(0)
     ids = torch.arange(100, 100 + N_DOCS)
-    images, text = torch.randn(N_DOCS, 3, 32, 32, generator=g), torch.randint(1, 100, (N_DOCS, 6), generator=g)
+    images, text = (
+        torch.randn(N_DOCS, 3, 32, 32, generator=g),
+        torch.randint(1, 100, (N_DOCS, 6), generator=g),
+    )
     text_len = torch.full((N_DOCS,), 6)
     store = DocumentStore(ids, images, text, text_len, [""] * N_DOCS, {})
     enc = DualEncoder(rcfg, 32)
@@ -43,12 +54,17 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
     """The contrastive term of queries ``rows`` of one fixed global batch, with their retrieved
     documents as hard negatives: (loss, the retriever's flattened gradient)."""
     g = torch.Generator().manual_seed(1)
-    image, q_ids = torch.randn(B, 3, 32, 32, generator=g), torch.randint(1, 100, (B, 5), generator=g)
+    image, q_ids = (
+        torch.randn(B, 3, 32, 32, generator=g),
+        torch.randint(1, 100, (B, 5), generator=g),
+    )
     gold = 100 + torch.randint(0, N_DOCS, (B,), generator=g)
     hard_ids = 100 + torch.randint(0, N_DOCS, (B, K), generator=g)
     enc = rag.retriever
     enc.zero_grad(set_to_none=True)
-    torch.manual_seed(2)  # the pseudo-query and bank draws, alike on every rank and in the reference
+    torch.manual_seed(
+        2
+    )  # the pseudo-query and bank draws, alike on every rank and in the reference
     with rag.replicas.spanning(enc):  # the RagModel's own passes span the replicas themselves
         q_emb = enc.embed_queries(image[rows], q_ids[rows], torch.full((B,), 5)[rows])
         h = rag._docs(hard_ids[rows].flatten()[:, None], "cpu")
@@ -56,26 +72,40 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
     loss = rag._contrastive(q_emb, gold[rows], hard, hard_ids[rows].flatten())
     loss.backward()
     grad = torch.cat([p.grad.reshape(-1) for p in enc.parameters() if p.grad is not None])
-    stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])  # BatchNorm's running ones
+    stats = torch.cat(
+        [b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()]
+    )  # BatchNorm's running ones
     return loss.item(), grad, stats
 
 
 def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -> dict:
-    rcfg = RetrieverConfig(**SMALL, vision_tower=tower, mode="learned", pseudo_queries=pseudo, bank_negatives=10)
+    rcfg = RetrieverConfig(
+        **SMALL, vision_tower=tower, mode="learned", pseudo_queries=pseudo, bank_negatives=10
+    )
     rag = _rag(rcfg)
     start = {n: b.clone() for n, b in rag.retriever.named_buffers()}
-    ref_loss, ref_grad, ref_stats = _loss_and_grads(rag, slice(None))  # one process, the whole batch
+    ref_loss, ref_grad, ref_stats = _loss_and_grads(
+        rag, slice(None)
+    )  # one process, the whole batch
     for n, b in rag.retriever.named_buffers():  # the running statistics as they were
         b.copy_(start[n])
     rag.replicas = Replicas(dist.group.WORLD, rank, world)
     loss, grad, stats = _loss_and_grads(rag, rag.replicas.share(B))
     dist.all_reduce(grad)  # data parallel's mean over the replicas
-    return dict(ref_loss=ref_loss, ref_grad=ref_grad.tolist(), ref_stats=ref_stats.tolist(), loss=loss,
-                grad=(grad / world).tolist(), stats=stats.tolist())  # plain lists cross processes
+    return dict(
+        ref_loss=ref_loss,
+        ref_grad=ref_grad.tolist(),
+        ref_stats=ref_stats.tolist(),
+        loss=loss,
+        grad=(grad / world).tolist(),
+        stats=stats.tolist(),
+    )  # plain lists cross processes
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")])  # 5: shares of 3 and 2, uneven
+@pytest.mark.parametrize(
+    "pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")]
+)  # 5: shares of 3 and 2, uneven
 def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
     one-process loss on every rank and, averaged, its gradient (each replica scoring only its own
@@ -86,8 +116,12 @@ def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
         assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
         # atol 5e-5: the replicas sum the ResNet's conv gradients in another order than one process; on
         # an AVX-512 host one of the 13.5 M entries, near zero, lands 2.1e-5 away (1e-5 held on AVX2)
-        torch.testing.assert_close(torch.tensor(out["grad"]), torch.tensor(out["ref_grad"]), rtol=1e-4, atol=5e-5)
-        torch.testing.assert_close(torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(out["grad"]), torch.tensor(out["ref_grad"]), rtol=1e-4, atol=5e-5
+        )
+        torch.testing.assert_close(
+            torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6
+        )
 
 
 def _refresh_vs_one_process(rank: int, world: int) -> dict:
@@ -101,7 +135,12 @@ def _refresh_vs_one_process(rank: int, world: int) -> dict:
         b.copy_(start[n])
     memory.refresh()  # split over the ranks, 4 rows of each pass on each
     stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])
-    return dict(ref=ref.tolist(), got=memory.embeddings.tolist(), ref_stats=ref_stats.tolist(), stats=stats.tolist())
+    return dict(
+        ref=ref.tolist(),
+        got=memory.embeddings.tolist(),
+        ref_stats=ref_stats.tolist(),
+        stats=stats.tolist(),
+    )
 
 
 @pytest.mark.multirank
@@ -111,5 +150,9 @@ def test_sharded_refresh_embeds_as_one_process():
     process embedding the memory in its passes (each rank normalising its own half moves the
     embeddings by up to 0.36)."""
     for out in run_ranks(_refresh_vs_one_process, 2):
-        torch.testing.assert_close(torch.tensor(out["got"]), torch.tensor(out["ref"]), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(out["got"]), torch.tensor(out["ref"]), rtol=1e-4, atol=1e-5
+        )
+        torch.testing.assert_close(
+            torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6
+        )

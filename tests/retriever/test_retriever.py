@@ -16,8 +16,16 @@ from retriever.encoders import EOT, SOT, DualEncoder, clip_tokens
 from retriever.memory import RetrievalMemory
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = dict(embed_dim=16, vision_width=32, vision_layers=1, vision_head_width=16, text_width=32, text_layers=1,
-             text_heads=2, context_length=16)
+SMALL = dict(
+    embed_dim=16,
+    vision_width=32,
+    vision_layers=1,
+    vision_head_width=16,
+    text_width=32,
+    text_layers=1,
+    text_heads=2,
+    context_length=16,
+)
 
 
 def test_clip_tokens_places_markers():
@@ -29,7 +37,9 @@ def test_clip_tokens_places_markers():
 
 def test_dual_encoder_shapes_sharing_and_query_side_only():
     enc = DualEncoder(RetrieverConfig(**SMALL), 32)
-    q = enc.embed_queries(torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 2, 1]))
+    q = enc.embed_queries(
+        torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 2, 1])
+    )
     assert q.shape == (3, 16) and torch.allclose(q.norm(dim=-1), torch.ones(3), atol=1e-5)
     assert enc.doc is not enc.query
     shared = DualEncoder(RetrieverConfig(**SMALL, shared_towers=True), 32)
@@ -50,8 +60,11 @@ def test_config_validation_names_keys():
 def test_losses_point_the_retriever_at_the_reader():
     scores = torch.zeros(2, 3, requires_grad=True)
     nll = torch.tensor([[2.0, 0.1, 3.0], [0.5, 4.0, 4.0]])  # the reader prefers doc 1, then doc 0
-    for loss in (losses.perplexity_distillation(scores, nll, 0.1), losses.emdr2(scores, -nll),
-                 losses.attention_distillation(scores, torch.softmax(-nll, -1))):
+    for loss in (
+        losses.perplexity_distillation(scores, nll, 0.1),
+        losses.emdr2(scores, -nll),
+        losses.attention_distillation(scores, torch.softmax(-nll, -1)),
+    ):
         (g,) = torch.autograd.grad(loss, scores)
         # gradient descent raises the score of the document the reader found most useful
         assert (-g).argmax(-1).tolist() == [1, 0]
@@ -66,8 +79,15 @@ def test_losses_point_the_retriever_at_the_reader():
 def _memory(n=40, factory="Flat"):
     torch.manual_seed(0)
     enc = DualEncoder(RetrieverConfig(**SMALL), 32)
-    mem = RetrievalMemory(enc, torch.randn(n, 3, 32, 32), torch.randint(1, 100, (n, 6)), torch.full((n,), 6),
-                          torch.arange(100, 100 + n), factory=factory, batch_size=16)
+    mem = RetrievalMemory(
+        enc,
+        torch.randn(n, 3, 32, 32),
+        torch.randint(1, 100, (n, 6)),
+        torch.full((n,), 6),
+        torch.arange(100, 100 + n),
+        factory=factory,
+        batch_size=16,
+    )
     return enc, mem
 
 
@@ -94,19 +114,38 @@ def test_build_index_script_round_trip(tmp_path):
     from rag_mm.data.knowledge_world import WorldConfig, generate
 
     world = tmp_path / "w"
-    generate(WorldConfig(out=str(world), num_entities=20, train_queries_per_entity=1, val_queries_per_entity=1,
-                         test_queries_per_entity=1, shard_size=64))
+    generate(
+        WorldConfig(
+            out=str(world),
+            num_entities=20,
+            train_queries_per_entity=1,
+            val_queries_per_entity=1,
+            test_queries_per_entity=1,
+            shard_size=64,
+        )
+    )
     out = tmp_path / "memory.index"
-    args = [sys.executable, "scripts/build_index.py", f"corpus={world}/corpus/corpus-000000.tar", f"out={out}",
-            f"queries={world}/test/test-000000.tar", "k=5", f"save_embeddings={tmp_path}/emb_",
-            *[f"retriever.{k}={v}" for k, v in SMALL.items()]]
+    args = [
+        sys.executable,
+        "scripts/build_index.py",
+        f"corpus={world}/corpus/corpus-000000.tar",
+        f"out={out}",
+        f"queries={world}/test/test-000000.tar",
+        "k=5",
+        f"save_embeddings={tmp_path}/emb_",
+        *[f"retriever.{k}={v}" for k, v in SMALL.items()],
+    ]
     res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["num_docs"] == 20 and report["recall@5_vs_exact"] == 1.0 and report["queries"] == 20
+    assert (
+        report["num_docs"] == 20 and report["recall@5_vs_exact"] == 1.0 and report["queries"] == 20
+    )
     import numpy as np  # the saved embeddings are what scripts/bench/index.py --embeddings reads
 
-    assert np.load(tmp_path / "emb_docs.npy").shape == (20, 16) and np.load(tmp_path / "emb_queries.npy").shape == (20, 16)
+    assert np.load(tmp_path / "emb_docs.npy").shape == (20, 16) and np.load(
+        tmp_path / "emb_queries.npy"
+    ).shape == (20, 16)
     from retriever.errors import IndexMismatchError
     from retriever.index import FaissIndex
 
@@ -114,8 +153,13 @@ def test_build_index_script_round_trip(tmp_path):
     assert idx.ntotal == 20
     with pytest.raises(IndexMismatchError):
         FaissIndex.load(out, dim=16, encoder_hash="another encoder")
-    bad = subprocess.run([sys.executable, "scripts/build_index.py", f"corpus={tmp_path}/none.tar"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "scripts/build_index.py", f"corpus={tmp_path}/none.tar"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "not found" in bad.stderr
 
 
@@ -125,7 +169,11 @@ def test_memory_bank_negatives_come_from_the_last_refresh():
         mem.negatives(4)
     mem.refresh()
     emb, ids = mem.negatives(4, torch.Generator().manual_seed(0))
-    assert emb.shape == (4, enc.cfg.embed_dim) and len(set(ids.tolist())) == 4 and not emb.requires_grad
+    assert (
+        emb.shape == (4, enc.cfg.embed_dim)
+        and len(set(ids.tolist())) == 4
+        and not emb.requires_grad
+    )
     rows = [int(i) - 100 for i in ids]  # _memory's documents have ids 100 + row
     assert torch.allclose(emb, mem.embed()[rows], atol=1e-6)
     every, every_ids = mem.negatives(10_000)
@@ -135,11 +183,17 @@ def test_memory_bank_negatives_come_from_the_last_refresh():
 
 def test_resnet_tower_and_image_fusion_keep_only_used_parameters():
     """fusion=image drops the text tower (DDP rejects parameters that never get a gradient)."""
-    cfg = RetrieverConfig(**{**SMALL, "vision_width": 16}, vision_tower="resnet", fusion="image", shared_towers=True)
+    cfg = RetrieverConfig(
+        **{**SMALL, "vision_width": 16}, vision_tower="resnet", fusion="image", shared_towers=True
+    )
     enc = DualEncoder(cfg, 32)
     names = [n for n, _ in enc.named_parameters()]
-    assert any(".visual.layer4." in n for n in names) and not any("token_embedding" in n for n in names)
-    q = enc.embed_queries(torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 3, 1]))
+    assert any(".visual.layer4." in n for n in names) and not any(
+        "token_embedding" in n for n in names
+    )
+    q = enc.embed_queries(
+        torch.randn(3, 3, 32, 32), torch.randint(1, 100, (3, 5)), torch.tensor([5, 3, 1])
+    )
     assert q.shape == (3, 16) and torch.allclose(q.norm(dim=-1), torch.ones(3))
     q.sum().backward()
     assert [n for n, p in enc.named_parameters() if p.grad is None] == ["logit_scale"]
@@ -163,11 +217,17 @@ def test_photo_views_put_the_thing_on_a_new_background():
     x = torch.full((4, 3, 32, 32), 1.5)  # a plain, bright ground ...
     x[:, :, 8:24, 8:24] = -1.0  # ... with a dark square on it
     x[:, :, 14:18, 14:18] = 1.5  # whose hole has the ground's colour but is no ground
-    keep = ViewStyle(0.0, (1.0, 1.0), 0.0, 0.0, 0.0, 1.0, 0.0)  # no warp, no blur: only the ground changes
+    keep = ViewStyle(
+        0.0, (1.0, 1.0), 0.0, 0.0, 0.0, 1.0, 0.0
+    )  # no warp, no blur: only the ground changes
     v = photo_views(x, keep, torch.Generator().manual_seed(0))
-    assert torch.equal(v[:, :, 8:24, 8:24], x[:, :, 8:24, 8:24])  # the thing, hole included, is untouched
+    assert torch.equal(
+        v[:, :, 8:24, 8:24], x[:, :, 8:24, 8:24]
+    )  # the thing, hole included, is untouched
     ground = v[:, :, :8]
-    assert (ground - 1.5).abs().mean() > 0.3 and ground.std() > 0.2  # a textured ground, not the plain one
+    assert (
+        ground - 1.5
+    ).abs().mean() > 0.3 and ground.std() > 0.2  # a textured ground, not the plain one
     a = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
     b = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
     assert a.shape == x.shape and torch.equal(a, b) and torch.isfinite(a).all()
