@@ -1,7 +1,10 @@
 """``parallelize``: the one call that turns a single-device model into a parallel one.
 
-    pmodel = parallel.parallelize(model, parallel.ParallelConfig(pp=2, microbatches=8), example_inputs)
-    loss = pmodel.train_step(inputs, target=target, loss_fn=fn)   # fwd + bwd, mean loss on every rank
+    pmodel = parallel.parallelize(
+        model, parallel.ParallelConfig(pp=2, microbatches=8), example_inputs
+    )
+    # fwd + bwd, mean loss on every rank
+    loss = pmodel.train_step(inputs, target=target, loss_fn=fn)
     opt = torch.optim.AdamW(pmodel.parameters())                  # this rank's parameters
     opt.step(); pmodel.zero_grad()
 
@@ -21,7 +24,8 @@ The order of what ``parallelize`` does, and why (torchtitan's ``pipeline_llama``
 4. ``spmd.parallelize_spmd`` on this rank's part (the whole model when pp == 1): tensor parallel
    -> activation checkpointing -> compile -> FSDP2, on the non-pipeline dimensions of the mesh;
 5. data parallel for what FSDP does not shard: parameters broadcast from dp rank 0 now,
-   gradients averaged over the data-parallel ranks once per optimizer step (``train_step(sync=...)``).
+   gradients averaged over the data-parallel ranks once per optimizer step
+   (``train_step(sync=...)``).
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ def make_partition(
             part = Partition.load(cfg.partition)
         else:
             raise ValueError(
-                f"partition must be auto, {', '.join(BASELINES)} or a JSON file (got {cfg.partition!r})"
+                f"partition must be auto, {', '.join(BASELINES)} or a JSON file (got "
+                f"{cfg.partition!r})"
             )
         obj[0] = part.to_dict()
         for p in model.parameters():  # tracing ran backward passes
@@ -255,7 +260,8 @@ def parallelize(
     )
     if cfg.split_drain and not split_drain:
         log.info(
-            "split_drain off: the last backward stays whole under tp / activation checkpointing / offload"
+            "split_drain off: the last backward stays whole under tp / activation checkpointing / "
+            "offload"
         )
     orders = pipeline_order(cfg.schedule, cfg.pp, v, cfg.microbatches, split_drain)
     transport.lanes, how = open_lanes(
@@ -425,7 +431,8 @@ def _graph_plan(
     kwargs: dict,
     structures: list[str],
 ) -> tuple[GraphPlan | None, str]:
-    """The gate between the two stage paths: (graph plan or None, the line that says which and why)."""
+    """The gate between the two stage paths: (graph plan or None, the line that says which and
+    why)."""
     if cfg.stage_path == "eager":
         return None, "eager path (stage_path='eager')"
     why = ""

@@ -1,8 +1,8 @@
 """A cluster description for the layout planner, its presets, and an alpha-beta model of the
 collectives that run on it.
 
-A collective over ``n`` ranks moving ``S`` bytes per rank costs ``steps * alpha + volume * S / beta``
-on the slowest link it crosses, with NCCL's algorithms (nccl-tests' PERFORMANCE.md formulas):
+A collective over ``n`` ranks moving ``S`` bytes per rank costs ``steps * alpha + volume * S /
+beta`` on the slowest link it crosses, with NCCL's algorithms (nccl-tests' PERFORMANCE.md formulas):
 
 - ring all-reduce: ``2 (n - 1)`` steps, ``2 (n - 1) / n`` of the buffer over each link;
 - tree all-reduce (double binary tree): ``2 ceil(log2 n)`` steps, about ``2 S`` over each link;

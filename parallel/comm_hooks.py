@@ -350,7 +350,8 @@ def make_grad_reducer(kind: str, process_group=None) -> Callable[[torch.Tensor, 
     return mean_
 
 
-# DDP checks the hook's return annotation object; `from __future__ import annotations` made it a string.
+# DDP checks the hook's return annotation object; `from __future__ import annotations` made it a
+# string.
 _shm_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 

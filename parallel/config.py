@@ -74,17 +74,20 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8
-    p2p: str = "auto"  # pipeline messages: auto (shared-memory rings between ranks of one host) | shm | gloo
-    # pipeline stages: eager (replay the model's Python; any model) | graph (torch.export split at the
-    # partition's cuts; fixed shapes, tensor inputs/outputs) | auto (graph where export succeeds).
-    # eager by default: the path measured and tested on every model of the grid (reader, HF models)
+    # pipeline messages: auto (shared-memory rings between ranks of one host) | shm | gloo
+    p2p: str = "auto"
+    # pipeline stages: eager (replay the model's Python; any model) | graph (torch.export split at
+    # the partition's cuts; fixed shapes, tensor inputs/outputs) | auto (graph where export
+    # succeeds). eager by default: the path measured and tested on every model of the grid (reader,
+    # HF models)
     stage_path: str = "eager"
-    # no automatic garbage collection inside a pipelined step: a collection pauses one rank for up to
-    # ~100 ms (a full one over a process with torch imported), and every rank waiting on it stalls
-    # too; collections that fall due run between steps (torchtitan and Megatron do the same)
+    # no automatic garbage collection inside a pipelined step: a collection pauses one rank for up
+    # to ~100 ms (a full one over a process with torch imported), and every rank waiting on it
+    # stalls too; collections that fall due run between steps (torchtitan and Megatron do the same)
     gc_pause: bool = True
-    # fix glibc malloc's mmap / trim thresholds (host_malloc.py): with its dynamic ones, buffers freed
-    # every microbatch went back to the OS and were faulted in again (thousands of faults per step)
+    # fix glibc malloc's mmap / trim thresholds (host_malloc.py): with its dynamic ones, buffers
+    # freed every microbatch went back to the OS and were faulted in again (thousands of faults per
+    # step)
     steady_malloc: bool = True
     # GPipe / 1F1B / eager 1F1B: every rank but the first runs its last two backwards of a step as
     # input gradients, their weight gradients after both (schedule.split_last_backward), so the
@@ -97,7 +100,8 @@ class ParallelConfig:
 
     def problems(self, world_size: int | None = None) -> list[str]:
         """Every reason this layout cannot run, each naming its key (``[]``: it can). With
-        ``world_size``, the degrees are checked against it too (-1 resolved as ``validate`` would)."""
+        ``world_size``, the degrees are checked against it too (-1 resolved as ``validate``
+        would)."""
         e = []
         for key in ("pp", "tp", "microbatches", "stages_per_rank", "ac_every"):
             if getattr(self, key) < 1:
@@ -105,19 +109,22 @@ class ParallelConfig:
         for key in ("dp_replicate", "dp_shard"):
             if getattr(self, key) == 0 or getattr(self, key) < -1:
                 e.append(
-                    f"{key} must be >= 1 or -1 for 'the ranks the other degrees leave' (got {getattr(self, key)})"
+                    f"{key} must be >= 1 or -1 for 'the ranks the other degrees leave' (got "
+                    f"{getattr(self, key)})"
                 )
         if self.dp_replicate == -1 and self.dp_shard == -1:
             e.append(
-                "dp_replicate and dp_shard are both -1: at most one takes the ranks left over (dp_replicate=1 "
-                "with dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)"
+                "dp_replicate and dp_shard are both -1: at most one takes the ranks left over "
+                "(dp_replicate=1 with dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 "
+                "with dp_shard=1 replicates)"
             )
         for key, allowed in CHOICES.items():
             if getattr(self, key) not in allowed:
                 e.append(f"{key} must be one of {allowed} (got {getattr(self, key)!r})")
         if self.partition not in PARTITIONS and not str(self.partition).endswith(".json"):
             e.append(
-                f"partition must be one of {PARTITIONS} or a partition's JSON file (got {self.partition!r})"
+                f"partition must be one of {PARTITIONS} or a partition's JSON file (got "
+                f"{self.partition!r})"
             )
         if self.memory_cap_bytes is not None and self.memory_cap_bytes <= 0:
             e.append(f"memory_cap_bytes must be positive or None (got {self.memory_cap_bytes})")
@@ -128,14 +135,15 @@ class ParallelConfig:
         shard = (degrees or {}).get("dp_shard", self.dp_shard)
         if self.pp > 1 and self.mixed_precision != "fp32":
             e.append(
-                f"mixed_precision={self.mixed_precision!r} with pp={self.pp}: FSDP's bf16 parameters would "
-                "change the dtype of the tensors crossing the pipeline cuts; run the step under "
-                "torch.autocast instead (train_step keeps it on the forwards)"
+                f"mixed_precision={self.mixed_precision!r} with pp={self.pp}: FSDP's bf16 "
+                "parameters would change the dtype of the tensors crossing the pipeline cuts; run "
+                "the step under torch.autocast instead (train_step keeps it on the forwards)"
             )
         if self.pp > 1 and self.cpu_offload:
             e.append(
-                f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the whole "
-                "step, so offloading between microbatches would only copy; use cpu_offload with pp=1"
+                f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the "
+                "whole step, so offloading between microbatches would only copy; use cpu_offload "
+                "with pp=1"
             )
         if self.pp > 1 and self.stage_path == "graph" and (self.tp > 1 or shard != 1):
             e.append(
@@ -174,8 +182,8 @@ class ParallelConfig:
         return self
 
     def resolved(self, world_size: int) -> ParallelConfig:
-        """A validated copy for ``world_size`` ranks (this one is left as it is: a config node of the
-        command line keeps its -1)."""
+        """A validated copy for ``world_size`` ranks (this one is left as it is: a config node of
+        the command line keeps its -1)."""
         return dataclasses.replace(self).validate(world_size)
 
     # ------------------------------------------------------------- questions (after validate)

@@ -166,7 +166,8 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _collective_device(group) -> torch.device:
-    """Where a tensor must be for ``group``'s collectives: the current GPU under NCCL, else the CPU."""
+    """Where a tensor must be for ``group``'s collectives: the current GPU under NCCL, else the
+    CPU."""
     if "nccl" in dist.get_backend(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -222,7 +223,8 @@ class StepSync:
             u.set_requires_gradient_sync(False, recurse=False)
 
     def unsharded_params(self) -> dict[int, torch.Tensor]:
-        """id(sharded parameter) -> the unsharded parameter autograd sees (gathers every unit now)."""
+        """id(sharded parameter) -> the unsharded parameter autograd sees (gathers every unit
+        now)."""
         out = {}
         for u in self.units:
             u.unshard()
@@ -232,7 +234,8 @@ class StepSync:
         return out
 
     def reshard(self) -> None:
-        """Free the gathered parameters (after forward-only use: evaluation leaves them gathered)."""
+        """Free the gathered parameters (after forward-only use: evaluation leaves them
+        gathered)."""
         for u in self.units:
             u.reshard()
 

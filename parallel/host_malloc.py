@@ -52,7 +52,8 @@ def steady_malloc() -> str:
                 M_TRIM_THRESHOLD, TRIM_THRESHOLD
             )
             _done = (
-                f"glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold {TRIM_THRESHOLD >> 20} MiB"
+                f"glibc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
+                f"{TRIM_THRESHOLD >> 20} MiB"
                 if ok
                 else "left as is (mallopt refused the thresholds)"
             )

@@ -190,7 +190,9 @@ def materialize(
                     continue
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
-                else:  # e.g. open_clip's class/positional embeddings set in __init__: to_empty left garbage
+                # e.g. open_clip's class/positional embeddings set in __init__: to_empty left
+                # garbage
+                else:
                     uncovered += [f"{name}.{n}" if name else n for n, _ in own]
                     for _, p in own:
                         nn.init.normal_(p, std=0.02) if p.dim() >= 2 else nn.init.zeros_(p)

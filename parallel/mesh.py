@@ -32,7 +32,8 @@ DIMS = DEGREES
 
 
 def default_device_type() -> str:
-    """``cuda`` when this process has a GPU and the process group can use it, else ``cpu`` (gloo)."""
+    """``cuda`` when this process has a GPU and the process group can use it, else ``cpu``
+    (gloo)."""
     if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() != "gloo":
         return "cuda"
     return "cpu"
@@ -93,7 +94,8 @@ class Layout:
     rank: int  # global rank
     pp_rank: int  # index along the pipeline
     pp_size: int
-    dp_rank: int  # index among the data-parallel ranks (dp_replicate x dp_shard): which share of the data
+    # index among the data-parallel ranks (dp_replicate x dp_shard): which share of the data
+    dp_rank: int
     dp_size: int
     tp_rank: int  # index among the tensor-parallel ranks (they read the same data)
     tp_size: int

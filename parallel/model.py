@@ -195,8 +195,9 @@ class ParallelModel(nn.Module):
         weight_fn(inputs_i, target_i)`` (default 1: the mean of microbatch means), a number or a
         tensor (on an accelerator a tensor stays there: no host sync; a zero sum is then not
         caught); gradients are those of that loss. A per-token mean loss gives the full-batch
-        mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call ``zero_grad``).
-        ``structure``: inputs are shaped like that extra example of ``parallelize`` (its plan).
+        mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call
+        ``zero_grad``). ``structure``: inputs are shaped like that extra example of ``parallelize``
+        (its plan).
 
         ``sync``: whether this call ends an optimizer step's gradient accumulation. Only then are
         gradients synchronised, once, over everything accumulated since the last synced call:
@@ -213,7 +214,8 @@ class ParallelModel(nn.Module):
         loss_fn = loss_fn or _default_loss
         mbs = split_microbatches(inputs, m)
         tgts = split_microbatches(target, m)
-        # a weight_fn may answer with an accelerator's tensor: kept there (reading it is a host sync)
+        # a weight_fn may answer with an accelerator's tensor: kept there (reading it is a host
+        # sync)
         w = [
             _weight(weight_fn(mbs[i], tgts[i])) if weight_fn is not None else 1.0 for i in range(m)
         ]
@@ -364,7 +366,8 @@ class ParallelModel(nn.Module):
             return
         parts = self._parts
         # 1. parameters replicated over pipeline ranks (tied embeddings, container-owned
-        #    parameters): sum their gradients over the pipeline, as Megatron does for tied embeddings
+        #    parameters): sum their gradients over the pipeline, as Megatron does for tied
+        #    embeddings
         if parts.replicated and self.layout.pp_size > 1:
             params = dict(self.module.named_parameters(remove_duplicate=False))
             flat = []
@@ -398,7 +401,8 @@ class ParallelModel(nn.Module):
     @property
     def grad_reduce_stats(self) -> CommStats | None:
         """Bytes and calls of the data-parallel gradient reduction between hosts, where a
-        hierarchical reducer runs it (``cfg.grad_reduce``); None for the process group or dp == 1."""
+        hierarchical reducer runs it (``cfg.grad_reduce``); None for the process group or dp ==
+        1."""
         state = getattr(self._parts.grad_reducer, "state", None)
         return state.stats if state is not None else None
 
@@ -468,8 +472,8 @@ class ParallelModel(nn.Module):
 
 
 def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):
-    """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them (CPU
-    tensors, every rank on one host), else None (the process group). After a pipelined step
+    """Shared-memory collectives for the end-of-step loss where the shared-memory gate allows them
+    (CPU tensors, every rank on one host), else None (the process group). After a pipelined step
     gloo's threads have gone idle, and waking them costs its all-reduce of one number several times
     what the shared-memory one takes (benchmarks/pipeline_cpu_*.md). A collective: every rank learns
     every rank's answer, so all take the same path."""
@@ -509,10 +513,12 @@ def _gc_paused(on: bool):
 
 
 def _weight(w) -> float | torch.Tensor:
-    """A microbatch weight: a number or a host tensor as a float, an accelerator's tensor as it is."""
+    """A microbatch weight: a number or a host tensor as a float, an accelerator's tensor as it
+    is."""
     return w.detach() if isinstance(w, torch.Tensor) and w.device.type != "cpu" else float(w)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the same part on every data-parallel or pipeline peer), else ``t``."""
+    """A DTensor's local shard (the same part on every data-parallel or pipeline peer), else
+    ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t

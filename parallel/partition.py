@@ -123,19 +123,22 @@ class Partition:
     def table(self) -> str:
         head = (
             f"{'stage':>5} {'rank':>4} {'units':>5} {'first unit':<28} {'last unit':<28} "
-            f"{'time ms':>8} {'params MB':>9} {'act MB':>7} {'mem MB':>8} {'in KB':>8} {'out KB':>8} {'cost':>6}"
+            f"{'time ms':>8} {'params MB':>9} {'act MB':>7} {'mem MB':>8} {'in KB':>8} "
+            f"{'out KB':>8} {'cost':>6}"
         )
         lines = [
-            f"Partition ({self.method}, objective={self.objective}, schedule={self.cost_config.schedule}, "
-            f"{self.num_stages} stages, {len(self.units)} units)",
+            f"Partition ({self.method}, objective={self.objective}, "
+            f"schedule={self.cost_config.schedule}, {self.num_stages} stages, {len(self.units)} "
+            "units)",
             head,
             "-" * len(head),
         ]
         for s in self.stages:
             lines.append(
-                f"{s.stage:>5} {s.rank:>4} {s.num_units:>5} {_short(s.first):<28} {_short(s.last):<28} "
-                f"{s.time * 1e3:>8.3f} {s.param_bytes / 2**20:>9.2f} {s.act_bytes / 2**20:>7.2f} "
-                f"{s.memory / 2**20:>8.2f} {s.comm_in / 1024:>8.1f} {s.comm_out / 1024:>8.1f} {s.cost:>6.3f}"
+                f"{s.stage:>5} {s.rank:>4} {s.num_units:>5} {_short(s.first):<28} "
+                f"{_short(s.last):<28} {s.time * 1e3:>8.3f} {s.param_bytes / 2**20:>9.2f} "
+                f"{s.act_bytes / 2**20:>7.2f} {s.memory / 2**20:>8.2f} {s.comm_in / 1024:>8.1f} "
+                f"{s.comm_out / 1024:>8.1f} {s.cost:>6.3f}"
             )
         for g in self.shared:
             sync = "gradients all-reduced over stages" if g.grad_sync else "no sync needed"
@@ -231,10 +234,11 @@ def _largest_module_error(
     total = sum(costs.unit_memory(j) for j in range(len(units)))
     return InfeasiblePartition(
         f"memory cap of {cap / 2**20:.1f} MiB per stage is infeasible for {k} stages: the largest "
-        f"module {u.name or '<root>'!r} ({u.kind}) alone needs {need / 2**20:.1f} MiB "
-        f"(params {u.param_bytes / 2**20:.1f} MiB x (1 + {cfg.grad_factor:g} grad + {cfg.optimizer_factor:g} optimizer) "
-        f"+ activations {u.act_bytes / 2**20:.1f} MiB x {costs.inflight.max():g} microbatches in flight); "
-        f"the whole model needs {total / 2**20:.1f} MiB. Raise the cap, add stages, or shard parameters."
+        f"module {u.name or '<root>'!r} ({u.kind}) alone needs {need / 2**20:.1f} MiB (params "
+        f"{u.param_bytes / 2**20:.1f} MiB x (1 + {cfg.grad_factor:g} grad + "
+        f"{cfg.optimizer_factor:g} optimizer) + activations {u.act_bytes / 2**20:.1f} MiB x "
+        f"{costs.inflight.max():g} microbatches in flight); the whole model needs "
+        f"{total / 2**20:.1f} MiB. Raise the cap, add stages, or shard parameters."
     )
 
 
@@ -276,8 +280,8 @@ def _refine(
         if not cand:
             raise InfeasiblePartition(
                 f"the model has only {sum(u.kind == 'module' for u in units)} placeable modules "
-                f"({[u.name for u in units if u.kind == 'module']}); cannot give each of {k} stages one "
-                "(use fewer stages)"
+                f"({[u.name for u in units if u.kind == 'module']}); cannot give each of {k} "
+                "stages one (use fewer stages)"
             )
         i = max(cand, key=lambda j: _unit_time(units[j], cfg, timed))
         units[i : i + 1] = b.expand(units[i])

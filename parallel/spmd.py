@@ -71,7 +71,8 @@ def parallelize_spmd(
     seq_dim: int = 1,
     part: StagePart | None = None,
 ) -> Sharded:
-    """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in place.
+    """Apply ``cfg``'s tp / activation savers / compile / dp_replicate x dp_shard to ``model`` in
+    place.
 
     ``mesh``: the 4-D mesh of ``parallel.mesh.build_mesh`` (or any mesh with dims named tp,
     dp_replicate, dp_shard). ``example_inputs`` (on the model's device, or meta for a meta model)
@@ -154,8 +155,8 @@ def _shard_part(
             mp_policy=mixed_precision_policy(cfg.mixed_precision),
         )
     log.info(
-        "fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel ranks "
-        "(container-owned, tied or held by several stages)",
+        "fsdp under pp: %d units on mesh %s; %d parameters left replicated over the data-parallel "
+        "ranks (container-owned, tied or held by several stages)",
         len(units),
         tuple(dp.shape),
         left,

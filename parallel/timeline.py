@@ -130,7 +130,8 @@ def from_chrome_trace(trace: list[dict]) -> list[Event]:
 
 
 def figure(events: list[Event], title: str = ""):
-    """A Gantt chart: one row per rank, boxes labelled with the microbatch; the matplotlib figure."""
+    """A Gantt chart: one row per rank, boxes labelled with the microbatch; the matplotlib
+    figure."""
     import matplotlib.pyplot as plt
 
     t0 = min(e.start for e in events)

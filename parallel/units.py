@@ -18,7 +18,8 @@ SELF = "<self>"  # suffix of a self unit's name: "<parent>.<self>"
 
 @dataclass
 class Unit:
-    """One placeable piece of the model, with its measured costs (per microbatch = example batch)."""
+    """One placeable piece of the model, with its measured costs (per microbatch = example
+    batch)."""
 
     name: str  # module name, parameter name, or "<module>.<self>"
     kind: str  # "module" | "param" | "self"
@@ -91,7 +92,8 @@ class UnitBuilder:
         return out
 
     def _called_children(self, name: str) -> list[str]:
-        """Children that run, descending through never-called containers (ModuleList, ModuleDict)."""
+        """Children that run, descending through never-called containers (ModuleList,
+        ModuleDict)."""
         out = []
         for c in self.mods[name].children:
             n = self.mods[c]
@@ -128,7 +130,8 @@ class UnitBuilder:
         loop, interleaves with others: kept whole) and each running child either nests inside
         that call or is called only outside it, by the code of a module that encloses this one
         (a language model's token embedding that a multimodal wrapper calls itself before the
-        decoder): such a child is placed where its calls are, as a sibling of this module would be."""
+        decoder): such a child is placed where its calls are, as a sibling of this module would
+        be."""
         n = self.mods[name]
         if n.calls != 1:
             return False

@@ -129,7 +129,8 @@ def read_queries(path: Path) -> list[Query]:
 
 
 def check_query(q: Query, image_key: str = "--image", question_key: str = "--question") -> Query:
-    """``q`` if its picture decodes and its question is not blank (the keys name them in messages)."""
+    """``q`` if its picture decodes and its question is not blank (the keys name them in
+    messages)."""
     read_picture(q.image, image_key)
     if not q.question.strip():
         raise AskError(f"{question_key} is empty")
@@ -241,7 +242,8 @@ class Asker:
 
     @torch.no_grad()
     def ask(self, queries: list[Query], top_k: int | None = None) -> list[dict]:
-        """The answer and the ``top_k`` (default: as many as the reader reads) nearest documents of each query."""
+        """The answer and the ``top_k`` (default: as many as the reader reads) nearest documents of
+        each query."""
         rag, tok = self.parts.rag, self.parts.tok
         rag.eval()
         learned = rag.rcfg.mode == "learned"
@@ -254,7 +256,8 @@ class Asker:
             q = {k: x[k] for k in ("image", "q_ids", "q_len")}
             _, ids, ret = rag.reader_inputs(q, search_k=show if learned else 0, grad=False)
             sims = ret[3] if ret is not None else None  # (B, max(k, show)) nearest first
-            # what evaluate()'s forward hands its greedy decoding: the ids and the scaled scores of the k read
+            # what evaluate()'s forward hands its greedy decoding: the ids and the scaled scores of
+            # the k read
             scores = (
                 rag.retriever.scale().to(sims.device) * sims[:, : rag.rcfg.top_k]
                 if sims is not None

@@ -1,7 +1,7 @@
 """The model's parts and data streams from a config: what training and evaluation both build.
 
-Single-device and parallelism-free: the trainer spreads the reader (``rag_mm.distributed.spread``) and adds
-the optimizer; evaluation loads a checkpoint into it. Imports neither of them.
+Single-device and parallelism-free: the trainer spreads the reader (``rag_mm.distributed.spread``)
+and adds the optimizer; evaluation loads a checkpoint into it. Imports neither of them.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def build_rag(cfg, device: torch.device) -> RagParts:
     """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
     over them, freshly initialised on ``device`` (seed the global RNG first for a given init)."""
     m = cfg.model
-    try:  # what the model keys name (a tokenizer, an LM family, a pretrained directory) may not build
+    # what the model keys name (a tokenizer, an LM family, a pretrained directory) may not build
+    try:
         tok = get_tokenizer(reader_tokenizer(m))
         reader = build_reader(m, tok.vocab_size).to(device)
     except ValueError as exc:
@@ -107,7 +108,8 @@ def make_stream(
 
 
 def batch_inputs(batch: dict, device) -> dict:
-    """A loader batch -> the RagModel's keyword inputs on ``device`` (``gold``: the gold doc ids)."""
+    """A loader batch -> the RagModel's keyword inputs on ``device`` (``gold``: the gold doc
+    ids)."""
     x = {
         k: batch[k].to(device, non_blocking=True)
         for k in ("image", "q_ids", "q_len", "a_ids", "a_len")

@@ -65,7 +65,9 @@ class ModelConfig:
     # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
-    dim: int = 128  # transformer width; the demo needs little capacity, and a narrow model trains it on a CPU in minutes
+    # transformer width; the demo needs little capacity, and a narrow model trains it on a CPU in
+    # minutes
+    dim: int = 128
     layers: int = 4  # transformer blocks: 2 to find the fact's slot, 2 to copy it is the minimum
     heads: int = 4  # attention heads; must divide dim
     mlp_ratio: float = 4.0  # MLP hidden size = mlp_ratio * dim, as in GPT-2 / ViT
@@ -104,7 +106,9 @@ class ModelConfig:
     tie_embeddings: bool = (
         True  # LM head shares the token embedding (GPT-2 style), halves vocab params
     )
-    copy_head: bool = True  # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far faster than generating it
+    # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far
+    # faster than generating it
+    copy_head: bool = True
     # weight of the copy head's pointer supervision (rag_mm/model/copy_head.py): where the answer
     # token is in a document or the question, the copy distribution alone must name it and the
     # gate must copy. Without it the reader memorises training answers and never copies a name it
@@ -134,7 +138,9 @@ class DataConfig:
     # with dp
     global_batch_size: int = 0
     eval_batch_size: int = 128  # larger: no backward pass in evaluation
-    num_workers: int = 1  # loader processes per rank: one decodes ahead of the step; more take cores from the ranks on a small host
+    # loader processes per rank: one decodes ahead of the step; more take cores from the ranks on a
+    # small host
+    num_workers: int = 1
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
     augment: bool = True  # random crop (and colour_jitter) on training query pictures
     # per-channel brightness shift of augmented pictures, uniform in +-colour_jitter (normalised
@@ -259,15 +265,16 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"model.patch_size ({m.patch_size}) must divide model.image_size ({m.image_size})")
     if m.vision_width > 0 and m.vision_head_width > 0 and m.vision_width % m.vision_head_width:
         e.append(
-            f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width ({m.vision_width})"
+            f"model.vision_head_width ({m.vision_head_width}) must divide model.vision_width "
+            f"({m.vision_width})"
         )
     e += _model_family_problems(cfg)
     if m.vision_ssl_steps < 0:
         e.append(f"model.vision_ssl_steps must be >= 0 (got {m.vision_ssl_steps})")
     if m.vision_ssl_batch < 0 or m.vision_ssl_batch == 1:
         e.append(
-            f"model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got {m.vision_ssl_batch}): "
-            "SimCLR needs other pictures as negatives"
+            "model.vision_ssl_batch must be 0 (data.batch_size) or >= 2 (got "
+            f"{m.vision_ssl_batch}): SimCLR needs other pictures as negatives"
         )
     if not 0 <= m.vision_ssl_rotate <= 180:
         e.append(
@@ -279,17 +286,18 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"optim.vision_lr_scale must be >= 0 (got {o.vision_lr_scale})")
     if o.vision_lr_scale != 1 and m.family == "hf_vlm":
         e.append(
-            "optim.vision_lr_scale works on rag_mm's open_clip tower (family native or hf): set it to 1 "
-            "for a VLM"
+            "optim.vision_lr_scale works on rag_mm's open_clip tower (family native or hf): set "
+            "it to 1 for a VLM"
         )
     if m.vision_ssl_steps and m.family == "hf_vlm":
         e.append(
-            "model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a VLM's "
-            "tower is inside its transformers model: set it to 0"
+            "model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a "
+            "VLM's tower is inside its transformers model: set it to 0"
         )
     if m.attention_backend not in ATTENTION_BACKENDS:
         e.append(
-            f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got {m.attention_backend!r})"
+            f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got "
+            f"{m.attention_backend!r})"
         )
     if m.max_answer < 2:
         e.append(
@@ -307,11 +315,13 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"data.crop_pad must be >= 0 (got {d.crop_pad})")
     if d.zoom_out < 1.0:
         e.append(
-            f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the picture's"
+            f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the "
+            "picture's"
         )
     if not d.corpus and r.mode != "none":
         e.append(
-            f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none runs without one)"
+            f"data.corpus is needed: retriever.mode={r.mode} reads documents (only retriever=none "
+            "runs without one)"
         )
     _positive(e, "optim.lr", o.lr)
     _positive(e, "optim.grad_accum", o.grad_accum)
@@ -328,7 +338,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         e.append(f"retriever.top_k ({r.top_k}) must be <= model.max_docs ({m.max_docs})")
     if r.rerank and r.rerank < r.top_k:
         e.append(
-            f"retriever.rerank ({r.rerank}) must be 0 or >= retriever.top_k ({r.top_k}): the candidates the top-k is chosen from"
+            f"retriever.rerank ({r.rerank}) must be 0 or >= retriever.top_k ({r.top_k}): the "
+            "candidates the top-k is chosen from"
         )
     if r.mode == "learned" and r.patch_size > 0 and m.image_size % r.patch_size:
         e.append(
@@ -393,7 +404,8 @@ def _model_family_problems(cfg: Any) -> list[str]:
             e.append("model.lm needs a model_type (e.g. llama, qwen2, gpt2)")
         elif not known_model_type(m.lm["model_type"]):
             e.append(
-                f"model.lm.model_type={m.lm['model_type']!r} is no model type of transformers {transformers_version()}"
+                f"model.lm.model_type={m.lm['model_type']!r} is no model type of transformers "
+                f"{transformers_version()}"
             )
     for key in ("adapter", "vision_checkpoint"):
         if getattr(m, key) and not Path(getattr(m, key)).is_file():
@@ -404,7 +416,8 @@ def _model_family_problems(cfg: Any) -> list[str]:
 
 
 def _tokenizer_fusion_problems(cfg: Any) -> list[str]:
-    """A learned retriever that reads text reads CLIP BPE ids: the reader's tokenizer must be CLIP's."""
+    """A learned retriever that reads text reads CLIP BPE ids: the reader's tokenizer must be
+    CLIP's."""
     m = cfg.model
     if reader_tokenizer(m) and cfg.retriever.mode == "learned" and cfg.retriever.fusion != "image":
         return [
@@ -442,7 +455,8 @@ def _vlm_problems(m: Any) -> list[str]:
     for key in ("lm_config", "adapter", "vision_checkpoint"):
         if getattr(m, key):
             e.append(
-                f"model.{key} is not read by model.family=hf_vlm (the VLM brings its own tower and projector)"
+                f"model.{key} is not read by model.family=hf_vlm (the VLM brings its own tower "
+                "and projector)"
             )
     if m.tokenizer and not Path(m.tokenizer).is_dir():
         e.append(f"model.tokenizer={m.tokenizer!r} is not a directory")
@@ -450,7 +464,8 @@ def _vlm_problems(m: Any) -> list[str]:
 
 
 def known_model_type(model_type: Any) -> bool:
-    """Whether the installed transformers builds configs of ``model_type`` (imports transformers)."""
+    """Whether the installed transformers builds configs of ``model_type`` (imports
+    transformers)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING
@@ -514,7 +529,8 @@ def layout_problems(cfg: Any, world_size: int) -> list[str]:
         for key in ("batch_size", "eval_batch_size"):
             if getattr(d, key) % layout.microbatches:
                 e.append(
-                    f"parallel.microbatches ({layout.microbatches}) must divide data.{key} ({getattr(d, key)})"
+                    f"parallel.microbatches ({layout.microbatches}) must divide data.{key} "
+                    f"({getattr(d, key)})"
                 )
     return e
 
@@ -523,7 +539,8 @@ PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
 
 
 def runtime_config(cfg: Any) -> ParallelConfig:
-    """The run's ``parallel`` group as the runtime's ``ParallelConfig`` (a copy; -1 not resolved)."""
+    """The run's ``parallel`` group as the runtime's ``ParallelConfig`` (a copy; -1 not
+    resolved)."""
     p = cfg.parallel
     if isinstance(p, ParallelConfig):
         return dataclasses.replace(p)
@@ -565,20 +582,25 @@ def _data_hint(cfg: Any, split: str) -> str:
     if (
         cfg.data.train == DataConfig.train
     ):  # the knowledge world's layout (conf/data/knowledge_world.yaml)
-        return f"generate the demo data with `python -m rag_mm.data.knowledge_world out={cfg.data.root}`"
+        return (
+            "generate the demo data with `python -m rag_mm.data.knowledge_world "
+            f"out={cfg.data.root}`"
+        )
     if split == "corpus":
         return (
-            f"write the document memory with `python scripts/convert.py corpus --docs DIR --out {cfg.data.root}`, "
-            "which prints the data.corpus override; a closed-book run needs none: retriever=none data.corpus=null"
+            "write the document memory with `python scripts/convert.py corpus --docs DIR --out "
+            f"{cfg.data.root}`, which prints the data.corpus override; a closed-book run needs "
+            "none: retriever=none data.corpus=null"
         )
     return (
-        f"write the {split} queries with `python scripts/convert.py vqa|hf ... --split {split} --out {cfg.data.root}`, "
-        "which prints the data.* overrides"
+        f"write the {split} queries with `python scripts/convert.py vqa|hf ... --split {split} "
+        f"--out {cfg.data.root}`, which prints the data.* overrides"
     )
 
 
 def data_splits(cfg: Any) -> tuple[str, ...]:
-    """The ``data.*`` shard keys a run reads: the corpus only when it retrieves or reads documents."""
+    """The ``data.*`` shard keys a run reads: the corpus only when it retrieves or reads
+    documents."""
     needs_corpus = cfg.data.corpus and cfg.retriever.mode != "none"
     return ("corpus", "train", "val", "test") if needs_corpus else ("train", "val", "test")
 
@@ -616,8 +638,9 @@ def compose(
     config_dir: str | None = None,
     return_hydra_config: bool = False,
 ):
-    """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests, notebooks);
-    with ``return_hydra_config`` its ``hydra`` node too (the output directory Hydra would create)."""
+    """The config ``python -m rag_mm.train <overrides>`` would run with (for scripts, tests,
+    notebooks); with ``return_hydra_config`` its ``hydra`` node too (the output directory Hydra
+    would create)."""
     from pathlib import Path
 
     from hydra import compose as hydra_compose

@@ -3,13 +3,14 @@ VQA accuracy where queries carry their human answers.
 
     python -m rag_mm.evaluate runs/demo                    # the newest valid checkpoint, test split
     python -m rag_mm.evaluate runs/demo split=val data.eval_batch_size=64
-    python -m rag_mm.evaluate runs/vqa split=test predictions=runs/vqa/test_results.json   # VQA results file
+    # VQA results file
+    python -m rag_mm.evaluate runs/vqa split=test predictions=runs/vqa/test_results.json
     python -m rag_mm.evaluate runs/kvqa modes=all   # closed book / learned / oracle side by side
 
 Exact match is computed in one teacher-forced pass: greedy decoding reproduces the gold answer
 exactly when every gold token (EOT included) is the argmax given the gold prefix. The VQA accuracy
-(``rag_mm.eval.vqa_metric``) scores the greedy answer itself against the human answers, so queries whose
-json has ``answers`` (VQA shards from ``scripts/convert.py``) are also decoded token by token.
+(``rag_mm.eval.vqa_metric``) scores the greedy answer itself against the human answers, so queries
+whose json has ``answers`` (VQA shards from ``scripts/convert.py``) are also decoded token by token.
 
 Whether the reader uses the picture at all is measured three ways: the blind prior (the score of
 answering each question with its text's most frequent training answer, ``rag_mm.eval.blind_prior``),
@@ -86,8 +87,8 @@ def evaluate(
     Whether the reader uses the picture:
 
     * ``blind_prior``: the score of answering each question with its text's most frequent training
-      answer (``prior``, ``rag_mm.eval.blind_prior``; None without one), scored per query as the reader
-      is (VQA accuracy against the human answers where there are some, else exact match);
+      answer (``prior``, ``rag_mm.eval.blind_prior``; None without one), scored per query as the
+      reader is (VQA accuracy against the human answers where there are some, else exact match);
     * ``by_type``: per VQA answer type (``rag_mm.eval.vqa_metric.answer_type``: the query's json
       ``answer_type``, else inferred from its gold answer) n, acc, vqa_acc, the blind prior and the
       ablation's numbers;
@@ -102,15 +103,17 @@ def evaluate(
     unseen splits), and ``pseudo_recall@k`` counts the queries whose answer appears in a retrieved
     passage (``pseudo_recall_gold`` in the gold passage, oracle mode), beside recall@k against gold.
 
-    ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy answer
-    text) for every query, in loader order: the VQA results file (``rag_mm.eval.predictions``).
+    ``predictions`` (a list; the reader whole, as for ``vqa_acc``) receives (sample key, greedy
+    answer text) for every query, in loader order: the VQA results file
+    (``rag_mm.eval.predictions``).
 
     ``split`` names the split in one INFO line of these numbers and a warning when the reader does
     not beat the blind prior or barely needs the picture (every rank must pass the same arguments:
     the ablation's forwards are collective under a spread reader).
 
     ``stop()`` (a preemption flag) is asked before each batch; when it is set on any rank, every
-    rank leaves after the same batch with ``rag_mm.ft.preemption.Stopped`` (``name`` says what stopped).
+    rank leaves after the same batch with ``rag_mm.ft.preemption.Stopped`` (``name`` says what
+    stopped).
     """
     was_training = rag.training
     rag.eval()
@@ -286,7 +289,8 @@ def _batches(
     """The loader's batches (the first ``max_batches`` when > 0). With ``stop``, before each batch
     every rank says in one all-reduce whether it has a batch and whether its ``stop()`` is set: a
     rank whose share of the split ran out keeps answering until every share has, so all ranks
-    leave together, at the end or, when any rank is stopped, with ``Stopped`` after the same batch."""
+    leave together, at the end or, when any rank is stopped, with ``Stopped`` after the same
+    batch."""
     it, done, exhausted = iter(loader), 0, False
     while True:
         batch = None
@@ -310,15 +314,17 @@ def _batches(
         done += 1
 
 
-# The per-answer-type sums evaluate() all-reduces, by column: queries, exact-match correct, summed VQA
-# accuracy and the queries it sums over, summed blind-prior score, and the same for the blanked picture.
+# The per-answer-type sums evaluate() all-reduces, by column: queries, exact-match correct, summed
+# VQA accuracy and the queries it sums over, summed blind-prior score, and the same for the blanked
+# picture.
 TYPED = {
     name: i
     for i, name in enumerate(
         ("n", "correct", "vqa", "n_vqa", "prior", "correct_blank", "vqa_blank", "n_vqa_blank")
     )
 }
-MIN_GAIN = 0.02  # accuracy over the blind prior, and lost by blanking the picture, below which evaluate() warns
+# accuracy over the blind prior, and lost by blanking the picture, below which evaluate() warns
+MIN_GAIN = 0.02
 
 
 def _add(typed: torch.Tensor, col: str, types: torch.Tensor, values) -> None:
@@ -342,7 +348,8 @@ def _add_vqa(
     preds: list[list[int]] | None = None,
 ) -> None:
     """Greedily decode the queries ``rows`` (those with human answers) as ``out`` read them (or take
-    their decoded ``preds``) and add their VQA accuracy to columns ``vqa<suffix>`` / ``n_vqa<suffix>``."""
+    their decoded ``preds``) and add their VQA accuracy to columns ``vqa<suffix>`` /
+    ``n_vqa<suffix>``."""
     if preds is None:
         preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
@@ -367,7 +374,8 @@ def _picture_metrics(
     sums: torch.Tensor, has_prior: bool, ablation: bool, typed: bool = False
 ) -> dict:
     """blind_prior, acc_blank, vqa_acc_blank and image_drop from one row of TYPED sums (a type's or
-    the total); ``typed`` adds the row's acc and vqa_acc (the split's own come from the main sums)."""
+    the total); ``typed`` adds the row's acc and vqa_acc (the split's own come from the main
+    sums)."""
     n, n_vqa = float(sums[TYPED["n"]]), float(sums[TYPED["n_vqa"]])
     res: dict = {}
     if typed:
@@ -436,7 +444,8 @@ def _report(split: str, res: dict) -> None:
     if prior is not None and accuracy < prior + MIN_GAIN:
         where = "below" if accuracy < prior - MIN_GAIN else f"within {MIN_GAIN * 100:.0f} points of"
         problems.append(
-            f"accuracy {accuracy:.3f} is {where} the blind prior {prior:.3f} (answering from the question alone)"
+            f"accuracy {accuracy:.3f} is {where} the blind prior {prior:.3f} (answering from the "
+            "question alone)"
         )
     if drop is not None and drop < MIN_GAIN:
         problems.append(
@@ -446,8 +455,8 @@ def _report(split: str, res: dict) -> None:
         )
     if problems:
         hint = (
-            "; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer patch "
-            "grid (model.patch_size, as +experiment=vqa sets it) is the usual cure"
+            "; scripts/bench/picture_signal.py shows where the picture's signal dies, and a finer "
+            "patch grid (model.patch_size, as +experiment=vqa sets it) is the usual cure"
             if drop is not None and drop < MIN_GAIN
             else ""
         )
@@ -692,7 +701,8 @@ def run(
     answered: list[tuple[str, str]] | None = [] if predictions is not None else None
     try:
         examples = run_dir / "retrieved_examples.json" if parts.memory is not None else None
-        # the blind prior's table: cached in the run directory (the trainer's final evaluation made it)
+        # the blind prior's table: cached in the run directory (the trainer's final evaluation made
+        # it)
         writable = writable_dir_problem("RUN_DIR", run_dir) is None
         prior = load_or_build(
             expand_urls(cfg.data.root, cfg.data.train), run_dir / CACHE_NAME if writable else None

@@ -6,8 +6,8 @@ loads RUN_DIR's newest valid checkpoint (DCP, the training format) into the read
 config builds and writes OUT_DIR:
 
 - ``lm/``: the language model as a Hugging Face directory (``config.json``, safetensors weights,
-  and the tokenizer when the run read with a Hugging Face one): ``AutoModelForCausalLM.from_pretrained``
-  loads it;
+  and the tokenizer when the run read with a Hugging Face one):
+  ``AutoModelForCausalLM.from_pretrained`` loads it;
 - ``open_clip_visual.pt``: the vision tower as an open_clip CLIP state dict (``visual.*`` keys);
 - ``adapter.safetensors``: the reader's own weights (projector, retrieval-rank and token-type
   embeddings, copy head);
@@ -28,7 +28,8 @@ VISION_FIELDS = ("vision_width", "vision_layers", "vision_head_width", "patch_si
 
 
 def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
-    """Write ``reader`` (an ``HFReader``) to ``out`` as described above; returns the import overrides."""
+    """Write ``reader`` (an ``HFReader``) to ``out`` as described above; returns the import
+    overrides."""
     from safetensors.torch import save_file
 
     from rag_mm.data.tokenizer import HFTokenizer
@@ -68,8 +69,8 @@ def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     cfg = load_config(run_dir, overrides)
     if cfg.model.family != "hf":
         raise EvalError(
-            f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader (model.family=hf) "
-            "exports to Hugging Face and open_clip files"
+            f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader "
+            "(model.family=hf) exports to Hugging Face and open_clip files"
         )
     ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
     if ckpt is None:

@@ -1,19 +1,21 @@
 """Which parallel layout to run the reader with: ``parallel.plan_layout`` on the run's own reader.
 
     python -m rag_mm.plan +experiment=demo cluster=p4d cluster.nodes=2            # ranked table
-    python -m rag_mm.plan +experiment=demo cluster=h100 cluster.nodes=4 global_batch=1024 format=json
+    python -m rag_mm.plan +experiment=demo cluster=h100 cluster.nodes=4 global_batch=1024 \\
+        format=json
     python -m rag_mm.train +experiment=demo parallel=auto                         # plan at start-up
 
 Arguments of the command line: ``cluster=<preset>`` (``conf/cluster/<preset>.yaml``, default
 ``local``), ``cluster.<field>=<value>`` (any ``parallel.Cluster`` field: ``nodes``,
 ``devices_per_node``, ``device_memory_bytes``, ...), ``global_batch=<samples per optimizer step>``
 (default: ``data.global_batch_size``, or ``data.batch_size x`` the cluster's devices, the batch
-plain data parallel would train with, ``x optim.grad_accum``), ``format=table|json``, ``top=<rows>``. Every other argument is a
-training override, composed as ``python -m rag_mm.train`` composes it.
+plain data parallel would train with, ``x optim.grad_accum``), ``format=table|json``,
+``top=<rows>``. Every other argument is a training override, composed as ``python -m rag_mm.train``
+composes it.
 
-What is planned: only the reader (``rag_mm.distributed.spread`` spreads the reader alone; the retriever stays
-whole on every rank), traced on the meta device (no weights: any preset plans on any machine) on
-an example batch shaped like the run's: ``retriever.top_k``
+What is planned: only the reader (``rag_mm.distributed.spread`` spreads the reader alone; the
+retriever stays whole on every rank), traced on the meta device (no weights: any preset plans on any
+machine) on an example batch shaped like the run's: ``retriever.top_k``
 documents per query, ``model.image_size`` pictures, ``model.max_*`` text lengths (the longest, so
 the activation memory is an upper bound). Activation checkpointing and CPU offload are the run's
 own (``parallel.activation_checkpointing``, ``parallel.cpu_offload``): the planner prices them, it
@@ -24,12 +26,13 @@ turns one into rag_mm's command line: ``parallel.<field>`` for its degrees and e
 otherwise than the run, plus the batch, accumulation and precision keys that keep the planned
 global batch.
 
-``parallel=auto`` (``launch.auto_layout``, ``resolve_auto``): the plan for the world the run has (the ``local`` preset with
-``WORLD_SIZE`` ranks, ``LOCAL_WORLD_SIZE`` per node; the device memory of the GPU on CUDA), in the
-run's ``optim.precision``, for the run's global batch. Every rank plans on its own and all pick the
-same layout: the estimates come from the trace's FLOPs and saved-activation bytes (the planner
-balances stages on FLOPs and never reads timings, so the trace runs no timed pass), which do not
-depend on the rank or on the machine's load, and the ranking is a stable sort of a fixed enumeration.
+``parallel=auto`` (``launch.auto_layout``, ``resolve_auto``): the plan for the world the run has
+(the ``local`` preset with ``WORLD_SIZE`` ranks, ``LOCAL_WORLD_SIZE`` per node; the device memory of
+the GPU on CUDA), in the run's ``optim.precision``, for the run's global batch. Every rank plans on
+its own and all pick the same layout: the estimates come from the trace's FLOPs and saved-activation
+bytes (the planner balances stages on FLOPs and never reads timings, so the trace runs no timed
+pass), which do not depend on the rank or on the machine's load, and the ranking is a stable sort of
+a fixed enumeration.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ def tp_divisor(cfg: Any) -> int:
 def plan(
     cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")
 ):
-    """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per step."""
+    """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per
+    step."""
     from parallel import plan_layout
     from rag_mm.config import reader_tokenizer
     from rag_mm.data.tokenizer import get_tokenizer
@@ -147,7 +151,8 @@ def _split(override: str) -> tuple[str, str]:
 
 
 def _yaml(value: Any) -> str:
-    """A value as a Hydra override writes it (true / false / null, names and numbers as they are)."""
+    """A value as a Hydra override writes it (true / false / null, names and numbers as they
+    are)."""
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
@@ -306,13 +311,17 @@ def make_cluster(preset: str, fields: dict[str, Any]) -> Cluster:
 
 
 def command(train: list[str], overrides: list[str], cluster: Cluster) -> str:
-    """The launch line of a layout: the training overrides (those the layout sets dropped) and its own."""
+    """The launch line of a layout: the training overrides (those the layout sets dropped) and its
+    own."""
     keys = {_split(o)[0] for o in overrides}
     args = [a for a in train if _split(a)[0] not in keys] + overrides
     launch = (
         "python -m rag_mm.train"
         if cluster.world == 1
-        else f"torchrun --nnodes={cluster.nodes} --nproc_per_node={cluster.devices_per_node} -m rag_mm.train"
+        else (
+            f"torchrun --nnodes={cluster.nodes} --nproc_per_node={cluster.devices_per_node} -m "
+            "rag_mm.train"
+        )
     )
     return f"{launch} {shlex.join(args)}"
 

@@ -82,7 +82,8 @@ def _setup_logging() -> None:
 def main(cfg: DictConfig) -> None:
     from rag_mm.ft import preemption
 
-    preemption.from_submitit()  # SLURM tasks started by submitit: set torchrun's RANK, WORLD_SIZE, ...
+    # SLURM tasks started by submitit: set torchrun's RANK, WORLD_SIZE, ...
+    preemption.from_submitit()
     _setup_logging()
     from rag_mm.distributed.env import world_size_from_env
 
@@ -127,7 +128,7 @@ def main(cfg: DictConfig) -> None:
             _close_after_disk_fault(trainer)
             if trainer.env.is_main:
                 print(
-                    f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",
+                    f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",  # noqa: E501
                     file=sys.stderr,
                     flush=True,
                 )
@@ -142,7 +143,8 @@ def main(cfg: DictConfig) -> None:
             trainer.env.world_size > 1
         ):  # name the stuck rank and the operation, not only gloo's message
             logging.getLogger(__name__).error("%s", trainer.watch.explain(exc))
-        trainer.metrics.close()  # no close(): its final barrier would wait on the dead or stuck peer
+        # no close(): its final barrier would wait on the dead or stuck peer
+        trainer.metrics.close()
         trainer.watch.close()
         raise
     trainer.close()

@@ -120,8 +120,8 @@ class Trainer:
             self.spread.dp_rank,
             self.spread.dp_size,
         )  # a replica shares a batch
-        # backend=auto's attention kernels, chosen by measurement before the first step: a collective
-        # (rank 0 times the candidates or reads its cache, every rank runs its choices)
+        # backend=auto's attention kernels, chosen by measurement before the first step: a
+        # collective (rank 0 times the candidates or reads its cache, every rank runs its choices)
         self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
         tune_reader_attention(cfg, self.device)
         self.opt = build_optimizer(self.spread, cfg.optim)
@@ -221,9 +221,10 @@ class Trainer:
         return make_stream(self.cfg, split, train, self.data_rank, self.data_size, skip_batches)
 
     def blind_prior(self) -> BlindPrior | None:
-        """The blind prior's table (``rag_mm.eval.blind_prior``): read from the training shards once per
-        run on the main rank (cached in the run directory, so a resumed run or the command-line
-        evaluation reuses it) and sent to the other ranks. None when no training sample is usable."""
+        """The blind prior's table (``rag_mm.eval.blind_prior``): read from the training shards once
+        per run on the main rank (cached in the run directory, so a resumed run or the command-line
+        evaluation reuses it) and sent to the other ranks. None when no training sample is
+        usable."""
         if not self._prior_ready:
             table, stopped = None, False
             if self.env.is_main:  # a stop signal ends the read between two shards
@@ -463,7 +464,8 @@ class Trainer:
                     "(it is not checkpointed)"
                 )
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
-                self.refresh_index()  # fresher bank negatives; the joint phase starts on a current index
+                # fresher bank negatives; the joint phase starts on a current index
+                self.refresh_index()
             if i % c.log_every == 0 or i == r.warmup_steps:
                 guard.flush()  # the device path's skipped steps: logged now, abort if too many
             if (i % c.log_every == 0 or i == r.warmup_steps) and window:
@@ -517,7 +519,8 @@ class Trainer:
             (), float("nan")
         )  # no step trained by this process (resumed at max_steps): null
         try:
-            try:  # before the first step: the index and the retriever warm-up (neither is checkpointed)
+            # before the first step: the index and the retriever warm-up (neither is checkpointed)
+            try:
                 self._ensure_index()
                 if self.step == 0 and r.warmup_steps and self.memory is not None:
                     self._warmup_retriever(it, autocast)
@@ -545,7 +548,8 @@ class Trainer:
                 if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
                     abandoned, _ = self._abandonable(self.refresh_index)
                 if self.step % c.log_every == 0 or self.step == c.max_steps:
-                    nonfinite.flush()  # the device path's skipped steps: logged now, abort if too many
+                    # the device path's skipped steps: logged now, abort if too many
+                    nonfinite.flush()
                     self.watch.at("all_reduce: training loss")
                     loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
                     elapsed = time.perf_counter() - window_t

@@ -81,7 +81,8 @@ def _smooth_texture(N: int, H: int, W: int, u, randn) -> torch.Tensor:
 
 
 def _blur(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) blurred by a separable Gaussian of per-picture ``sigma`` (N,) pixels (5 taps)."""
+    """(N, C, H, W) blurred by a separable Gaussian of per-picture ``sigma`` (N,) pixels (5
+    taps)."""
     taps = torch.arange(-2, 3, device=x.device, dtype=x.dtype)  # (5,)
     w = torch.exp(-0.5 * (taps[None] / sigma.clamp_min(1e-3)[:, None].to(x.dtype)) ** 2)  # (N, 5)
     w = w / w.sum(1, keepdim=True)

@@ -1,4 +1,5 @@
-"""RetrieverConfig: how the retriever is built, trained and kept fresh (the ``retriever/`` Hydra group)."""
+"""RetrieverConfig: how the retriever is built, trained and kept fresh (the ``retriever/`` Hydra
+group)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class RetrieverConfig:
     top_k: int = 1  # documents per query given to the reader
     # -- dual encoder (open_clip towers) -------------------------------------------------------
     embed_dim: int = 64  # joint embedding size searched by faiss
-    vision_tower: str = "vit"  # open_clip vision tower: vit (VisionTransformer) | resnet (ModifiedResNet, CLIP RN50's design)
+    # open_clip vision tower: vit (VisionTransformer) | resnet (ModifiedResNet, CLIP RN50's design)
+    vision_tower: str = "vit"
     vision_width: int = 64  # ViT width, or resnet base width (stage widths are 4x, 8x, 16x, 32x it)
     vision_layers: int = 2  # ViT depth, or resnet bottleneck blocks in each of its 4 stages
     vision_head_width: int = 32  # open_clip sets heads by head width
@@ -35,7 +37,9 @@ class RetrieverConfig:
     )
     shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
     checkpoint: str | None = None  # local open_clip state dict to initialise both towers
-    reader_prior: bool = True  # the reader's copy attention weighs each document by its retrieval probability (RAG-token style)
+    # the reader's copy attention weighs each document by its retrieval probability (RAG-token
+    # style)
+    reader_prior: bool = True
     # -- training --------------------------------------------------------------------------------
     loss: str = (
         "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
@@ -45,14 +49,21 @@ class RetrieverConfig:
         -1
     )  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
-    bank_negatives: int = 1024  # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0: none)
-    pseudo_queries: int = 0  # random views of memory pictures added as queries to each contrastive term (retriever/augment.py)
+    # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0:
+    # none)
+    bank_negatives: int = 1024
+    # random views of memory pictures added as queries to each contrastive term
+    # (retriever/augment.py)
+    pseudo_queries: int = 0
     # how those views stray from the memory's picture (retriever/augment.py VIEW_STYLES): jitter
     # (pose and colour; queries are renderings like the memory's) | photo (smaller, turned, on a
     # busy background, blurred; queries are photos of what the memory shows on a plain ground)
     pseudo_view: str = "jitter"
-    warmup_steps: int = 0  # retriever-only contrastive steps before joint training: the reader learns nothing from a random retriever
-    warmup_lr: float = 2e-3  # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
+    # retriever-only contrastive steps before joint training: the reader learns nothing from a
+    # random retriever
+    warmup_steps: int = 0
+    # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
+    warmup_lr: float = 2e-3
     gold_temperature: float = (
         0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
     )
@@ -65,7 +76,8 @@ class RetrieverConfig:
     refresh_background: bool = False  # rebuild in a background thread while training goes on
     # over-retrieve then rerank (Atlas): the index's top ``rerank`` candidates are re-embedded by
     # the document tower as it is now and re-sorted, so the top-k the reader reads is not the
-    # stale index's between refreshes; costs ``rerank`` document encodings a query. 0: the index's order
+    # stale index's between refreshes; costs ``rerank`` document encodings a query. 0: the index's
+    # order
     rerank: int = 0
     encode_batch_size: int = 256  # documents per forward pass when (re-)embedding the memory
     eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
@@ -117,6 +129,7 @@ def validate(cfg) -> list[str]:
         e.append(f"retriever.refresh_every must be >= 0 (got {cfg.refresh_every})")
     if cfg.text_width % max(cfg.text_heads, 1):
         e.append(
-            f"retriever.text_heads ({cfg.text_heads}) must divide retriever.text_width ({cfg.text_width})"
+            f"retriever.text_heads ({cfg.text_heads}) must divide retriever.text_width "
+            f"({cfg.text_width})"
         )
     return e

@@ -26,7 +26,8 @@ VOCAB = 49408  # CLIP BPE vocabulary size
 
 
 def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -> torch.Tensor:
-    """Right-padded ids without markers (N, L) -> open_clip text input [SOT, ids..., EOT, 0...] (N, ctx)."""
+    """Right-padded ids without markers (N, L) -> open_clip text input [SOT, ids..., EOT, 0...] (N,
+    ctx)."""
     body = min(ids.shape[1], context_length - 2)
     # masked_fill with Python numbers throughout: a number assigned into a CUDA tensor by index
     # (out[:, 0] = SOT) becomes a CPU tensor first, on every call
@@ -39,7 +40,8 @@ def clip_tokens(ids: torch.Tensor, lengths: torch.Tensor, context_length: int) -
 
 
 def _vision_cfg(cfg: RetrieverConfig, image_size: int) -> CLIPVisionCfg:
-    """open_clip picks the tower by the type of ``layers``: an int builds a ViT, a 4-tuple a ModifiedResNet."""
+    """open_clip picks the tower by the type of ``layers``: an int builds a ViT, a 4-tuple a
+    ModifiedResNet."""
     layers = cfg.vision_layers if cfg.vision_tower == "vit" else (cfg.vision_layers,) * 4
     return CLIPVisionCfg(
         layers=layers,
@@ -69,7 +71,8 @@ class Encoder(nn.Module):
         )
         del self.clip.logit_scale  # the dual encoder keeps its own temperature
         # A tower the fusion never calls would hold parameters that get no gradient (DDP rejects
-        # those) and cost memory: drop it. A checkpoint's keys for it are then reported as unexpected.
+        # those) and cost memory: drop it. A checkpoint's keys for it are then reported as
+        # unexpected.
         if self.fusion == "image":
             for name in (
                 "transformer",
@@ -113,14 +116,16 @@ class DualEncoder(nn.Module):
         self.cfg = cfg
         self.query = Encoder(cfg, image_size)
         self.doc = self.query if cfg.shared_towers else Encoder(cfg, image_size)
-        # BatchNorm (the ResNet tower's) that can take its batch statistics over data-parallel replicas
+        # BatchNorm (the ResNet tower's) that can take its batch statistics over data-parallel
+        # replicas
         replica_batch_norms(self)
         # log(1/0.07): CLIP's initial temperature (Radford et al. 2021)
         self.logit_scale = nn.Parameter(torch.tensor(2.6592))
         if cfg.query_side_only:
             if cfg.shared_towers:
                 raise ValueError(
-                    "retriever.query_side_only needs separate towers (retriever.shared_towers=false)"
+                    "retriever.query_side_only needs separate towers "
+                    "(retriever.shared_towers=false)"
                 )
             self.doc.requires_grad_(False)
 

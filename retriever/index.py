@@ -155,7 +155,10 @@ class FaissIndex:
 
     def __repr__(self) -> str:
         where = "gpu" if self.on_gpu else "cpu"
-        return f"FaissIndex({self.meta.factory!r}, dim={self.dim}, metric={self.meta.metric!r}, ntotal={self.ntotal}, {where}, {self.meta.search_params})"
+        return (
+            f"FaissIndex({self.meta.factory!r}, dim={self.dim}, metric={self.meta.metric!r}, "
+            f"ntotal={self.ntotal}, {where}, {self.meta.search_params})"
+        )
 
     # -- build -------------------------------------------------------------------------------
 
@@ -344,7 +347,8 @@ class FaissIndex:
         check_metadata(meta, path, **expected)
         if meta.faiss_version != faiss.__version__:
             _log_once(
-                f"index {path} was written by faiss {meta.faiss_version}; reading with {faiss.__version__}"
+                f"index {path} was written by faiss {meta.faiss_version}; reading with "
+                f"{faiss.__version__}"
             )
         try:
             index = faiss.deserialize_index(blob)
@@ -358,8 +362,9 @@ class FaissIndex:
             or index.metric_type != METRICS[meta.metric]
         ):
             raise CorruptIndexError(
-                f"{path}: header says dim={meta.dim}, num_docs={meta.num_docs}, metric={meta.metric!r} "
-                f"but the faiss payload holds dim={index.d}, ntotal={index.ntotal}, metric_type={index.metric_type}"
+                f"{path}: header says dim={meta.dim}, num_docs={meta.num_docs}, "
+                f"metric={meta.metric!r} but the faiss payload holds dim={index.d}, "
+                f"ntotal={index.ntotal}, metric_type={index.metric_type}"
             )
         out = cls(
             meta.dim, meta.factory, meta.metric, search_params=meta.search_params, _index=index

@@ -1,4 +1,5 @@
-"""Which faiss index to build for a memory of a given size, and the search parameters that go with it.
+"""Which faiss index to build for a memory of a given size, and the search parameters that go with
+it.
 
 ``default_factory`` picks the ``index_factory`` string and ``default_search_params`` its nprobe /
 efSearch / re-ranking factor. The thresholds come from ``scripts/bench/index.py`` (figures in

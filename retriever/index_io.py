@@ -88,7 +88,8 @@ def fingerprint(*parts: Any) -> str:
 
 
 def write_index_file(path: Path, meta: IndexMetadata, faiss_bytes: np.ndarray, ids: bytes) -> Path:
-    """Write header + ``faiss_bytes`` (uint8) + ``ids`` + sha256 to ``path`` atomically (temp file + rename)."""
+    """Write header + ``faiss_bytes`` (uint8) + ``ids`` + sha256 to ``path`` atomically (temp file +
+    rename)."""
     header = json.dumps(
         {
             "metadata": dataclasses.asdict(meta),
@@ -129,12 +130,14 @@ def read_index_file(path: Path) -> tuple[IndexMetadata, np.ndarray, np.ndarray |
     expected_size = header_end + faiss_n + ids_n + _DIGEST_BYTES
     if size != expected_size:
         raise CorruptIndexError(
-            f"{path}: file is {size} bytes, its header says {expected_size} (truncated or appended to)"
+            f"{path}: file is {size} bytes, its header says {expected_size} (truncated or "
+            "appended to)"
         )
     body = memoryview(data)[: size - _DIGEST_BYTES]
     if hashlib.sha256(body).digest() != data[size - _DIGEST_BYTES :]:
         raise CorruptIndexError(
-            f"{path}: sha256 checksum mismatch; the file was altered or damaged after it was written"
+            f"{path}: sha256 checksum mismatch; the file was altered or damaged after it was "
+            "written"
         )
     meta = _metadata_from(path, header)
     blob = np.frombuffer(data, dtype=np.uint8, count=faiss_n, offset=header_end)

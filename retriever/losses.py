@@ -1,5 +1,6 @@
 """Retriever losses: in-batch contrastive (CLIP), and the reader-driven losses named in Atlas
-(Izacard et al. 2022, arXiv 2208.03299 §2.2): attention distillation, EMDR², perplexity distillation.
+(Izacard et al. 2022, arXiv 2208.03299 §2.2): attention distillation, EMDR², perplexity
+distillation.
 
 Shapes: ``scores`` (B, k) retriever scores of each query's k retrieved documents (already scaled
 by the temperature); reader signals per (query, document) pair are (B, k) and detached here.
@@ -37,7 +38,8 @@ def contrastive(
 
 
 def _kl_to(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """KL(target || softmax(scores)) averaged over queries; target rows sum to 1 and are constants."""
+    """KL(target || softmax(scores)) averaged over queries; target rows sum to 1 and are
+    constants."""
     return F.kl_div(F.log_softmax(scores, -1), target.detach(), reduction="batchmean")
 
 
@@ -51,7 +53,8 @@ def perplexity_distillation(
 def attention_distillation(
     scores: torch.Tensor, doc_attention: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """ADist: the target is the reader's attention mass on each document (from the answer positions)."""
+    """ADist: the target is the reader's attention mass on each document (from the answer
+    positions)."""
     target = doc_attention.detach().clamp_min(1e-9)
     if temperature != 1.0:
         target = F.softmax(target.log() / temperature, -1)
@@ -59,5 +62,6 @@ def attention_distillation(
 
 
 def emdr2(scores: torch.Tensor, reader_loglik: torch.Tensor) -> torch.Tensor:
-    """EMDR²: -log sum_i p_retr(d_i | q) p_reader(a | q, d_i), reader term constant (Sachan et al. 2021)."""
+    """EMDR²: -log sum_i p_retr(d_i | q) p_reader(a | q, d_i), reader term constant (Sachan et al.
+    2021)."""
     return -torch.logsumexp(F.log_softmax(scores, -1) + reader_loglik.detach(), -1).mean()

@@ -2,9 +2,10 @@
 
 ``refresh`` re-embeds every document with the current document encoder and swaps a new index in
 through ``retriever.serve.DocumentIndex.rebuild``. Synchronous refresh splits the embedding across
-ranks (each rank embeds 1/W of every forward pass, then all-gather: ``retriever.sharded.embed_sharded``),
-as Atlas does; background refresh embeds a frozen copy of the encoder on the rebuild thread while
-training goes on with the old index, the way REALM's asynchronous index builder works.
+ranks (each rank embeds 1/W of every forward pass, then all-gather:
+``retriever.sharded.embed_sharded``), as Atlas does; background refresh embeds a frozen copy of the
+encoder on the rebuild thread while training goes on with the old index, the way REALM's
+asynchronous index builder works.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class RetrievalMemory:
         def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
             if frozen is not None:  # no collectives off the main thread: this rank embeds it all
                 return self.embed(encoder=frozen)
-            # in passes of batch_size rows, as one process embeds them, each split over the ranks with
-            # the encoder's batch statistics spanning them: in training mode the ResNet tower's
+            # in passes of batch_size rows, as one process embeds them, each split over the ranks
+            # with the encoder's batch statistics spanning them: in training mode the ResNet tower's
             # BatchNorm normalises each pass as one process does
             return embed_sharded(
                 lambda rows: self.embed(rows=rows),

@@ -31,7 +31,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-# the differentiable all-gather: all_gather_single_autograd from torch 2.14, all_gather_tensor_autograd before
+# the differentiable all-gather: all_gather_single_autograd from torch 2.14,
+# all_gather_tensor_autograd before
 _gather_autograd = (
     getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 )
@@ -57,8 +58,8 @@ class Replicas:
     size: int = 1  # replicas in ``group``
 
     def share(self, n: int) -> slice:
-        """This replica's rows of ``n`` rows drawn alike on every replica: contiguous, in rank order,
-        the first ``n % size`` replicas taking one more."""
+        """This replica's rows of ``n`` rows drawn alike on every replica: contiguous, in rank
+        order, the first ``n % size`` replicas taking one more."""
         base, extra = divmod(n, self.size)
         start = self.rank * base + min(self.rank, extra)
         return slice(start, start + base + (self.rank < extra))

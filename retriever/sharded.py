@@ -1,4 +1,5 @@
-"""A document memory split across ranks: embedding it, and searching it when it outgrows one process.
+"""A document memory split across ranks: embedding it, and searching it when it outgrows one
+process.
 
 ``embed_sharded`` has each rank embed 1/W of every forward pass one process would make and
 all-gathers the whole (the memory's synchronous refresh and scripts/build_index.py).
@@ -103,7 +104,8 @@ class ShardedIndex:
 
     ``local`` is anything with ``search(queries, k) -> (scores, ids)`` that follows the
     ``FaissIndex`` conventions (higher score is better, global ids, -1 / -inf for missing): a
-    ``FaissIndex`` or a ``retriever.serve.DocumentIndex`` (whose rebuilds then swap this rank's shard).
+    ``FaissIndex`` or a ``retriever.serve.DocumentIndex`` (whose rebuilds then swap this rank's
+    shard).
     """
 
     def __init__(self, local: Searchable, group: dist.ProcessGroup | None = None):

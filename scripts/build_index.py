@@ -42,7 +42,8 @@ from retriever.sharded import embed_sharded  # noqa: E402
 class BuildConfig:
     """What to encode, with which encoder, into which index."""
 
-    corpus: str = "data/knowledge_world/corpus/corpus-{000000..000000}.tar"  # document shards (brace expansion)
+    # document shards (brace expansion)
+    corpus: str = "data/knowledge_world/corpus/corpus-{000000..000000}.tar"
     root: str = ""  # prefix for relative shard paths
     checkpoint: str = ""  # run dir, checkpoint dir, or empty for a fresh encoder
     out: str = "memory.index"  # where the index file goes
@@ -90,7 +91,8 @@ def _shard_problems(key: str, root: str, pattern: str) -> list[str]:
 
 
 def check_args(cfg: BuildConfig) -> list[str]:
-    """Every problem with the path arguments, before the process group, the corpus or the encoder."""
+    """Every problem with the path arguments, before the process group, the corpus or the
+    encoder."""
     e = _shard_problems("corpus", cfg.root, cfg.corpus)
     if cfg.queries:
         e += _shard_problems("queries", cfg.root, cfg.queries)
@@ -112,7 +114,10 @@ def check_args(cfg: BuildConfig) -> list[str]:
                     TypeError,
                     ValueError,
                 ) as exc:  # damaged or foreign
-                    why = f"checkpoint: the run's saved config {saved} is unusable ({paths.short_error(exc)})"
+                    why = (
+                        f"checkpoint: the run's saved config {saved} is unusable "
+                        f"({paths.short_error(exc)})"
+                    )
             e += [why] if why else []
             if ckpt.latest_valid(p / "checkpoints") is None:
                 e.append(f"checkpoint: no valid checkpoint under {p / 'checkpoints'}")

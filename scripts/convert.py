@@ -1,6 +1,7 @@
 """Convert your own data into rag_mm shards: VQA-style questions and pictures, or a document corpus.
 
-    python scripts/convert.py vqa --questions Q.json --annotations A.json --images DIR --out OUT --split train
+    python scripts/convert.py vqa --questions Q.json --annotations A.json --images DIR --out OUT \
+        --split train
     python scripts/convert.py corpus --docs DIR --out OUT
     python scripts/convert.py corpus --shards 'web/{00000..00009}.tar' --out OUT
     python scripts/convert.py hf --path DIR_OR_PARQUET_GLOB --split train --image-column image \

@@ -25,7 +25,8 @@ times (a fresh clone); else ninja recompiles. An unchanged tree takes seconds.
 
 Exit status: 0 when every CUDA source compiled and registered its kernels; 1 when one did not
 (the extension, its sources and the first compiler error are named; without ``--quiet`` the
-full compiler output is above it); 2 when there is nothing to build with (a CPU-only torch, no toolkit, pip failed).
+full compiler output is above it); 2 when there is nothing to build with (a CPU-only torch, no
+toolkit, pip failed).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class BuildError(Exception):
 
 @dataclass
 class Extension:
-    """One extension of csrc/: its library name, sources (relative to csrc/) and extra nvcc flags."""
+    """One extension of csrc/: its library name, sources (relative to csrc/) and extra nvcc
+    flags."""
 
     name: str
     cpu_sources: list[str]
@@ -106,7 +108,8 @@ def wheel_specs() -> list[str]:
 
     if torch.version.cuda is None:
         raise BuildError(
-            f"torch {torch.__version__} is a CPU-only build: CUDA sources cannot be built against it"
+            f"torch {torch.__version__} is a CPU-only build: CUDA sources cannot be built against "
+            "it"
         )
     try:
         runtime = importlib.metadata.version(RUNTIME_WHEEL)
@@ -214,7 +217,8 @@ def resolve_toolkit(cuda_home: str | None) -> Path:
 
         if CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
             raise BuildError(
-                "no CUDA toolkit on this machine (no $CUDA_HOME, no nvcc on PATH, no /usr/local/cuda)"
+                "no CUDA toolkit on this machine (no $CUDA_HOME, no nvcc on PATH, no "
+                "/usr/local/cuda)"
             )
         return Path(CUDA_HOME)
     if cuda_home:
@@ -230,7 +234,8 @@ def nvcc_version(home: Path) -> str:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise BuildError(
-            f"{home / 'bin' / 'nvcc'} --version failed: {(proc.stderr or proc.stdout).strip()[-500:]}"
+            f"{home / 'bin' / 'nvcc'} --version failed: "
+            f"{(proc.stderr or proc.stdout).strip()[-500:]}"
         )
     return next((ln for ln in lines if "release" in ln), lines[-1]).strip()
 
@@ -304,7 +309,8 @@ def build_all(exts: list[Extension], *, verbose: bool = True) -> tuple[list[dict
             if rec["missing_cuda_ops"]:
                 rec["ok"] = False
                 rec["reason"] = (
-                    f"built, but CUDA kernels missing from the dispatcher: {', '.join(rec['missing_cuda_ops'])}"
+                    "built, but CUDA kernels missing from the dispatcher: "
+                    f"{', '.join(rec['missing_cuda_ops'])}"
                 )
         if not rec["ok"]:
             status = 1
@@ -392,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     t0 = time.monotonic()
-    # The build's logger filter (torch's "No CUDA runtime is found" note) before cpp_extension loads.
+    # The build's logger filter (torch's "No CUDA runtime is found" note) before cpp_extension
+    # loads.
     from parallel.kernels import _build
 
     if args.plan_only:
@@ -430,15 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     orphans = orphan_sources(exts, _build.CSRC)
     archs = _build.cuda_archs()
     print(
-        f"cuda_build: nvcc {version} ({home}); architectures sm_{', sm_'.join(archs)}; cache {_build.cache_dir()}",
+        f"cuda_build: nvcc {version} ({home}); architectures sm_{', sm_'.join(archs)}; cache "
+        f"{_build.cache_dir()}",
         flush=True,
     )
     records, status = build_all(exts, verbose=not args.quiet)
     if orphans:
         status = 1
         print(
-            f"cuda_build: FAILED: no extension builds {', '.join(orphans)} (add it to an extension's "
-            f"CUDA_SOURCES)",
+            f"cuda_build: FAILED: no extension builds {', '.join(orphans)} (add it to an "
+            "extension's CUDA_SOURCES)",
             file=sys.stderr,
         )
     table = op_table({op.split("::")[0] for r in records for op in r.get("cuda_ops", [])})
@@ -461,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(summary, indent=1))
     built = sum(r["ok"] for r in records)
     print(
-        f"\ncuda_build: {'ok' if status == 0 else 'FAILED'}: {built}/{len(records)} extensions with CUDA "
-        f"for sm_{', sm_'.join(archs)} in {summary['wall_s']} s",
+        f"\ncuda_build: {'ok' if status == 0 else 'FAILED'}: {built}/{len(records)} extensions "
+        f"with CUDA for sm_{', sm_'.join(archs)} in {summary['wall_s']} s",
         flush=True,
     )
     return status

@@ -5,9 +5,11 @@ same path a user's VQA data takes.
     pip install easy-vqa
     python scripts/easy_vqa_to_vqa.py --out data/easy_vqa_raw
     python scripts/convert.py vqa --questions data/easy_vqa_raw/train_questions.json \
-        --annotations data/easy_vqa_raw/train_annotations.json --images data/easy_vqa_raw/images --out data/easy_vqa --split train
+        --annotations data/easy_vqa_raw/train_annotations.json --images data/easy_vqa_raw/images \
+        --out data/easy_vqa --split train
     (the same for --split val and --split test)
-    python scripts/convert.py corpus --docs data/easy_vqa_raw/docs --out data/easy_vqa   # retrieval corpus
+    # retrieval corpus
+    python scripts/convert.py corpus --docs data/easy_vqa_raw/docs --out data/easy_vqa
 
 easy-VQA: 64 x 64 pictures of one coloured shape (3 shapes, 8 colours), 38,575 training and
 9,673 test questions about 4,000 and 1,000 pictures, 13 answers. Each question is

@@ -2,7 +2,8 @@
 
     npm pack emoji-datasource-google@16.0.0 emoji-datasource-apple@16.0.0 \\
              emoji-datasource-twitter@16.0.0 emoji-datasource-facebook@16.0.0
-    for f in emoji-datasource-*.tgz; do d=${f%-16.0.0.tgz}; mkdir -p pkgs/$d; tar xzf $f -C pkgs/$d; done
+    for f in emoji-datasource-*.tgz; do d=${f%-16.0.0.tgz}; mkdir -p pkgs/$d; \\
+        tar xzf $f -C pkgs/$d; done
     python scripts/emoji_kvqa.py --packages pkgs --out data/emoji_kvqa
 
 The npm packages ``emoji-datasource-<vendor>`` carry each vendor's 64-px picture of every emoji
@@ -141,7 +142,8 @@ def _png(img: Image.Image) -> bytes:
 
 
 def _package(root: Path, vendor: str) -> Path:
-    """The unpacked ``emoji-datasource-<vendor>`` package under ``root`` (npm's or ``npm pack``'s layout)."""
+    """The unpacked ``emoji-datasource-<vendor>`` package under ``root`` (npm's or ``npm pack``'s
+    layout)."""
     for cand in (
         root / f"emoji-datasource-{vendor}" / "package",
         root / f"emoji-datasource-{vendor}",
@@ -189,7 +191,8 @@ def build(
     rng.shuffle(usable)
     if num_entities > len(usable):
         raise ValueError(
-            f"num_entities={num_entities} but only {len(usable)} emoji have pictures from every vendor"
+            f"num_entities={num_entities} but only {len(usable)} emoji have pictures from every "
+            "vendor"
         )
     chosen = usable[:num_entities]
     n_heldout = int(round(heldout_fraction * num_entities))

@@ -143,7 +143,10 @@ def json_figures(path: Path) -> dict[str, Any]:
 
 def attention_headline(f: dict[str, Any]) -> str:
     if "ratio_median" in f:  # --device cuda
-        return f"median fused / flash x{f['ratio_median']:.2f} over {len(f['results'])} points ({f['target']})"
+        return (
+            f"median fused / flash x{f['ratio_median']:.2f} over {len(f['results'])} points "
+            f"({f['target']})"
+        )
     ratios = ", ".join(f"{case} x{r['fused']:.2f}" for case, r in f["ratio_summary"].items())
     return f"CPU: {len(f['results'])} points; median fused / SDPA time: {ratios}"
 
@@ -151,13 +154,14 @@ def attention_headline(f: dict[str, Any]) -> str:
 def cuda_build_headline(f: dict[str, Any]) -> str:
     if f.get("plan_only"):
         return (
-            f"plan: {len(f['extensions'])} extensions, CUDA sources {', '.join(f['cuda_sources'])}, "
-            f"toolkit {f.get('nvcc') or 'none'}"
+            f"plan: {len(f['extensions'])} extensions, CUDA sources "
+            f"{', '.join(f['cuda_sources'])}, toolkit {f.get('nvcc') or 'none'}"
         )
     bad = [e["name"] for e in f["extensions"] if not e["ok"]]
     cuda = sorted(op for op, keys in f["ops"].items() if "CUDA" in keys)
     return (
-        f"nvcc {f['nvcc']}, sm_{', sm_'.join(f['archs'])}: {len(f['extensions']) - len(bad)}/{len(f['extensions'])} "
+        f"nvcc {f['nvcc']}, sm_{', sm_'.join(f['archs'])}: "
+        f"{len(f['extensions']) - len(bad)}/{len(f['extensions'])} "
         f"built{' (FAILED: ' + ', '.join(bad) + ')' if bad else ''}; CUDA ops: {', '.join(cuda)}"
     )
 
@@ -179,8 +183,9 @@ def demo_headline(f: dict[str, Any]) -> str:
         return "n/a" if x is None else f"{x:.3f}"
 
     return (
-        f"{f['step']} steps, test exact match {num(t['acc'])} (held-out {num(t.get('acc_heldout'))}), "
-        f"recall@5 {num(t.get('recall@5'))}, {f['samples_per_s']:.1f} samples/s, world {f['world_size']}"
+        f"{f['step']} steps, test exact match {num(t['acc'])} (held-out "
+        f"{num(t.get('acc_heldout'))}), recall@5 {num(t.get('recall@5'))}, "
+        f"{f['samples_per_s']:.1f} samples/s, world {f['world_size']}"
     )
 
 
@@ -242,7 +247,8 @@ def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
             "    if rc: sys.exit(rc)",
             f"rc = subprocess.run({train!r}).returncode",
             "if rc: sys.exit(rc)",
-            f"shutil.copy({str(work / 'demo' / 'metrics.json')!r}, {str(out / 'demo_metrics.json')!r})",
+            f"shutil.copy({str(work / 'demo' / 'metrics.json')!r}, "
+            f"{str(out / 'demo_metrics.json')!r})",
         ]
     )
     return [py, "-c", program]
@@ -443,7 +449,8 @@ def _tee(src: IO[str], log: IO[str]) -> None:
 def run_step(
     step: Step, env: dict[str, str], timeout: float, out: Path, log: IO[str]
 ) -> dict[str, Any]:
-    """Run one step in its own process group under ``timeout`` seconds; its figures if it wrote them."""
+    """Run one step in its own process group under ``timeout`` seconds; its figures if it wrote
+    them."""
     cmd = shlex.join(step.argv)
     banner = f"\n== {step.name} (timeout {timeout:.0f} s): {cmd}\n"
     sys.stdout.write(banner)
@@ -539,7 +546,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.only and not set(args.only) <= set(STEPS):
         ap.error(
-            f"--only: unknown step(s) {sorted(set(args.only) - set(STEPS))}; known: {', '.join(STEPS)}"
+            f"--only: unknown step(s) {sorted(set(args.only) - set(STEPS))}; known: "
+            f"{', '.join(STEPS)}"
         )
     deadline = time.monotonic() + args.budget
     out = args.out.resolve()
@@ -562,7 +570,8 @@ def main() -> int:
     unregistered = sorted(set(benches_with_device()) - set(BENCHES))
     if unregistered:
         print(
-            f"note: bench(es) with a --device option that this script does not run: {', '.join(unregistered)}"
+            "note: bench(es) with a --device option that this script does not run: "
+            f"{', '.join(unregistered)}"
         )
     summary: dict[str, Any] = dict(
         mode="dry-run (CPU)" if args.dry_run else "gpu",

@@ -105,7 +105,8 @@ MUTATIONS = (
         (
             (
                 "parallel/pipeline/eager.py",
-                "        roots, grads = self._roots(mb)\n        if roots:\n            torch.autograd.backward(roots, grads)",
+                "        roots, grads = self._roots(mb)\n        if roots:\n            "
+                "torch.autograd.backward(roots, grads)",
                 "        roots, grads = self._roots(mb)\n        if roots and not self.is_first:\n"
                 "            torch.autograd.backward(roots, grads)",
             ),
@@ -149,7 +150,8 @@ MUTATIONS = (
             (
                 "csrc/comm/cpu/shm_collectives.cpp",
                 "for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r, b));",
-                "for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r == 1 ? 0 : r, b));",
+                "for (int r = 0; r < W; ++r) srcs[r] = reinterpret_cast<const T*>(g.buf(r == 1 ? "
+                "0 : r, b));",
             ),
         ),
         ("tests/kernels/test_comm_shm.py::test_collectives_match_gloo",),
@@ -222,7 +224,8 @@ MUTATIONS = (
             (
                 "parallel/tp/verify.py",
                 "    if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:",
-                "    return 0.0, ''\n    if len(y) != len(y_ref) or not y or y[0].shape != y_ref[0].shape:",
+                "    return 0.0, ''\n    if len(y) != len(y_ref) or not y or y[0].shape != "
+                "y_ref[0].shape:",
             ),
         ),
         ("tests/parallel/test_tp.py::test_self_check_leaves_misread_modules_replicated",),
@@ -292,7 +295,8 @@ MUTATIONS = (
         (
             (
                 "rag_mm/evaluate.py",
-                'return {**batch, "image": img.mean(dim=(0, 2, 3), keepdim=True).expand_as(img).contiguous()}',
+                'return {**batch, "image": img.mean(dim=(0, 2, 3), '
+                "keepdim=True).expand_as(img).contiguous()}",
                 "return dict(batch)",
             ),
         ),
@@ -641,8 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     breaks = {m.name: m.breaks for m in MUTATIONS}
     for o in outcomes:
         print(
-            f"| {o.name:15s} | {breaks.get(o.name, 'the tests below, unmutated'):78s} | {o.status:7s} | "
-            f"{o.seconds:5.0f} |"
+            f"| {o.name:15s} | {breaks.get(o.name, 'the tests below, unmutated'):78s} | "
+            f"{o.status:7s} | {o.seconds:5.0f} |"
         )
     report = {"selection": SELECTION, "results": [o.__dict__ for o in outcomes]}
     print(json.dumps(report, indent=1))

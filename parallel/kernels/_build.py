@@ -279,7 +279,8 @@ def load_extension(
             torch.ops.load_library(str(library))
             if verbose:
                 print(
-                    f"{lib_name}: sources, headers, flags and compilers unchanged: loaded {library}",
+                    f"{lib_name}: sources, headers, flags and compilers unchanged: loaded "
+                    f"{library}",
                     flush=True,
                 )
             res = BuildResult(

@@ -41,7 +41,8 @@ import torch
 
 from parallel.kernels import autotune as _tune
 
-# the PyTorch paths (masks, reference, SDPA) live in attention_ref.py; re-exported as this module's API
+# the PyTorch paths (masks, reference, SDPA) live in attention_ref.py; re-exported as this module's
+# API
 from parallel.kernels.attention_ref import (  # noqa: F401
     layout_mask,
     pad_packed,
@@ -124,8 +125,8 @@ def kernel_isa(best: bool = False) -> str | None:
     """The vector ISA the fused CPU kernels run: "avx512", "avx2" or "generic".
 
     Chosen by the extension at run time from the CPU's features, capped by ``RAG_ATTN_ISA`` (read
-    at its first call) or ``torch.ops.rag_attn.cpu_set_isa``; ``best=True`` gives the highest this CPU
-    supports. None when the extension is unavailable.
+    at its first call) or ``torch.ops.rag_attn.cpu_set_isa``; ``best=True`` gives the highest this
+    CPU supports. None when the extension is unavailable.
     """
     ok, _ = fused_available()
     if not ok or not hasattr(torch.ops.rag_attn, "cpu_isa"):
@@ -173,12 +174,12 @@ def _flex_gate(q: torch.Tensor) -> tuple[bool, str]:
 
 
 def _auto_cuda(q: torch.Tensor, layout: str, fused_ok: bool, fused_why: str) -> tuple[str, str]:
-    """CUDA rule (from published figures; benchmarks/gpu_check_*.md): dense and causal -> SDPA, whose flash / cuDNN kernels
-    are the fastest published ones for unmasked attention (FlexAttention reaches ~90% of
-    FlashAttention-2 there, the fused kernel targets >= 0.7x). Masked layouts (packed, retrieval)
-    -> flex on sm80+ with Triton: it skips masked 128 x 128 blocks where SDPA must take a dense
-    mask (and so leaves its flash kernel), and its Triton kernels are autotuned upstream; else the
-    fused CUDA kernel (also block-skipping); else SDPA."""
+    """CUDA rule (from published figures; benchmarks/gpu_check_*.md): dense and causal -> SDPA,
+    whose flash / cuDNN kernels are the fastest published ones for unmasked attention (FlexAttention
+    reaches ~90% of FlashAttention-2 there, the fused kernel targets >= 0.7x). Masked layouts
+    (packed, retrieval) -> flex on sm80+ with Triton: it skips masked 128 x 128 blocks where SDPA
+    must take a dense mask (and so leaves its flash kernel), and its Triton kernels are autotuned
+    upstream; else the fused CUDA kernel (also block-skipping); else SDPA."""
     if layout in ("dense", "causal"):
         return (
             "sdpa",

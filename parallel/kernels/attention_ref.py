@@ -77,7 +77,8 @@ def sdpa_attention(q, k, v, *, causal: bool = False, seg_offsets=None, scale: fl
 def reference_varlen_attention(
     q, k, v, cu_seqlens, *, causal: bool = False, scale: float | None = None
 ):
-    """Packed ``(T, H, D)`` reference: plain attention on every sequence; tokens past the last one -> 0."""
+    """Packed ``(T, H, D)`` reference: plain attention on every sequence; tokens past the last one
+    -> 0."""
     out = torch.zeros_like(q)
     bounds = cu_seqlens.tolist()
     for a, e in zip(bounds[:-1], bounds[1:]):

@@ -115,7 +115,10 @@ class Key:
     def shape_id(self) -> str:
         """The key without the thread count: what ``share`` pins, so a rank whose thread count
         differs from rank 0's still runs rank 0's choice."""
-        return f"{self.op}/{self.layout}/{self.dtype}/d{self.head_dim}/s{self.seq_bucket}/{self.device}"
+        return (
+            f"{self.op}/{self.layout}/{self.dtype}/d{self.head_dim}/s{self.seq_bucket}"
+            f"/{self.device}"
+        )
 
 
 def seq_bucket(n: int) -> int:
@@ -185,10 +188,10 @@ def _cpu_description() -> tuple[str, str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine(), ""
-    field = lambda name: next(
+    field = lambda name: next(  # noqa: E731
         (
             ln.split(":", 1)[1].strip()
-            for ln in text.splitlines()  # noqa: E731
+            for ln in text.splitlines()
             if ln.split(":", 1)[0].strip() == name
         ),
         "",
@@ -442,7 +445,8 @@ def _time_rounds(
     cap_s: float,
 ) -> int:
     """Time ``fns`` interleaved into ``times`` (name -> an empty list, filled with seconds per call)
-    until each has ``min_reps`` calls and ``budget_s`` of them, or ``cap_s`` over all, or ``max_reps`` rounds; the rounds run."""
+    until each has ``min_reps`` calls and ``budget_s`` of them, or ``cap_s`` over all, or
+    ``max_reps`` rounds; the rounds run."""
     order, total, rounds = list(fns.items()), 0.0, 0
     while order and rounds < max_reps:
         # rotated every round: a call right after another candidate (its allocations, its cache

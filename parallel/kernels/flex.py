@@ -69,7 +69,8 @@ def available() -> tuple[bool, str]:
     if _flex_attention is None:
         return (
             False,
-            f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= 2.5)",
+            f"torch {torch.__version__} has no torch.nn.attention.flex_attention (needs torch >= "
+            "2.5)",
         )
     return True, f"flex_attention of torch {torch.__version__}"
 

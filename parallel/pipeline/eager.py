@@ -15,8 +15,8 @@ top-level call of a unit module is intercepted (SageMaker's library does the sam
   shapes, dtypes or devices (mask creation) still works, and a wrong "not needed" decision shows
   up as a NaN instead of a silently wrong number;
 - a non-last stage stops (``_StageDone``) at the first top-level call after its last own one;
-  calls of later stages that precede that point in program order (a tied embedding called again by a decoder) get placeholders
-  shaped like the traced example;
+  calls of later stages that precede that point in program order (a tied embedding called again by a
+  decoder) get placeholders shaped like the traced example;
 - container code therefore runs on every stage up to that stage's last call: it is duplicated
   work, small next to the blocks for the models we know (charged to every stage, not balanced).
 
@@ -103,9 +103,10 @@ class _Ctx:
             if idx >= len(self.names) or self.names[idx] != name:
                 want = self.names[idx] if idx < len(self.names) else "<end of the traced sequence>"
                 raise PipelinePlanError(
-                    f"module call #{idx} is {name!r} but the traced example called {want!r}: the eager "
-                    "pipeline needs the same sequence of top-level module calls in every microbatch "
-                    "(pass example inputs with the same structure as the training batches)"
+                    f"module call #{idx} is {name!r} but the traced example called {want!r}: the "
+                    "eager pipeline needs the same sequence of top-level module calls in every "
+                    "microbatch (pass example inputs with the same structure as the training "
+                    "batches)"
                 )
         else:
             self.seen.append(name)
@@ -289,8 +290,9 @@ def _probe(
     later = sorted({names[i] for (i, _) in got if call_stage[i] > st})
     if later:
         raise PipelinePlanError(
-            f"stage {st} depends on the outputs of {later}, placed on later stages: this placement is not a "
-            "pipeline; use another partition (e.g. shared='colocate' or manual split points)"
+            f"stage {st} depends on the outputs of {later}, placed on later stages: this "
+            "placement is not a pipeline; use another partition (e.g. shared='colocate' or manual "
+            "split points)"
         )
     need = {key for key in got if call_stage[key[0]] < st}
     need |= {

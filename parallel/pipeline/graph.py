@@ -49,7 +49,8 @@ class GraphPlan:
     n_out: list[int]  # per stage: outputs of its submodule (1: a single value, not a tuple)
     tuple_out: list[bool]  # per stage: the submodule returns a tuple
     output: Any  # the graph's flat outputs as a tree of keys (a key, or a tuple of keys)
-    out_spec: Any  # pytree spec of what the model returns: rebuilds a ModelOutput / dict from the flat outputs
+    # pytree spec of what the model returns: rebuilds a ModelOutput / dict from the flat outputs
+    out_spec: Any
     placeholders: list[str]  # model input names of the root graph, in order
     arg_of: dict[str, str]  # placeholder -> forward() parameter it takes
     send: list[list[Key]] = field(default_factory=list)  # per stage: the bundle to stage s + 1

@@ -4,8 +4,8 @@ Why: gloo's tagged ``isend`` / ``irecv`` is a rendezvous over loopback TCP - the
 the receiver's posted buffer is announced back, gloo's I/O threads move the bytes - so every
 message costs several thread wake-ups: with the ranks on busy cores, more than the compute of a
 microbatch of the 8-block MLP (benchmarks/pipeline_cpu_*.md). A
-``ShmChannel`` (``parallel.kernels.comm``) is a ring of slots in ``/dev/shm``: a send is a memcpy into the ring, a
-receive a memcpy out, no other thread involved.
+``ShmChannel`` (``parallel.kernels.comm``) is a ring of slots in ``/dev/shm``: a send is a memcpy
+into the ring, a receive a memcpy out, no other thread involved.
 
 A channel is a FIFO without tags, so there is one per *edge*: the messages of one kind
 (activations "f" or gradients "b") that one stage sends to a stage on another rank. An edge gets
@@ -94,8 +94,9 @@ def plan_lanes(orders: list[dict[int, list[Action]]], stage_ranks: list[int]) ->
                 if keys != [k for k in got if k[:2] == edge]:
                     bad.add(key)
                     why.append(
-                        f"rank {pair[1]} receives stage {edge[1]}'s {'activations' if edge[0] == 'f' else 'gradients'} "
-                        "in another order than they are sent"
+                        f"rank {pair[1]} receives stage {edge[1]}'s "
+                        f"{'activations' if edge[0] == 'f' else 'gradients'} in another order "
+                        "than they are sent"
                     )
                     continue
                 n = max(sum(lanes.get(key, (0, 0))), len(keys))  # the larger step of the two orders

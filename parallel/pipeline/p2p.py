@@ -94,7 +94,8 @@ def unpack(buf: torch.Tensor, specs: list[TensorSpec]) -> list[torch.Tensor]:
 
 
 class Transport:
-    """Sends and receives bundles between stages; ``stage_rank[s]`` is the global rank of stage s."""
+    """Sends and receives bundles between stages; ``stage_rank[s]`` is the global rank of stage
+    s."""
 
     def __init__(self, stage_rank: list[int], timeout_s: float, device: torch.device, group=None):
         self.stage_rank = stage_rank

@@ -63,8 +63,8 @@ def one_f_one_b(rank: int, p: int, m: int, eager: bool = False) -> list[Action]:
 
     ``eager``: 2 (p - rank - 1) warm-up forwards (Megatron's interleaved warm-up with one chunk).
     In plain 1F1B, rank r + 1 finishes B_i and then needs F_{i+1+w}'s activation, which rank r makes
-    only after it received B_i's gradient, ran B_i and F_{i+1+w}: in steady state both hand-overs sit
-    on the critical path of every microbatch, and when the stages are balanced the next rank can
+    only after it received B_i's gradient, ran B_i and F_{i+1+w}: in steady state both hand-overs
+    sit on the critical path of every microbatch, and when the stages are balanced the next rank can
     wait for them. With one extra warm-up forward per downstream rank, rank r + 1 has a whole
     F + B of other work queued while the gradient and the next activation travel. Cost: rank r
     holds 2 (p - r) - 1 microbatches' activations instead of p - r; the bubble is unchanged.
@@ -140,7 +140,8 @@ DRAIN_DEPTH = 2
 def split_last_backward(
     order: dict[int, list[Action]], depth: int | None = None
 ) -> dict[int, list[Action]]:
-    """Every rank but the first runs its last ``depth`` backwards as I, and their W after the last I.
+    """Every rank but the first runs its last ``depth`` backwards as I, and their W after the last
+    I.
 
     Why: the step ends with the drain - rank r's last backward, its gradient handed to rank
     r - 1, rank r - 1's last backward, and so on down to rank 0. After its last backward a rank

@@ -1,4 +1,5 @@
-"""The zero-bubble backward split: gradients of a stage's inputs now ("I"), of its weights later ("W").
+"""The zero-bubble backward split: gradients of a stage's inputs now ("I"), of its weights later
+("W").
 
 The two halves must not repeat each other's work. Running ``autograd.grad(roots, inputs)`` and
 later ``autograd.backward(roots, inputs=params)`` would walk the input chain twice (every layer's
@@ -21,8 +22,8 @@ cannot promise), the autograd graph is cut where weights meet the input path:
 
 Parameters whose gradient never meets the input path, or also reaches a root around it (an
 embedding of the raw microbatch on a later stage; everything on the first stage, whose inputs need
-no gradient), W gets with one ordinary backward from the roots to those parameters. The graph is kept
-between I and W (``retain_graph``) and freed when the caller drops the roots.
+no gradient), W gets with one ordinary backward from the roots to those parameters. The graph is
+kept between I and W (``retain_graph``) and freed when the caller drops the roots.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def _reverse_edges(roots: list[Node]) -> dict[Node, list[Node]]:
 def _closure(
     starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node] | frozenset = frozenset()
 ) -> tuple[set[Node], set[Node]]:
-    """(nodes reachable from ``starts`` along reverse edges, stopping at ``stop``; stop nodes hit)."""
+    """(nodes reachable from ``starts`` along reverse edges, stopping at ``stop``; stop nodes
+    hit)."""
     out, hit = set(starts), set()
     q = deque(starts)
     while q:

@@ -161,7 +161,8 @@ def plan_layout(
             tp_divisor = getattr(
                 getattr(model_or_trace, "config", None), "num_attention_heads", None
             )
-        try:  # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
+        # what tensor parallel will shard, from its own plan (else: Linear / Embedding weights)
+        try:
             smallest = next(
                 (d for d in range(2, (tp_divisor or 2) + 1) if (tp_divisor or 2) % d == 0), 2
             )
@@ -174,7 +175,8 @@ def plan_layout(
                     by_tp[tp] = (*tp_plan_facts(model_or_trace, trace, tp, kv), kv)
         except ValueError as e:
             log.info(
-                "planner: no TP plan for the model (%s); Linear and Embedding weights count as sharded",
+                "planner: no TP plan for the model (%s); Linear and Embedding weights count as "
+                "sharded",
                 e,
             )
     samples = trace_samples or _samples(example_inputs, trace)

@@ -38,7 +38,8 @@ FULL_SEARCH_MODULES = 300
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket: the smallest gradient message left at the end
 RECOMPUTE = 4.0 / 3.0  # checkpointing runs each block's forward twice: (1 + 1 + 2) / (1 + 2)
 # tensors of the output's size alive when backward starts: the output, a cross-entropy's saved
-# log-probabilities, and the two gradients its backward makes (of the log-probabilities, of the output)
+# log-probabilities, and the two gradients its backward makes (of the log-probabilities, of the
+# output)
 LOSS_WORKING_SET = 4.0
 HOST_ADAM_BYTES = (
     7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
@@ -48,7 +49,8 @@ HOST_ADAM_BYTES = (
 def bubble_slots(schedule: str, p: int, v: int) -> float:
     """Idle microbatch slots of a step on the busiest rank (GPipe / 1F1B: p - 1, the bubble
     fraction (p - 1)/(m + p - 1); interleaved: / v (Narayanan et al. 2021); ZB-H1: a third
-    of 1F1B's; ZB-V: none when forward, input- and weight-backward take equal time (Qi et al. 2023))."""
+    of 1F1B's; ZB-V: none when forward, input- and weight-backward take equal time (Qi et al.
+    2023))."""
     if p <= 1:
         return 0.0
     if schedule in ("gpipe", "1f1b", "eager_1f1b"):
@@ -219,8 +221,8 @@ class Planner:
             why.append(f"precision must be one of {CHOICES['mixed_precision']} (got {precision!r})")
         if self.global_batch % (dp * microbatches):
             why.append(
-                f"global batch {self.global_batch} does not split into {dp} replicas x {microbatches} "
-                "microbatches"
+                f"global batch {self.global_batch} does not split into {dp} replicas x "
+                f"{microbatches} microbatches"
             )
         if self.tp_divisor and self.tp_divisor % tp:
             why.append(f"tp={tp} does not divide the {self.tp_divisor} attention heads")
@@ -314,8 +316,9 @@ class Planner:
             elif bf16:
                 m["gathered"] = P * cdt  # autocast's bf16 weight casts, saved for backward
             # Gradients are allocated as backward frees activations. When the activations peak (the
-            # start of a backward) they are still unallocated unless an earlier microbatch's backward
-            # made them: gradient accumulation, or a pipeline rank with more microbatches than in flight.
+            # start of a backward) they are still unallocated unless an earlier microbatch's
+            # backward made them: gradient accumulation, or a pipeline rank with more microbatches
+            # than in flight.
             grads_early = microbatches > 1 if pp == 1 else microbatches > max(infl[s] for s in mine)
             host = 0.0
             if (
@@ -344,7 +347,8 @@ class Planner:
             )
             nb = sum(parts[s].blocks for s in mine)
             units = nb + 1  # FSDP units: each whole block, and the root (everything else)
-            # the runtime's own host work: DTensor dispatch on every sharded call, FSDP's hooks per unit
+            # the runtime's own host work: DTensor dispatch on every sharded call, FSDP's hooks per
+            # unit
             if tp > 1:
                 oh += c.tp_call_s * sum(parts[s].tp_calls for s in mine) * redo
             fsdp_host = c.fsdp_unit_s * units if dp_shard > 1 or cpu_offload else 0.0
@@ -379,18 +383,18 @@ class Planner:
             )
         if cpu_offload and host_peak * c.devices_per_node > c.host_memory_bytes * c.usable_fraction:
             why.append(
-                f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state per node > "
-                f"{c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable"
+                f"host memory: {host_peak * c.devices_per_node / GiB:.0f} GiB of offloaded state "
+                f"per node > {c.host_memory_bytes * c.usable_fraction / GiB:.0f} GiB usable"
             )
         # --- time
         slot, t_c, t_tp, t_pp, P, blockP, units, fsdp_host = max(slots)
         m = microbatches
         bub = bubble_slots(schedule, pp, v) * slot
         # data parallel: gradients in the trace's dtype, parameters gathered in the compute dtype.
-        # Gradients are reduced once per optimizer step, on the last accumulation step (the runtime's
-        # ``train_step(sync=...)``: DDP's no_sync, FSDP2's set_requires_gradient_sync(False)).
-        # FSDP without a pipeline gathers again in every accumulation step's forward and backward;
-        # under a pipeline the stage stays gathered.
+        # Gradients are reduced once per optimizer step, on the last accumulation step (the
+        # runtime's ``train_step(sync=...)``: DDP's no_sync, FSDP2's
+        # set_requires_gradient_sync(False)). FSDP without a pipeline gathers again in every
+        # accumulation step's forward and backward; under a pipeline the stage stays gathered.
         sh, rp = dp_shard, dp_replicate
         rounds = (
             m if pp == 1 and sh > 1 else 1

@@ -39,12 +39,13 @@ class Estimate:
     # master weights and Adam); ``config.mixed_precision`` (FSDP2's bf16 parameters) stays fp32, and
     # a caller may turn it on where pp == 1
     precision: str = "fp32"
-    grad_accum: int = 1  # gradient-accumulation steps per optimizer step (pp == 1; a pipeline's are config.microbatches)
+    # gradient-accumulation steps per optimizer step (pp == 1; a pipeline's are config.microbatches)
+    grad_accum: int = 1
     microbatch_size: int = 0  # samples per microbatch on one data-parallel replica
     fits: bool = False  # True if memory (device and host) and every constraint allow it
     memory_bytes_per_device: float = 0.0  # modelled peak on the fullest device
-    # that rank's memory by kind (params, grads, optimizer, gathered, activations): the peak is their
-    # sum, less the smaller of grads and activations where the two do not peak together
+    # that rank's memory by kind (params, grads, optimizer, gathered, activations): the peak is
+    # their sum, less the smaller of grads and activations where the two do not peak together
     memory: dict[str, float] = field(default_factory=dict)
     memory_by_rank: list[float] = field(
         default_factory=list
@@ -76,7 +77,8 @@ class Estimate:
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per optimizer step: the pipeline's, or the accumulation steps without one."""
+        """Microbatches per optimizer step: the pipeline's, or the accumulation steps without
+        one."""
         return self.config.microbatches if self.config.pp > 1 else self.grad_accum
 
     @property
@@ -155,26 +157,29 @@ class Plan:
     def table(self, top: int = 10, rejected: int = 3) -> str:
         c = self.cluster
         lines = [
-            f"{self.parameters / 1e9:.3g} B parameters on {c.name}: {c.nodes} x {c.devices_per_node} devices "
-            f"of {c.device_memory_bytes / GiB:.0f} GiB, global batch {self.global_batch}; "
-            f"{len(self.fitting)} of {len(self.layouts)} layouts fit ({self.seconds:.1f} s)"
+            f"{self.parameters / 1e9:.3g} B parameters on {c.name}: {c.nodes} x "
+            f"{c.devices_per_node} devices of {c.device_memory_bytes / GiB:.0f} GiB, global batch "
+            f"{self.global_batch}; {len(self.fitting)} of {len(self.layouts)} layouts fit "
+            f"({self.seconds:.1f} s)"
         ]
         head = (
-            f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} {'ac':>3} {'prec':>5} "
-            f"{'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} {'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} "
-            f"{'pp':>7}  reasons"
+            f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} "
+            f"{'ac':>3} {'prec':>5} {'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} "
+            f"{'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} {'pp':>7}  reasons"
         )  # times in milliseconds: small models' steps are sub-millisecond
         lines += [head, "-" * len(head)]
         rows = self.fitting[:top] + [lay for lay in self.layouts if not lay.fits][:rejected]
         for i, lay in enumerate(rows):
             b = lay.breakdown
             lines.append(
-                f"{i + 1 if lay.fits else 'x':>3} {lay.pp:>3} {lay.tp:>3} {lay.dp_replicate:>4} {lay.dp_shard:>4} "
-                f"{lay.microbatches:>4} {lay.schedule:<16} {'y' if lay.activation_checkpointing else 'n':>3} "
-                f"{lay.precision:>5} {'y' if lay.cpu_offload else 'n':>4} "
-                f"{lay.memory_bytes_per_device / GiB:>6.1f} {1e3 * lay.step_time_s:>8.4g} {lay.mfu:>5.2f} "
-                f"{1e3 * b.get('compute', 0):>8.4g} {1e3 * b.get('bubble', 0):>7.4g} {1e3 * b.get('tp_comm', 0):>7.4g} "
-                f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  {'; '.join(lay.reasons)}"
+                f"{i + 1 if lay.fits else 'x':>3} {lay.pp:>3} {lay.tp:>3} {lay.dp_replicate:>4} "
+                f"{lay.dp_shard:>4} {lay.microbatches:>4} {lay.schedule:<16} "
+                f"{'y' if lay.activation_checkpointing else 'n':>3} {lay.precision:>5} "
+                f"{'y' if lay.cpu_offload else 'n':>4} {lay.memory_bytes_per_device / GiB:>6.1f} "
+                f"{1e3 * lay.step_time_s:>8.4g} {lay.mfu:>5.2f} {1e3 * b.get('compute', 0):>8.4g} "
+                f"{1e3 * b.get('bubble', 0):>7.4g} {1e3 * b.get('tp_comm', 0):>7.4g} "
+                f"{1e3 * b.get('dp_comm', 0):>7.4g} {1e3 * b.get('pp_comm', 0):>7.4g}  "
+                f"{'; '.join(lay.reasons)}"
             )
         return "\n".join(lines)
 

@@ -49,8 +49,9 @@ def _chunk(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n, r = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[dim] % n:
         raise ValueError(
-            f"sequence parallel: dimension {dim % x.dim()} of size {x.shape[dim]} is not divisible by tp={n} "
-            "(pad the sequence to a multiple of tp, or turn sequence_parallel off)"
+            f"sequence parallel: dimension {dim % x.dim()} of size {x.shape[dim]} is not "
+            f"divisible by tp={n} (pad the sequence to a multiple of tp, or turn "
+            "sequence_parallel off)"
         )
     return x.chunk(n, dim)[r].contiguous()
 

@@ -33,7 +33,8 @@ from parallel.tp.registry import linear_kind
 
 
 def _rank_of_feature(n: int, blocks: int, tp: int) -> torch.Tensor:
-    """(n,) the rank holding each of ``n`` output features when they form ``blocks`` equal blocks."""
+    """(n,) the rank holding each of ``n`` output features when they form ``blocks`` equal
+    blocks."""
     idx = torch.arange(n)
     return (idx % (n // blocks)) // (n // (blocks * tp))
 

@@ -352,7 +352,8 @@ def discover_plan(
                 v = getattr(m, attr, None)
                 if isinstance(v, int) and not isinstance(v, bool) and v % tp:
                     raise ValueError(
-                        f"tp={tp} does not divide the head count {n}.{attr}={v}; choose a tp that divides it"
+                        f"tp={tp} does not divide the head count {n}.{attr}={v}; choose a tp that "
+                        "divides it"
                     )
 
     def free(n: str) -> bool:
@@ -430,7 +431,8 @@ def discover_plan(
                         "replicate", reason=f"fused layout fits no DTensor placement: {why}"
                     )
                 plan.log.append(
-                    f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); {LEFT_REPLICATED}"
+                    f"{srcs} -> {b}: fused layout fits no DTensor placement ({why}); "
+                    f"{LEFT_REPLICATED}"
                 )
                 used.update(srcs + [b])
                 continue

@@ -64,7 +64,8 @@ class TPContext:
     loss_parallel: bool = False  # LM head returns vocab-sharded DTensor logits
     log: list[str] = field(default_factory=list)  # what was sharded, left alone, and why
     sharded: set = field(default_factory=set)  # ids of modules already given a sharded form
-    echo: bool = True  # also send log lines to the ``parallel.tp`` logger (off for the self-check's trial copies)
+    # also send log lines to the ``parallel.tp`` logger (off for the self-check's trial copies)
+    echo: bool = True
 
     def __post_init__(self):
         self.group = self.mesh.get_group()
@@ -217,7 +218,8 @@ class TPContext:
         self.sharded.add(id(m))
 
     def rowwise(self, m: nn.Module) -> None:
-        """Row-parallel linear: input features sharded, output summed over ranks, bias added once."""
+        """Row-parallel linear: input features sharded, output summed over ranks, bias added
+        once."""
         kind = linear_kind(m)
         ctx = self
         self.shard_param(m, "weight", 1 - kind.out_dim)
@@ -268,8 +270,9 @@ class TPContext:
         self.sharded.add(id(m))
 
     def gather_input(self, m: nn.Module) -> None:
-        """Sequence parallel: all-gather ``m``'s hidden-state input over the sequence (reduce-scatter
-        its gradient), for modules that read the sequence length from their input (HF attention)."""
+        """Sequence parallel: all-gather ``m``'s hidden-state input over the sequence
+        (reduce-scatter its gradient), for modules that read the sequence length from their input
+        (HF attention)."""
         ctx = self
         m.register_forward_pre_hook(
             lambda mod, a, k: _map_hidden(
@@ -347,7 +350,7 @@ def _with_sp(ctx: TPContext, sp: bool) -> TPContext:
     return c
 
 
-# ----------------------------------------------------------------------------- built-in module rules
+# ---------------------------------------------------------------------------- built-in module rules
 
 
 @register_tp_rule(nn.MultiheadAttention, name="multihead_attention")

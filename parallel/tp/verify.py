@@ -251,7 +251,8 @@ def _forward(
 def _grads(
     outs: list[torch.Tensor], idx: list[int], wrt: list[torch.Tensor]
 ) -> list[torch.Tensor | None] | None:
-    """Gradients of sum_i <outs[i], c_i> (c_i: fixed random, the same on every run) w.r.t. ``wrt``."""
+    """Gradients of sum_i <outs[i], c_i> (c_i: fixed random, the same on every run) w.r.t.
+    ``wrt``."""
     loss = None
     for i in idx:
         o = outs[i]

@@ -88,12 +88,13 @@ def needs(cfg: Any) -> list[str]:
     if r.mode == "learned" and r.pseudo_queries == 0:
         if r.warmup_steps > 0:
             out.append(
-                f"retriever.warmup_steps={r.warmup_steps} (the warm-up matches queries with their gold documents)"
+                f"retriever.warmup_steps={r.warmup_steps} (the warm-up matches queries with their "
+                "gold documents)"
             )
         if r.contrastive_steps != 0 and r.contrastive_weight > 0:
             out.append(
-                f"retriever.contrastive_steps={r.contrastive_steps} (the in-batch contrastive term matches "
-                "queries with their gold documents)"
+                f"retriever.contrastive_steps={r.contrastive_steps} (the in-batch contrastive "
+                "term matches queries with their gold documents)"
             )
     return out
 
@@ -112,9 +113,10 @@ def check(cfg: Any) -> bool:
     learned = [n for n in need if not n.startswith("retriever.mode=oracle")]
     if train.none and learned:
         problems.append(
-            f"data.train: the queries name no gold document (no doc_id in the json of the first "
-            f"{train.read} samples of {train.shard}), and {'these settings need' if len(learned) > 1 else 'this setting needs'} "
-            f"one: {'; '.join(learned)}"
+            "data.train: the queries name no gold document (no doc_id in the json of the first "
+            f"{train.read} samples of {train.shard}), and "
+            f"{'these settings need' if len(learned) > 1 else 'this setting needs'} one: "
+            f"{'; '.join(learned)}"
         )
     if (
         cfg.retriever.mode == "oracle"
@@ -128,8 +130,8 @@ def check(cfg: Any) -> bool:
         raise ConfigError("\n  - ".join(["gold documents:", *problems]) + "\n" + HINT)
     if train.none and cfg.retriever.mode == "learned":
         log.info(
-            "the training queries name no gold document: the retriever's contrastive terms train on %d "
-            "pseudo-queries per step (random views of the memory's pictures)",
+            "the training queries name no gold document: the retriever's contrastive terms train "
+            "on %d pseudo-queries per step (random views of the memory's pictures)",
             cfg.retriever.pseudo_queries,
         )
     return not train.none
@@ -144,13 +146,14 @@ def oracle_problem(cfg: Any, split: str, seen: Peek | None = None) -> str | None
     if got is None or got.all:
         return None
     return (
-        f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} name no doc_id, "
-        "and retriever.mode=oracle reads every query's gold document"
+        f"data.{split}: {got.read - got.with_gold} of the first {got.read} samples of {got.shard} "
+        "name no doc_id, and retriever.mode=oracle reads every query's gold document"
     )
 
 
 HINT = (
-    "  without gold documents: retriever=none (closed book), or retriever=learned with retriever.pseudo_queries=32 "
-    "(the warm-up and the contrastive term then train on random views of the memory's own pictures), "
-    "or retriever.warmup_steps=0 retriever.contrastive_steps=0 (the reader-driven loss alone)"
+    "  without gold documents: retriever=none (closed book), or retriever=learned with "
+    "retriever.pseudo_queries=32 (the warm-up and the contrastive term then train on random views "
+    "of the memory's own pictures), or retriever.warmup_steps=0 retriever.contrastive_steps=0 "
+    "(the reader-driven loss alone)"
 )

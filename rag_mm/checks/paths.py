@@ -105,9 +105,9 @@ def run_dir_problems(key: str, path: str) -> list[str]:
 
 
 def checkpoint_dir_problems(key: str, path: str | os.PathLike) -> list[str]:
-    """A complete, unaltered checkpoint directory as ``rag_mm.components.checkpoint.save`` writes it: its
-    manifest, DCP's ``.metadata`` and the trainer state present, every file the manifest lists
-    with the size and SHA-256 it records."""
+    """A complete, unaltered checkpoint directory as ``rag_mm.components.checkpoint.save`` writes
+    it: its manifest, DCP's ``.metadata`` and the trainer state present, every file the manifest
+    lists with the size and SHA-256 it records."""
     why = dir_problem(key, path)
     if why:
         return [why]
@@ -116,7 +116,10 @@ def checkpoint_dir_problems(key: str, path: str | os.PathLike) -> list[str]:
     if absent:
         hint = ""
         if (p / "checkpoints").is_dir():
-            hint = f" (it is a run directory: pass one of {p / 'checkpoints'}/step_*, or resume=auto with run_dir={p})"
+            hint = (
+                f" (it is a run directory: pass one of {p / 'checkpoints'}/step_*, or "
+                f"resume=auto with run_dir={p})"
+            )
         elif any(c.name.startswith("step_") for c in p.iterdir()):
             hint = " (it holds checkpoints: pass one of its step_* directories)"
         elif not any(p.iterdir()):
@@ -172,7 +175,8 @@ def state_dict_problems(key: str, path: str | None) -> list[str]:
         raise
     except pickle.UnpicklingError:  # its message is a page on weights_only; what it means is short
         return [
-            f"{key}: {path} is not a PyTorch state dict (no weights-only pickle: code, objects or foreign bytes)"
+            f"{key}: {path} is not a PyTorch state dict (no weights-only pickle: code, objects or "
+            "foreign bytes)"
         ]
     except (
         Exception
@@ -184,7 +188,8 @@ def state_dict_problems(key: str, path: str | None) -> list[str]:
         isinstance(v, torch.Tensor) for v in state.values()
     ):
         return [
-            f"{key}: {path} holds a {type(state).__name__}, not a state dict (a mapping of names to tensors)"
+            f"{key}: {path} holds a {type(state).__name__}, not a state dict (a mapping of names "
+            "to tensors)"
         ]
     return []
 
@@ -207,7 +212,8 @@ def index_file_problems(key: str, path: str | os.PathLike) -> list[str]:
 
 def output_file_problems(key: str, path: str, must_be: str = "") -> list[str]:
     """A file this process writes: not a directory, its directory writable or creatable. With
-    ``must_be="index"`` an existing file must be a rag_mm index (it is replaced, anything else is kept)."""
+    ``must_be="index"`` an existing file must be a rag_mm index (it is replaced, anything else is
+    kept)."""
     p = Path(path)
     if p.is_dir():
         return [f"{key}: {path} is a directory, expected a file path"]

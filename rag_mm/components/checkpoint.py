@@ -55,8 +55,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def save(root: Path, step: int, state: dict, trainer_state: dict, keep: int, is_main: bool) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory. A write that fails
-    for space or permission (``rag_mm.ft.disk.fault``) raises ``disk.WriteFailed`` on every rank, its
-    partial ``.tmp`` directory removed where the file system still allows it."""
+    for space or permission (``rag_mm.ft.disk.fault``) raises ``disk.WriteFailed`` on every rank,
+    its partial ``.tmp`` directory removed where the file system still allows it."""
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -83,7 +83,8 @@ def check_metadata(ckpt: Path) -> None:
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, with non-tensor entries loaded as plain data (``weights_only=True``)."""
+    """DCP's default planner, with non-tensor entries loaded as plain data
+    (``weights_only=True``)."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -116,7 +117,8 @@ def one_process_quiet():
 
 
 def load(state: dict, ckpt: Path) -> None:
-    """``dcp.load`` into ``state`` in place, with both guards; a refusal raises UnsafeCheckpointError."""
+    """``dcp.load`` into ``state`` in place, with both guards; a refusal raises
+    UnsafeCheckpointError."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -39,8 +39,8 @@ class NonFiniteGuard:
         self.on_device = self.device.type != "cpu" and skips_on_device(opt)
         if self.device.type != "cpu" and not self.on_device:
             log.info(
-                "non-finite check: %s does not skip its update on the device (fused Adam / AdamW do): "
-                "one host sync per step",
+                "non-finite check: %s does not skip its update on the device (fused Adam / AdamW "
+                "do): one host sync per step",
                 type(opt).__name__,
             )
         self.bad_run = 0  # consecutive non-finite steps, as far as the host has read them

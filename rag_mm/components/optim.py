@@ -17,7 +17,8 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters: matrices decayed, norms, biases and embeddings
     not; the vision tower's groups at ``cfg.vision_lr_scale`` times the rate (the scheduler scales
     every group's own base rate)."""
-    # (decayed, scaled) -> parameters; the first two groups always, in the order checkpoints hold them
+    # (decayed, scaled) -> parameters; the first two groups always, in the order checkpoints hold
+    # them
     groups: dict[tuple[bool, bool], list] = {(True, False): [], (False, False): []}
     seen = set()
     for name, p in model.named_parameters():
@@ -42,7 +43,8 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
         for (decayed, scaled), ps in groups.items()
     ]
     # fused on CUDA (torchtitan's default): one kernel per update, and it skips itself on a
-    # device-side non-finite flag without a host sync (rag_mm.components.nonfinite); the CPU keeps torch's default
+    # device-side non-finite flag without a host sync (rag_mm.components.nonfinite); the CPU keeps
+    # torch's default
     fused = True if params and all(p.is_cuda for p in params) else None
     return torch.optim.AdamW(
         param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused

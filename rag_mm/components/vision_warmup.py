@@ -2,7 +2,8 @@
 split's pictures before the reader trains, run on the plain reader before it is spread over the
 ranks. Every rank trains on its own share of the pictures and averages the gradients (all-reduce),
 so from the same initial tower (the run's seed) every rank takes the same steps and the copies stay
-equal to the bit. Not checkpointed: it runs on a fresh start only (a resumed run restores the tower)."""
+equal to the bit. Not checkpointed: it runs on a fresh start only (a resumed run restores the
+tower)."""
 
 from __future__ import annotations
 

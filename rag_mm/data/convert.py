@@ -1,9 +1,13 @@
 """A user's own data as the shards training reads: VQA questions with their pictures, and a corpus.
 
-    python scripts/convert.py vqa --questions Q.json --annotations A.json --images DIR --out OUT --split train
-    python scripts/convert.py vqa --questions aokvqa_v1p0_val.json --images DIR --out OUT --split val
-    python scripts/convert.py corpus --docs DIR --out OUT              # name.jpg + name.txt pairs
-    python scripts/convert.py corpus --shards 'web/{00000..00009}.tar' --out OUT   # img2dataset output
+    python scripts/convert.py vqa --questions Q.json --annotations A.json --images DIR --out OUT \\
+        --split train
+    python scripts/convert.py vqa --questions aokvqa_v1p0_val.json --images DIR --out OUT \\
+        --split val
+    # name.jpg + name.txt pairs
+    python scripts/convert.py corpus --docs DIR --out OUT
+    # img2dataset output
+    python scripts/convert.py corpus --shards 'web/{00000..00009}.tar' --out OUT
     python scripts/convert.py hf --path DIR_OR_PARQUET_GLOB --split train [--image-column image ...]
 
 Hugging Face data sets (a ``save_to_disk`` folder or parquet files) are read by
@@ -16,7 +20,8 @@ Question layouts, told apart by the questions file's shape:
   The training answer is ``multiple_choice_answer`` where the annotation has one (VQAv2), else the
   most frequent human answer (OK-VQA).
 * A-OKVQA: one list ``[{"question_id", "image_id", "question", "direct_answers" (10), "choices",
-  "correct_choice_idx", "rationales", ...}]``; the training answer is the most frequent direct answer.
+  "correct_choice_idx", "rationales", ...}]``; the training answer is the most frequent direct
+  answer.
 
 Human answers, and so the training answer, are normalised as the VQA release normalised its
 annotations (``rag_mm.data.convert_answers``: "Seven" -> "7", "Eiffel Tower" -> "eiffel tower"),
@@ -43,8 +48,9 @@ to ``model.image_size`` when it decodes. ``--image-size N`` center-crops and res
 instead: every query sample holds its own picture (VQAv2 asks ~5 questions per COCO picture), so
 this keeps the shards small and the decoding cheap.
 
-Bad input (a missing file or folder, malformed JSON, a JSON of another layout) is a ``ConvertError``:
-the command line (``rag_mm.data.convert_cli``) prints its message, which names the file, and returns 2.
+Bad input (a missing file or folder, malformed JSON, a JSON of another layout) is a
+``ConvertError``: the command line (``rag_mm.data.convert_cli``) prints its message, which names the
+file, and returns 2.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ SPLITS = ("train", "val", "test")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # what rag_mm.data.pipeline decodes
 COCO_NAME = re.compile(r"(?:COCO_[A-Za-z]+\d*_)?(\d{12})\.(?:jpe?g|png|webp)", re.IGNORECASE)
 STORED_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}  # PIL format -> member kept as is
-JPEG_QUALITY = 95  # re-encoded JPEG pictures (--image-size): high, so that the one extra encoding costs little detail
+# re-encoded JPEG pictures (--image-size): high, so that the one extra encoding costs little detail
+JPEG_QUALITY = 95
 EXAMPLES = 5  # skipped question ids listed in the summary
 SIDES_SAMPLED = 200  # pictures whose size picks the recipe's picture size (a set's are alike)
 PROGRESS_EVERY = 10000  # samples between progress lines on stderr
@@ -213,7 +220,8 @@ def read_questions(
     if not isinstance(ann, dict) or not isinstance(ann.get("annotations"), list):
         hint = " (that is a questions file)" if isinstance(ann, dict) and "questions" in ann else ""
         raise ConvertError(
-            f"{annotations} is {_shape(ann)}{hint}: expected VQA annotations {{'annotations': [...]}}"
+            f"{annotations} is {_shape(ann)}{hint}: expected VQA annotations {{'annotations': "
+            f"[...]}}"
         )
     by_id: dict = {}
     for i, a in enumerate(ann["annotations"]):
@@ -311,8 +319,8 @@ def picture(data: bytes, image_size: int = 0) -> tuple[str, bytes]:
 
 
 class ShardSink:
-    """Samples into ``OUT/<name>/<name>-%06d.tar``, ``shard_size`` per shard. Existing shards of that
-    name are an error unless ``overwrite`` (then they are deleted first)."""
+    """Samples into ``OUT/<name>/<name>-%06d.tar``, ``shard_size`` per shard. Existing shards of
+    that name are an error unless ``overwrite`` (then they are deleted first)."""
 
     def __init__(self, out: Path, name: str, shard_size: int, overwrite: bool) -> None:
         self.name, self.dir = name, out / name
@@ -392,7 +400,8 @@ def _summary(
 
 
 def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
-    """The ``n``-th query sample of a conversion: ``q``'s picture (member ``ext``), question and json."""
+    """The ``n``-th query sample of a conversion: ``q``'s picture (member ``ext``), question and
+    json."""
     meta = {"answer": q.answer, "answers": q.answers, "question_id": q.question_id}
     # the evaluation reports accuracy per VQA answer type (rag_mm.eval.vqa_metric.answer_type)
     meta.update(
@@ -442,10 +451,13 @@ def convert_vqa(
         named = (
             ""
             if found
-            else " (no file there is named like COCO_train2014_000000000042.jpg or 000000000042.jpg)"
+            else (
+                " (no file there is named like COCO_train2014_000000000042.jpg or 000000000042.jpg)"
+            )
         )
         raise ConvertError(
-            f"none of the {len(qs)} answered questions in {questions} has its picture under {images}{named}"
+            f"none of the {len(qs)} answered questions in {questions} has its picture under "
+            f"{images}{named}"
         )
 
     @lru_cache(maxsize=64)  # questions about one picture usually come together
@@ -490,7 +502,8 @@ def convert_vqa(
 
 
 def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, bytes, bytes]]:
-    """(name, picture bytes, text bytes) of each ``name.<picture>`` + ``name.txt`` pair under ``folder``."""
+    """(name, picture bytes, text bytes) of each ``name.<picture>`` + ``name.txt`` pair under
+    ``folder``."""
     if not folder.is_dir():
         raise ConvertError(
             f"documents folder {folder} "
@@ -510,7 +523,8 @@ def _folder_documents(folder: Path, skipped: Counter) -> Iterator[tuple[str, byt
             if image is None or "txt" not in exts:
                 skipped["no_picture" if image is None else "no_text"] += 1
                 print(
-                    f"convert: skipping document {rel}: no {'picture' if image is None else 'text'} file",
+                    f"convert: skipping document {rel}: no "
+                    f"{'picture' if image is None else 'text'} file",
                     file=sys.stderr,
                 )
                 continue
@@ -567,8 +581,8 @@ def convert_corpus(
     image_size: int = 0,
     overwrite: bool = False,
 ) -> dict:
-    """Write the documents of a picture+text folder (``docs``) or of img2dataset shards (``shards``, a
-    brace pattern) as corpus shards, doc ids 0, 1, ... in input order; return the summary."""
+    """Write the documents of a picture+text folder (``docs``) or of img2dataset shards (``shards``,
+    a brace pattern) as corpus shards, doc ids 0, 1, ... in input order; return the summary."""
     if (docs is None) == (shards is None):
         raise ConvertError("give one source of documents: --docs FOLDER or --shards PATTERN")
     skipped: Counter[str] = Counter()
@@ -578,7 +592,8 @@ def convert_corpus(
     first = next(source, None)  # bad input is reported before any shard is created
     if first is None:
         raise ConvertError(
-            f"no document (a picture and a .txt with one name) in {docs or shards}: skipped {dict(skipped)}"
+            f"no document (a picture and a .txt with one name) in {docs or shards}: skipped "
+            f"{dict(skipped)}"
         )
     sink = ShardSink(out, "corpus", shard_size, overwrite)
     read = 0

@@ -45,7 +45,10 @@ def parser() -> argparse.ArgumentParser:
         "--image-size",
         type=_non_negative,
         default=0,
-        help="center-crop and resize pictures to this many pixels (default 0: store them as they are)",
+        help=(
+            "center-crop and resize pictures to this many pixels (default 0: store them as "
+            "they are)"
+        ),
     )
     common.add_argument(
         "--overwrite", action="store_true", help="replace shards of the same name already in OUT"
@@ -222,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         shlex.quote(o) if "'" not in o else f'"{o}"' for o in res["overrides"]
     )  # as typed in a shell
     print(
-        f"convert: {res['written']} {res['kind']}s of {res['read']} written in {res['shards']} shard(s) to "
-        f"{res['out']}; skipped: {skipped}\nconvert: read them with {shell}",
+        f"convert: {res['written']} {res['kind']}s of {res['read']} written in {res['shards']} "
+        f"shard(s) to {res['out']}; skipped: {skipped}\nconvert: read them with {shell}",
         file=sys.stderr,
     )
     if "normalised" in res:

@@ -1,8 +1,9 @@
 """A Hugging Face data set of questions about pictures as the query shards training reads.
 
-    python scripts/convert.py hf --path data/vqav2_val --split val          # a datasets.save_to_disk folder
+    python scripts/convert.py hf --path data/vqav2_val --split val  # a datasets.save_to_disk folder
     python scripts/convert.py hf --path 'hub/vqav2/data/validation-*.parquet' --split val \\
-        --image-column image --question-column question --answers-column answers --id-column question_id
+        --image-column image --question-column question --answers-column answers \\
+        --id-column question_id
 
 The input is a ``datasets.save_to_disk`` folder (a Dataset, or a DatasetDict whose split
 ``--source-split`` names, by default ``--split``, ``val`` also finding ``validation``), one parquet
@@ -58,7 +59,8 @@ OPTIONAL = (
 
 # ------------------------------------------------------------------------------ reading rows
 class Rows:
-    """The rows of one input (a save_to_disk data set or parquet files), read column-wise by Arrow."""
+    """The rows of one input (a save_to_disk data set or parquet files), read column-wise by
+    Arrow."""
 
     def __init__(self, path: str, split: str, source_split: str | None = None) -> None:
         try:
@@ -112,7 +114,8 @@ class Rows:
                 missing = [c for c in columns if c not in pf.schema_arrow.names]
                 if missing:
                     raise ConvertError(
-                        f"{f} has no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names)})"
+                        f"{f} has no column {missing[0]!r} (columns: "
+                        f"{', '.join(pf.schema_arrow.names)})"
                     )
                 for batch in pf.iter_batches(batch_size=BATCH, columns=columns):
                     yield batch.to_pylist()
@@ -229,7 +232,8 @@ def _str(value) -> str | None:
 
 
 def _qid(value, n: int):
-    """A question id as the results file takes it (an int or a string); the row number without one."""
+    """A question id as the results file takes it (an int or a string); the row number without
+    one."""
     if value is None:
         return n
     return value if isinstance(value, int | str) and not isinstance(value, bool) else str(value)

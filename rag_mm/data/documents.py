@@ -44,7 +44,8 @@ class DocumentStore:
         return torch.tensor(flat, dtype=torch.long).view(doc_ids.shape)
 
     def fetch(self, doc_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Documents for a (B, k) id tensor: images (B, k, 3, H, W), text (B, k, Lt), lengths (B, k)."""
+        """Documents for a (B, k) id tensor: images (B, k, 3, H, W), text (B, k, Lt), lengths (B,
+        k)."""
         r = self.rows(doc_ids)
         return {
             "doc_image": self.images[r],

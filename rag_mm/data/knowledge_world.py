@@ -4,14 +4,16 @@
 
 Layout under ``out``::
 
-    corpus/corpus-000000.tar ...   one document per entity: png (canonical picture), txt (passage), json
+    corpus/corpus-000000.tar ...   one document per entity: png (canonical picture), txt (passage),
+                                   json
     train/train-000000.tar ...     queries about seen entities only
     val/, test/                    queries about seen and held-out entities
     world.json                     the config, sample counts and chance accuracy
 
 Query samples: png (a new rendering), txt (the question), json {answer, doc_id, attribute,
 heldout}; ``attribute`` is one of the four facts or ``name`` (the creature's own name, never a
-training answer for a held-out creature). The same keys a user's own shards need (``jpg`` is accepted in place of ``png``).
+training answer for a held-out creature). The same keys a user's own shards need (``jpg`` is
+accepted in place of ``png``).
 """
 
 from __future__ import annotations

@@ -272,9 +272,10 @@ class QueryStream(torch.utils.data.IterableDataset):
                 n_seen += 1
                 out["epoch"] = epoch
                 yield out
-            # Training: this worker's shards gave nothing in a whole pass, and every later pass would
-            # too. Evaluation reads every shard in each worker: no sample at all means the split has
-            # none; a share with samples none of which decoded means (all but) the whole split is bad.
+            # Training: this worker's shards gave nothing in a whole pass, and every later pass
+            # would too. Evaluation reads every shard in each worker: no sample at all means the
+            # split has none; a share with samples none of which decoded means (all but) the whole
+            # split is bad.
             if n_seen == 0 and (s.train or n_raw == 0 or n_share > 0):
                 where = (
                     f" (rank {s.rank}, loader worker {worker} of {num_workers})"
@@ -373,7 +374,8 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
         ],  # per query: its json's answer_type (str) or None
         "kvqa": [s.get("kvqa") for s in samples],  # per query: its json's kvqa (dict) or None
         "key": [s["key"] for s in samples],
-        # cumulative drop counts of the worker that built this batch (the trainer keeps the latest per worker)
+        # cumulative drop counts of the worker that built this batch (the trainer keeps the latest
+        # per worker)
         "skipped": (info.id if info else 0, dict(counter.counts) if counter else {}),
     }
 
@@ -409,7 +411,8 @@ class Loader:
                 if "error" in batch:
                     raise DataError(**batch["error"])
                 yield batch
-        finally:  # an abandoned pass (a training stream, an evaluation cut short) stops its workers now
+        # an abandoned pass (a training stream, an evaluation cut short) stops its workers now
+        finally:
             _shutdown(it)
         dropped = self.skipped_total()
         if dropped:

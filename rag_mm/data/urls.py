@@ -1,4 +1,5 @@
-"""Shard URL patterns: brace expansion, ``::`` lists, paths relative to a root (no heavy imports)."""
+"""Shard URL patterns: brace expansion, ``::`` lists, paths relative to a root (no heavy
+imports)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,2 @@
-"""The distributed glue: process-group start-up (env) and the reader spread over the ranks (spread)."""
+"""The distributed glue: process-group start-up (env) and the reader spread over the ranks
+(spread)."""

@@ -7,8 +7,8 @@ The retrieval, the retriever losses and the answer scoring are the RagModel's ow
 every rank. Every rank of one model replica (its pipeline stages and tensor-parallel ranks) draws
 the same batch, so in ``learned`` mode each of them runs the query encoder, the faiss search and
 the contrastive loss identically (same batch, same seed) and feeds the same documents to the
-reader's stages. The contrastive loss gathers the embeddings of every replica (``RagModel.replicas``),
-so its negatives are the global batch's, as in one process.
+reader's stages. The contrastive loss gathers the embeddings of every replica
+(``RagModel.replicas``), so its negatives are the global batch's, as in one process.
 
 The reader-driven retriever losses read the spread reader as one process reads it:
 
@@ -71,12 +71,14 @@ class StepOut:
 
 def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:
     """Tokens in the reader's loss: every answer token after the first (a_len - 1 per example), a
-    () tensor on the inputs' device (an accelerator's is not read back: that would be a host sync)."""
+    () tensor on the inputs' device (an accelerator's is not read back: that would be a host
+    sync)."""
     return (inputs["a_len"] - 1).clamp_min(0).sum()
 
 
 class SpreadRag:
-    """The RagModel as the trainer trains it: its reader spread over the ranks as ``parallel`` says."""
+    """The RagModel as the trainer trains it: its reader spread over the ranks as ``parallel``
+    says."""
 
     def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
@@ -137,7 +139,8 @@ class SpreadRag:
         return self.rag.store
 
     def named_parameters(self):
-        """This rank's trainable parameters under the RagModel's names (held reader part + retriever)."""
+        """This rank's trainable parameters under the RagModel's names (held reader part +
+        retriever)."""
         for n, q in self.pmodel.named_parameters():
             yield f"reader.{n}", q
         if self.rag.retriever is not None:
@@ -254,7 +257,8 @@ class SpreadRag:
         return StepOut(reader_loss, r_loss.detach(), hit)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Global-norm clipping over the whole model, reader and retriever (``ParallelModel.clip_grad_norm_``)."""
+        """Global-norm clipping over the whole model, reader and retriever
+        (``ParallelModel.clip_grad_norm_``)."""
         retriever = self.rag.retriever.parameters() if self.rag.retriever is not None else ()
         return self.pmodel.clip_grad_norm_(max_norm, also=retriever)
 
@@ -311,7 +315,8 @@ class SpreadRag:
     # ------------------------------------------------------------------ checkpoints
     def model_state(self) -> dict:
         """This rank's part of the RagModel's state under its original names (DCP writes each key
-        once; together the ranks hold every key); ``rag_mm.components.checkpoint.savable`` makes it DCP's."""
+        once; together the ranks hold every key); ``rag_mm.components.checkpoint.savable`` makes it
+        DCP's."""
         sd = {f"reader.{k}": v for k, v in self.pmodel.state_dict().items()}
         if self.rag.retriever is not None:
             sd.update({f"retriever.{k}": v for k, v in self.rag.retriever.state_dict().items()})

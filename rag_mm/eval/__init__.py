@@ -1,1 +1,2 @@
-"""Evaluation helpers: the VQA metric, the blind prior, prediction files, and reading run directories (the notebooks')."""
+"""Evaluation helpers: the VQA metric, the blind prior, prediction files, and reading run
+directories (the notebooks')."""

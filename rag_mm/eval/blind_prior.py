@@ -216,8 +216,8 @@ def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior
 
 # ------------------------------------------------------------------------------ the cache
 def fingerprint(urls: list[str]) -> str:
-    """A digest of the shard list and each local shard's size and mtime: what the cache is valid for.
-    A remote shard contributes its URL only (it cannot be stat'ed cheaply)."""
+    """A digest of the shard list and each local shard's size and mtime: what the cache is valid
+    for. A remote shard contributes its URL only (it cannot be stat'ed cheaply)."""
     parts: list = [VERSION]
     for url in urls:
         if url.startswith(REMOTE):
@@ -253,7 +253,8 @@ def load_or_build(
 ) -> BlindPrior | None:
     """The table of the training shards ``urls``: from ``cache`` when it was built from these
     shards (same list, sizes and mtimes), else built and written there (a folder that cannot be
-    written only costs the cache). None when the shards hold no usable sample. ``stop``: as ``build``'s."""
+    written only costs the cache). None when the shards hold no usable sample. ``stop``: as
+    ``build``'s."""
     fp = fingerprint(urls)
     if cache is not None and cache.is_file():
         try:

@@ -2,11 +2,11 @@
 
 A run directory (``run_dir``) holds ``metrics.jsonl`` (one record per log / evaluation, ``kind`` =
 train | val | test), ``metrics.json`` (the final summary), ``.hydra/config.yaml``,
-``checkpoints/``, ``blind_prior.json`` (the blind prior's table, ``rag_mm.eval.blind_prior``), and, when
-they were produced, ``retrieved_examples.json`` (queries with the documents the retriever returned)
-and, from runs with ``parallel.pp > 1``, ``timeline.json`` and ``timeline.png`` (the pipeline's
-Chrome trace of the last step and its chart; the step's bubble fraction is in metrics.json under
-"pipeline").
+``checkpoints/``, ``blind_prior.json`` (the blind prior's table, ``rag_mm.eval.blind_prior``), and,
+when they were produced, ``retrieved_examples.json`` (queries with the documents the retriever
+returned) and, from runs with ``parallel.pp > 1``, ``timeline.json`` and ``timeline.png`` (the
+pipeline's Chrome trace of the last step and its chart; the step's bubble fraction is in
+metrics.json under "pipeline").
 After a restart, steps after the last checkpoint are trained and logged again: the last record
 of each (kind, step) is the one that counts.
 """
@@ -141,7 +141,8 @@ def plot_loss(runs: list[Run]):
 
 
 def plot_accuracy(runs: list[Run]):
-    """Exact-match accuracy over steps: seen entities vs held-out (only retrieval can answer those)."""
+    """Exact-match accuracy over steps: seen entities vs held-out (only retrieval can answer
+    those)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -250,7 +251,8 @@ def plot_gallery(run: Run, n: int = 6):
         fig, ax = plt.subplots(figsize=(8, 1.5))
         _note(
             ax,
-            "no retrieved_examples.json in this run (written by evaluations with retriever.mode=learned)",
+            "no retrieved_examples.json in this run (written by evaluations with "
+            "retriever.mode=learned)",
         )
         return fig
     k = max(len(e.get("retrieved", [])) for e in examples)
@@ -264,8 +266,8 @@ def plot_gallery(run: Run, n: int = 6):
         if img is not None:
             row[0].imshow(img)
         row[0].set_title(
-            f"Q: {ex.get('question', '')}\ngold: {ex.get('answer', '')} | pred: {ex.get('prediction', '')}"
-            f"{' (held-out)' if ex.get('heldout') else ''}",
+            f"Q: {ex.get('question', '')}\ngold: {ex.get('answer', '')} | pred: "
+            f"{ex.get('prediction', '')}{' (held-out)' if ex.get('heldout') else ''}",
             fontsize=7,
             color="green" if ok else "red",
             wrap=True,

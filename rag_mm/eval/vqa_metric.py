@@ -200,7 +200,8 @@ def process_punctuation(text: str) -> str:
 
 def process_digit_article(text: str) -> str:
     """The official ``processDigitArticle``: lowercase, number words zero..ten to digits ("none"
-    counts as 0), articles a/an/the dropped, apostrophe-less contractions restored, single spaces."""
+    counts as 0), articles a/an/the dropped, apostrophe-less contractions restored, single
+    spaces."""
     words = [NUMBER_WORDS.get(w, w) for w in text.lower().split()]
     words = [CONTRACTIONS.get(w, w) for w in words if w not in ARTICLES]
     return " ".join(words)
@@ -221,7 +222,8 @@ def vqa_accuracy(prediction: str, answers: list[str]) -> float:
     """VQA accuracy of ``prediction`` against the human ``answers`` (ten in VQAv2, OK-VQA and
     A-OKVQA): the mean over each annotator left out of ``min(matches among the others / 3, 1)``.
 
-    Two of ten humans agreeing gives (2 * 1/3 + 8 * 2/3) / 10 = 0.6; three or more of ten, 0.9 and 1.
+    Two of ten humans agreeing gives (2 * 1/3 + 8 * 2/3) / 10 = 0.6; three or more of ten, 0.9 and
+    1.
     """
     if not answers:
         raise ValueError("vqa_accuracy needs at least one human answer")
@@ -248,7 +250,8 @@ def answer_type(given: str | None, gold: str) -> str:
     mostly fall: "yes/no" for yes or no, "number" for digits only (number words count: "two" is
     normalised to "2"), "other" for the rest.
 
-    >>> answer_type(None, "Two"), answer_type(None, "No."), answer_type("other", "yes"), answer_type(None, "red")
+    >>> (answer_type(None, "Two"), answer_type(None, "No."), answer_type("other", "yes"),
+    ...  answer_type(None, "red"))
     ('number', 'yes/no', 'other', 'other')
     """
     if given in ANSWER_TYPES:

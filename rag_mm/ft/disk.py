@@ -83,9 +83,9 @@ def space_problem(ckpt_dir: Path, one: int, keep: int) -> str | None:
         return None
     held = f", {there} already there" if there else ""
     return (
-        f"{ckpt_dir}: its file system has {human(free)} free, and keep_checkpoints={keep} needs room for {peak} "
-        f"checkpoints of ~{human(one)} (the kept ones and the one being written{held}): {human(more)} more. "
-        f"Free space, lower keep_checkpoints or move run_dir"
+        f"{ckpt_dir}: its file system has {human(free)} free, and keep_checkpoints={keep} needs "
+        f"room for {peak} checkpoints of ~{human(one)} (the kept ones and the one being "
+        f"written{held}): {human(more)} more. Free space, lower keep_checkpoints or move run_dir"
     )
 
 
@@ -155,15 +155,16 @@ def failure_message(
         free = "unknown"
     lines.append(
         f"free space: {free} on the file system of {run_dir}; one checkpoint needs ~{human(one)}, "
-        f"keep_checkpoints={keep} needs ~{human((keep + 1) * one)} (the kept ones and the one being written)"
+        f"keep_checkpoints={keep} needs ~{human((keep + 1) * one)} (the kept ones and the one "
+        "being written)"
     )
     if isinstance(exc, WriteFailed):
         if exc.removed:
             lines.append(f"the partial checkpoint {exc.partial} was removed")
         elif exc.removed is False:
             lines.append(
-                f"the partial checkpoint {exc.partial} could not be removed ({found.cause}): resume=auto "
-                "skips it, and the next checkpoint removes it"
+                f"the partial checkpoint {exc.partial} could not be removed ({found.cause}): "
+                "resume=auto skips it, and the next checkpoint removes it"
             )
     done = complete_checkpoints(ckpt_dir)
     lines.append(

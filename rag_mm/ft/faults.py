@@ -8,10 +8,13 @@ week-long job. Nothing happens unless ``RAG_MM_FAULT`` is set::
                                           # its DCP shards are written, before the manifest
     RAG_MM_FAULT="hang:step=3:rank=1"     # rank 1 stops responding (a stuck rank, for timeouts)
     RAG_MM_FAULT="term:step=2"            # SIGTERM to itself (what a spot reclaim sends)
-    RAG_MM_FAULT="term:eval=4"            # ... during the evaluation after step 4 (after its first batch)
-    RAG_MM_FAULT="term:refresh=2"         # ... during the index refresh after step 2 (after its first pass)
+    RAG_MM_FAULT="term:eval=4"            # ... during the evaluation after step 4 (after its first
+                                          # batch)
+    RAG_MM_FAULT="term:refresh=2"         # ... during the index refresh after step 2 (after its
+                                          # first pass)
     RAG_MM_FAULT="term:warmup=1"          # ... after the first step of the retriever warm-up
-    RAG_MM_FAULT="enospc:save=4"          # the checkpoint write of step 4 fails: no space left on device
+    RAG_MM_FAULT="enospc:save=4"          # the checkpoint write of step 4 fails: no space left on
+                                          # device
     RAG_MM_FAULT="erofs:step=3"           # a write as step 4 begins fails: read-only file system
 
 Several faults are separated by ``;``. ``rank`` defaults to every rank. A fault fires only in the

@@ -60,7 +60,8 @@ def from_submitit() -> None:
         LOCAL_RANK=str(env.local_rank),
         LOCAL_WORLD_SIZE=str(env.num_tasks // max(env.num_nodes, 1)),
         MASTER_ADDR=env.hostnames[0],
-        # RAG_MM_MASTER_PORT: a port known to be free (sbatch exports the login shell's MASTER_PORT, if any)
+        # RAG_MM_MASTER_PORT: a port known to be free (sbatch exports the login shell's MASTER_PORT,
+        # if any)
         MASTER_PORT=os.environ.get(
             "RAG_MM_MASTER_PORT",
             str(SUBMITIT_PORT_BASE + int(str(env.job_id).split("_")[0]) % 20000),

@@ -118,12 +118,14 @@ class Watchdog:
             p = peers.get(r)
             if p is None:
                 lines.append(
-                    f"  rank {r}: no report (never started, or the store is gone)  <- stuck or dead?"
+                    f"  rank {r}: no report (never started, or the store is gone)  <- stuck or "
+                    "dead?"
                 )
                 continue
             mark = "  <- behind: stuck or dead?" if p["seq"] < self.seq else ""
             lines.append(
-                f"  rank {r}: step {p['step']}, in '{p['what']}' (reported {max(now - p['time'], 0.0):.1f} s ago){mark}"
+                f"  rank {r}: step {p['step']}, in '{p['what']}' (reported "
+                f"{max(now - p['time'], 0.0):.1f} s ago){mark}"
             )
         return "\n".join(lines)
 
@@ -143,7 +145,8 @@ class Watchdog:
         )
         return (
             f"rank {self.rank} failed in '{self.what}' at step {self.step} after {waited:.1f} s "
-            f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+            f"({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
             f"{who}\n{self.report()}"
         )
 
@@ -162,7 +165,8 @@ class Watchdog:
             if stuck:
                 self._warned = self.seq
                 log.error(
-                    "rank %d has waited %.0f s in '%s' at step %d (timeout %s s); stuck rank(s): %s\n%s",
+                    "rank %d has waited %.0f s in '%s' at step %d (timeout %s s); stuck rank(s): "
+                    "%s\n%s",
                     self.rank,
                     time.monotonic() - self.since,
                     self.what,

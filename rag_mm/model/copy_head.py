@@ -100,9 +100,9 @@ class CopyHead(nn.Module):
         )  # (M, D)
         scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
         if doc_prior is not None:
-            # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes a
-            # mixture over documents weighted by the retriever, as RAG-token marginalises (Lewis et
-            # al. 2020). Relative to a uniform prior (log k added), so a uniform prior changes
+            # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes
+            # a mixture over documents weighted by the retriever, as RAG-token marginalises (Lewis
+            # et al. 2020). Relative to a uniform prior (log k added), so a uniform prior changes
             # nothing and question positions (segment k) keep their share.
             k = doc_prior.shape[1]
             prior = F.pad(doc_prior + math.log(k), (0, 1))  # (B, k + 1)

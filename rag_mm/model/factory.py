@@ -1,4 +1,5 @@
-"""The reader a ``model`` config describes, native or Hugging Face, on the CPU or the meta device."""
+"""The reader a ``model`` config describes, native or Hugging Face, on the CPU or the meta
+device."""
 
 from __future__ import annotations
 

@@ -119,7 +119,7 @@ def check_dispatch(lm) -> None:
     calls = _calls[0] - before
     if layers and calls < layers:
         raise ValueError(
-            f"{type(lm).__name__}: {layers - calls} of its {layers} layers do not call their attention "
-            "through transformers' AttentionInterface, so rag_mm's retrieval layout cannot be applied "
-            "to them (the model family dispatches attention itself)"
+            f"{type(lm).__name__}: {layers - calls} of its {layers} layers do not call their "
+            "attention through transformers' AttentionInterface, so rag_mm's retrieval layout "
+            "cannot be applied to them (the model family dispatches attention itself)"
         )

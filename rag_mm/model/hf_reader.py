@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class Projector(nn.Module):
-    """Vision width -> LM width: LLaVA-1.5's two-layer MLP with GELU (``mlp2x_gelu``), or one linear map."""
+    """Vision width -> LM width: LLaVA-1.5's two-layer MLP with GELU (``mlp2x_gelu``), or one linear
+    map."""
 
     def __init__(self, vision_width: int, dim: int, kind: str = "mlp2x_gelu") -> None:
         super().__init__()
@@ -54,7 +55,8 @@ def _container(value: Any) -> dict:
 
 
 def lm_config(cfg):
-    """The LM's ``PretrainedConfig`` from ``model.pretrained``, ``model.lm_config`` or ``model.lm``."""
+    """The LM's ``PretrainedConfig`` from ``model.pretrained``, ``model.lm_config`` or
+    ``model.lm``."""
     from transformers import AutoConfig
 
     if cfg.pretrained:
@@ -127,7 +129,10 @@ def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Modul
         why = (
             f"{type(exc).__name__}: {str(exc)[:300]}"
             if not (isinstance(exc, KeyError) and impl in str(exc))
-            else "the family looks its attention classes up itself, not through transformers' AttentionInterface"
+            else (
+                "the family looks its attention classes up itself, not through transformers' "
+                "AttentionInterface"
+            )
         )
         raise ValueError(
             f"{where}: transformers cannot build this LM with rag_mm's attention ({impl}): {why}"
@@ -203,8 +208,9 @@ class HFReader(HFReaderBase):
         ]
         if wrong:
             raise ValueError(
-                f"model.adapter={path!r} does not fit this reader (model.copy_head, model.projector, "
-                f"model.max_docs and the LM width must match the exported run's): {wrong[:4]}"
+                f"model.adapter={path!r} does not fit this reader (model.copy_head, "
+                "model.projector, model.max_docs and the LM width must match the exported run's): "
+                f"{wrong[:4]}"
             )
         self.load_state_dict(state, strict=False)
 

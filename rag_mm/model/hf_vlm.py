@@ -48,7 +48,8 @@ VISION_ATTENTION = (
 
 
 def _auto_classes() -> list:
-    """The transformers auto classes that build a VLM (``AutoModelForVision2Seq`` where it still exists)."""
+    """The transformers auto classes that build a VLM (``AutoModelForVision2Seq`` where it still
+    exists)."""
     import transformers
 
     return [
@@ -136,7 +137,8 @@ def _attn_implementations(config, impl: str) -> dict[str, str]:
 
 
 def build_vlm(cfg, vocab_size: int, meta: bool = False) -> nn.Module:
-    """The VLM with rag_mm's attention in its language model, fp32, on the CPU or the meta device."""
+    """The VLM with rag_mm's attention in its language model, fp32, on the CPU or the meta
+    device."""
     config = vlm_config(cfg, vocab_size)
     impl = implementation(cfg.attention_backend)
     attn = _attn_implementations(config, impl)
@@ -193,7 +195,8 @@ def image_processor(cfg, config):
         return proc
     side = config.vision_config.image_size
     log.info(
-        "reader VLM pictures: no saved image processor; CLIP's mean/std, bicubic, at the tower's %d px",
+        "reader VLM pictures: no saved image processor; CLIP's mean/std, bicubic, at the tower's "
+        "%d px",
         side,
     )
     return CLIPImageProcessor(
@@ -223,8 +226,8 @@ class HFVLMReader(HFReaderBase):
         rows = vlm.get_input_embeddings().num_embeddings
         if vocab_size > rows:
             msg = (
-                f"the tokenizer has {vocab_size} tokens but the VLM embeds {rows}: use the VLM's own "
-                "tokenizer (model.pretrained holding one, or model.tokenizer)"
+                f"the tokenizer has {vocab_size} tokens but the VLM embeds {rows}: use the VLM's "
+                "own tokenizer (model.pretrained holding one, or model.tokenizer)"
             )
             if not meta:
                 raise ValueError(msg)

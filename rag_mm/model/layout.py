@@ -49,7 +49,8 @@ class ReaderOutput:
         None  # (B, k) copy-attention mass of the answer positions on each document
     )
     # (M,) bool: which prediction rows are real; None: all of them. On an accelerator M is
-    # B * max_predictions, the real rows first, then fill rows (example 0, position 0, target IGNORE)
+    # B * max_predictions, the real rows first, then fill rows (example 0, position 0, target
+    # IGNORE)
     valid: torch.Tensor | None = None
 
 
@@ -86,7 +87,8 @@ class ReaderBase(nn.Module):
 
     # ------------------------------------------------------------------------------ assembly
     def _slots(self, image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len):
-        """Every candidate token in a fixed layout: embeddings, validity, positions, labels, segment."""
+        """Every candidate token in a fixed layout: embeddings, validity, positions, labels,
+        segment."""
         B = image.shape[0]
         k = 0 if doc_image is None else doc_image.shape[1]
         dev = image.device
@@ -219,7 +221,9 @@ class ReaderBase(nn.Module):
             rows = torch.empty(B * a.max_predictions, 2, dtype=torch.long, device="meta")
         elif h_all.device.type in self.packed_devices:
             rows = (labels != IGNORE).nonzero()  # (M, 2): example, position
-        else:  # no read-back: B * max_predictions rows, the real ones first (an example predicts at most that many)
+        # no read-back: B * max_predictions rows, the real ones first (an example predicts at most
+        # that many)
+        else:
             rows = torch.nonzero_static(
                 labels != IGNORE, size=B * a.max_predictions, fill_value=-1
             )  # (M, 2)
@@ -315,7 +319,8 @@ class ReaderBase(nn.Module):
             )  # placeholder target at the end
             a_len = torch.full((B,), a_ids.shape[1], device=dev)
             res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
-            # the last prediction of each example (rows are in order; fill rows, if any, take no part)
+            # the last prediction of each example (rows are in order; fill rows, if any, take no
+            # part)
             rows = torch.arange(len(res.example), device=dev)
             if res.valid is not None:
                 rows = rows.masked_fill(~res.valid, -1)

@@ -56,7 +56,8 @@ class RagModel(nn.Module):
         self.memory = memory
         self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
         # whether the training queries name their gold documents (json doc_id; set by the trainer
-        # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries alone
+        # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries
+        # alone
         self.gold_queries = True
         self.replicas = (
             Replicas()
@@ -76,7 +77,8 @@ class RagModel(nn.Module):
         retriever_loss: bool = True,
         search_k: int = 0,
     ) -> RagOutput:
-        """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle, contrastive)."""
+        """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle,
+        contrastive)."""
         q = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len)
         x, ids, ret = self.reader_inputs(q, gold, search_k=search_k)
         out = self.reader(**x)
@@ -102,7 +104,8 @@ class RagModel(nn.Module):
         """What the reader reads for queries ``q`` (image, q_ids, q_len, a_ids, a_len), by
         ``retriever.mode``: (reader inputs, retrieved ids (B, max(k, search_k)) or None, and in
         learned mode (query embeddings, top-k ids, their documents, the index's similarities) for
-        the retriever loss, else None). ``grad``: the query embeddings keep their graph (training)."""
+        the retriever loss, else None). ``grad``: the query embeddings keep their graph
+        (training)."""
         mode, dev = self.rcfg.mode, q["image"].device
         if mode == "none":
             return self._anonymized(dict(q), grad), None, None
@@ -187,14 +190,15 @@ class RagModel(nn.Module):
     def retriever_loss(
         self, q: dict, q_emb, top, docs: dict, gold, per_document_nll=None, doc_attention=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents ``docs``
-        (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's answer NLL
-        with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the reader's copy
-        attention per document, for adist. The spread reader (rag_mm/distributed/spread.py) calls this too,
-        with both read over its stages."""
+        """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents
+        ``docs`` (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's
+        answer NLL with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the
+        reader's copy attention per document, for adist. The spread reader
+        (rag_mm/distributed/spread.py) calls this too, with both read over its stages."""
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape
-        # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds them)
+        # scores of the retrieved documents, differentiable through both towers (Atlas re-embeds
+        # them)
         with self.replicas.spanning(enc):
             d_emb = enc.embed_docs(
                 docs["doc_image"].flatten(0, 1),
@@ -224,7 +228,8 @@ class RagModel(nn.Module):
             and cfg.contrastive_weight > 0
             and self._has_rows()
         ):
-            # the retrieved documents are the hardest negatives there are (same colours, other shape)
+            # the retrieved documents are the hardest negatives there are (same colours, other
+            # shape)
             keep = self._labelled(gold)  # queries naming no gold document take no part
             r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
                 q_emb[keep], gold[keep], d_emb.flatten(0, 1), top.flatten().to(dev)
@@ -241,7 +246,8 @@ class RagModel(nn.Module):
         without labels, and the queries are not even embedded."""
         if not self._has_rows():
             raise ValueError(
-                "the retriever warm-up needs gold documents (json doc_id) or retriever.pseudo_queries > 0"
+                "the retriever warm-up needs gold documents (json doc_id) or "
+                "retriever.pseudo_queries > 0"
             )
         if not self.gold_queries:
             q_emb = torch.zeros(0, self.retriever.cfg.embed_dim, device=image.device)  # (0, E)
@@ -304,7 +310,8 @@ class RagModel(nn.Module):
         if (
             self.rcfg.pseudo_queries > 0
         ):  # random views of memory pictures, each querying its own document
-            # one draw of the configured count, alike on replicas whose generators agree; each embeds its share
+            # one draw of the configured count, alike on replicas whose generators agree; each
+            # embeds its share
             rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
             pics = self.store.images[rows].to(dev)
             style = self.rcfg.pseudo_view
@@ -329,7 +336,8 @@ class RagModel(nn.Module):
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
-        """The reader's answer NLL with each retrieved document alone: (B, k) (Atlas' gold score)."""
+        """The reader's answer NLL with each retrieved document alone: (B, k) (Atlas' gold
+        score)."""
         B, k = docs["doc_ids"].shape[:2]
         return self.reader(**one_document_inputs(q, docs)).nll.view(B, k)
 

@@ -61,7 +61,8 @@ def picture_views(
 
 
 def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
-    """SimCLR's loss over (2N, E) projections whose rows i and i + N are two views of one picture."""
+    """SimCLR's loss over (2N, E) projections whose rows i and i + N are two views of one
+    picture."""
     n = z.shape[0] // 2
     z = F.normalize(z, dim=-1)
     sim = z @ z.T / temperature  # (2N, 2N)

@@ -158,7 +158,8 @@ PRESETS = {"llava-1.5-7b": LLAVA_1_5_7B, "paligemma-3b-pt-224": PALIGEMMA_3B_224
 # once), as the Hugging Face model pages give them from the safetensors weights ("Model size"):
 # https://huggingface.co/llava-hf/llava-1.5-7b-hf "7.06B params";
 # https://huggingface.co/google/paligemma-3b-pt-224 "2.92B params". The exact sums of the public
-# shapes are 7,063,427,072 and 2,923,466,480; the presets are checked within 1% of the published figures.
+# shapes are 7,063,427,072 and 2,923,466,480; the presets are checked within 1% of the published
+# figures.
 PUBLIC_PARAMETERS = {"llava-1.5-7b": 7.06e9, "paligemma-3b-pt-224": 2.92e9}
 
 

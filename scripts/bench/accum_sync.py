@@ -12,7 +12,8 @@ behind a barrier; a step's time is the slower rank's. Reported: median step time
 per-step ratio once / each (below 1: syncing once is faster), and the gradient all-reduces per
 optimizer step counted in each variant. Prints one JSON object.
 
-    python scripts/bench/accum_sync.py [--accum 4] [--batch 8] [--steps 20] [--grad-reduce pg] [overrides...]
+    python scripts/bench/accum_sync.py [--accum 4] [--batch 8] [--steps 20] [--grad-reduce pg]
+        [overrides...]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Fused attention (csrc/attention) and FlexAttention against SDPA on the CPU: TFLOP/s, time
 ratios and the ``auto`` choice, and peak extra memory.
 
-    python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick] [--backward]
-        [--dtypes float32,bfloat16] [--head-dims 64,128] [--no-flex]
+    python scripts/bench/attention.py --out bench_attention.json [--threads 2] [--quick]
+        [--backward] [--dtypes float32,bfloat16] [--head-dims 64,128] [--no-flex]
 
 Every point times ``fused`` at each vector ISA the CPU has (``fused:avx512``, ``fused:avx2``,
 ``fused:generic``, capped by ``RAG_ATTN_ISA``; ``fused`` is the one the process runs by default),
@@ -65,7 +65,8 @@ def make_case(case: str, S: int, D: int, dtype: torch.dtype, backend: str = "fus
 
 
 def make_fns(case: str, S: int, D: int, dtype: torch.dtype, backends):
-    """({backend: fn}, sdpa_fn, useful_flops), every fn on the same inputs (equally warm in cache)."""
+    """({backend: fn}, sdpa_fn, useful_flops), every fn on the same inputs (equally warm in
+    cache)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     scale = D**-0.5
@@ -183,7 +184,8 @@ def peak_extra_mib(case: str, S: int, D: int, dtype: str, impl: str, threads: in
         "pick = lambda c: c[0] if %r == 'fused' else c[1]\n"
         "with torch.no_grad(): pick(make_case(%r, 64, %d, getattr(torch, %r)))()\n"  # lazy init
         "fn = pick(make_case(%r, %d, %d, getattr(torch, %r)))\n"
-        "hwm = lambda: int([ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0].split()[1])\n"
+        "hwm = lambda: int([ln for ln in open('/proc/self/status') "
+        "if ln.startswith('VmHWM')][0].split()[1])\n"
         "open('/proc/self/clear_refs', 'w').write('5')\n"  # reset the peak to the current RSS
         "base = hwm()\n"  # inputs exist already
         "with torch.no_grad(): fn()\n"
@@ -257,8 +259,9 @@ def cuda_main(args) -> None:
                     )
                     results.append(row)
                     print(
-                        f"{row['dtype']:>8} D={D:<3} {case:<10} S={S:<5} fused {row['fused_tflops']:6.1f} TFLOP/s  "
-                        f"flash {row['flash_tflops']:6.1f} TFLOP/s  x{row['ratio']:.2f}",
+                        f"{row['dtype']:>8} D={D:<3} {case:<10} S={S:<5} fused "
+                        f"{row['fused_tflops']:6.1f} TFLOP/s  flash {row['flash_tflops']:6.1f} "
+                        f"TFLOP/s  x{row['ratio']:.2f}",
                         flush=True,
                     )
     report = dict(
@@ -306,7 +309,10 @@ def main() -> None:
         "--stat",
         default="median",
         choices=["median", "min"],
-        help="per point: median of the timed calls, or the fastest call (steadier on a loaded machine)",
+        help=(
+            "per point: median of the timed calls, or the fastest call (steadier on a loaded "
+            "machine)"
+        ),
     )
     ap.add_argument(
         "--cpu-time",
@@ -335,7 +341,8 @@ def main() -> None:
     stat = min if args.stat == "min" else statistics.median
     if args.cpu_time and args.threads != 1:
         sys.exit(
-            "--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU time)"
+            "--cpu-time needs --threads 1 (other threads' work is not the calling thread's CPU "
+            "time)"
         )
     clock = time.thread_time if args.cpu_time else time.perf_counter
     ok, why = A.fused_available()
@@ -398,7 +405,8 @@ def main() -> None:
                         row["auto_vs_best"] = best / times["auto"]
                     results.append(row)
                     print(
-                        f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa {times['sdpa'] * 1e3:7.2f} ms  "
+                        f"{row['dtype']:>8} D={D:<3} {case:<9} S={S:<5} sdpa "
+                        f"{times['sdpa'] * 1e3:7.2f} ms  "
                         + "  ".join(f"{k} x{r:.2f}" for k, r in row["ratios"].items())
                         + (
                             f"  (auto -> {row['auto_picks']}, best/auto {row['auto_vs_best']:.2f})"
@@ -461,8 +469,10 @@ def main() -> None:
         + ("the thread's CPU time" if args.cpu_time else "wall time"),
         command=" ".join(sys.argv),
         speedup_summary={f"{c}/{d}": summary(c, d) for c in cases for d in dtypes},
-        ratio_note="median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: worst point; "
-        "auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto",
+        ratio_note=(
+            "median over points of time / SDPA's time (below 1: faster than SDPA); auto_max: "
+            "worst point; auto_vs_best_min: worst point of (fastest fused ISA or SDPA) / auto"
+        ),
         ratio_summary={
             f"{c}/{d}": ratio_summary(c, d)
             for c in cases

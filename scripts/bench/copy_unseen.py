@@ -1,6 +1,7 @@
 """Does the reader copy answers it never saw? Per answer position, on a synthetic task.
 
-    python scripts/bench/copy_unseen.py [--steps 200] [--copy-supervision 1.0] [--copy-anonymize 0.25]
+    python scripts/bench/copy_unseen.py [--steps 200] [--copy-supervision 1.0]
+        [--copy-anonymize 0.25]
 
 The task of tests/rag_mm/test_copy_unseen.py: each query asks for one of three facts, its one
 document states all three (``<attr> : <v1> <v2> .``); training values come from one pool of token

@@ -8,7 +8,8 @@ see the same machine state; a depth's figure is the median over steps of its ste
 depth 0's in the same step. This resolves differences of 1-2% on a machine whose step times drift
 by 10% within a minute, which separate runs cannot.
 
-    python scripts/bench/drain_depth.py [--ms 2,4,8,16] [--depths 0,1,2,3] [--steps 150] [--out f.json]
+    python scripts/bench/drain_depth.py [--ms 2,4,8,16] [--depths 0,1,2,3] [--steps 150]
+        [--out f.json]
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def main() -> None:
     depths = [int(d) for d in a.depths.split(",")]
     res = []
     print(
-        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, {a.schedule}; load average {os.getloadavg()[0]:.1f}"
+        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, {a.schedule}; load average "
+        f"{os.getloadavg()[0]:.1f}"
     )
     for m in [int(x) for x in a.ms.split(",") if x]:
         r = spawn(paired, 2, m=m, depths=depths, steps=a.steps, schedule=a.schedule)

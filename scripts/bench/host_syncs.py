@@ -80,8 +80,8 @@ def _backward(loss, params):
 
 
 def _checker(opt):
-    """The trainer's non-finite check: ``rag_mm.components.nonfinite`` where it exists, else the per-step
-    expression the trainer had before it."""
+    """The trainer's non-finite check: ``rag_mm.components.nonfinite`` where it exists, else the
+    per-step expression the trainer had before it."""
     try:
         from rag_mm.components.nonfinite import NonFiniteGuard
     except ImportError:

@@ -165,15 +165,16 @@ def main() -> None:
         row["speedup_vs_flat"] = round(row["qps"] / flat_qps, 2)
         rows.append(row)
         print(
-            f"{name:24s} {strict_dumps(params):34s} build {row['build_s']:7.1f}s  {row['qps']:9.1f} q/s  "
-            f"R@10 {row['recall_at_10']:.4f}  x{row['speedup_vs_flat']:.1f}",
+            f"{name:24s} {strict_dumps(params):34s} build {row['build_s']:7.1f}s  "
+            f"{row['qps']:9.1f} q/s  R@10 {row['recall_at_10']:.4f}  x{row['speedup_vs_flat']:.1f}",
             flush=True,
         )
 
     def build(
         factory: str, trained: FaissIndex | None = None
     ) -> tuple[FaissIndex, float, FaissIndex]:
-        """Train (unless ``trained`` is given) and add all of x; returns an empty trained copy too."""
+        """Train (unless ``trained`` is given) and add all of x; returns an empty trained copy
+        too."""
         t = time.perf_counter()
         index = (
             trained.empty_like()
@@ -317,7 +318,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(strict_dumps(report, indent=2))
     print(
-        f"default for {n} docs: {chosen} {default_search_params(chosen)}; wrote {args.out} ({report['total_s']}s)"
+        f"default for {n} docs: {chosen} {default_search_params(chosen)}; wrote {args.out} "
+        f"({report['total_s']}s)"
     )
 
 

@@ -13,9 +13,10 @@ batch 8, 1 document at smaller batches). Per rank, for DDP and FSDP2 (2 AdamW st
   model, gradients, optimizer state, activations, FSDP's all-gather / reduce-scatter buffers and
   DDP's gradient buckets, and nothing else): this is what the "<= 0.6x per rank" goal means;
 - ``rss``: the process's peak resident memory growth from just before the model is built, after
-  imports and a warm-up step of a tiny reader (current RSS sampled every 0.5 ms; malloc's mmap threshold is pinned so freed tensors go back
-  to the OS): adds the allocator's slack, gloo's and the runtime's own buffers and caches, which
-  no data parallel scheme shards. Measured in a first run, without the profiler.
+  imports and a warm-up step of a tiny reader (current RSS sampled every 0.5 ms; malloc's mmap
+  threshold is pinned so freed tensors go back to the OS): adds the allocator's slack, gloo's and
+  the runtime's own buffers and caches, which no data parallel scheme shards. Measured in a first
+  run, without the profiler.
 
 Under a pipeline (``--pipeline``, 4 ranks): pp=2 x dp_shard=2 (FSDP2 inside each stage) against
 pp=2 x dp_replicate=2 (each stage replicated, gradients all-reduced), same partition (balanced by
@@ -106,7 +107,8 @@ def _train(mode, world, dim, layers, batch):
     if mode == "fsdp":
         pc = ParallelConfig(dp_shard=world)
         parallelize_spmd(model, pc, build_mesh(pc, world, "cpu"))
-    else:  # plain data parallel, as the trainer runs it: full replica, gradients all-reduced in buckets
+    # plain data parallel, as the trainer runs it: full replica, gradients all-reduced in buckets
+    else:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
@@ -239,7 +241,9 @@ def main():
     ap.add_argument(
         "--shapes",
         default="768x8x2,384x8x8",
-        help="reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)",
+        help=(
+            "reader dim x layers x batch, comma-separated (first: state-dominated, the goal's case)"
+        ),
     )
     ap.add_argument(
         "--activations", default="384x8", help="dim x layers for the activation-checkpointing table"

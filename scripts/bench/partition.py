@@ -2,7 +2,8 @@
 
 1. Speed: partitioning a model of >= 1000 modules (tracing excluded), for 2, 4 and 8 stages, on
    a deep model (200 small blocks), a wide one (8 blocks of 127 modules, so the partitioner
-   must descend into blocks) and a flat one (1000 leaves: the dynamic program runs on 1000 units). Target: <= 2 s.
+   must descend into blocks) and a flat one (1000 leaves: the dynamic program runs on 1000 units).
+   Target: <= 2 s.
 2. Quality: on the test models, the largest stage cost of ``auto`` over the exact optimum of the
    same units (dynamic program), and the largest stage time of the baselines (DeepSpeed uniform
    and parameters, torchgpipe balance_by_time over the hand-written layer list) over ``auto``'s.
@@ -126,8 +127,9 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['stages']} | {r['units']} | {r['layers']} | {r['auto_vs_optimum']:.3f} | "
-            f"{r['uniform_vs_auto']:.2f} | {r['parameters_vs_auto']:.2f} | {r['time_vs_auto']:.2f} | "
+            f"| {r['model']} | {r['stages']} | {r['units']} | {r['layers']} | "
+            f"{r['auto_vs_optimum']:.3f} | {r['uniform_vs_auto']:.2f} | "
+            f"{r['parameters_vs_auto']:.2f} | {r['time_vs_auto']:.2f} | "
             f"{r['auto_max_stage_ms']:.2f} ({r['ideal_ms']:.2f}) |"
         )
     return "\n".join(lines)

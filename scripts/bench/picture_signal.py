@@ -1,12 +1,15 @@
 """Where does the picture's signal die inside the reader? Measured on one question of a VQA split.
 
-    python scripts/bench/picture_signal.py runs/vqa split=val            # a trained run's newest checkpoint
-    python scripts/bench/picture_signal.py runs/vqa split=val --init     # the same config, freshly initialised
-    python scripts/bench/picture_signal.py runs/vqa --init model.patch_size=8   # another reader, same data
+    # a trained run's newest checkpoint
+    python scripts/bench/picture_signal.py runs/vqa split=val
+    # the same config, freshly initialised
+    python scripts/bench/picture_signal.py runs/vqa split=val --init
+    # another reader, same data
+    python scripts/bench/picture_signal.py runs/vqa --init model.patch_size=8
 
-The question is ``--question``, else the split's most frequent question text whose answers take at least three values
-(on easy-VQA: "what color is the shape?"), so its answer is decided by the picture alone. For its
-queries (up to ``--queries``) it reports, as JSON:
+The question is ``--question``, else the split's most frequent question text whose answers take at
+least three values (on easy-VQA: "what color is the shape?"), so its answer is decided by the
+picture alone. For its queries (up to ``--queries``) it reports, as JSON:
 
 * ``probe``: how well a linear read-out (ridge regression to the answer's one-hot, fit on 70% of the
   queries, scored on the rest) recovers the answer from each stage: the vision tower's patch tokens
@@ -17,9 +20,9 @@ queries (up to ``--queries``) it reports, as JSON:
   most frequent answer (what answering from the question alone gets).
 * ``image_attention``: per block, the attention mass of the answer position on the query picture's
   tokens, averaged over heads, against ``uniform_share`` (what attending evenly would give).
-* ``grad_to_param``: on one batch of the split, the gradient norm over the parameter norm of each part
-  of the reader (vision tower, projector, embeddings, blocks, head): a part whose ratio is orders of
-  magnitude below the others learns little.
+* ``grad_to_param``: on one batch of the split, the gradient norm over the parameter norm of each
+  part of the reader (vision tower, projector, embeddings, blocks, head): a part whose ratio is
+  orders of magnitude below the others learns little.
 
 Native readers only (``model.family=native``): the probes hook its blocks.
 """
@@ -43,7 +46,8 @@ from rag_mm.evaluate import load_config, load_model_state  # noqa: E402
 from rag_mm.model.layout import IGNORE, QUERY_IMAGE  # noqa: E402
 
 TRAIN_SHARE = 0.7  # queries the probe is fitted on; the rest score it
-RIDGE = 1.0  # ridge penalty per feature over 100 queries: enough to keep 256-wide probes from interpolating
+# ridge penalty per feature over 100 queries: enough to keep 256-wide probes from interpolating
+RIDGE = 1.0
 
 
 def probe(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -79,15 +83,16 @@ def pick_question(
     ]
     if not texts:
         sys.exit(
-            f"picture_signal: no question {'' if question is None else repr(question) + ' '}in the split "
-            "has three or more distinct answers"
+            f"picture_signal: no question {'' if question is None else repr(question) + ' '}in "
+            "the split has three or more distinct answers"
         )
     text = max(texts, key=lambda t: len(by_text[t]))
     return text, by_text[text][:limit]
 
 
 def stack(queries: list[dict]) -> dict:
-    """Queries of one question text -> a batch (their token rows have equal lengths up to padding)."""
+    """Queries of one question text -> a batch (their token rows have equal lengths up to
+    padding)."""
     out = {
         "image": torch.stack([q["image"] for q in queries]),
         "q_len": torch.stack([q["q_len"] for q in queries]),
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = checkpoint.latest_valid(args.run / "checkpoints")
         if ckpt is None:
             sys.exit(
-                f"picture_signal: no valid checkpoint in {args.run / 'checkpoints'} (or pass --init)"
+                f"picture_signal: no valid checkpoint in {args.run / 'checkpoints'} (or pass "
+                "--init)"
             )
         step = load_model_state(parts.rag, ckpt)["step"]
     reader.eval()

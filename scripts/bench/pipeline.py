@@ -80,8 +80,8 @@ BARRIER = dist.barrier
 def _tight_barrier():
     """The step clock starts when a barrier releases. gloo's barrier (loopback TCP) released the
     two ranks up to 1-4 ms apart in some steps, and that skew landed in the step time of the rank
-    released first; a shared-memory all-reduce of one number releases both within microseconds. Used for every
-    timed loop here (ours, torch's, the floor), so all are measured alike."""
+    released first; a shared-memory all-reduce of one number releases both within microseconds. Used
+    for every timed loop here (ours, torch's, the floor), so all are measured alike."""
     from parallel.kernels import comm
 
     if not comm.available()[0]:
@@ -121,9 +121,9 @@ def spawn(fn, world: int, **kw):
 
 
 class _Variant:
-    """One way of running the pipelined MLP step on this rank: ours (a schedule name; ``:whole_drain``
-    for ``split_drain=False``, ``:engine_w`` for W without its nn.Linear fast path, ``@gloo`` for the
-    shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
+    """One way of running the pipelined MLP step on this rank: ours (a schedule name;
+    ``:whole_drain`` for ``split_drain=False``, ``:engine_w`` for W without its nn.Linear fast path,
+    ``@gloo`` for the shared-memory lanes off) or ``torch_1f1b`` (torch.distributed.pipelining's
     Schedule1F1B over gloo with a hand-made even split: the reference)."""
 
     def __init__(self, rank, name, m, d, batch, stage_path):
@@ -382,8 +382,9 @@ def main() -> None:
     print(f"MLP {BLOCKS}x Linear({D},{D})+ReLU, batch {BATCH}, p={p}, 1 thread/rank, gloo")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     print(
-        f"{'m':>3} {'variant':>22} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} {'vs floor':>8} {'bubble':>7} "
-        f"{'theory':>7} {'recv wait ms r0,r1':>19} {'T1/2 ms | CPU ms r0,r1':>23}  overhead per round"
+        f"{'m':>3} {'variant':>22} {'T1 ms':>8} {'Tpipe ms':>9} {'overhead':>9} {'floor':>7} "
+        f"{'vs floor':>8} {'bubble':>7} {'theory':>7} {'recv wait ms r0,r1':>19} "
+        f"{'T1/2 ms | CPU ms r0,r1':>23}  overhead per round"
     )
 
     def overhead(m, t1, tp):
@@ -433,8 +434,9 @@ def main() -> None:
             res["mlp"].append(row)
             print(
                 f"{m:>3} {v:>22} {row['t1'] * 1e3:>8.2f} {row['tpipe'] * 1e3:>9.2f} "
-                f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} {row['bubble']:>7.1%} "
-                f"{row['theory']:>7.1%} {row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
+                f"{row['overhead']:>9.1%} {row['overhead_floor']:>7.1%} {row['over_floor']:>8.1%} "
+                f"{row['bubble']:>7.1%} {row['theory']:>7.1%} "
+                f"{row['wait'][0] * 1e3:>9.1f},{row['wait'][1] * 1e3:>6.1f} "
                 f"{row['t1'] * 500:>8.1f} | {row['cpu'][0] * 1e3:.1f},{row['cpu'][1] * 1e3:.1f}  "
                 + " ".join(f"{x:.1%}" for x in ovs),
                 flush=True,

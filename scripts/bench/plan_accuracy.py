@@ -2,8 +2,9 @@
 handful of layouts on 4 gloo ranks (CPU processes), against the same layouts run for real through
 ``parallel.parallelize``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py [--model llama|gpt2|reader|gpt2,reader]
-        [--steps 5] [--rounds 1] [--layouts dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2] [--json out.json]
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/plan_accuracy.py
+        [--model llama|gpt2|reader|gpt2,reader] [--steps 5] [--rounds 1]
+        [--layouts dp4,fsdp4,hsdp2x2,pp2_dp2,pp2_fsdp2,tp2_dp2,tp2_fsdp2,pp2_tp2] [--json out.json]
 
 Models (``--model``, a comma list runs each in turn, one JSON section each), all random init, fp32,
 AdamW, ``--global-batch`` samples per step (split over the data-parallel ranks, and under a
@@ -394,7 +395,8 @@ def rank_main(
                 errors, err
             )  # the default group: a failed layout's sub-groups are not used
             if any(errors):
-                # the cause, not a peer's timeout waiting on it, where one rank says more than "timed out"
+                # the cause, not a peer's timeout waiting on it, where one rank says more than
+                # "timed out"
                 first = next((e for e in errors if e and "timed out" not in e), None) or next(
                     e for e in errors if e
                 )
@@ -412,8 +414,8 @@ def rank_main(
                 res[name] = out
             if rank == 0:
                 log(
-                    f"{m['kind']}: measured {name} (round {rnd + 1}/{rounds}) in {time.perf_counter() - t0:.1f} s"
-                    + (" (failed)" if any(errors) else "")
+                    f"{m['kind']}: measured {name} (round {rnd + 1}/{rounds}) in "
+                    f"{time.perf_counter() - t0:.1f} s" + (" (failed)" if any(errors) else "")
                 )
     return res
 
@@ -431,7 +433,8 @@ def measure_all(
         )
     except AssertionError as e:
         log(
-            f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per group"
+            f"{m['kind']}: the group of ranks failed ({str(e)[-400:]}); retrying one layout per "
+            "group"
         )
     res = [{} for _ in range(world)]
     for job in jobs:
@@ -567,7 +570,8 @@ def machine() -> dict:
 
 
 def first_choice(ok: list[str], p_t: list[float], m_t: list[float]) -> dict | None:
-    """The planner's fastest predicted layout among the measured ones, against the fastest measured."""
+    """The planner's fastest predicted layout among the measured ones, against the fastest
+    measured."""
     if not ok:
         return None
     i = min(range(len(ok)), key=lambda j: p_t[j])
@@ -632,8 +636,8 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         )
         cluster = cluster.with_model_rate(rate)
         log(
-            f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the matmul rate), "
-            f"{overhead_s * 1e3:.1f} ms fixed per forward + backward"
+            f"{kind}: measured {rate / 1e9:.2f} GFLOP/s ({cluster.compute_efficiency:.2f} of the "
+            f"matmul rate), {overhead_s * 1e3:.1f} ms fixed per forward + backward"
         )
     # tp must divide the attention heads (the reader's ViT has vision_width / 32 heads: 4 here)
     tp_div = m["heads"] if kind == "reader" else None
@@ -667,8 +671,9 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
                     "predicted_step_time_s": lay.step_time_s,
                 }
         log(
-            f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, {_mb(lay.memory_bytes_per_device)} MiB, "
-            f"{lay.step_time_s * 1e3:.1f} ms" + ("" if lay.fits else f" ({'; '.join(lay.reasons)})")
+            f"{kind}: predicted {n}: {lay.key}, fits={lay.fits}, "
+            f"{_mb(lay.memory_bytes_per_device)} MiB, {lay.step_time_s * 1e3:.1f} ms"
+            + ("" if lay.fits else f" ({'; '.join(lay.reasons)})")
         )
     stage_flops = {}
     for s in specs.values():
@@ -679,7 +684,8 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
     # --- measured
     run_names = [n for n in names if n not in skipped]
     log(
-        f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + {a.steps} steps each)"
+        f"{kind}: measuring {len(run_names)} layouts on {a.world} gloo ranks ({a.warmup} + "
+        f"{a.steps} steps each)"
     )
     jobs = [(n, specs[n], parts.get(n)) for n in run_names]
     t0 = time.perf_counter()
@@ -773,12 +779,14 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
         notes = []
         if specs[n]["pp"] > 1 and specs[n]["dp_shard"] > 1:
             notes.append(
-                "predicted grads are the unsharded gradients a pipeline stage accumulates during the step "
-                "(its peak); measured after the step, when FSDP has reduce-scattered them to a shard"
+                "predicted grads are the unsharded gradients a pipeline stage accumulates during "
+                "the step (its peak); measured after the step, when FSDP has reduce-scattered "
+                "them to a shard"
             )
         if specs[n]["pp"] > 1:
             notes.append(
-                "peak: the fullest pipeline rank's, predicted and measured (by_pp_rank: each rank's)"
+                "peak: the fullest pipeline rank's, predicted and measured (by_pp_rank: each "
+                "rank's)"
             )
         if notes:
             entry["notes"] = notes
@@ -917,8 +925,8 @@ def main() -> None:
         models[kind]["total_s"] = round(time.perf_counter() - t0, 1)
         sec = models[kind]
         log(
-            f"{kind}: median relative error {sec['median_relative_error']}, spearman {sec['spearman_rho']}, "
-            f"first choice {sec['first_choice']}"
+            f"{kind}: median relative error {sec['median_relative_error']}, spearman "
+            f"{sec['spearman_rho']}, first choice {sec['first_choice']}"
         )
 
     result = {

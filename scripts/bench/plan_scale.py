@@ -140,8 +140,8 @@ def best_of(plan: Plan, candidates: list[dict]) -> object:
 
 
 def compare_tp_vs_pipeline(plan: Plan, cluster: Cluster) -> dict:
-    """TP over two nodes (tp=16) against TP inside a node with a 2-stage pipeline across nodes, at the
-    same data-parallel degree; each family at its best options (FSDP split, checkpointing,
+    """TP over two nodes (tp=16) against TP inside a node with a 2-stage pipeline across nodes, at
+    the same data-parallel degree; each family at its best options (FSDP split, checkpointing,
     microbatches), bf16. The pipeline is shown with plain 1F1B and with the best schedule."""
     dpn = cluster.devices_per_node
     dp = cluster.world // (2 * dpn)
@@ -181,11 +181,13 @@ def compare_tp_vs_pipeline(plan: Plan, cluster: Cluster) -> dict:
     bw8, lat8, _ = cluster.group_link(dpn, 1)
     out["why"] = (
         f"tp={2 * dpn} runs its 4 all-reduces per block and microbatch over the nodes' network "
-        f"({bw16 / 1e9:.0f} GB/s per group, {lat16 * 1e6:.0f} us per step, {2 * (2 * dpn - 1)} ring steps) instead of "
-        f"NVSwitch ({bw8 / 1e9:.0f} GB/s, {lat8 * 1e6:.0f} us): TP communication {a.breakdown['tp_comm']:.3f} s vs "
-        f"{b.breakdown['tp_comm']:.3f} s per step; the pipeline pays instead one activation hand-over per microbatch "
-        f"and stage boundary ({b.breakdown['pp_comm']:.3f} s) and a bubble ({b.breakdown['bubble']:.3f} s); compute "
-        f"is about the same ({a.breakdown['compute']:.3f} s vs {b.breakdown['compute']:.3f} s: the same devices per replica)."
+        f"({bw16 / 1e9:.0f} GB/s per group, {lat16 * 1e6:.0f} us per step, {2 * (2 * dpn - 1)} "
+        f"ring steps) instead of NVSwitch ({bw8 / 1e9:.0f} GB/s, {lat8 * 1e6:.0f} us): TP "
+        f"communication {a.breakdown['tp_comm']:.3f} s vs {b.breakdown['tp_comm']:.3f} s per "
+        "step; the pipeline pays instead one activation hand-over per microbatch and stage "
+        f"boundary ({b.breakdown['pp_comm']:.3f} s) and a bubble ({b.breakdown['bubble']:.3f} s); "
+        f"compute is about the same ({a.breakdown['compute']:.3f} s vs "
+        f"{b.breakdown['compute']:.3f} s: the same devices per replica)."
     )
     return out
 

@@ -81,7 +81,10 @@ def main() -> None:
         "--redraw",
         type=float,
         default=0.0,
-        help="a smooth random warp of this amplitude and a colour mix on the memory views (another artist's drawing)",
+        help=(
+            "a smooth random warp of this amplitude and a colour mix on the memory views "
+            "(another artist's drawing)"
+        ),
     )
     ap.add_argument(
         "--joint", action="store_true", help="memory and queries through the tower in one call"

@@ -2,7 +2,8 @@
 about? CLIP-style training of the tower on (picture, question + answer) pairs of the training
 split, then a linear probe of each asked-for attribute on frozen features of the validation split.
 
-    python scripts/bench/tower_contrastive.py runs/vqa --steps 600 --answers circle,rectangle,triangle
+    python scripts/bench/tower_contrastive.py runs/vqa --steps 600 \\
+        --answers circle,rectangle,triangle
 
 ``RUN`` is a run directory (its saved config names the data and the reader's tower). The tower is
 the reader's (``rag_mm.model.reader.build_vision_tower``); the text side is a small open_clip text
@@ -43,7 +44,8 @@ RIDGE = 10.0  # probe's L2 penalty on standardised features
 
 
 def qa_tokens(b: dict, text_ids: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """open_clip tokens of each question followed by its answer (no EOT), and an id per distinct text."""
+    """open_clip tokens of each question followed by its answer (no EOT), and an id per distinct
+    text."""
     rows = [
         torch.cat([b["q_ids"][i, : b["q_len"][i]], b["a_ids"][i, : b["a_len"][i] - 1]])
         for i in range(len(b["q_len"]))

@@ -1,15 +1,16 @@
 """Does self-supervised pretraining on the pictures alone give the reader's vision tower the
 features a VQA data set asks about? SimCLR (two augmented views of each training picture, NT-Xent;
-``rag_mm.model.vision_ssl.pretrain_tower``, the trainer's vision warm-up) on the training split's pictures, then a linear probe of an asked-for attribute on frozen features
-of the validation split, for the freshly initialised and the pretrained tower.
+``rag_mm.model.vision_ssl.pretrain_tower``, the trainer's vision warm-up) on the training split's
+pictures, then a linear probe of an asked-for attribute on frozen features of the validation split,
+for the freshly initialised and the pretrained tower.
 
     python scripts/bench/tower_simclr.py runs/vqa --steps 600 --answers circle,rectangle,triangle
 
 ``RUN`` is a run directory (its saved config names the data and the reader's tower). Views:
 ``rag_mm.model.vision_ssl.picture_views`` (random affine: rotation, flip, scale, shift; a random
-colour permutation and greyscale), so what two views of one picture share is the thing's form. The probe
-is the one of ``tower_contrastive.py``. Prints JSON lines: the loss every 50 steps, then one probe
-result per tower (and ``--save`` writes the pretrained tower's state dict, which
+colour permutation and greyscale), so what two views of one picture share is the thing's form. The
+probe is the one of ``tower_contrastive.py``. Prints JSON lines: the loss every 50 steps, then one
+probe result per tower (and ``--save`` writes the pretrained tower's state dict, which
 ``model.vision_checkpoint`` loads).
 """
 
@@ -36,7 +37,8 @@ from rag_mm.model.vision_ssl import pretrain_tower  # noqa: E402
 
 
 def pretrain(cfg, steps: int, lr: float) -> nn.Module:
-    """The recipe's tower after ``steps`` of the vision warm-up the trainer runs (``pretrain_tower``)."""
+    """The recipe's tower after ``steps`` of the vision warm-up the trainer runs
+    (``pretrain_tower``)."""
     tower = build_vision_tower(cfg.model)
 
     def pictures():

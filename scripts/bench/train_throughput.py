@@ -3,8 +3,9 @@
     python scripts/bench/train_throughput.py [--device cpu|cuda] [--threads 2] [--steps 20]
         [--batch 32] [--precision fp32|bf16] [--checkpointing] [--compile] [overrides...]
 
-    python scripts/bench/train_throughput.py --device cuda --precision bf16 --batch 8 --checkpointing \
-        model=llama3_2_1b retriever.top_k=2           # the ~1B Hugging Face reader preset on one GPU
+    # the ~1B Hugging Face reader preset on one GPU
+    python scripts/bench/train_throughput.py --device cuda --precision bf16 --batch 8 \
+        --checkpointing model=llama3_2_1b retriever.top_k=2
 
 The reader is the run's (``+experiment=demo`` plus the overrides: a preset such as
 ``model=llama3_2_1b`` builds the HF reader), built on the meta device and given random weights

@@ -8,7 +8,8 @@ engine (below 1: the fast path is faster), the median step times, and per rank t
 duration of each action kind (F, B, I, W) from the timeline. Which actions split: every backward
 under zero_bubble, the last ``DRAIN_DEPTH`` backwards of the non-first ranks under the 1F1B family.
 
-    python scripts/bench/weight_step.py [--schedules zero_bubble,eager_1f1b] [--ms 8,16] [--steps 40]
+    python scripts/bench/weight_step.py [--schedules zero_bubble,eager_1f1b] [--ms 8,16]
+        [--steps 40]
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     print(
-        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, 1 thread/rank; load average {os.getloadavg()[0]:.1f}"
+        f"MLP 8x Linear({D},{D})+ReLU, batch {BATCH}, p=2, 1 thread/rank; load average "
+        f"{os.getloadavg()[0]:.1f}"
     )
     res = []
     for schedule in a.schedules.split(","):

@@ -172,7 +172,8 @@ def audited(substitute: bool = True) -> Iterator[HostAudit]:
 
 
 def engine_backward_error() -> str | None:
-    """Why a backward through the autograd engine fails on fake CUDA tensors here (None: it runs)."""
+    """Why a backward through the autograd engine fails on fake CUDA tensors here (None: it
+    runs)."""
     with fake_cuda():
         w = torch.ones(2, device="cuda", requires_grad=True)
         try:

@@ -153,7 +153,8 @@ def test_audit_boolean_mask_and_device_mismatch():
 # ------------------------------------------------------------------------------ readers
 @pytest.mark.parametrize("model", ["demo", "hf_tiny"])
 def test_reader_train_step_on_fake_cuda(model):
-    """One steady-state train step of the reader with 4 documents per query: no sync, no CPU tensor."""
+    """One steady-state train step of the reader with 4 documents per query: no sync, no CPU
+    tensor."""
     cfg = _cfg() if model == "demo" else _cfg("model=hf_tiny")
     m, k = cfg.model, cfg.retriever.top_k
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -256,7 +257,7 @@ def test_parallel_model_step_on_fake_cuda(monkeypatch):
     _assert_clean(audit, "ParallelModel.train_step")
 
 
-# ------------------------------------------------------------------------------ the trainer's step path
+# -------------------------------------------------------------------------- the trainer's step path
 def test_trainer_step_path_on_fake_cuda(monkeypatch):
     """The trainer's step over the closed-book demo reader: ``SpreadRag.train_step``, its
     ``clip_grad_norm_``, the non-finite check and the optimizer (no data loader, no faiss)."""

@@ -1,6 +1,6 @@
-"""The non-finite check's accelerator path (``rag_mm.components.nonfinite``) on real numbers: the decision
-stays on the device, the fused AdamW update skips itself, and the skipped steps are logged and
-counted at the next flush as the host path counts them. Run on the CPU (fused AdamW has a CPU
+"""The non-finite check's accelerator path (``rag_mm.components.nonfinite``) on real numbers: the
+decision stays on the device, the fused AdamW update skips itself, and the skipped steps are logged
+and counted at the next flush as the host path counts them. Run on the CPU (fused AdamW has a CPU
 kernel) with the guard put on its device path by hand."""
 
 from __future__ import annotations

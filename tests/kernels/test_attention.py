@@ -104,8 +104,12 @@ def test_fp32_matches_reference(fused, layout, seed):
     ref = out_and_grads("reference", q, k, v, extra, grad)
     for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
         torch.testing.assert_close(
-            g, r, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}"
-        )  # noqa: B023
+            g,
+            r,
+            atol=2e-5,
+            rtol=1e-4,
+            msg=lambda m: f"{layout} {name}: {m}",  # noqa: B023
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -260,7 +264,8 @@ def test_bwd_opcheck(fused):
 # ----------------------------------------------------------------------------- baselines + switch
 @pytest.mark.parametrize("layout", ["retrieval", "varlen"])
 def test_sdpa_baselines_match_reference(layout):
-    """The SDPA paths (dense mask / padded) the benchmark compares against compute the same thing."""
+    """The SDPA paths (dense mask / padded) the benchmark compares against compute the same
+    thing."""
     q, k, v, extra = make_case(layout, torch.float32, seed=7)
     torch.testing.assert_close(
         run("sdpa", q, k, v, extra), run("reference", q, k, v, extra), atol=2e-5, rtol=1e-4
@@ -359,8 +364,11 @@ def test_forced_isa_matches_reference(force_isa, fused, isa, dtype, layout):
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=0)
     for name, g, t in zip(["out", "dq", "dk", "dv"], got, truth):
         torch.testing.assert_close(
-            g.double(), t, **tol, msg=lambda m: f"{isa} {layout} D={D} {name}: {m}"
-        )  # noqa: B023
+            g.double(),
+            t,
+            **tol,
+            msg=lambda m: f"{isa} {layout} D={D} {name}: {m}",  # noqa: B023
+        )
 
 
 @pytest.mark.parametrize("isa", ISA_ORDER)

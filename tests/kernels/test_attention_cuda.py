@@ -32,7 +32,8 @@ def _cuda_build():
 
 
 def _toolkit(cb) -> Path | None:
-    """A CUDA toolkit already on this machine: `make cuda-build`'s PyPI one, else torch's CUDA_HOME."""
+    """A CUDA toolkit already on this machine: `make cuda-build`'s PyPI one, else torch's
+    CUDA_HOME."""
     for folder in sorted(cb.toolkit_cache().glob("cuda*/toolkit.json")):
         home = cb._cuda_home_in(folder.parent)
         if home is not None:
@@ -140,8 +141,11 @@ def test_cuda_matches_reference(layout, dtype):
     tol = dict(atol=1e-4, rtol=1e-3) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for name, g, r in zip(["out", "dq", "dk", "dv"], got, ref):
         torch.testing.assert_close(
-            g.float(), r.float(), **tol, msg=lambda m: f"{layout} {name}: {m}"
-        )  # noqa: B023
+            g.float(),
+            r.float(),
+            **tol,
+            msg=lambda m: f"{layout} {name}: {m}",  # noqa: B023
+        )
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""``auto`` chosen by measurement (parallel/kernels/autotune.py): the fastest correct candidate wins,
-the choice is cached on disk per key (thread count included) and reused by the next process,
+"""``auto`` chosen by measurement (parallel/kernels/autotune.py): the fastest correct candidate
+wins, the choice is cached on disk per key (thread count included) and reused by the next process,
 ``RAG_MM_ATTN_AUTOTUNE=0`` keeps the fixed rule, nothing is timed on fake tensors or under
 compilation, and under torch.distributed every rank runs rank 0's choice.
 
@@ -55,7 +55,8 @@ _REAL_CANDIDATES = T.candidates
 
 
 def _burn(seconds: float = 0.01) -> None:
-    """Busy for ``seconds`` of CPU time (a sleep would not count: one thread is timed by CPU time)."""
+    """Busy for ``seconds`` of CPU time (a sleep would not count: one thread is timed by CPU
+    time)."""
     t = time.thread_time()
     while time.thread_time() - t < seconds:
         pass

@@ -77,13 +77,18 @@ def test_fp32_matches_reference(layout, seed):
     ref = _out_and_grads(_reference, q, k, v, g, extra)
     for name, a, b in zip(NAMES, got, ref):
         torch.testing.assert_close(
-            a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"{layout} {name}: {m}"
-        )  # noqa: B023
+            a,
+            b,
+            atol=2e-5,
+            rtol=1e-4,
+            msg=lambda m: f"{layout} {name}: {m}",  # noqa: B023
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_close_to_fp32_reference(layout):
-    """bf16 in, fp32 reference on the same (bf16-rounded) inputs: error within a few bf16 ulps of O(1)."""
+    """bf16 in, fp32 reference on the same (bf16-rounded) inputs: error within a few bf16 ulps of
+    O(1)."""
     q, k, v, g, extra = _case(layout, torch.bfloat16, seed=2)
     got = _out_and_grads(_flex(False), q, k, v, g, extra)
     ref = _out_and_grads(_reference, q.float(), k.float(), v.float(), g.float(), extra)
@@ -92,8 +97,12 @@ def test_bf16_close_to_fp32_reference(layout):
         # bf16 keeps 8 mantissa bits (eps 2^-8 = 0.0039); outputs and gradients here are O(1) after
         # one rounding of the result and of a few O(1) intermediates
         torch.testing.assert_close(
-            a.float(), b, atol=3e-2, rtol=2e-2, msg=lambda m: f"{layout} {name}: {m}"
-        )  # noqa: B023
+            a.float(),
+            b,
+            atol=3e-2,
+            rtol=2e-2,
+            msg=lambda m: f"{layout} {name}: {m}",  # noqa: B023
+        )
 
 
 def test_padding_rows_and_empty_docs_zero():
@@ -109,7 +118,8 @@ def test_padding_rows_and_empty_docs_zero():
 
 
 def test_compiled_retrieval_matches_reference():
-    """The inductor kernel (compiled once, S and head size above the CPU gate) on the retrieval layout."""
+    """The inductor kernel (compiled once, S and head size above the CPU gate) on the retrieval
+    layout."""
     ok, why = F._compile_gate(torch.device("cpu"))
     if not ok:
         pytest.skip(f"flex compile unavailable: {why}")
@@ -122,8 +132,12 @@ def test_compiled_retrieval_matches_reference():
     ref = _out_and_grads(_reference, q, k, v, g, extra)
     for name, a, b in zip(NAMES, got, ref):
         torch.testing.assert_close(
-            a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"compiled {name}: {m}"
-        )  # noqa: B023
+            a,
+            b,
+            atol=2e-5,
+            rtol=1e-4,
+            msg=lambda m: f"compiled {name}: {m}",  # noqa: B023
+        )
     assert not F._compile_off, f"compile fell back to eager: {F._compile_off}"
 
 

@@ -1,4 +1,5 @@
-"""Shared by the operations tests: the tiny world, and one uninterrupted 2-rank run to compare with."""
+"""Shared by the operations tests: the tiny world, and one uninterrupted 2-rank run to compare
+with."""
 
 import pytest
 

@@ -57,7 +57,8 @@ def torchrun(
 
 
 def final_state(root, run_dir) -> tuple[int, dict[str, torch.Tensor]]:
-    """Step and model parameters of the newest valid checkpoint of a run (loaded in this process)."""
+    """Step and model parameters of the newest valid checkpoint of a run (loaded in this
+    process)."""
     cfg = compose(tiny_overrides(root, run_dir, *FT_ARGS))
     t = Trainer(cfg, log_metrics=False)
     try:

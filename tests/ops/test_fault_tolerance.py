@@ -235,7 +235,8 @@ def test_nonfinite_losses_skip_the_step_then_abort(tiny_world, tmp_path, caplog)
 
 @pytest.mark.multirank
 def test_collective_timeout_names_the_stuck_rank_and_operation(tiny_world, tmp_path):
-    """Rank 1 hangs at step 2; rank 0's gradient all_reduce times out; the error says who and where."""
+    """Rank 1 hangs at step 2; rank 0's gradient all_reduce times out; the error says who and
+    where."""
     res = torchrun(
         tiny_world, tmp_path / "run", "launch.timeout_s=15", fault="hang:step=2:rank=1", timeout=300
     )

@@ -120,12 +120,13 @@ def test_evaluate_run_notebook(run_dirs, tiny_world, tmp_path):
     _check_pngs(figures, ["loss", "accuracy", "recall_at_k", "timeline", "gallery"])
     text = _outputs(nb)
     assert "run 'learned'" in text and "step_00000006" in text and "'recall@5'" not in text
-    # does the reader use the picture: accuracy, blind prior, blanked accuracy per split and answer type
+    # does the reader use the picture: accuracy, blind prior, blanked accuracy per split and answer
+    # type
     test = runs.load_run(learned).summary["test"]
     assert "split | answer type | n | accuracy | blind prior | blanked | image drop" in text
     assert (
-        f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | {test['acc_blank']:.3f} | "
-        f"{test['image_drop']:.3f}"
+        f"test | all | {test['n']} | {test['acc']:.3f} | {test['blind_prior']:.3f} | "
+        f"{test['acc_blank']:.3f} | {test['image_drop']:.3f}"
     ) in text
     # what retrieval adds: the trained mode per split, then the three modes side by side
     assert "split | mode | n | acc seen | acc held out | answer match | InfoSeek | recall@1" in text

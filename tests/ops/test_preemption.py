@@ -17,7 +17,8 @@ import pytest
 from tests.ops.helpers import REPO, env, valid_checkpoints
 from tests.rag_mm.conftest import tiny_overrides
 
-BOUND_S = 30.0  # signal to exit: one batch and a checkpoint of the tiny model, with room for a loaded host
+# signal to exit: one batch and a checkpoint of the tiny model, with room for a loaded host
+BOUND_S = 30.0
 LEARNED = (
     "retriever=learned",
     "retriever.top_k=2",
@@ -31,7 +32,8 @@ LEARNED = (
     "retriever.pseudo_queries=4",
     "retriever.encode_batch_size=4",
 )  # 24 documents: 6 forward passes per refresh
-# phase -> (fault, overrides, the log line that says where it stopped, the step checkpointed or None)
+# phase -> (fault, overrides, the log line that says where it stopped, the step checkpointed or
+# None)
 PHASES = {
     "warmup": (
         "term:warmup=1",

@@ -188,7 +188,8 @@ def test_stage_plan_divides_head_sizes_of_pairs_other_ranks_shard():
     torch.manual_seed(0)
     model, inputs = tp_cases.factory("gpt2")
     plan = discover_tp_plan(model, ParallelConfig(pp=2, tp=2), inputs)
-    # blocks 0 and 1 on rank 0, 2 and 3 on rank 1, except block 1's c_proj (its attention pair is cut)
+    # blocks 0 and 1 on rank 0, 2 and 3 on rank 1, except block 1's c_proj (its attention pair is
+    # cut)
     rank_of = {
         n: {0 if int(n.split(".")[2]) < 2 else 1} for n, _ in model.named_parameters() if ".h." in n
     }

@@ -16,7 +16,8 @@ def _check(r, name):
     assert r["gerr"] < RTOL and r["gerr_global"] < RTOL, (name, r["gerr"], r["gerr_global"])
     assert abs(r["norm"][0] - r["norm"][1]) <= RTOL * r["norm"][1], (name, r["norm"])
     # AdamW step of 1e-3: parameters agree to ~1e-7, up to ~1e-5 where Adam's normalisation
-    # divides a reassociated near-zero gradient by its own tiny second moment (1.1e-5 seen on tp x fsdp)
+    # divides a reassociated near-zero gradient by its own tiny second moment (1.1e-5 seen on tp x
+    # fsdp)
     assert r["perr"] < 5e-5, (name, r["perr"])
     assert abs(r["loss_after"] - r["ref_after"]) <= RTOL * abs(r["ref_after"]), (name, r)
     assert r["names_equal"] and r["dtensors"], name
@@ -87,7 +88,8 @@ def test_fsdp2_bf16_mixed_precision():
 @pytest.mark.multirank
 def test_fsdp2_cpu_offload_matches_one_process():
     """CPUOffloadPolicy (sharded parameters, gradients and Adam state on the host; on a CPU-only
-    machine this exercises the offload path's copies, on a GPU it moves the state off the device)."""
+    machine this exercises the offload path's copies, on a GPU it moves the state off the
+    device)."""
     for r in run_ranks(
         tp_cases.spmd_case, 2, dict(dp_shard=2, cpu_offload=True), "reader", timeout_s=240
     ):

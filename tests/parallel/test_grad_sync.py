@@ -111,7 +111,8 @@ def test_accumulation_syncs_gradients_once_per_optimizer_step():
                 assert one == ["all_reduce"], one  # one flat bucket
             # as many collectives for 4 accumulated micro-steps as for one: one per bucket
             assert four == one, (
-                f"{layout}: {len(four)} gradient collectives with accumulation {ACCUM}, {len(one)} without"
+                f"{layout}: {len(four)} gradient collectives with accumulation {ACCUM}, "
+                f"{len(one)} without"
             )
             for n, g in ref.items():
                 torch.testing.assert_close(

@@ -33,7 +33,7 @@ LOOP = textwrap.dedent("""
     for _ in range(5):
         step()
     print((faults() - f0) / 5)
-""")
+""")  # noqa: E501
 
 
 def _faults(mode: str) -> float:

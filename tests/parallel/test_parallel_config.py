@@ -41,8 +41,9 @@ def test_minus_one_takes_the_ranks_left_over_on_either_data_parallel_dimension()
         and not shards.tp_enabled
     )
     assert ParallelConfig(dp_replicate=-1, dp_shard=-1).problems(4) == [
-        "dp_replicate and dp_shard are both -1: at most one takes the ranks left over (dp_replicate=1 with "
-        "dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with dp_shard=1 replicates)"
+        "dp_replicate and dp_shard are both -1: at most one takes the ranks left over "
+        "(dp_replicate=1 with dp_shard=-1 shards over them with FSDP2, dp_replicate=-1 with "
+        "dp_shard=1 replicates)"
     ]
     assert ParallelConfig(dp_replicate=-1, tp=3).problems(8) == [
         "world size 8 is not divisible by pp*dp_shard*tp = 3"

@@ -50,7 +50,8 @@ def exact_optimum(part: parallel.Partition) -> tuple[float, float]:
 
 def check_settled(tr: TraceResult, part: parallel.Partition) -> None:
     """No module the search expanded lies whole on one stage, where the other stages would replay
-    its own code on stand-ins instead of skipping its call (unless a child runs outside its call)."""
+    its own code on stand-ins instead of skipping its call (unless a child runs outside its
+    call)."""
     for u in part.units:
         if u.kind != "self" or not u.module or tr.modules[u.module].calls != 1:
             continue
@@ -363,7 +364,7 @@ def test_inflight_depends_on_schedule():
     assert i.stage_rank == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-# ----------------------------------------------------------------------------- manual, meta, baselines
+# -------------------------------------------------------------------------- manual, meta, baselines
 
 
 def test_manual_override():

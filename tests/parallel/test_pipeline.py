@@ -39,7 +39,8 @@ def _compare(pm, loss, ref_loss, ref_grads) -> list[str]:
         )  # rtol 1e-4, floors: 1% of the tensor's scale
         if not bool(((g - r).abs() <= tol).all()):
             bad.append(
-                f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| {float(r.abs().max()):.3g})"
+                f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| "
+                f"{float(r.abs().max()):.3g})"
             )
     if n == 0 and any(True for _ in pm.parameters()):
         bad.append("this rank checked no gradient")
@@ -424,7 +425,7 @@ def test_timeline_export(tmp_path):
     assert theory_bubble(2, 4) == pytest.approx(1 / 5)
 
 
-# ----------------------------------------------------------------------------- single-process pieces
+# ---------------------------------------------------------------------------- single-process pieces
 
 
 def test_schedule_orders_are_complete():

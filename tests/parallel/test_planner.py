@@ -307,8 +307,8 @@ def test_plan_1000_modules_on_128_devices():
     plan = plan_layout(model, (ids,), Cluster.preset("p4d", nodes=16), global_batch=1024)
     dt = time.perf_counter() - t0
     print(
-        f"\nplanned {len(plan.layouts)} layouts of a {len(list(model.modules()))}-module model on 128 devices "
-        f"in {dt:.1f} s (trace included)"
+        f"\nplanned {len(plan.layouts)} layouts of a {len(list(model.modules()))}-module model on "
+        f"128 devices in {dt:.1f} s (trace included)"
     )
     assert plan.best is not None and len(plan.layouts) > 1000
     assert any(lay.pp > 1 and lay.fits for lay in plan.layouts)
@@ -317,7 +317,8 @@ def test_plan_1000_modules_on_128_devices():
 def test_tp_memory_follows_the_tp_plan_not_module_types():
     """Given the model, the planner counts what ``parallel.tp`` shards: GPT-2's column-parallel
     weights and biases and row-parallel weights, not its tied token embedding, position
-    embedding, norms or row-parallel biases; and the inputs its column-parallel layers save whole."""
+    embedding, norms or row-parallel biases; and the inputs its column-parallel layers save
+    whole."""
     from parallel.planner.stats import tp_plan_facts
     from tests.parallel.partition_models import MODELS
 
@@ -504,7 +505,8 @@ def test_runtime_host_work_is_charged_per_sharded_call_and_fsdp_unit(toy):
         2 * 5 * 2e-3
     )
     assert extra(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=2) == 0.0
-    # under a pipeline a stage (2 blocks and the root) stays gathered for the step: its units' work once
+    # under a pipeline a stage (2 blocks and the root) stays gathered for the step: its units' work
+    # once
     assert extra(pp=2, tp=1, dp_replicate=1, dp_shard=2, microbatches=4) == pytest.approx(3 * 2e-3)
 
 

@@ -159,7 +159,8 @@ def test_self_check_leaves_misread_modules_replicated(default_suite):
     """``mix`` keeps its head count in an attribute the planner does not know: sharded it runs and
     computes another function. The self-check leaves it replicated and names it; ``attn``'s
     per-head interleaved qkv is sharded as one block (read off the dataflow); with the width rule
-    alone (three blocks: wrong) the self-check leaves ``attn`` replicated too. Both match one process."""
+    alone (three blocks: wrong) the self-check leaves ``attn`` replicated too. Both match one
+    process."""
     for rank_res in default_suite:
         for case in ("selfcheck_lm", "selfcheck_lm+width_rule"):
             _check(rank_res[case], case)
@@ -236,8 +237,8 @@ def test_hf_fused_layouts(default_suite):
     assert any(line.startswith(f"self-check: {neox} left replicated") for line in w["log"])
     assert any(line.startswith("sequence parallel off over gpt_neox.layers.0") for line in w["log"])
     assert not any(role == "sequence_local" for role in w["roles"].values())
-    # q|k|v of unequal widths (4 query heads, 2 kv heads) fits no DTensor placement: replicated, logged;
-    # the fused gate|up is two equal blocks
+    # q|k|v of unequal widths (4 query heads, 2 kv heads) fits no DTensor placement: replicated,
+    # logged; the fused gate|up is two equal blocks
     phi = r["phi3"]
     assert phi["roles"]["model.layers.0.self_attn.qkv_proj"] == "replicate"
     assert any("fits no DTensor placement" in line and "qkv_proj" in line for line in phi["log"])

@@ -167,7 +167,8 @@ def _kind(op) -> str:
 
 
 def layer_collectives(rank, world, name="llama", sequence_parallel=False):
-    """Forward collectives issued inside each transformer layer, counted by torch's CommDebugMode."""
+    """Forward collectives issued inside each transformer layer, counted by torch's
+    CommDebugMode."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from parallel.spmd import find_blocks
@@ -349,7 +350,8 @@ def pp_tp_case(rank, world, name, cfg_kw, m=4):
                 continue
             g = full(g) if g is not None else torch.zeros_like(r)
             r = torch.zeros_like(g) if r is None else r
-            # relative to the tensor's scale (a floor at 1% of its largest entry, as the pipeline tests)
+            # relative to the tensor's scale (a floor at 1% of its largest entry, as the pipeline
+            # tests)
             err = float(((g - r).abs() / (r.abs() + r.abs().max() * 1e-2 + 1e-12)).max())
             res["err"] = max(res["err"], err)
             res["n"] += 1
@@ -413,9 +415,10 @@ def pp_tp_suite(rank, world, cases):
 
 
 def fsdp_mixed_precision_case(rank, world, name="llama"):
-    """FSDP2 with mixed_precision=bf16 (Llama: the reader's copy head mixes dtypes under bf16 parameters): sharded parameters, gradients and Adam state
-    stay fp32, the blocks compute with bf16 parameters, gradients are reduced in fp32, and loss /
-    gradients follow the fp32 single process within bf16 accuracy."""
+    """FSDP2 with mixed_precision=bf16 (Llama: the reader's copy head mixes dtypes under bf16
+    parameters): sharded parameters, gradients and Adam state stay fp32, the blocks compute with
+    bf16 parameters, gradients are reduced in fp32, and loss / gradients follow the fp32 single
+    process within bf16 accuracy."""
     import torch.distributed as dist
 
     from parallel.config import ParallelConfig

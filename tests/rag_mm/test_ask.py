@@ -1,4 +1,5 @@
-"""``python -m rag_mm.ask RUN_DIR``: a user's picture and question answered as evaluation answers them."""
+"""``python -m rag_mm.ask RUN_DIR``: a user's picture and question answered as evaluation answers
+them."""
 
 from __future__ import annotations
 

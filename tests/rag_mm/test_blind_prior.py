@@ -182,8 +182,8 @@ def test_the_pipeline_passes_answer_types_through(tmp_path):
 
 # ------------------------------------------------------------------------------ the ablation
 class _Reader:
-    """Answers "yes" when the picture is red (channel 0's mean > 0, normalised) if it ``looks``, else
-    always "yes"."""
+    """Answers "yes" when the picture is red (channel 0's mean > 0, normalised) if it ``looks``,
+    else always "yes"."""
 
     def __init__(self, looks: bool) -> None:
         self.looks = looks
@@ -202,7 +202,8 @@ class _Reader:
 
 
 class _Rag:
-    """A stub RagModel (closed book) over ``_Reader``: correct where its answer's tokens are the gold's."""
+    """A stub RagModel (closed book) over ``_Reader``: correct where its answer's tokens are the
+    gold's."""
 
     training = False
     rcfg = SimpleNamespace(mode="none", top_k=0, reader_prior=False)
@@ -269,7 +270,8 @@ def test_blanking_the_picture_costs_a_reader_that_looks_and_not_one_that_does_no
         res = evaluate(looks, _batches(vqa), CPU, prior=prior, split="test")
     key = "vqa_acc" if vqa else "acc"
     assert res["acc"] == res[key] == 1.0 and res["blind_prior"] == 0.5
-    # blanked: every picture is the batch's mean pixel (0, 0.3, 0): dark on average, the reader says "no"
+    # blanked: every picture is the batch's mean pixel (0, 0.3, 0): dark on average, the reader says
+    # "no"
     assert res["acc_blank"] == 0.5 and res["image_drop"] == pytest.approx(0.5)
     assert ("vqa_acc_blank" in res) == vqa and res.get("vqa_acc_blank", 0.5) == 0.5
     blank = looks.seen[1]
@@ -302,7 +304,8 @@ def test_blanking_the_picture_costs_a_reader_that_looks_and_not_one_that_does_no
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(
         "test: accuracy 0.500 is within 2 points of the blind prior 0.500 (answering from the "
-        "question alone) / the picture is barely used: blanking it costs 0.000; scripts/bench/picture_signal.py"
+        "question alone) / the picture is barely used: blanking it costs 0.000; "
+        "scripts/bench/picture_signal.py"
     )
 
 

@@ -43,7 +43,8 @@ def test_vqa_accuracy_averages_over_the_ten_leave_one_out_subsets():
     other = ["cat"] * 10
     for agree, expected in [(0, 0.0), (1, 0.3), (2, 0.6), (3, 0.9), (4, 1.0), (10, 1.0)]:
         answers = ["2"] * agree + other[agree:]
-        # leave out one of the `agree` annotators: agree - 1 of the other nine match, else agree match
+        # leave out one of the `agree` annotators: agree - 1 of the other nine match, else agree
+        # match
         hand = (
             (agree * min(1, (agree - 1) / 3) + (10 - agree) * min(1, agree / 3)) / 10
             if agree
@@ -149,7 +150,7 @@ def test_evaluate_reports_vqa_accuracy_only_for_queries_with_human_answers():
     assert "vqa_acc" not in res and "n_vqa" not in res
 
 
-# ------------------------------------------------------------------------------ inputs in the public layouts
+# --------------------------------------------------------------------- inputs in the public layouts
 def _picture(path: Path, i: int, fmt: str = "JPEG", size=(40, 30)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.new("RGB", size, COLOURS[i % len(COLOURS)]).save(path, format=fmt)
@@ -208,7 +209,8 @@ def _vqa_v2(root: Path) -> tuple[Path, Path, Path]:
 
 
 def _aokvqa(root: Path) -> tuple[Path, Path]:
-    """A-OKVQA's single list over COCO-2017-named pictures; one entry (a test question) has no answers."""
+    """A-OKVQA's single list over COCO-2017-named pictures; one entry (a test question) has no
+    answers."""
     images = root / "coco2017" / "val2017"
     for image_id in (4, 5):
         _picture(images / f"{image_id:012d}.jpg", image_id)
@@ -237,7 +239,8 @@ def _aokvqa(root: Path) -> tuple[Path, Path]:
 
 
 def _documents(root: Path) -> Path:
-    """name.<picture> + name.txt pairs (jpg, png, webp, in a subfolder too), and one picture without text."""
+    """name.<picture> + name.txt pairs (jpg, png, webp, in a subfolder too), and one picture without
+    text."""
     docs = root / "docs"
     for i, (name, fmt, ext) in enumerate(
         [
@@ -335,7 +338,8 @@ def test_document_folder_and_img2dataset_shards_become_a_corpus(tmp_path):
     assert {k for s in docs for k in s if k in ("jpg", "png", "webp")} == {"jpg", "png", "webp"}
     assert all("." not in s["__key__"] for s in docs)
 
-    # img2dataset output: <key>.jpg + <key>.txt + <key>.json per sample; one sample lacks its caption
+    # img2dataset output: <key>.jpg + <key>.txt + <key>.json per sample; one sample lacks its
+    # caption
     web = tmp_path / "web"
     web.mkdir()
     for n in range(2):
@@ -430,7 +434,8 @@ def test_converted_shards_train_and_report_vqa_accuracy(tiny_world, tmp_path, ca
             assert summary[split]["image_drop"] == pytest.approx(
                 summary[split]["vqa_acc"] - summary[split]["vqa_acc_blank"]
             )
-            # no query names a gold document, and faiss pads a 4-document search with id -1: no recall
+            # no query names a gold document, and faiss pads a 4-document search with id -1: no
+            # recall
             assert not any(k.startswith("recall@") for k in summary[split]), summary[split]
         examples = json.loads((tmp_path / "run" / "retrieved_examples.json").read_text())
         assert (
@@ -575,10 +580,11 @@ def test_bad_input_exits_2_with_a_message_naming_the_file(tmp_path, capsys):
     assert not (tmp_path / "o").exists()  # nothing was written for any of them
 
 
-# ------------------------------------------------------------------------------ Hugging Face data sets
+# --------------------------------------------------------------------------- Hugging Face data sets
 def _hf_rows() -> dict:
     """A VQAv2-Hub-layout data set: PIL pictures, answers as {"answer", ...} dicts, the answer and
-    question types; row 2 has no answers (a test question), row 3 a picture whose bytes are no picture."""
+    question types; row 2 has no answers (a test question), row 3 a picture whose bytes are no
+    picture."""
     pictures = [Image.new("RGB", (40 + i, 30), COLOURS[i]) for i in range(4)]
     pictures[3] = {"bytes": b"not a picture", "path": None}
     # row 1's multiple_choice_answer ("3") is not its most frequent answer ("two", first of a tie)
@@ -640,7 +646,8 @@ def test_hugging_face_dataset_becomes_the_vqa_converters_shards(tmp_path, capsys
     ]
     samples = _read(tmp_path / "out", "train/*.tar")
     metas = [json.loads(s["json"]) for s in samples]
-    # the vqa converter's json: the training answer is multiple_choice_answer, every human answer kept
+    # the vqa converter's json: the training answer is multiple_choice_answer, every human answer
+    # kept
     assert metas[0] == {
         "answer": "red",
         "answers": _answers({"red": 7, "dark red": 2, "orange": 1}),
@@ -661,7 +668,8 @@ def test_hugging_face_dataset_becomes_the_vqa_converters_shards(tmp_path, capsys
         30,
     )  # the stored bytes, as they came
 
-    # the same rows from parquet (a glob, through the command line): the same shards and the overrides line
+    # the same rows from parquet (a glob, through the command line): the same shards and the
+    # overrides line
     argv = [
         "hf",
         "--path",
@@ -698,7 +706,8 @@ def test_hugging_face_answers_and_pictures_in_other_layouts(tmp_path):
 
     from rag_mm.data.convert_hf import answer_list, image_bytes
 
-    # answers: a list of strings, one string, VQAv2's dicts, a Sequence of dicts (columnar); or unknown
+    # answers: a list of strings, one string, VQAv2's dicts, a Sequence of dicts (columnar); or
+    # unknown
     assert answer_list(["a", "b"]) == ["a", "b"] and answer_list("yes") == ["yes"]
     assert answer_list([{"answer": "x", "answer_id": 1}]) == ["x"] and answer_list(
         {"answer": ["x", "y"]}
@@ -717,8 +726,8 @@ def test_hugging_face_answers_and_pictures_in_other_layouts(tmp_path):
     with pytest.raises(ValueError):
         image_bytes(None, tmp_path)
 
-    # a DatasetDict (--split val finds "validation"), pictures as file paths, answers as lists of strings
-    # in one split and one string in the other, the ids in a column of another name
+    # a DatasetDict (--split val finds "validation"), pictures as file paths, answers as lists of
+    # strings in one split and one string in the other, the ids in a column of another name
     pics = [str(tmp_path / "pic.jpg")] * 2
     datasets.DatasetDict(
         {
@@ -771,7 +780,10 @@ def test_hugging_face_bad_input_exits_2_with_one_message(tmp_path, capsys):
             str(tmp_path / "saved"),
             "--answers-column",
             "answer",
-        ): f"--answers-column 'answer': {tmp_path / 'saved'} has no such column (columns: image, question, answers)",
+        ): (
+            f"--answers-column 'answer': {tmp_path / 'saved'} has no such column (columns: "
+            "image, question, answers)"
+        ),
         (*hf, str(tmp_path / "saved"), "--id-column", "question_id"): "--id-column 'question_id'",
         (*hf, str(tmp_path / "nowhere")): f"{tmp_path / 'nowhere'} not found",
         (*hf, str(tmp_path / "none-*.parquet")): "no file matches the pattern",

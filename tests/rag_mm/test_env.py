@@ -27,7 +27,8 @@ def recorded(monkeypatch):
 
 def test_nccl_group_carries_gloo_for_host_tensors(recorded):
     """Under NCCL the group also has a gloo backend: the stop flag, counts and object broadcasts
-    are host tensors, which NCCL alone refuses ("No backend type associated with device type cpu")."""
+    are host tensors, which NCCL alone refuses ("No backend type associated with device type
+    cpu")."""
     e = env.init_distributed(device="cuda", backend="nccl", timeout_s=30)
     ((backend, kw),) = recorded
     assert backend == "cpu:gloo,cuda:nccl"

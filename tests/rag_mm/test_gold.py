@@ -18,7 +18,8 @@ from tests.rag_mm.test_train import WARMUP, run_module
 
 @pytest.fixture(scope="module")
 def no_gold_world(tiny_world, tmp_path_factory):
-    """The tiny world with every query's ``doc_id`` removed, as ``scripts/convert.py vqa`` writes them."""
+    """The tiny world with every query's ``doc_id`` removed, as ``scripts/convert.py vqa`` writes
+    them."""
     return rewrite_queries(
         tiny_world,
         tmp_path_factory.mktemp("no_gold") / "world",

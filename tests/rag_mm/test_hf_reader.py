@@ -255,7 +255,8 @@ def test_export_import_round_trip(tmp_path):
 
 
 def _spread_worker(rank, world):
-    """pp=2 (1F1B and zero-bubble), tp=2 and FSDP2 on the Hugging Face reader, in one process group."""
+    """pp=2 (1F1B and zero-bubble), tp=2 and FSDP2 on the Hugging Face reader, in one process
+    group."""
     from tests.parallel import tp_cases
     from tests.parallel.test_pipeline import _equivalence_worker
 

@@ -17,7 +17,8 @@ VOCAB = 512  # the tokenizer's; the small configs add one row for the image plac
 
 
 def vlm_model_config(family: str = "llava", **kw) -> ModelConfig:
-    """A tiny VLM reader: 2 text layers of width 64 over a 1-layer tower on 32 px pictures (16 patches)."""
+    """A tiny VLM reader: 2 text layers of width 64 over a 1-layer tower on 32 px pictures (16
+    patches)."""
     base = dict(
         family="hf_vlm",
         vlm_config=family,
@@ -44,7 +45,8 @@ def tiny_vlm_reader(family: str = "llava", seed: int = 0, **kw):
 
 
 def _eager(vlm):
-    """A copy of ``vlm`` whose language model runs transformers' eager attention (its own causal mask)."""
+    """A copy of ``vlm`` whose language model runs transformers' eager attention (its own causal
+    mask)."""
     ref = copy.deepcopy(vlm)
     ref.set_attn_implementation({"text_config": "eager"})
     assert ref.get_decoder().config._attn_implementation == "eager"
@@ -102,7 +104,8 @@ GEMMA3 = dict(
 @pytest.mark.parametrize("family", ["llava", "paligemma", "gemma3"])
 def test_no_documents_equals_the_vlms_own_forward(family, tmp_path):
     """Closed book, the reader's answer log-probabilities are the VLM's own forward on the same
-    picture, question and answer (its processor, tower, projector, placeholders and eager attention)."""
+    picture, question and answer (its processor, tower, projector, placeholders and eager
+    attention)."""
     if family == "gemma3":
         (tmp_path / "config.json").write_text(json.dumps(GEMMA3))
         family = str(tmp_path)
@@ -265,7 +268,8 @@ def test_what_is_no_vlm_is_refused_by_name(tmp_path):
         build_reader(cfg, VOCAB)
     (tmp_path / "qwen").mkdir()
     (tmp_path / "qwen" / "config.json").write_text(
-        '{"model_type": "qwen2_vl", "text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}}'
+        '{"model_type": "qwen2_vl", "text_config": {"rope_scaling": {"type": "mrope", '
+        '"mrope_section": [2, 3, 3]}}}'
     )
     with pytest.raises(ValueError, match="multimodal rotary positions"):
         build_reader(vlm_model_config(str(tmp_path / "qwen")), VOCAB)

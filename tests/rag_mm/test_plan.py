@@ -103,8 +103,8 @@ def test_auto_resolves_single_process_layout_and_logs_it(caplog):
     text = caplog.text
     assert "parallel=auto: pp1 tp1 dpr1 dps1" in text and "1 x 1 devices" in text
     assert (
-        "parallel=auto overrides: parallel.pp=1 parallel.dp_replicate=1 parallel.dp_shard=1 parallel.tp=1"
-        in text
+        "parallel=auto overrides: parallel.pp=1 parallel.dp_replicate=1 parallel.dp_shard=1 "
+        "parallel.tp=1" in text
     )
 
 

@@ -20,7 +20,8 @@ FIRST_PARTY = ("rag_mm", "retriever", "parallel", "__main__")
 
 
 def foreign_lines(stderr: str) -> list[str]:
-    """Lines that are not rag_mm's log lines, and log lines of another package at WARNING or above."""
+    """Lines that are not rag_mm's log lines, and log lines of another package at WARNING or
+    above."""
     bad = []
     for line in stderr.splitlines():
         m = OWN_LINE.match(line)

@@ -25,7 +25,8 @@ SSL = [
 
 
 def _square(n: int = 64) -> torch.Tensor:
-    """(n, 3, 32, 32) white pictures with a red 8 x 8 square near the top left corner, normalised."""
+    """(n, 3, 32, 32) white pictures with a red 8 x 8 square near the top left corner,
+    normalised."""
     x = torch.ones(n, 3, 32, 32)
     x[:, 1:, 4:12, 4:12] = 0.0
     return (x - MEAN) / STD
@@ -118,7 +119,8 @@ def _warm_rank(rank, world, overrides):
 
 @pytest.mark.multirank
 def test_warmup_keeps_ranks_identical(tiny_world, tmp_path):
-    """Two gloo ranks warm up on different pictures; the averaged gradients keep their towers equal."""
+    """Two gloo ranks warm up on different pictures; the averaged gradients keep their towers
+    equal."""
     from tests.distributed import run_ranks
 
     p0, p1 = run_ranks(

@@ -69,7 +69,8 @@ def test_round_trip_each_factory(kind, metric, data, tmp_path):
     assert np.all(np.diff(scores, axis=1) <= 0), "rows must be best-first"
     exact = brute_force(x, q, ids, 10, metric)
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, exact)])
-    # Exact families must be exact; PQ (8 bytes for 32 floats) is approximate but far above chance (0.005).
+    # Exact families must be exact; PQ (8 bytes for 32 floats) is approximate but far above chance
+    # (0.005).
     assert recall >= {"ivf_pq": 0.3}.get(kind, 0.97), f"{kind} recall@10 {recall}"
     if kind in ("flat", "ivf_flat"):
         np.testing.assert_array_equal(got, exact)

@@ -114,8 +114,9 @@ def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     one process's do (each replica normalising its own 3 rows, the loss is 6% off)."""
     for out in run_ranks(_replicated_vs_one_process, 2, pseudo, tower):
         assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
-        # atol 5e-5: the replicas sum the ResNet's conv gradients in another order than one process; on
-        # an AVX-512 host one of the 13.5 M entries, near zero, lands 2.1e-5 away (1e-5 held on AVX2)
+        # atol 5e-5: the replicas sum the ResNet's conv gradients in another order than one process;
+        # on an AVX-512 host one of the 13.5 M entries, near zero, lands 2.1e-5 away (1e-5 held on
+        # AVX2)
         torch.testing.assert_close(
             torch.tensor(out["grad"]), torch.tensor(out["ref_grad"]), rtol=1e-4, atol=5e-5
         )

@@ -68,7 +68,8 @@ def test_losses_point_the_retriever_at_the_reader():
         (g,) = torch.autograd.grad(loss, scores)
         # gradient descent raises the score of the document the reader found most useful
         assert (-g).argmax(-1).tolist() == [1, 0]
-    # contrastive: aligned pairs give a lower loss than shuffled ones; shared golds count as positives
+    # contrastive: aligned pairs give a lower loss than shuffled ones; shared golds count as
+    # positives
     q = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
     gold = torch.tensor([0, 1, 2, 2])
     aligned = losses.contrastive(q, q, gold, torch.tensor(10.0))
