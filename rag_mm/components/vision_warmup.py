@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel.collectives import all_reduce_mean_, flat_collective
 from rag_mm.build import make_stream
 from rag_mm.components import checkpoint
 from rag_mm.model.vision_ssl import pretrain_tower
@@ -46,11 +47,8 @@ def _pictures(cfg, rank: int, world: int, device: torch.device) -> Iterator[torc
 
 
 def _mean_over_ranks(grads: list[torch.Tensor]) -> None:
-    flat = torch._utils._flatten_dense_tensors(grads)  # one collective for the whole tower
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    for g, f in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(f)
+    # one all-reduce for the whole tower, as every flat all-reduce of the runtime and the app
+    flat_collective(grads, all_reduce_mean_)
 
 
 def warm_up_vision(
