@@ -10,7 +10,7 @@ checkpoint (or ``--checkpoint STEP``), its document memory indexed with the load
 A question goes through the evaluation pipeline's own decoding (``QueryStream._decode``: the picture
 resized to ``model.image_size`` and normalised, the question tokenised with the run's tokenizer and
 cut to ``model.max_question``; no augmentation) and is batched by the pipeline's ``collate``; the
-answer is evaluation's greedy decoding (``rag_mm.evaluate._greedy``) over the documents the
+answer is evaluation's greedy decoding (``rag_mm.evaluate.greedy_answers``) over the documents the
 retriever returns. Pictures that ``scripts/convert.py --image-size`` center-cropped for training
 are not cropped here: crop a non-square picture the same way for the same view.
 
@@ -49,7 +49,7 @@ from rag_mm.components.metrics import json_safe
 from rag_mm.config import reader_tokenizer
 from rag_mm.data.pipeline import QueryStream, SkipCounter, StreamSpec, collate, decode_image
 from rag_mm.data.urls import expand_urls
-from rag_mm.evaluate import EvalError, _greedy, load_config, load_run
+from rag_mm.evaluate import EvalError, greedy_answers, load_config, load_run
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class Asker:
                 else None
             )
             out = SimpleNamespace(doc_ids=ids, scores=scores)
-            answers = _greedy(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
+            answers = greedy_answers(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
             for i, (query, answer) in enumerate(zip(chunk, answers)):
                 docs = self._documents(ids[i, :show], sims[i, :show]) if learned else []
                 row = {

@@ -179,7 +179,7 @@ def evaluate(
         vqa_rows = bool(rows) and whole
         preds = None
         if predictions is not None:  # every query's greedy answer, decoded once for both uses
-            preds = _greedy(rag, batch, out, device, torch.arange(B), tok)
+            preds = greedy_answers(rag, batch, out, device, torch.arange(B), tok)
             max_answer = rag.reader.cfg.max_answer
             predictions += [
                 (key, _answer_text(ids, a or [], tok, max_answer))
@@ -212,7 +212,7 @@ def evaluate(
             if preds is not None:
                 kp = [preds[r] for r in krows]
             else:
-                kp = _greedy(rag, batch, out, device, torch.tensor(krows), tok)
+                kp = greedy_answers(rag, batch, out, device, torch.tensor(krows), tok)
             max_answer = rag.reader.cfg.max_answer
             know.add_answers(
                 batch,
@@ -351,7 +351,7 @@ def _add_vqa(
     their decoded ``preds``) and add their VQA accuracy to columns ``vqa<suffix>`` /
     ``n_vqa<suffix>``."""
     if preds is None:
-        preds = _greedy(rag, batch, out, device, torch.tensor(rows), tok)
+        preds = greedy_answers(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
     answers = batch["answers"]
     scores = [
@@ -475,7 +475,7 @@ def _png_b64(img: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _greedy(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:
+def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:
     """The reader's greedy answers (token ids, EOT dropped) to the queries ``rows`` of ``batch``,
     reading the documents the evaluated forward ``out`` read."""
     x = batch_inputs(batch, device)
@@ -518,7 +518,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
         return []
     k = rag.rcfg.top_k
     ids = out.doc_ids[:n, :k]
-    pred = _greedy(rag, batch, out, device, torch.arange(n), tokenizer)
+    pred = greedy_answers(rag, batch, out, device, torch.arange(n), tokenizer)
     rows = rag.store.rows(ids)
     res = []
     for i in range(n):

@@ -14,7 +14,7 @@ import webdataset as wds
 from rag_mm import ask
 from rag_mm.build import batch_inputs, make_stream
 from rag_mm.components import checkpoint
-from rag_mm.evaluate import _greedy, load_config, load_run
+from rag_mm.evaluate import greedy_answers, load_config, load_run
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import run_module
 
@@ -47,7 +47,9 @@ def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:
                 retriever_loss=False,
                 search_k=SHOWN if learned else 0,
             )
-            preds = _greedy(rag, batch, out, device, torch.arange(len(batch["key"])), parts.tok)
+            preds = greedy_answers(
+                rag, batch, out, device, torch.arange(len(batch["key"])), parts.tok
+            )
         scale = float(rag.retriever.scale().detach()) if learned else 1.0
     finally:
         if parts.memory is not None:
