@@ -42,15 +42,13 @@ class Cluster:
 
     name: str = "custom"  # label for tables and JSON
     nodes: int = 1  # hosts
-    devices_per_node: int = (
-        8  # accelerators (or CPU ranks) per host; tensor parallel stays within one
-    )
+    # accelerators (or CPU ranks) per host; tensor parallel stays within one
+    devices_per_node: int = 8
     device_memory_bytes: float = 40 * 2**30  # memory of one device
     # peak dense FLOP/s of one device per compute dtype ("fp32", "bf16")
     peak_flops: dict[str, float] = field(default_factory=lambda: {"fp32": 19.5e12, "bf16": 312e12})
-    compute_efficiency: float = (
-        0.5  # fraction of peak a training step achieves on its matmuls (MFU)
-    )
+    # fraction of peak a training step achieves on its matmuls (MFU)
+    compute_efficiency: float = 0.5
     # share of one device's compute each rank gets: 1 on accelerators; cores / ranks where CPU
     # ranks outnumber the cores they run on and time-share them
     rank_share: float = 1.0
@@ -60,9 +58,8 @@ class Cluster:
     inter_latency_s: float = 20e-6  # per step of a collective between nodes
     host_bandwidth: float = 25e9  # per device, device <-> host memory (PCIe): CPU offload traffic
     host_memory_bytes: float = 1024 * 2**30  # per node: where CPU offload keeps state
-    host_memory_bandwidth: float = (
-        200e9  # per node: DRAM bandwidth a host-side Adam step streams at
-    )
+    # per node: DRAM bandwidth a host-side Adam step streams at
+    host_memory_bandwidth: float = 200e9
     usable_fraction: float = 0.9  # of device memory a plan may fill (CUDA context, allocator slack)
     # of the compute that data-parallel traffic can hide behind, the part it does hide behind: 1
     # where collectives run on their own engines (NCCL streams, copy engines), 0 on CPU ranks whose

@@ -50,9 +50,8 @@ class ParallelConfig:
     # replicas of the (sharded) model: HSDP's replicate dimension / plain data parallel; -1 =
     # whatever the other degrees leave of the world
     dp_replicate: int = 1
-    dp_shard: int = (
-        1  # FSDP2 shard degree; -1 = whatever the other degrees leave (one of the two at most)
-    )
+    # FSDP2 shard degree; -1 = whatever the other degrees leave (one of the two at most)
+    dp_shard: int = 1
     tp: int = 1  # tensor-parallel degree (DTensor, one mesh dimension)
     microbatches: int = 1  # pipeline microbatches per step; >= pp keeps every stage busy
     schedule: str = "1f1b"  # pipeline schedule (see SCHEDULES)

@@ -29,9 +29,8 @@ SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "interleaved", "zbv")
 class CostConfig:
     """Knobs of the cost model; defaults describe Adam in fp32 on a PCIe-class link."""
 
-    schedule: str = (
-        "1f1b"  # gpipe | 1f1b | eager_1f1b | interleaved | zbv (V-shaped, two stages per rank)
-    )
+    # gpipe | 1f1b | eager_1f1b | interleaved | zbv (V-shaped, two stages per rank)
+    schedule: str = "1f1b"
     microbatches: int = 8  # microbatches per step; the example batch is taken as one microbatch
     stages_per_rank: int = 1  # v: >1 for interleaved (round-robin) or zbv (v must be 2)
     grad_factor: float = 1.0  # gradient bytes per parameter byte (1: same dtype as the params)

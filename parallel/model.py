@@ -74,9 +74,8 @@ class Parts:
     replicated_numel: Mapping[str, int] = field(
         default_factory=dict
     )  # their sizes (a rank not holding one sends zeros)
-    loss_group: Any = (
-        None  # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
-    )
+    # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
+    loss_group: Any = None
     # further input structures (``parallelize(structures=...)``): name -> this rank's stages, each
     # replaying the model on its own plan (``plans[name]``); names without a pipeline map to nothing
     structures: Mapping[str, Mapping[int, EagerStage]] = field(default_factory=dict)

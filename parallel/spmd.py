@@ -37,9 +37,8 @@ class Sharded:
 
     tp_plan: TPPlan | None = None  # the TP plan applied (None: tp == 1)
     fsdp_units: list[nn.Module] = field(default_factory=list)  # FSDP modules, innermost first
-    fsdp_root: bool = (
-        False  # the whole model is one FSDP root (pp == 1): its own hooks run the step
-    )
+    # the whole model is one FSDP root (pp == 1): its own hooks run the step
+    fsdp_root: bool = False
 
 
 @dataclass

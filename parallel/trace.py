@@ -530,9 +530,8 @@ def _swap_hooks(handles: list, model: nn.Module, tr: _Tracer) -> None:
         handles.append(m.register_forward_hook(tr.post, with_kwargs=True))
 
 
-BACKWARD_FLOPS = (
-    2.0  # backward / forward FLOPs of a layer: a gradient for its input and one for its weight
-)
+# backward / forward FLOPs of a layer: a gradient for its input and one for its weight
+BACKWARD_FLOPS = 2.0
 
 
 def _count_flops(model: nn.Module, inputs: tuple | dict, loss_fn: Callable) -> dict[str, float]:

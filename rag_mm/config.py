@@ -45,9 +45,8 @@ class ModelConfig:
     # hf, random init: the LM's config, ``model_type`` plus the fields that family's config takes
     # (a preset in conf/model/ fills it); ignored when ``pretrained`` or ``lm_config`` is set
     lm: dict[str, Any] = field(default_factory=dict)
-    lm_config: str | None = (
-        None  # hf, random init: a local config.json (or its directory) instead of ``lm``
-    )
+    # hf, random init: a local config.json (or its directory) instead of ``lm``
+    lm_config: str | None = None
     # hf, random init: the LM embeds the tokenizer's ids only (a Llama preset's 128,256 rows for a
     # 49,408-token tokenizer are 161 M dead parameters with gradients and AdamW state); false keeps
     # the preset's vocabulary (a checkpoint saved with it)
@@ -59,9 +58,8 @@ class ModelConfig:
     # a local Hugging Face tokenizer directory; None: ``pretrained``'s own tokenizer when it holds
     # one, else the bundled CLIP BPE (randomly initialised readers)
     tokenizer: str | None = None
-    projector: str = (
-        "mlp2x_gelu"  # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
-    )
+    # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
+    projector: str = "mlp2x_gelu"
     # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
@@ -84,9 +82,8 @@ class ModelConfig:
     # and memorise the rest per picture; two views differing in those share only the thing's form.
     # 0: off (the demo's facts come from documents, not from form)
     vision_ssl_steps: int = 0
-    vision_ssl_lr: float = (
-        1e-3  # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
-    )
+    # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
+    vision_ssl_lr: float = 1e-3
     # pictures per SimCLR step on each rank (0: data.batch_size): every other picture of the batch
     # is a negative, and SimCLR's features improve with more of them
     vision_ssl_batch: int = 0
@@ -100,12 +97,10 @@ class ModelConfig:
     max_answer: int = 8  # answer tokens kept, EOT included
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
     max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
-    attention_backend: str = (
-        "auto"  # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
-    )
-    tie_embeddings: bool = (
-        True  # LM head shares the token embedding (GPT-2 style), halves vocab params
-    )
+    # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
+    attention_backend: str = "auto"
+    # LM head shares the token embedding (GPT-2 style), halves vocab params
+    tie_embeddings: bool = True
     # pointer-generator answer head (See et al. 2017): copying a fact from a document is learned far
     # faster than generating it
     copy_head: bool = True
@@ -183,9 +178,8 @@ class LaunchConfig:
     """How the app starts its ranks: the keys only the app reads (the layout itself is the
     ``parallel`` group, the runtime's own ``parallel.ParallelConfig``)."""
 
-    backend: str = (
-        "auto"  # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
-    )
+    # torch.distributed backend: auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    backend: str = "auto"
     # collective timeout: a dead rank fails the job instead of hanging it (the process group's, the
     # mesh's sub-groups', the pipeline's receives and the watchdog's)
     timeout_s: int = 600

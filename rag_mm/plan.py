@@ -55,9 +55,8 @@ from rag_mm.config import ConfigError, compose, runtime_config, validate
 
 log = logging.getLogger(__name__)
 
-SAMPLES = (
-    2  # samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
-)
+# samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
+SAMPLES = 2
 OWN_KEYS = (
     "cluster",
     "global_batch",

@@ -127,23 +127,20 @@ class Trainer:
         self.opt = build_optimizer(self.spread, cfg.optim)
         self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
         self.step = 0
-        self.consumed = (
-            0  # training batches this rank has drawn (resume replays the stream past them)
-        )
+        # training batches this rank has drawn (resume replays the stream past them)
+        self.consumed = 0
         self.skipped: dict[
             int, dict[str, int]
         ] = {}  # per loader worker: cumulative dropped samples
         self.train_time = 0.0
-        self.warmup_time = (
-            0.0  # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
-        )
+        # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
+        self.warmup_time = 0.0
         self._drift = [
             [0, 0],
             [0, 0],
         ]  # [hits, queries] on a fresh / stale index (``_count_drift``)
-        self.pipeline: dict | None = (
-            None  # the written step's bubble fraction (rank 0, parallel.pp > 1)
-        )
+        # the written step's bubble fraction (rank 0, parallel.pp > 1)
+        self.pipeline: dict | None = None
         self.metrics = MetricsLogger(
             self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress
         )
@@ -151,9 +148,8 @@ class Trainer:
             self.metrics.log(rec, prefix="vision_warmup")
         self._stop_signal = False
         self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
-        self._prior: BlindPrior | None = (
-            None  # the blind prior's table, read at the first evaluation
-        )
+        # the blind prior's table, read at the first evaluation
+        self._prior: BlindPrior | None = None
         self._prior_ready = False
         n_params = sum(p.numel() for p in self.model.parameters())
         n_retr = sum(p.numel() for p in retriever.parameters()) if retriever is not None else 0

@@ -16,9 +16,8 @@ PSEUDO_VIEWS = ("jitter", "photo")  # retriever/augment.py VIEW_STYLES
 class RetrieverConfig:
     """Which documents the reader sees, and, in learned mode, the dual encoder that picks them."""
 
-    mode: str = (
-        "oracle"  # oracle (gold document) | none (closed book) | learned (dual encoder + faiss)
-    )
+    # oracle (gold document) | none (closed book) | learned (dual encoder + faiss)
+    mode: str = "oracle"
     top_k: int = 1  # documents per query given to the reader
     # -- dual encoder (open_clip towers) -------------------------------------------------------
     embed_dim: int = 64  # joint embedding size searched by faiss
@@ -32,18 +31,16 @@ class RetrieverConfig:
     text_layers: int = 1  # text depth; questions and passages are short
     text_heads: int = 2  # text attention heads
     context_length: int = 32  # text tokens incl. start/end markers (CLIP uses 77; ours are short)
-    fusion: str = (
-        "sum"  # how image and text embeddings combine: sum (learned weights) | image | text
-    )
+    # how image and text embeddings combine: sum (learned weights) | image | text
+    fusion: str = "sum"
     shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
     checkpoint: str | None = None  # local open_clip state dict to initialise both towers
     # the reader's copy attention weighs each document by its retrieval probability (RAG-token
     # style)
     reader_prior: bool = True
     # -- training --------------------------------------------------------------------------------
-    loss: str = (
-        "pdist"  # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
-    )
+    # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
+    loss: str = "pdist"
     loss_weight: float = 1.0  # lambda: total = reader NLL + lambda * retriever loss
     contrastive_steps: int = (
         -1
@@ -64,12 +61,10 @@ class RetrieverConfig:
     warmup_steps: int = 0
     # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
     warmup_lr: float = 2e-3
-    gold_temperature: float = (
-        0.1  # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
-    )
-    query_side_only: bool = (
-        False  # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
-    )
+    # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
+    gold_temperature: float = 0.1
+    # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
+    query_side_only: bool = False
     # -- index and refresh -----------------------------------------------------------------------
     index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
     refresh_every: int = 50  # steps between re-embedding the memory (0 = never)

@@ -57,9 +57,8 @@ class RetrievalMemory:
         self.refresh_seconds: list[
             float
         ] = []  # wall time of each refresh (embedding + index build)
-        self.embeddings: torch.Tensor | None = (
-            None  # (N, E) of the last refresh: the negatives bank
-        )
+        # (N, E) of the last refresh: the negatives bank
+        self.embeddings: torch.Tensor | None = None
         self._cancelled = False  # set by cancel(): a background refresh stops at its next batch
 
     def __len__(self) -> int:

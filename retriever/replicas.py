@@ -51,9 +51,8 @@ def _sum_autograd(x: torch.Tensor, group) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Replicas:
-    group: Any = (
-        None  # process group with one rank of every replica (None: one replica, nothing to gather)
-    )
+    # process group with one rank of every replica (None: one replica, nothing to gather)
+    group: Any = None
     rank: int = 0  # this replica's index in ``group``: its rows come at that place in a gather
     size: int = 1  # replicas in ``group``
 
@@ -128,9 +127,8 @@ class ReplicaBatchNorm(_BatchNorm):
     backward all-reduces the gradients of the sums, so each replica's rows receive the gradient
     that flows through the statistics from every replica, as in one process."""
 
-    span: Replicas | None = (
-        None  # the replicas the statistics span now (None: this replica's rows alone)
-    )
+    # the replicas the statistics span now (None: this replica's rows alone)
+    span: Replicas | None = None
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:

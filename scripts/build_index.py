@@ -55,9 +55,8 @@ class BuildConfig:
     max_text: int = 40  # document tokens kept
     batch_size: int = 256  # documents per forward pass
     threads: int = 0  # torch/faiss threads (0 = default)
-    save_embeddings: str = (
-        ""  # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
-    )
+    # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
+    save_embeddings: str = ""
     retriever: RetrieverConfig = field(
         default_factory=RetrieverConfig
     )  # tower sizes when no checkpoint config

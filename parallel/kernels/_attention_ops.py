@@ -73,9 +73,8 @@ def _eager_cpu(t: torch.Tensor) -> bool:
 _pinned = threading.local()  # .isa: the ISA a cpu_isa_pinned block in this thread runs at
 
 
-_isa_ops: tuple | None = (
-    None  # (cpu_isa, cpu_set_isa) overloads, resolved once (the packet lookup costs ~1 us)
-)
+# (cpu_isa, cpu_set_isa) overloads, resolved once (the packet lookup costs ~1 us)
+_isa_ops: tuple | None = None
 
 
 def _isa_op_pair():

@@ -80,9 +80,8 @@ class _Ctx:
         self.names = names
         self.call_stage = call_stage
         self.stub = stub
-        self.last_call = (
-            last_call  # raise _StageDone at the first call after this index (None: run to the end)
-        )
+        # raise _StageDone at the first call after this index (None: run to the end)
+        self.last_call = last_call
         self.idx = 0
         self.depth = 0
         # per real call: its output flattened (spec, tensors) when the call returns, before the
@@ -350,9 +349,8 @@ class EagerStage:
                 s - 1, s, mb, lambda m: self._recv_specs(m, order)
             )
             for key, t, sp in zip(order, tensors, self._recv_specs(meta, order)):
-                leaf = (
-                    t  # a fresh receive buffer (or a same-rank hand-over, detached by the sender)
-                )
+                # a fresh receive buffer (or a same-rank hand-over, detached by the sender)
+                leaf = t
                 if grad and sp.requires_grad and leaf.is_floating_point():
                     leaf.requires_grad_(True)
                 recv_leaves[key] = leaf

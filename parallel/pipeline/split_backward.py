@@ -186,9 +186,8 @@ def _replace_with(kept: tuple | None):
     return hook
 
 
-LINEAR_FAST_PATH = (
-    True  # W's nn.Linear fast path (below); off only to time the engine path against it
-)
+# W's nn.Linear fast path (below); off only to time the engine path against it
+LINEAR_FAST_PATH = True
 
 
 def _plain(t: torch.Tensor | None) -> bool:

@@ -41,9 +41,8 @@ RECOMPUTE = 4.0 / 3.0  # checkpointing runs each block's forward twice: (1 + 1 +
 # log-probabilities, and the two gradients its backward makes (of the log-probabilities, of the
 # output)
 LOSS_WORKING_SET = 4.0
-HOST_ADAM_BYTES = (
-    7.0  # host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
-)
+# host bytes Adam streams per fp32-parameter byte: read p, g, m, v; write p, m, v
+HOST_ADAM_BYTES = 7.0
 
 
 def bubble_slots(schedule: str, p: int, v: int) -> float:
@@ -84,9 +83,8 @@ class Planner:
         self.stats = ModelStats(trace, samples, tp_sharded, tp_whole_input)
         self.samples, self.by_tp = samples, by_tp or {}
         self._stats: dict[int, ModelStats] = {}
-        self.overhead_s = (
-            overhead_s  # fixed seconds per microbatch forward+backward of the whole model
-        )
+        # fixed seconds per microbatch forward+backward of the whole model
+        self.overhead_s = overhead_s
         self.trace, self.cluster, self.global_batch = trace, cluster, global_batch
         # stages balance FLOPs (the cost of the target devices), not the trace's CPU timings
         self.flops_trace = dataclasses.replace(trace, timed=False)

@@ -32,17 +32,15 @@ class PartStats:
     recompute_peak: float = 0.0  # largest whole block's activations (alive while it is recomputed)
     block_param: float = 0.0  # largest whole block's parameters (FSDP's gathered unit)
     block_tp_param: float = 0.0  # of which TP-sharded
-    outside_param: float = (
-        0.0  # parameters outside every whole block (FSDP's root unit: embeddings, head)
-    )
+    # parameters outside every whole block (FSDP's root unit: embeddings, head)
+    outside_param: float = 0.0
     outside_tp_param: float = 0.0  # of which TP-sharded
     blocks: int = 0  # whole blocks (each costs TP all-reduces)
     block_out: float = 0.0  # output bytes summed over whole blocks (the TP all-reduce message)
     cut_in: float = 0.0  # bytes received per trace batch at the stage's first cut
     cut_out: float = 0.0  # bytes sent per trace batch at its last cut
-    wgrad_keep: float = (
-        0.0  # output gradients of modules with parameters: what a deferred weight gradient keeps
-    )
+    # output gradients of modules with parameters: what a deferred weight gradient keeps
+    wgrad_keep: float = 0.0
     calls: int = 0  # module calls per forward (fixed per-call overhead follows them)
     tp_calls: int = 0  # of which calls of modules whose own parameters tensor parallel shards
     kv_param_bytes: float = 0.0  # replicated key/value weights (whole on each tp rank)

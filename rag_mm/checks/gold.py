@@ -29,9 +29,8 @@ from rag_mm.config import ConfigError
 
 log = logging.getLogger(__name__)
 PEEK = 64  # samples read: a converted data set names a doc_id in every query or in none
-MAX_SHARDS = (
-    4  # shards tried when the first ones are unreadable (the pipeline reports those itself)
-)
+# shards tried when the first ones are unreadable (the pipeline reports those itself)
+MAX_SHARDS = 4
 
 
 @dataclass

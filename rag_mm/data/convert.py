@@ -100,12 +100,10 @@ class Question:
     question: str
     answer: str  # the training target
     answers: list[str]  # every human answer, in the file's order
-    answer_type: str | None = (
-        None  # VQAv2's "yes/no" | "number" | "other", where the annotation has one
-    )
-    question_type: str | None = (
-        None  # VQAv2's question prefix class ("what color is the", ...), likewise
-    )
+    # VQAv2's "yes/no" | "number" | "other", where the annotation has one
+    answer_type: str | None = None
+    # VQAv2's question prefix class ("what color is the", ...), likewise
+    question_type: str | None = None
     given: str | None = None  # the annotation's multiple_choice_answer (VQAv2), which ``answer`` is
 
 

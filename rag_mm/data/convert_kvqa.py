@@ -69,9 +69,8 @@ class _Writer:
         pictures: dict[str, Path],
     ) -> None:
         self.args = (out, split, shard_size, overwrite)
-        self.sink: ShardSink | None = (
-            None  # opened at the first good query: bad input leaves no shard
-        )
+        # opened at the first good query: bad input leaves no shard
+        self.sink: ShardSink | None = None
         self.image_size, self.pictures = image_size, pictures
         self.cache: tuple[str, tuple[str, bytes]] | None = None
         self.skipped: Counter[str] = Counter()

@@ -146,9 +146,8 @@ class StreamSpec:
     rank: int = 0
     world_size: int = 1
     skip_batches: int = 0  # batches this rank already consumed (resume)
-    tokenizer: str | None = (
-        None  # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
-    )
+    # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
+    tokenizer: str | None = None
 
 
 class QueryStream(torch.utils.data.IterableDataset):

@@ -27,9 +27,8 @@ import torch
 from rag_mm.distributed.env import all_reduce_sum
 
 log = logging.getLogger(__name__)
-SUBMITIT_PORT_BASE = (
-    20000  # MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash
-)
+# MASTER_PORT = base + job id % 20000: distinct jobs on one node rarely clash
+SUBMITIT_PORT_BASE = 20000
 
 
 class Stopped(Exception):

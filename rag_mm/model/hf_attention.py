@@ -56,9 +56,8 @@ def rag_mm_attention(
     take v's dtype: under autocast v comes from a bf16 matmul, q and k from RoPE's fp32."""
     S = query.shape[-2]
     if not torch.compiler.is_compiling():  # a Python counter in a compiled block is a guard that
-        _calls[0] += (
-            1  # fails on every call: each call would recompile (``check_dispatch`` is eager)
-        )
+        # fails on every call: each call would recompile (``check_dispatch`` is eager)
+        _calls[0] += 1
     if softcap is not None:
         raise ValueError(
             f"{type(module).__name__}: attention logit soft-capping ({softcap}) is not "

@@ -42,9 +42,8 @@ from rag_mm.model.hf_base import HFReaderBase
 
 log = logging.getLogger(__name__)
 
-VISION_ATTENTION = (
-    "sdpa"  # the vision tower attends bidirectionally over its patches: transformers' own SDPA
-)
+# the vision tower attends bidirectionally over its patches: transformers' own SDPA
+VISION_ATTENTION = "sdpa"
 
 
 def _auto_classes() -> list:

@@ -45,9 +45,8 @@ class ReaderOutput:
     logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
     labels: torch.Tensor  # (M,) their targets
     example: torch.Tensor  # (M,) example index of each prediction position
-    doc_attention: torch.Tensor | None = (
-        None  # (B, k) copy-attention mass of the answer positions on each document
-    )
+    # (B, k) copy-attention mass of the answer positions on each document
+    doc_attention: torch.Tensor | None = None
     # (M,) bool: which prediction rows are real; None: all of them. On an accelerator M is
     # B * max_predictions, the real rows first, then fill rows (example 0, position 0, target
     # IGNORE)

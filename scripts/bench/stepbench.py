@@ -221,9 +221,8 @@ class StepSetup:
     params: str = "fp32"  # fp32 | fp32+autocast (bf16 matmuls, fp32 weights) | bf16 (weights too)
     attention: str = "auto"  # model.attention_backend
     compile: bool = False  # torch.compile each block
-    compile_backend: str = (
-        "inductor"  # aot_eager: traced, partitioned, no code written (CPU dry runs)
-    )
+    # aot_eager: traced, partitioned, no code written (CPU dry runs)
+    compile_backend: str = "inductor"
 
 
 def make_step(model, opt, batch: dict, autocast: bool) -> Callable[[], torch.Tensor]:
