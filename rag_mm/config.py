@@ -88,10 +88,12 @@ class ModelConfig:
     # is a negative, and SimCLR's features improve with more of them
     vision_ssl_batch: int = 0
     # the largest turn of a SimCLR view, degrees either way (180: any), and whether half the views
-    # are mirrored: what the views vary, the tower learns to ignore, so a picture whose answer
-    # changes when turned or mirrored (a digit, left / right) needs them small and off
-    vision_ssl_rotate: float = 180.0
-    vision_ssl_mirror: bool = True
+    # are mirrored. What the views vary, the tower learns to ignore: small turns and no mirror keep
+    # the orientation that a digit's class or a left / right question needs, and a tower that
+    # sees orientation still tells shapes apart, so they are the default; any turn and mirror
+    # only for pictures whose answers never depend on orientation
+    vision_ssl_rotate: float = 15.0
+    vision_ssl_mirror: bool = False
     max_doc_text: int = 40  # document text tokens kept per document (the demo's passages are ~21)
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from rag_mm.config import compose
 from rag_mm.data.convert import convert_vqa
 from rag_mm.data.picture_recipe import picture_size, recipe_overrides
 from rag_mm.model.vision_ssl import picture_views
@@ -66,4 +67,9 @@ def test_views_without_turn_or_mirror_keep_the_orientation():
         return (bright[:, :, 8:].sum((1, 2)) / bright.sum((1, 2)).clamp_min(1)).max()
 
     assert right_share(picture_views(x, rotate=0.0, mirror=False)) < 0.2
-    assert right_share(picture_views(x)) > 0.8
+    assert right_share(picture_views(x, rotate=180.0, mirror=True)) > 0.8
+    # the recipe's views (the config's defaults) keep it on the left
+    m = compose(["+experiment=vqa"]).model
+    assert (
+        right_share(picture_views(x, rotate=m.vision_ssl_rotate, mirror=m.vision_ssl_mirror)) < 0.2
+    )
