@@ -42,6 +42,7 @@ bench: install
 
 lint: install
 	$(PY) -m ruff check rag_mm retriever parallel scripts tests
+	$(PY) -m ruff format --check rag_mm retriever parallel scripts tests
 
 clean:
 	rm -rf outputs runs build data .pytest_cache
