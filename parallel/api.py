@@ -340,14 +340,12 @@ class _Sharding:
     """This rank's parameters after step 4 (TP and FSDP replace them by DTensors)."""
 
     sharded: Sharded  # what parallelize_spmd applied
-    named_held: tuple[
-        tuple[str, nn.Parameter], ...
-    ]  # this rank's parameters by name, after the swap
+    # this rank's parameters by name, after the swap
+    named_held: tuple[tuple[str, nn.Parameter], ...]
     trainable: tuple[nn.Parameter, ...]  # the distinct ones that take gradients
     fsdp_ids: frozenset[int]  # those whose gradients FSDP reduces
-    step_sync: (
-        StepSync | None
-    )  # FSDP units that run several microbatches per call, driven once per call
+    # FSDP units that run several microbatches per call, driven once per call
+    step_sync: StepSync | None
 
     def fields(self) -> dict[str, Any]:
         """These, as ``Parts``' keyword arguments."""

@@ -249,9 +249,8 @@ def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
     def step(m: nn.Module) -> Callable[[], Any]:
         return lambda: m(x).sum().backward()
 
-    unit = (
-        -(-(width * width + width) // world) * world
-    )  # one layer's parameters, padded to the ranks
+    # one layer's parameters, padded to the ranks
+    unit = -(-(width * width + width) // world) * world
     full, shard, act = torch.zeros(unit), torch.zeros(unit // world), torch.zeros(4, width)
 
     # the single-tensor collectives' names since torch 2.14; the older names before
@@ -354,9 +353,8 @@ def calibrate(base: Cluster | None = None, *, ranks: int = 2, seconds: float = 0
     alpha = t_small / (2 * (n - 1))
     beta = 2 * (n - 1) / n * big / max(t_big - 2 * (n - 1) * alpha, 1e-9)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    share = min(
-        1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1)
-    )  # cores per rank, at most 1
+    # cores per rank, at most 1
+    share = min(1.0, len(os.sched_getaffinity(0)) / max(base.devices_per_node, 1))
     return dataclasses.replace(
         base,
         name="local (calibrated)",

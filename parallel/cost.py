@@ -104,9 +104,8 @@ class StageCosts:
         self.PC = np.concatenate([[0.0], np.cumsum(is_mod)])
         self.PM = np.concatenate([[0.0], np.cumsum(pm)])
         self.PA = np.concatenate([[0.0], np.cumsum(act)])
-        self.cut = np.asarray(
-            cut, dtype=np.float64
-        )  # (n + 1,) bytes crossing the cut before unit j
+        # (n + 1,) bytes crossing the cut before unit j
+        self.cut = np.asarray(cut, dtype=np.float64)
         self.comm_time = 2.0 * self.cut / cfg.bandwidth  # activations forward + gradients backward
         self.inflight = np.array([inflight(s, self.num_ranks, cfg) for s in range(num_stages)])
         # normalisers for mixing time and memory (SageMaker normalises both before weighting)

@@ -48,13 +48,11 @@ class Parts:
     cfg: ParallelConfig  # the layout and step settings it was parallelized with
     layout: Layout  # this rank's place in the mesh and its process groups
     device: torch.device  # where this rank's parameters live (they do not move after parallelize)
-    named_held: tuple[
-        tuple[str, nn.Parameter], ...
-    ]  # this rank's parameters by name (a tied one under each name)
+    # this rank's parameters by name (a tied one under each name)
+    named_held: tuple[tuple[str, nn.Parameter], ...]
     trainable: tuple[nn.Parameter, ...]  # the distinct held parameters that take gradients
-    sharded: Sharded = field(
-        default_factory=Sharded
-    )  # what parallelize_spmd applied (TP plan, FSDP units)
+    # what parallelize_spmd applied (TP plan, FSDP units)
+    sharded: Sharded = field(default_factory=Sharded)
     fsdp_ids: frozenset[int] = frozenset()  # ids of the parameters whose gradients FSDP reduces
     step_sync: StepSync | None = None  # FSDP units driven once per call (microbatches, pipeline)
     # averages a flat gradient of what FSDP does not reduce over the data-parallel ranks, in place
@@ -62,18 +60,16 @@ class Parts:
     grad_reducer: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     partition: Partition | None = None  # the pipeline's stage assignment (None: pp == 1)
     plan: Plan | None = None  # the replay plan of the example's input structure (pp > 1)
-    stages: Mapping[int, EagerStage] = field(
-        default_factory=dict
-    )  # this rank's stages (empty: pp == 1)
+    # this rank's stages (empty: pp == 1)
+    stages: Mapping[int, EagerStage] = field(default_factory=dict)
     order: tuple[Action, ...] | None = None  # this rank's schedule actions, in order
     transport: Transport | None = None  # the pipeline's point-to-point sends and receives
     local_stages: tuple[int, ...] = (0,)  # the stage indices this rank runs
     replicated: tuple[
         str, ...
     ] = ()  # canonical names held by more than one pipeline rank (tied weights)
-    replicated_numel: Mapping[str, int] = field(
-        default_factory=dict
-    )  # their sizes (a rank not holding one sends zeros)
+    # their sizes (a rank not holding one sends zeros)
+    replicated_numel: Mapping[str, int] = field(default_factory=dict)
     # shared-memory collectives for the step loss (``_loss_group``), or None: gloo
     loss_group: Any = None
     # further input structures (``parallelize(structures=...)``): name -> this rank's stages, each

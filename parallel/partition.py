@@ -30,10 +30,11 @@ from .cost import CostConfig, StageCosts
 from .trace import TraceResult, trace_model
 from .units import Unit, UnitBuilder, cut_bytes, layer_units
 
+# memory weight per objective (see README of cost.py)
 OBJECTIVE_WEIGHT = {
     "speed": 0.0,
     "memory": 0.8,
-}  # memory weight per objective (see README of cost.py)
+}
 REFINE_FRACTION = 8  # descend into a unit above 1/8 of the ideal stage time: fine enough to balance
 REFINE_SLACK = 0.02  # stop descending once the largest stage is within 2% of the ideal
 REFINE_ROUNDS = 32  # bound on descend-and-resolve rounds after the first cut

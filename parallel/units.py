@@ -164,9 +164,8 @@ class UnitBuilder:
         kids = self._called_children(name)
         kid_units = [self.module_unit(c) for c in kids]
         inside = {m for u in kid_units for m in u.modules}
-        own = [
-            m for m in self.subtree(name) if m not in inside
-        ]  # the module, idle containers, never-called children
+        # the module, idle containers, never-called children
+        own = [m for m in self.subtree(name) if m not in inside]
         own_params = [p for m in own for p in self.mods[m].params]
         first_use = self.trace.param_first_use
         used = [p for p in own_params if p in first_use]

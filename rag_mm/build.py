@@ -24,11 +24,12 @@ from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
 
+# the query splits a stream can read (data.<split> shard patterns)
 SPLITS = (
     "train",
     "val",
     "test",
-)  # the query splits a stream can read (data.<split> shard patterns)
+)
 
 
 @dataclass

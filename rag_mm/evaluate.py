@@ -124,9 +124,8 @@ def evaluate(
     # faiss pads short result lists with id -1 too)
     width = 4 + len(RECALL_AT)
     acc = torch.zeros(2 * width, dtype=torch.float64)
-    typed = torch.zeros(
-        len(ANSWER_TYPES), len(TYPED), dtype=torch.float64
-    )  # per answer type, the TYPED sums
+    # per answer type, the TYPED sums
+    typed = torch.zeros(len(ANSWER_TYPES), len(TYPED), dtype=torch.float64)
     whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     store = getattr(rag, "store", None)
@@ -158,12 +157,13 @@ def evaluate(
         B = len(correct)
         golds = batch.get("answer") or [""] * B
         answers = batch.get("answers") or [None] * B
+        # (B,)
         types = torch.tensor(
             [
                 ANSWER_TYPES.index(answer_type(t, g))
                 for t, g in zip(batch.get("answer_type") or [None] * B, golds)
             ]
-        )  # (B,)
+        )
         _add(typed, "n", types, torch.ones(B))
         _add(typed, "correct", types, correct)
         if prior is not None:
@@ -603,9 +603,8 @@ def load_config(run_dir: Path, overrides: list[str], queries: bool = True):
         validate(cfg, world_size=1)
     except ConfigError as exc:
         raise EvalError(str(exc)) from None
-    skip = (
-        () if queries else tuple(f"data.{split}:" for split in SPLITS)
-    )  # shard_problems names its key first
+    # shard_problems names its key first
+    skip = () if queries else tuple(f"data.{split}:" for split in SPLITS)
     problems = [p for p in path_problems(cfg, training=False) if not p.startswith(skip)]
     if problems:
         raise EvalError("invalid paths:\n  - " + "\n  - ".join(problems))
@@ -624,9 +623,8 @@ def load_model_state(rag: torch.nn.Module, ckpt: Path) -> dict:
 
     state = {"model": get_model_state_dict(rag)}  # the names and shapes Trainer._state saves
     try:
-        ts = checkpoint.load(
-            ckpt, state
-        )  # in one process: DCP's note that it assumes so is filtered there
+        # in one process: DCP's note that it assumes so is filtered there
+        ts = checkpoint.load(ckpt, state)
     except CheckpointException as exc:  # DCP's message carries each rank's stack: keep the errors
         why = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
         raise EvalError(f"cannot load {ckpt} into the model the config builds: {why}") from None
@@ -789,9 +787,8 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
-    print(
-        json.dumps(json_safe(res), allow_nan=False)
-    )  # strict JSON: null where there is nothing to average
+    # strict JSON: null where there is nothing to average
+    print(json.dumps(json_safe(res), allow_nan=False))
     return 0
 
 

@@ -57,12 +57,13 @@ log = logging.getLogger(__name__)
 
 # samples in the traced batch: the planner scales per-sample FLOPs and bytes to any batch
 SAMPLES = 2
+# command-line keys that are not training overrides
 OWN_KEYS = (
     "cluster",
     "global_batch",
     "format",
     "top",
-)  # command-line keys that are not training overrides
+)
 FORMATS = ("table", "json")
 AUTO_TOP = 3  # layouts the start-up log shows
 

@@ -108,9 +108,8 @@ def main(cfg: DictConfig) -> None:
         trainer = Trainer(cfg)
     except ConfigError as exc:
         _fail(exc, cfg)
-    requeue = preemption.SubmititRequeue(
-        trainer._on_sigterm
-    )  # submitit's USR2: checkpoint, then requeue
+    # submitit's USR2: checkpoint, then requeue
+    requeue = preemption.SubmititRequeue(trainer._on_sigterm)
     try:
         trainer.restore()
         summary = trainer.fit()

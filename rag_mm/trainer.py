@@ -76,9 +76,8 @@ class Trainer:
     def __init__(self, cfg, log_metrics: bool = True) -> None:
         """``cfg`` as the entry point hands it over: values validated, paths and shards checked
         (``rag_mm.train``: ``config.validate``, ``paths.check_paths``), once per start."""
-        gold_queries = gold.check(
-            cfg
-        )  # settings that need gold documents, against the data's first samples
+        # settings that need gold documents, against the data's first samples
+        gold_queries = gold.check(cfg)
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -86,9 +85,8 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.env = init_distributed(cfg.device, cfg.launch.backend, cfg.launch.timeout_s)
         self.device = self.env.device
-        self.watch = Watchdog(
-            self.env.rank, self.env.world_size, cfg.launch.timeout_s
-        )  # names a stuck rank
+        # names a stuck rank
+        self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.launch.timeout_s)
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -96,9 +94,8 @@ class Trainer:
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
         self.rag.gold_queries = gold_queries
-        self.ckpt_bytes = disk.checkpoint_bytes(
-            self.rag
-        )  # the whole model, before it is spread over ranks
+        # the whole model, before it is spread over ranks
+        self.ckpt_bytes = disk.checkpoint_bytes(self.rag)
         self._check_disk()
         retriever = parts.retriever
         vision_records = []
@@ -113,13 +110,13 @@ class Trainer:
             cfg.optim.vision_lr_scale == 0
         ):  # frozen before the reader is spread: no gradient, no optimizer state
             self.model.vision.requires_grad_(False)
-        self.spread = SpreadRag(
-            self.rag, cfg, self.device
-        )  # the reader over the ranks, as cfg.parallel says
+        # the reader over the ranks, as cfg.parallel says
+        self.spread = SpreadRag(self.rag, cfg, self.device)
+        # a replica shares a batch
         self.data_rank, self.data_size = (
             self.spread.dp_rank,
             self.spread.dp_size,
-        )  # a replica shares a batch
+        )
         # backend=auto's attention kernels, chosen by measurement before the first step: a
         # collective (rank 0 times the candidates or reads its cache, every rank runs its choices)
         self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
@@ -135,10 +132,11 @@ class Trainer:
         self.train_time = 0.0
         # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
         self.warmup_time = 0.0
+        # [hits, queries] on a fresh / stale index (``_count_drift``)
         self._drift = [
             [0, 0],
             [0, 0],
-        ]  # [hits, queries] on a fresh / stale index (``_count_drift``)
+        ]
         # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.pipeline: dict | None = None
         self.metrics = MetricsLogger(
@@ -234,9 +232,8 @@ class Trainer:
                 except preemption.Stopped:
                     stopped = True
             self.watch.at("blind prior (broadcast of the table)", self.step)
-            table, stopped = broadcast_object(
-                (table, stopped)
-            )  # plain JSON data, checked again on arrival
+            # plain JSON data, checked again on arrival
+            table, stopped = broadcast_object((table, stopped))
             if stopped:
                 raise preemption.Stopped(
                     "reading the blind prior's table from the training shards stopped"
@@ -321,9 +318,8 @@ class Trainer:
             return
         state, strided = self._state()
         ts = checkpoint.load(path, state)
-        checkpoint.scatter_strided(
-            state, strided
-        )  # loaded in place; gathered TP blocks scattered back
+        # loaded in place; gathered TP blocks scattered back
+        checkpoint.scatter_strided(state, strided)
         self.sched.load_state_dict(ts["scheduler"])
         # the optimizer's state is saved per parameter, its groups come from the config: their
         # learning rate is the schedule's at the restored step (a scheduler's load sets none)
@@ -466,9 +462,8 @@ class Trainer:
                 guard.flush()  # the device path's skipped steps: logged now, abort if too many
             if (i % c.log_every == 0 or i == r.warmup_steps) and window:
                 n_hit = sum(s.n_hit for s in window)
-                recall = (
-                    float(sum(s.hits for s in window)) / n_hit if n_hit else None
-                )  # queries naming their gold document
+                # queries naming their gold document
+                recall = float(sum(s.hits for s in window)) / n_hit if n_hit else None
                 per_step = c.data.batch_size * self.data_size if labelled else r.pseudo_queries
                 rec = {
                     "step": i,
@@ -486,9 +481,8 @@ class Trainer:
                     "n/a (no gold documents)" if recall is None else f"{recall:.3f}",
                 )
                 window, window_t = [], time.perf_counter()
-        refreshed = (
-            sum(self.memory.refresh_seconds) - refresh_before
-        )  # counted as refresh time, not warm-up
+        # counted as refresh time, not warm-up
+        refreshed = sum(self.memory.refresh_seconds) - refresh_before
         self.warmup_time = time.perf_counter() - t0 - refreshed
 
     def fit(self) -> dict:
@@ -511,9 +505,8 @@ class Trainer:
         timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
         r = c.retriever
         refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
-        loss_sum = torch.full(
-            (), float("nan")
-        )  # no step trained by this process (resumed at max_steps): null
+        # no step trained by this process (resumed at max_steps): null
+        loss_sum = torch.full((), float("nan"))
         try:
             # before the first step: the index and the retriever warm-up (neither is checkpointed)
             try:
@@ -621,9 +614,8 @@ class Trainer:
             return True, None
 
     def _write_timeline(self) -> None:
-        self.pipeline = self.spread.write_timeline(
-            self.run_dir
-        )  # rank 0 writes it and gets the summary
+        # rank 0 writes it and gets the summary
+        self.pipeline = self.spread.write_timeline(self.run_dir)
         if self.pipeline is not None:
             self.pipeline["step"] = self.step
             log.info(
@@ -655,9 +647,8 @@ class Trainer:
             "retrieval": self.cfg.retriever.mode,
             "val": val,
             "test": test,
-            "chance_accuracy": world.get(
-                "chance_accuracy"
-            ),  # None (null) when the data does not say
+            # None (null) when the data does not say
+            "chance_accuracy": world.get("chance_accuracy"),
             "skipped_samples": self._skipped_total(),
             "skipped_documents": self.store.skipped,
             **self._refresh_summary(),

@@ -38,9 +38,10 @@ def random_views(
     zoom = scale[0] + (scale[1] - scale[0]) * u(N)  # > 1 enlarges the content
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
+    # (N, 2, 3)
     theta = torch.stack(
         [torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1
-    )  # (N, 2, 3)
+    )
     grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
     out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
     out = out + colour * (2 * u(N, 3, 1, 1) - 1)
@@ -121,9 +122,8 @@ def photo_views(
         ring = torch.cat(
             [images[..., 0, :], images[..., -1, :], images[..., :, 0], images[..., :, -1]], -1
         )
-        ground = ring.median(-1).values[
-            ..., None, None
-        ]  # (N, 3, 1, 1) the plain background's colour
+        # (N, 3, 1, 1) the plain background's colour
+        ground = ring.median(-1).values[..., None, None]
         # the warp repeats border pixels, so a shrunken picture is framed by its background colour
         near = ((out - ground).abs().amax(1, keepdim=True) < 0.35).to(out.dtype)  # (N, 1, H, W)
         # the ground is what of it connects to the frame (a white heart inside a white-framed

@@ -42,9 +42,8 @@ class RetrieverConfig:
     # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
     loss: str = "pdist"
     loss_weight: float = 1.0  # lambda: total = reader NLL + lambda * retriever loss
-    contrastive_steps: int = (
-        -1
-    )  # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
+    # steps with the in-batch contrastive warm-up term (-1: always, 0: never)
+    contrastive_steps: int = -1
     contrastive_weight: float = 1.0  # weight of the in-batch contrastive term while it is on
     # memory rows (embeddings of the last refresh) added as negatives to every contrastive term (0:
     # none)

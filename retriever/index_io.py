@@ -70,9 +70,8 @@ def fingerprint(*parts: Any) -> str:
         elif isinstance(p, torch.Tensor):
             t = p.detach().cpu().contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(
-                t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            )  # 0-d tensors too
+            # 0-d tensors too
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         elif isinstance(p, np.ndarray):
             h.update(f"{p.dtype}{p.shape}".encode())
             h.update(np.ascontiguousarray(p).tobytes())

@@ -43,11 +43,12 @@ class RetrievalMemory:
         corpus_hash: str = "",
     ) -> None:
         self.encoder = encoder  # DualEncoder; only .embed_docs is used
+        # (N, ...) on the host
         self.images, self.text_ids, self.text_len = (
             images,
             text_ids,
             text_len,
-        )  # (N, ...) on the host
+        )
         self.doc_ids = doc_ids.numpy().astype(np.int64)  # (N,) ids returned by searches
         self.factory = factory
         self.batch_size = batch_size
@@ -109,9 +110,8 @@ class RetrievalMemory:
         if background and self.index.rebuilding:
             log.info("index refresh at step %d skipped: the previous one is still running", step)
             return
-        frozen = (
-            _FrozenDocSide(self.encoder) if background else None
-        )  # training changes the live weights
+        # training changes the live weights
+        frozen = _FrozenDocSide(self.encoder) if background else None
 
         def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
             if frozen is not None:  # no collectives off the main thread: this rank embeds it all

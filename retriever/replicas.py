@@ -107,9 +107,8 @@ class Replicas:
         for x in xs:
             if x.shape[0] < longest:
                 x = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
-            rows = _gather_autograd(
-                x.contiguous(), 0, self.group
-            )  # (size * longest, ...); backward sums into each owner
+            # (size * longest, ...); backward sums into each owner
+            rows = _gather_autograd(x.contiguous(), 0, self.group)
             out.append(
                 torch.cat([rows[r * longest : r * longest + c] for r, c in enumerate(counts)])
             )
@@ -142,16 +141,14 @@ class ReplicaBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]  # every axis but the channels
         shape = (1, -1) + (1,) * (x.dim() - 2)  # (C,) -> broadcast over (N, C, *)
         xf = x.float()  # statistics in fp32 whatever the activations' dtype
-        rows = xf.new_tensor(
-            [xf.numel() // max(xf.shape[1], 1)]
-        )  # values per channel on this replica
+        # values per channel on this replica
+        rows = xf.new_tensor([xf.numel() // max(xf.shape[1], 1)])
         total = _sum_autograd(torch.cat([xf.sum(dims), rows]), rep.group)  # (C + 1,)
         n = total[-1].detach()
         mean = total[:-1] / n  # (C,)
         centred = xf - mean.view(shape)
-        var = (
-            _sum_autograd((centred * centred).sum(dims), rep.group) / n
-        )  # (C,) biased, as BatchNorm normalises
+        # (C,) biased, as BatchNorm normalises
+        var = _sum_autograd((centred * centred).sum(dims), rep.group) / n
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)

@@ -57,9 +57,8 @@ class BuildConfig:
     threads: int = 0  # torch/faiss threads (0 = default)
     # prefix: write <prefix>docs.npy (and <prefix>queries.npy) for scripts/bench/index.py
     save_embeddings: str = ""
-    retriever: RetrieverConfig = field(
-        default_factory=RetrieverConfig
-    )  # tower sizes when no checkpoint config
+    # tower sizes when no checkpoint config
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
 
 
 def _dist() -> tuple[int, int]:

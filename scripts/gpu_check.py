@@ -92,10 +92,11 @@ MODULES = (
     "PIL",
     "matplotlib",
 )
+# scripts/bench/*.py run with --device; each has a Step in plan()
 BENCHES = (
     "attention",
     "train_throughput",
-)  # scripts/bench/*.py run with --device; each has a Step in plan()
+)
 STEPS = ("cuda_build", "pytest", "attention", "mfu_demo", "mfu_1b", "demo")
 KILL_GRACE_S = 10
 
@@ -227,6 +228,7 @@ def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
         "resume=never",
     ]
     if args.dry_run:
+        # the one shard
         train += [
             "device=cpu",
             "launch.backend=gloo",
@@ -235,7 +237,7 @@ def demo_command(args: argparse.Namespace, out: Path) -> list[str]:
             "eval_every=0",
             "ckpt_every=0",
             "data.train=train/train-000000.tar",
-        ]  # the one shard
+        ]
     else:
         train += ["device=cuda", "launch.backend=nccl"]
     gen = [py, "-m", "rag_mm.data.knowledge_world", f"out={data}", *world]

@@ -41,9 +41,8 @@ SELECTION = "not gpu and not slow"  # the default `make test` selection
 class Mutation:
     name: str  # short handle for --only
     breaks: str  # the capability it breaks, in words
-    edits: tuple[
-        tuple[str, str, str], ...
-    ]  # (path, exact old text, new text): every occurrence replaced
+    # (path, exact old text, new text): every occurrence replaced
+    edits: tuple[tuple[str, str, str], ...]
     tests: tuple[str, ...]  # pytest node ids that must fail
     native: bool = False  # C++ source: the extension is rebuilt in a fresh cache
 

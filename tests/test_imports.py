@@ -118,9 +118,8 @@ def test_graph_sees_every_package():
     graph = import_graph()
     for pkg in PACKAGES:
         assert pkg in graph
-    assert (
-        "parallel.tp.plan" in graph["parallel.tp.verify"]
-    )  # a plain ``from parallel.tp.plan import``
+    # a plain ``from parallel.tp.plan import``
+    assert "parallel.tp.plan" in graph["parallel.tp.verify"]
     assert "parallel.tp.verify" in graph["parallel.api"]  # a relative ``from .tp.verify import``
 
 

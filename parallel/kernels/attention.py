@@ -310,9 +310,8 @@ def _machine(device: str) -> tuple[str, dict]:
 
 
 def _tune_key(q: torch.Tensor, layout: str, grad: bool) -> _tune.Key:
-    S = (
-        q.shape[0] if layout == "packed" else q.shape[-2]
-    )  # packed: (T, H, D), T tokens; else (B, H, S, D)
+    # packed: (T, H, D), T tokens; else (B, H, S, D)
+    S = q.shape[0] if layout == "packed" else q.shape[-2]
     return _tune.Key(
         "fwd+bwd" if grad else "fwd",
         layout,

@@ -19,9 +19,10 @@ def layout_mask(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     B = seg_offsets.shape[0]
     pos = torch.arange(seq_len, device=seg_offsets.device)  # (S,)
     # segment id of every position: number of interior boundaries at or before it
+    # (B, S)
     seg = torch.searchsorted(
         seg_offsets[:, 1:].contiguous(), pos.expand(B, -1).contiguous(), right=True
-    )  # (B, S)
+    )
     n_seg = seg_offsets.shape[1] - 1
     query_seg = n_seg - 1
     valid = pos[None, :] < seg_offsets[:, -1:]  # (B, S)
@@ -49,9 +50,8 @@ def reference_attention(
     """Plain PyTorch attention with an explicit (S, S) score matrix; the ground truth for tests."""
     S = q.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    acc = torch.promote_types(
-        q.dtype, torch.float32
-    )  # fp32 math for 16-bit inputs, fp64 stays fp64
+    # fp32 math for 16-bit inputs, fp64 stays fp64
+    acc = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale  # (B, H, S, S)
     allowed = None
     if seg_offsets is not None:
@@ -94,9 +94,8 @@ def pad_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> to
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()  # (B,)
     pos = torch.arange(max_seqlen, device=x.device)
     valid = pos[None, :] < lens[:, None]  # (B, M)
-    idx = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(
-        max=max(x.shape[0] - 1, 0)
-    )  # (B, M)
+    # (B, M)
+    idx = (cu_seqlens[:-1].long()[:, None] + pos[None, :]).clamp(max=max(x.shape[0] - 1, 0))
     padded = x[idx] * valid[:, :, None, None]  # (B, M, H, D)
     return padded.transpose(1, 2)
 

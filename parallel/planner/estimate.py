@@ -212,9 +212,8 @@ class Planner:
         dp = dp_replicate * dp_shard
         world = pp * dp * tp
         why = lay.reasons
-        why += config.problems(
-            c.world
-        )  # the runtime's own rules: degrees x world, schedule, offload
+        # the runtime's own rules: degrees x world, schedule, offload
+        why += config.problems(c.world)
         if precision not in CHOICES["mixed_precision"]:
             why.append(f"precision must be one of {CHOICES['mixed_precision']} (got {precision!r})")
         if self.global_batch % (dp * microbatches):
@@ -394,9 +393,8 @@ class Planner:
         # set_requires_gradient_sync(False)). FSDP without a pipeline gathers again in every
         # accumulation step's forward and backward; under a pipeline the stage stays gathered.
         sh, rp = dp_shard, dp_replicate
-        rounds = (
-            m if pp == 1 and sh > 1 else 1
-        )  # accumulation steps whose compute hides the gathers
+        # accumulation steps whose compute hides the gathers
+        rounds = m if pp == 1 and sh > 1 else 1
         if sh > 1:
             # one collective per FSDP unit: each pays the latency, together they move P
             grad = units * c.reduce_scatter(P / units, sh, tp) + c.all_reduce(P / sh, rp, tp * sh)
@@ -406,14 +404,12 @@ class Planner:
             last = c.all_reduce(min(P, max(DDP_BUCKET_BYTES, blockP)), rp, tp)
         ag = first = 0.0
         if sh > 1:
-            gathers = (
-                2 * m if pp == 1 else 1
-            )  # forward and backward of every step; a pipeline's once
+            # forward and backward of every step; a pipeline's once
+            gathers = 2 * m if pp == 1 else 1
             ag = gathers * units * c.all_gather(P * cdt / units, sh, tp)
             first = c.all_gather(blockP * cdt, sh, tp)
-        window = (
-            t_c * rounds * c.comm_overlap
-        )  # compute the traffic hides behind: the microbatches it overlaps
+        # compute the traffic hides behind: the microbatches it overlaps
+        window = t_c * rounds * c.comm_overlap
         dp_t = max(last + first, grad + ag - window) if dp > 1 else 0.0
         off = 0.0
         if cpu_offload:

@@ -47,12 +47,10 @@ class Estimate:
     # that rank's memory by kind (params, grads, optimizer, gathered, activations): the peak is
     # their sum, less the smaller of grads and activations where the two do not peak together
     memory: dict[str, float] = field(default_factory=dict)
-    memory_by_rank: list[float] = field(
-        default_factory=list
-    )  # modelled peak of each pipeline rank, first first
-    memory_kinds_by_rank: list[dict[str, float]] = field(
-        default_factory=list
-    )  # and each one's memory by kind
+    # modelled peak of each pipeline rank, first first
+    memory_by_rank: list[float] = field(default_factory=list)
+    # and each one's memory by kind
+    memory_kinds_by_rank: list[dict[str, float]] = field(default_factory=list)
     step_time_s: float = math.inf  # modelled seconds per optimizer step
     breakdown: dict[str, float] = field(default_factory=dict)  # step seconds by where they go
     mfu: float = 0.0  # model FLOPs (no recompute) / (step time x world x peak of the dtype)
@@ -162,11 +160,12 @@ class Plan:
             f"{self.global_batch}; {len(self.fitting)} of {len(self.layouts)} layouts fit "
             f"({self.seconds:.1f} s)"
         ]
+        # times in milliseconds: small models' steps are sub-millisecond
         head = (
             f"{'#':>3} {'pp':>3} {'tp':>3} {'dpr':>4} {'dps':>4} {'m':>4} {'schedule':<16} "
             f"{'ac':>3} {'prec':>5} {'off':>4} {'GiB':>6} {'step ms':>8} {'mfu':>5} "
             f"{'compute':>8} {'bubble':>7} {'tp':>7} {'dp':>7} {'pp':>7}  reasons"
-        )  # times in milliseconds: small models' steps are sub-millisecond
+        )
         lines += [head, "-" * len(head)]
         rows = self.fitting[:top] + [lay for lay in self.layouts if not lay.fits][:rejected]
         for i, lay in enumerate(rows):

@@ -12,10 +12,11 @@ from ..trace import TraceResult
 BLOCK_CONTAINERS = ("ModuleList", "Sequential")  # a repeated block is a child of one of these
 TP_TYPES = ("Linear", "Embedding", "Conv1D", "NonDynamicallyQuantizableLinear")  # weights TP shards
 REPLICATED_ACT = ("Norm", "Dropout")  # type substrings whose saved activations every tp rank holds
+# TP roles whose input, saved for backward, is whole on every tp rank
 WHOLE_INPUT_ROLES = (
     "colwise",
     "lm_head",
-)  # TP roles whose input, saved for backward, is whole on every tp rank
+)
 
 
 @dataclass
@@ -84,9 +85,8 @@ class ModelStats:
         }
         self.param_bytes = float(sum(b for b, _ in trace.param_sizes.values()))
         numel = sum(n for _, n in trace.param_sizes.values())
-        self.elt = (
-            self.param_bytes / numel if numel else 4.0
-        )  # bytes per element of the trace's dtype
+        # bytes per element of the trace's dtype
+        self.elt = self.param_bytes / numel if numel else 4.0
         self.flops = float(mods[""].flops)
         if self.flops <= 0:
             raise ValueError(
@@ -94,9 +94,8 @@ class ModelStats:
                 "planner needs them for compute time"
             )
         self.whole = self.part(list(mods), sorted({p for p in trace.param_owner}), self.flops)
-        self.output_bytes = float(
-            mods[""].out_bytes
-        )  # the model's output (logits): the loss's input
+        # the model's output (logits): the loss's input
+        self.output_bytes = float(mods[""].out_bytes)
 
     def _subtree(self, name: str) -> set[str]:
         out, stack = set(), [name]

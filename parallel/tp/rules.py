@@ -394,9 +394,8 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
             )
         if _same_values(query, key) and _same_values(key, value):  # self-attention: one projection
             qkv = F.linear(ctx._enter(batch_first(query), None), w, b)  # (B, L, 3 E/tp)
-            q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(
-                2, 0, 3, 1, 4
-            )  # 3 x (B, h, L, hd)
+            # 3 x (B, h, L, hd)
+            q, k, v = qkv.unflatten(-1, (3, self_.num_heads, -1)).permute(2, 0, 3, 1, 4)
         else:
             ws, bs = w.chunk(3), (b.chunk(3) if b is not None else (None,) * 3)
             xq = ctx._enter(batch_first(query), None)
@@ -412,9 +411,8 @@ def shard_multihead_attention(m: nn.MultiheadAttention, ctx: TPContext) -> None:
         p = self_.dropout if self_.training else 0.0
         weights = None
         if need_weights:  # torch's default: the probabilities too, which SDPA does not return
-            y, probs = _attention_with_weights(
-                q, k, v, mask, is_causal and mask is None, p
-            )  # (B, h/tp, Lq, Lk)
+            # (B, h/tp, Lq, Lk)
+            y, probs = _attention_with_weights(q, k, v, mask, is_causal and mask is None, p)
             if average_attn_weights:  # the mean over all heads: this rank's sum, summed over ranks
                 weights = comm.reduce_from_tp(probs.sum(1), ctx.group) / (
                     self_.num_heads * ctx.size

@@ -21,11 +21,12 @@ from typing import Any
 
 from rag_mm.config import ConfigError, data_splits, shard_problems
 
+# what rag_mm.components.checkpoint.save writes
 CHECKPOINT_FILES = (
     "manifest.json",
     ".metadata",
     "trainer_state.json",
-)  # what rag_mm.components.checkpoint.save writes
+)
 
 
 def short_error(exc: BaseException) -> str:

@@ -184,9 +184,8 @@ def load(ckpt: Path, state: dict) -> dict:
     why = verify(ckpt)
     if why is not None:
         raise RuntimeError(f"checkpoint {ckpt} failed verification: {why}")
-    checkpoint_safety.load(
-        state, ckpt
-    )  # DCP unpickles .metadata and non-tensor entries: plain data only
+    # DCP unpickles .metadata and non-tensor entries: plain data only
+    checkpoint_safety.load(state, ckpt)
     return json.loads((ckpt / STATE).read_text())
 
 

@@ -44,9 +44,8 @@ class NonFiniteGuard:
                 type(opt).__name__,
             )
         self.bad_run = 0  # consecutive non-finite steps, as far as the host has read them
-        self._flags = torch.zeros(
-            max(1, window), dtype=torch.bool, device=self.device
-        )  # (window,) step i bad
+        # (window,) step i bad
+        self._flags = torch.zeros(max(1, window), dtype=torch.bool, device=self.device)
         self._steps: list[int] = []  # the step number of each flag written since the last flush
 
     def _bad(self, loss: torch.Tensor, gnorm: torch.Tensor) -> torch.Tensor:

@@ -94,9 +94,8 @@ class Question:
     """One question, its human answers and the one answer training targets."""
 
     question_id: int | str
-    image_id: (
-        int | None
-    )  # COCO's image id (None: a Hugging Face data set without an image id column)
+    # COCO's image id (None: a Hugging Face data set without an image id column)
+    image_id: int | None
     question: str
     answer: str  # the training target
     answers: list[str]  # every human answer, in the file's order

@@ -221,9 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         or "none"
     )
-    shell = " ".join(
-        shlex.quote(o) if "'" not in o else f'"{o}"' for o in res["overrides"]
-    )  # as typed in a shell
+    # as typed in a shell
+    shell = " ".join(shlex.quote(o) if "'" not in o else f'"{o}"' for o in res["overrides"])
     print(
         f"convert: {res['written']} {res['kind']}s of {res['read']} written in {res['shards']} "
         f"shard(s) to {res['out']}; skipped: {skipped}\nconvert: read them with {shell}",

@@ -49,12 +49,13 @@ from rag_mm.data.convert import (
 from rag_mm.data.convert_answers import Normaliser
 
 BATCH = 256  # rows per Arrow batch read: a few MB of pictures at a time
+# kept where present
 OPTIONAL = (
     "multiple_choice_answer",
     "answer_type",
     "question_type",
     "image_id",
-)  # kept where present
+)
 
 
 # ------------------------------------------------------------------------------ reading rows

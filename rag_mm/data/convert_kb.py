@@ -311,9 +311,8 @@ def convert_kb(
     except OSError as exc:
         raise ConvertError(f"cannot write {sink.dir / DOC_MAP}: {exc}") from None
     if keep is not None:
-        res["linked_missing"] = len(
-            keep - set(doc_ids)
-        )  # entities questions name that the KB lacks
+        # entities questions name that the KB lacks
+        res["linked_missing"] = len(keep - set(doc_ids))
     return res
 
 

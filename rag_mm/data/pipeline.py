@@ -110,9 +110,8 @@ def _augment(
     H, W = x.shape[1:]
     pad = crop_pad
     if pad > 0:
-        xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[
-            0
-        ]  # (3, H+2p, W+2p)
+        # (3, H+2p, W+2p)
+        xp = torch.nn.functional.pad(x[None], (pad, pad, pad, pad), mode="replicate")[0]
         side = H if zoom_out <= 1.0 else rng.randint(H, min(int(H * zoom_out), H + 2 * pad))
         i, j = rng.randint(0, H + 2 * pad - side), rng.randint(0, W + 2 * pad - side)
         x = xp[:, i : i + side, j : j + side]
@@ -198,9 +197,8 @@ class QueryStream(torch.utils.data.IterableDataset):
             if "answer" not in meta:
                 raise KeyError("json has no 'answer'")
             doc_id = int(meta.get("doc_id", -1))
-            answers = meta.get(
-                "answers"
-            )  # optional human answers (VQA data), for rag_mm.eval.vqa_metric
+            # optional human answers (VQA data), for rag_mm.eval.vqa_metric
+            answers = meta.get("answers")
             if answers is not None and not (
                 isinstance(answers, list) and all(isinstance(a, str) for a in answers)
             ):
@@ -210,9 +208,8 @@ class QueryStream(torch.utils.data.IterableDataset):
                 isinstance(kvqa, dict) and isinstance(kvqa.get("aliases"), list)
             ):
                 raise ValueError("json 'kvqa' is not an object with an 'aliases' list")
-            answer_type = meta.get(
-                "answer_type"
-            )  # optional VQA answer type ("yes/no", "number", "other")
+            # optional VQA answer type ("yes/no", "number", "other")
+            answer_type = meta.get("answer_type")
             if answer_type is not None and not isinstance(answer_type, str):
                 raise ValueError("json 'answer_type' is not a string")
             question = (
@@ -358,19 +355,16 @@ def collate(samples: list[dict], counter: SkipCounter | None = None) -> dict:
         "q_len": q_len,  # (B, Lq), (B,)
         "a_ids": a_ids,
         "a_len": a_len,  # (B, La), (B,) with EOT
-        "doc_id": torch.tensor(
-            [s["doc_id"] for s in samples], dtype=torch.long
-        ),  # (B,) gold, -1 unknown
+        # (B,) gold, -1 unknown
+        "doc_id": torch.tensor([s["doc_id"] for s in samples], dtype=torch.long),
         "heldout": torch.tensor([s["heldout"] for s in samples], dtype=torch.bool),
         "attribute": [s["attribute"] for s in samples],
         "question": [s["question"] for s in samples],
         "answer": [s["answer"] for s in samples],
-        "answers": [
-            s["answers"] for s in samples
-        ],  # per query: its human answers (list[str]) or None
-        "answer_type": [
-            s.get("answer_type") for s in samples
-        ],  # per query: its json's answer_type (str) or None
+        # per query: its human answers (list[str]) or None
+        "answers": [s["answers"] for s in samples],
+        # per query: its json's answer_type (str) or None
+        "answer_type": [s.get("answer_type") for s in samples],
         "kvqa": [s.get("kvqa") for s in samples],  # per query: its json's kvqa (dict) or None
         "key": [s["key"] for s in samples],
         # cumulative drop counts of the worker that built this batch (the trainer keeps the latest
@@ -445,9 +439,8 @@ _live_iterators: weakref.WeakSet = weakref.WeakSet()
 
 
 def _shutdown(it) -> None:
-    stop = getattr(
-        it, "_shutdown_workers", None
-    )  # DataLoader's own clean stop (multi-process iterators)
+    # DataLoader's own clean stop (multi-process iterators)
+    stop = getattr(it, "_shutdown_workers", None)
     if stop is not None:
         stop()
 

@@ -102,9 +102,8 @@ def render(entity: Entity, size: int = 32, rng: random.Random | None = None) -> 
     body.paste(pattern, (0, 0), _texture(entity.texture, big, period))
 
     if variant:  # pose, scale and position change; the texture turns with the body
-        angle = rng.uniform(
-            -15, 15
-        )  # well below 45 degrees, so a turned square never becomes a diamond
+        # well below 45 degrees, so a turned square never becomes a diamond
+        angle = rng.uniform(-15, 15)
         scale = rng.uniform(0.75, 1.1)
         shift = (rng.uniform(-0.12, 0.12) * big, rng.uniform(-0.12, 0.12) * big)
         body = body.rotate(angle, resample=Image.BILINEAR)

@@ -48,25 +48,23 @@ from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
 
 log = logging.getLogger(__name__)
+# train_step's choice of loss: joint training, the retriever warm-up
 STEP_LOSSES = (
     "joint",
     "retriever",
-)  # train_step's choice of loss: joint training, the retriever warm-up
+)
 
 
 @dataclass(frozen=True)
 class StepOut:
     """What one ``train_step`` call hands back (detached, on every rank)."""
 
-    loss: (
-        torch.Tensor
-    )  # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
-    retriever_loss: (
-        torch.Tensor | None
-    )  # () the retriever's loss, before its weight (None: no learned retriever)
-    hit: (
-        torch.Tensor | None
-    )  # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
+    # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
+    loss: torch.Tensor
+    # () the retriever's loss, before its weight (None: no learned retriever)
+    retriever_loss: torch.Tensor | None
+    # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
+    hit: torch.Tensor | None
 
 
 def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:

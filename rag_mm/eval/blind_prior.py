@@ -234,9 +234,8 @@ def fingerprint(urls: list[str]) -> str:
 def _write_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` through a temporary file in the same folder and ``os.replace``: a
     reader sees the old file or the new one, never a part."""
-    tmp = path.with_name(
-        f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    )  # unique: two writers never share it
+    # unique: two writers never share it
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         with open(tmp, "x") as f:  # created with the umask's permissions, as the run's other files
             f.write(text)

@@ -31,9 +31,8 @@ class Run:
     config: dict | None  # .hydra/config.yaml as a plain dict
     examples: list[dict] | None  # retrieved_examples.json
     trace: list[dict] | None  # timeline.json trace events
-    checkpoints: dict[str, str | None] = field(
-        default_factory=dict
-    )  # name -> None if valid, else why not
+    # name -> None if valid, else why not
+    checkpoints: dict[str, str | None] = field(default_factory=dict)
 
     def series(self, kind: str, key: str) -> tuple[list[int], list[float]]:
         pts = [

@@ -122,9 +122,8 @@ def fault(exc: BaseException) -> Fault | None:
             return Fault(
                 "full", None, "a short write: the file system took fewer bytes than written"
             )
-        failures = getattr(
-            e, "failures", None
-        )  # torch.distributed.checkpoint.api.CheckpointException
+        # torch.distributed.checkpoint.api.CheckpointException
+        failures = getattr(e, "failures", None)
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [e.__cause__, e.__context__]

@@ -102,9 +102,8 @@ def inject(point: str, step: int, rank: int, path: str = "") -> None:
 
 def _fire(f: Fault, rank: int, path: str = "") -> None:
     msg = f"fault injection: {f.action} rank {rank} at {f.point}={f.step} (restart {f.restart})"
-    print(
-        msg, file=sys.stderr, flush=True
-    )  # the log may be buffered; the kill leaves no chance later
+    # the log may be buffered; the kill leaves no chance later
+    print(msg, file=sys.stderr, flush=True)
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.action == "term":

@@ -58,27 +58,23 @@ def anonymize_answers(x: dict, share: float, vocab_size: int) -> dict:
     dev = a_ids.device
     key = example_keys(q_ids, x["q_len"], a_ids, a_len)  # (B,)
     pick = (_mix(key) % 10_000) < share * 10_000  # (B,) examples renamed
-    span = torch.arange(La, device=dev)[None] < (
-        a_len[:, None] - 1
-    )  # (B, La) answer tokens before EOT
+    # (B, La) answer tokens before EOT
+    span = torch.arange(La, device=dev)[None] < (a_len[:, None] - 1)
     ctx = (
         q_ids.reshape(B, -1)
         if docs is None
         else torch.cat([q_ids.reshape(B, -1), docs.reshape(B, -1)], 1)
     )
-    shown = (a_ids[:, :, None] == ctx[:, None, :]).any(
-        -1
-    )  # (B, La) the answer token is in the question or a document
+    # (B, La) the answer token is in the question or a document
+    shown = (a_ids[:, :, None] == ctx[:, None, :]).any(-1)
     rename = span & shown & pick[:, None]  # (B, La)
     eot = a_ids.gather(1, (a_len - 1).clamp_min(0)[:, None])  # (B, 1)
     # the same token twice in one answer takes one replacement: the first occurrence's
     first = (a_ids[:, :, None] == a_ids[:, None, :]).to(torch.int8).argmax(-1)  # (B, La)
-    new = (
-        _mix(_mix(key[:, None] + first + 1)) % vocab_size
-    )  # (B, La) the replacement of each answer token
-    new = torch.where(new == eot, (new + 1) % vocab_size, new).to(
-        a_ids.dtype
-    )  # never the end token
+    # (B, La) the replacement of each answer token
+    new = _mix(_mix(key[:, None] + first + 1)) % vocab_size
+    # never the end token
+    new = torch.where(new == eot, (new + 1) % vocab_size, new).to(a_ids.dtype)
 
     def renamed(
         t: torch.Tensor,

@@ -25,9 +25,8 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
         # head width comes from the projection, not from x: under tensor parallelism qkv holds
         # this rank's heads only (self.heads is divided in place), and the code stays the same
-        q, k, v = (
-            self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        )  # 3 x (B, H, S, hd)
+        # 3 x (B, H, S, hd)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         y = attention(q, k, v, seg_offsets=seg_offsets, backend=self.backend)  # (B, H, S, hd)
         y = y.transpose(1, 2).flatten(2)  # (B, S, H * hd)
         return self.dropout(self.proj(y))

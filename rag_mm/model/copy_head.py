@@ -40,9 +40,8 @@ class CopyHead(nn.Module):
         super().__init__()
         self.supervision = supervision
         self.q = nn.Linear(dim, dim)
-        self.q_question = nn.Linear(
-            dim, dim, bias=False
-        )  # the pooled question joins the query (DrQA)
+        # the pooled question joins the query (DrQA)
+        self.q_question = nn.Linear(dim, dim, bias=False)
         self.pool = nn.Linear(dim, 1)  # attention pooling weights over question tokens
         self.k = nn.Linear(dim, dim)
         self.k_prev = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(self.SMEAR))
@@ -60,9 +59,8 @@ class CopyHead(nn.Module):
         k = self.k(h_all)
         for lag, proj in enumerate(self.k_prev, start=1):
             prev = F.pad(proj(h_all), (0, 0, lag, 0))[:, :S]  # (B, S, D) shifted right by lag
-            same = (
-                seg_id == F.pad(seg_id, (lag, 0), value=-1)[:, :S]
-            )  # (B, S) same segment as s - lag
+            # (B, S) same segment as s - lag
+            same = seg_id == F.pad(seg_id, (lag, 0), value=-1)[:, :S]
             k = k + prev * same[..., None]
         return k
 
@@ -95,9 +93,8 @@ class CopyHead(nn.Module):
         row (M,) (zeros without a target or with ``supervision`` 0)."""
         D = h_all.shape[-1]
         keys = self.keys(h_all, seg_id)[rows_ex]  # (M, S, D)
-        query = (
-            self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]
-        )  # (M, D)
+        # (M, D)
+        query = self.q(h_rows) + self.q_question(self.question_vector(h_all, is_question))[rows_ex]
         scores = torch.einsum("md,msd->ms", query, keys) / math.sqrt(D)  # (M, S)
         if doc_prior is not None:
             # copy from document d with weight k p(d | q) exp(score): the copy distribution becomes
@@ -123,28 +120,30 @@ class CopyHead(nn.Module):
         same = seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S]  # (B, S)
         prev_tok = F.pad(tok_all, (1, 0), value=-1)[:, :S].masked_fill(~same, -1)[rows_ex]  # (M, S)
         row_tok = tok.gather(1, rows_pos[:, None])  # (M, 1) the token at the answer row
-        in_answer = ~is_question[
-            rows_ex, rows_pos
-        ]  # (M,) the row reads an answer token, not the question's last
+        # (M,) the row reads an answer token, not the question's last
+        in_answer = ~is_question[rows_ex, rows_pos]
         follows = (prev_tok == row_tok) & (row_tok >= 0) & allowed & in_answer[:, None]  # (M, S)
         allowed = torch.where(follows.any(1, keepdim=True), follows, allowed)
         # fp32 softmax: CUDA autocast promotes softmax to fp32, CPU autocast does not, and the
         # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
+        # (M, S)
         attn = torch.softmax(scores.float().masked_fill(~allowed, float("-inf")), -1).nan_to_num(
             0.0
-        )  # (M, S)
+        )
+        # (M, V)
         copy_p = torch.zeros_like(gen_logp).scatter_add_(
             1, tok.clamp_min(0), (attn * allowed).to(gen_logp.dtype)
-        )  # (M, V)
+        )
         has_next = follows.any(1)  # (M,) the row continues a span
         nxt = follows.to(torch.int8).argmax(1)  # (M,) the first position that continues it
         h_next = h_all[rows_ex, nxt]  # (M, D)
         # fp32: in bf16, 1 - 1e-6 rounds to 1 and log(1 - g) to -inf
+        # (M,)
         gate_logit = torch.where(
             has_next,
             self.gate_next(h_next).float().squeeze(1),
             self.gate(h_rows).float().squeeze(1),
-        )  # (M,)
+        )
         g = torch.sigmoid(gate_logit).clamp(1e-6, 1 - 1e-6)[:, None]  # (M, 1) p(generate)
         logp = torch.logaddexp(g.log() + gen_logp, (1 - g).log() + copy_p.clamp_min(1e-30).log())
         aux = gen_logp.new_zeros(len(rows_ex))
@@ -153,12 +152,12 @@ class CopyHead(nn.Module):
                 tok == target[:, None]
             ) & allowed  # (M, S) positions holding the answer token
             copyable = at_target.any(1) & (target >= 0)  # (M,)
-            point = (
-                (attn * at_target).sum(1).clamp_min(1e-30).log()
-            )  # (M,) log copy mass on the answer token
+            # (M,) log copy mass on the answer token
+            point = (attn * at_target).sum(1).clamp_min(1e-30).log()
             # from the logit: autocast refuses binary_cross_entropy on probabilities
+            # (M,)
             gate = F.binary_cross_entropy_with_logits(
                 gate_logit, (~copyable).float(), reduction="none"
-            )  # (M,)
+            )
             aux = self.supervision * (gate * (target >= 0) - point * copyable)
         return logp, attn, aux

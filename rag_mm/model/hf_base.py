@@ -65,9 +65,8 @@ class HFReaderBase(ReaderBase):
         """As ``Reader.forward``: image (B,3,H,W); q_ids (B,Lq); a_ids (B,La) ending in EOT;
         doc_* (B,k,...) or None; doc_prior (B,k) log retrieval probabilities (copy head) or None."""
         a = self.assemble(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len)
-        x = a.x + self.type_emb(
-            a.typ.clamp_min(0)
-        )  # padding (-1) takes type 0: it is attended by nothing
+        # padding (-1) takes type 0: it is attended by nothing
+        x = a.x + self.type_emb(a.typ.clamp_min(0))
         out = self.decoder(
             inputs_embeds=x, position_ids=a.pos, seg_offsets=a.seg_offsets, use_cache=False
         )

@@ -90,9 +90,8 @@ def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Modul
     from transformers import AutoModelForCausalLM
 
     impl = implementation(cfg.attention_backend)
-    config = (
-        None if cfg.pretrained and not meta else lm_config(cfg)
-    )  # its errors name the key already
+    # its errors name the key already
+    config = None if cfg.pretrained and not meta else lm_config(cfg)
     text = None if config is None else config.get_text_config()
     if (
         vocab_size
@@ -164,9 +163,8 @@ class HFReader(HFReaderBase):
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         text = lm.config.get_text_config()
         dim = text.hidden_size
-        self.softcap = getattr(
-            text, "final_logit_softcapping", None
-        )  # Gemma 2 caps its logits after the head
+        # Gemma 2 caps its logits after the head
+        self.softcap = getattr(text, "final_logit_softcapping", None)
         if (
             getattr(text, "max_position_embeddings", None)
             and cfg.max_segment_len > text.max_position_embeddings
@@ -188,12 +186,13 @@ class HFReader(HFReaderBase):
         if cfg.adapter and not self.rank_emb.weight.is_meta:
             self.load_adapter(cfg.adapter)
 
+    # what neither the LM nor the vision tower holds
     ADAPTER_PARTS = (
         "projector.",
         "rank_emb.",
         "type_emb.",
         "copy.",
-    )  # what neither the LM nor the vision tower holds
+    )
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return {n: t for n, t in self.state_dict().items() if n.startswith(self.ADAPTER_PARTS)}

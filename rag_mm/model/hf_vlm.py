@@ -87,9 +87,8 @@ def vlm_config(cfg, vocab_size: int):
         if name in vlm_presets.SMALL:
             fields = vlm_presets.SMALL[name](cfg, vocab_size)
         elif name in vlm_presets.PRESETS:
-            fields = json.loads(
-                json.dumps(vlm_presets.PRESETS[name])
-            )  # a deep copy: the config pops keys
+            # a deep copy: the config pops keys
+            fields = json.loads(json.dumps(vlm_presets.PRESETS[name]))
         elif name and (Path(name).is_file() or (Path(name) / "config.json").is_file()):
             path = Path(name)
             fields = json.loads((path / "config.json" if path.is_dir() else path).read_text())
@@ -239,9 +238,8 @@ class HFVLMReader(HFReaderBase):
         )
         text = vlm.config.get_text_config()
         dim = text.hidden_size
-        self.softcap = getattr(
-            text, "final_logit_softcapping", None
-        )  # Gemma 2 caps its logits after the head
+        # Gemma 2 caps its logits after the head
+        self.softcap = getattr(text, "final_logit_softcapping", None)
         if (
             getattr(text, "max_position_embeddings", None)
             and cfg.max_segment_len > text.max_position_embeddings
@@ -301,9 +299,8 @@ class HFVLMReader(HFReaderBase):
         if pics.is_meta:  # shapes only: the processor's output size
             side = self.vlm.config.vision_config.image_size
             return torch.empty(pics.shape[0], 3, side, side, device="meta")
-        raw = pics.float() * DATA_STD.to(pics.device) + DATA_MEAN.to(
-            pics.device
-        )  # (N, 3, H, W) in 0..1
+        # (N, 3, H, W) in 0..1
+        raw = pics.float() * DATA_STD.to(pics.device) + DATA_MEAN.to(pics.device)
         out = self.processor(images=raw, do_rescale=False, return_tensors="pt").pixel_values
         return out.to(pics.device)
 
@@ -311,9 +308,8 @@ class HFVLMReader(HFReaderBase):
         """(N, 3, H, W) -> (N, P, D): the VLM's own picture features (tower, layer, projector)."""
         dtype = next(self.vlm.parameters()).dtype
         out = self.vlm.get_image_features(pixel_values=self.pixel_values(pics).to(dtype))
-        feats = getattr(
-            out, "pooler_output", out
-        )  # transformers 5: per-picture features in pooler_output
+        # transformers 5: per-picture features in pooler_output
+        feats = getattr(out, "pooler_output", out)
         return torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
 
 

@@ -39,9 +39,8 @@ DOC_IMAGE, DOC_TEXT, QUERY_IMAGE, QUESTION, ANSWER = range(5)
 class ReaderOutput:
     loss: torch.Tensor  # () mean NLL over every answer token in the batch
     nll: torch.Tensor  # (B,) mean NLL of each example's answer tokens
-    correct: (
-        torch.Tensor
-    )  # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
+    # (B,) bool: every answer token (EOT included) is the argmax (= greedy exact match)
+    correct: torch.Tensor
     logits: torch.Tensor  # (M, V) logits at the M answer-prediction positions
     labels: torch.Tensor  # (M,) their targets
     example: torch.Tensor  # (M,) example index of each prediction position
@@ -59,9 +58,8 @@ class Assembled:
     elsewhere)."""
 
     x: torch.Tensor  # (B, S, D) token and patch embeddings (plus rank offsets), no positions
-    labels: (
-        torch.Tensor
-    )  # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
+    # (B, S) next-token targets at answer-predicting positions, IGNORE elsewhere
+    labels: torch.Tensor
     seg_offsets: torch.Tensor  # (B, k + 2) int32 segment starts, then the end of the query
     toks: torch.Tensor  # (B, S) token id per position, -1 for pictures and padding (not copyable)
     typ: torch.Tensor  # (B, S) DOC_IMAGE ... ANSWER, -1 for padding
@@ -92,9 +90,8 @@ class ReaderBase(nn.Module):
         k = 0 if doc_image is None else doc_image.shape[1]
         dev = image.device
         # the vision tower once over the query pictures and every document picture
-        pics = (
-            image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])
-        )  # (B*k + B, 3, H, W)
+        # (B*k + B, 3, H, W)
+        pics = image if k == 0 else torch.cat([doc_image.flatten(0, 1), image])
         patches = self.encode_images(pics)  # (B*k + B, P, D)
         P = patches.shape[1]
         q_patches = patches[B * k :]  # (B, P, D)
@@ -104,9 +101,8 @@ class ReaderBase(nn.Module):
         ar = lambda n: torch.arange(n, device=dev)  # noqa: E731
         for j in range(k):
             Lt = doc_ids.shape[2]
-            rank = self.rank_emb.weight[
-                j
-            ]  # retrieval rank of the document (FiD reads documents in rank order)
+            # retrieval rank of the document (FiD reads documents in rank order)
+            rank = self.rank_emb.weight[j]
             parts += [
                 patches[: B * k].view(B, k, P, -1)[:, j] + rank,
                 self.embed_tokens(doc_ids[:, j]) + rank,
@@ -123,9 +119,8 @@ class ReaderBase(nn.Module):
             seg += [torch.full((B, P + Lt), j, device=dev)]
             toks += [no_tok(P), doc_ids[:, j]]
         Lq = q_ids.shape[1]
-        La = (
-            a_ids.shape[1] - 1
-        )  # the final answer token (EOT) is only ever a target, never an input
+        # the final answer token (EOT) is only ever a target, never an input
+        La = a_ids.shape[1] - 1
         parts += [q_patches, self.embed_tokens(q_ids), self.embed_tokens(a_ids[:, :La])]
         valid += [
             torch.ones(B, P, dtype=torch.bool, device=dev),
@@ -144,14 +139,12 @@ class ReaderBase(nn.Module):
         # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
         n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
         labels = torch.full((B, n_before + Lq + La), IGNORE, dtype=torch.long, device=dev)
-        anchor = n_before + torch.where(
-            q_len > 0, q_len - 1, torch.full_like(q_len, -1)
-        )  # question end or last patch
+        # question end or last patch
+        anchor = n_before + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))
         labels[ar(B), anchor] = a_ids[:, 0]
         if La > 0:
-            nxt = torch.where(
-                ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1 : La + 1], IGNORE
-            )  # (B, La)
+            # (B, La)
+            nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1 : La + 1], IGNORE)
             labels[:, n_before + Lq :] = nxt
         # the largest position any slot can hold, from the shapes alone (documents: P + Lt - 1,
         # the query: P + Lq + La - 1); the longest real segment is at most this + 1
@@ -189,9 +182,8 @@ class ReaderBase(nn.Module):
                     f"a segment has {longest} tokens > model.max_segment_len={self.max_segment_len}"
                 )
         S = int(valid.sum(1).max()) if trim else valid.shape[1]
-        order = torch.argsort(
-            (~valid).to(torch.int8), dim=1, stable=True
-        )  # valid slots first, in order
+        # valid slots first, in order
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
         order = order[:, :S]
         take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
         x = torch.gather(emb, 1, order[..., None].expand(-1, -1, emb.shape[-1]))  # (B, S, D)
@@ -223,20 +215,17 @@ class ReaderBase(nn.Module):
         # no read-back: B * max_predictions rows, the real ones first (an example predicts at most
         # that many)
         else:
-            rows = torch.nonzero_static(
-                labels != IGNORE, size=B * a.max_predictions, fill_value=-1
-            )  # (M, 2)
+            # (M, 2)
+            rows = torch.nonzero_static(labels != IGNORE, size=B * a.max_predictions, fill_value=-1)
             valid = rows[:, 0] >= 0  # (M,)
-            rows = rows.clamp_min(
-                0
-            )  # fill rows read example 0, position 0: target IGNORE, weight 0 below
+            # fill rows read example 0, position 0: target IGNORE, weight 0 below
+            rows = rows.clamp_min(0)
         example = rows[:, 0]
         target = labels[rows[:, 0], rows[:, 1]]  # (M,)
         if valid is not None:
             target = target.masked_fill(~valid, IGNORE)
-        h = h_all[
-            rows[:, 0], rows[:, 1]
-        ]  # (M, D): only answer positions need the vocabulary projection
+        # (M, D): only answer positions need the vocabulary projection
+        h = h_all[rows[:, 0], rows[:, 1]]
         gen_logp = F.log_softmax(lm_head(h).float(), -1)  # (M, V)
         if self.copy is None:
             logp, doc_attention = gen_logp, None
@@ -258,9 +247,8 @@ class ReaderBase(nn.Module):
             doc_attention = self._doc_mass(
                 attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid
             )
-        tok_nll = F.nll_loss(
-            logp, target, reduction="none", ignore_index=IGNORE
-        )  # (M,), 0 on fill rows
+        # (M,), 0 on fill rows
+        tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)
         real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)
         # the training loss: the answer NLL plus the copy head's pointer supervision (0 when off)
         per_row = tok_nll if self.copy is None else tok_nll + aux * real
@@ -284,11 +272,12 @@ class ReaderBase(nn.Module):
         per_doc = torch.zeros(len(example), k + 1, device=attn.device).scatter_add_(
             1, seg.clamp(max=k), attn
         )[:, :k]
+        # (M,)
         real = (
             torch.ones(len(example), device=attn.device)
             if valid is None
             else valid.to(per_doc.dtype)
-        )  # (M,)
+        )
         count = torch.zeros(B, device=attn.device).index_add_(0, example, real)
         return (
             torch.zeros(B, k, device=attn.device).index_add_(0, example, per_doc * real[:, None])
@@ -313,9 +302,8 @@ class ReaderBase(nn.Module):
         out = torch.zeros(B, 0, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         for _ in range(self.max_answer):
-            a_ids = torch.cat(
-                [out, torch.full((B, 1), eot_id, device=dev)], 1
-            )  # placeholder target at the end
+            # placeholder target at the end
+            a_ids = torch.cat([out, torch.full((B, 1), eot_id, device=dev)], 1)
             a_len = torch.full((B,), a_ids.shape[1], device=dev)
             res = self(image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len, doc_prior)
             # the last prediction of each example (rows are in order; fill rows, if any, take no

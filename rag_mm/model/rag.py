@@ -31,12 +31,10 @@ class RagOutput:
     loss: torch.Tensor  # () reader NLL + lambda * retriever loss
     reader: ReaderOutput  # the joint read over the top-k documents
     retriever_loss: torch.Tensor | None  # () the retriever's part (before lambda)
-    doc_ids: (
-        torch.Tensor | None
-    )  # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
-    scores: (
-        torch.Tensor | None
-    )  # (B, k) retriever scores (temperature-scaled) of the k documents read
+    # (B, max(k, search_k)) retrieved ids, nearest first; the reader read the first k
+    doc_ids: torch.Tensor | None
+    # (B, k) retriever scores (temperature-scaled) of the k documents read
+    scores: torch.Tensor | None
 
 
 class RagModel(nn.Module):
@@ -59,9 +57,8 @@ class RagModel(nn.Module):
         # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries
         # alone
         self.gold_queries = True
-        self.replicas = (
-            Replicas()
-        )  # the data-parallel replicas the contrastive loss spans (set by the trainer)
+        # the data-parallel replicas the contrastive loss spans (set by the trainer)
+        self.replicas = Replicas()
 
     def _docs(self, ids: torch.Tensor, device) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in self.store.fetch(ids).items()}
@@ -120,9 +117,8 @@ class RagModel(nn.Module):
             self.replicas.spanning(self.retriever),
         ):
             q_emb = self.retriever.embed_queries(q["image"], q["q_ids"], q["q_len"])  # (B, E)
-        sims, ids = self.memory.search(
-            q_emb.detach(), max(k, search_k, self.rcfg.rerank)
-        )  # (B, n) nearest first
+        # (B, n) nearest first
+        sims, ids = self.memory.search(q_emb.detach(), max(k, search_k, self.rcfg.rerank))
         if self.rcfg.rerank:
             sims, ids, ranked = self.rerank(q_emb.detach(), sims, ids, dev)
             docs = {name: v[:, :k] for name, v in ranked.items()}  # fetched once, for the rerank
@@ -149,9 +145,8 @@ class RagModel(nn.Module):
         R = self.rcfg.rerank
         cand = ids[:, :R]  # (B, R)
         B = cand.shape[0]
-        docs = self._docs(
-            torch.where(cand < 0, cand[:, :1], cand), dev
-        )  # an unfilled slot fetches the nearest (then ranks last)
+        # an unfilled slot fetches the nearest (then ranks last)
+        docs = self._docs(torch.where(cand < 0, cand[:, :1], cand), dev)
         d = self.retriever.embed_docs(
             docs["doc_image"].flatten(0, 1),
             docs["doc_ids"].flatten(0, 1),
@@ -212,16 +207,14 @@ class RagModel(nn.Module):
             if cfg.loss == "pdist":
                 r_loss = losses.perplexity_distillation(scores, nll, cfg.gold_temperature)
             else:
-                loglik = (
-                    -nll * (q["a_len"].to(nll.dtype)[:, None])
-                )  # mean NLL -> summed log-likelihood
+                # mean NLL -> summed log-likelihood
+                loglik = -nll * (q["a_len"].to(nll.dtype)[:, None])
                 r_loss = losses.emdr2(scores, loglik)
         elif cfg.loss == "adist" and k > 1 and doc_attention is not None:
             r_loss = losses.attention_distillation(scores, doc_attention)
         else:
-            r_loss = (
-                r_loss + 0.0 * scores.sum()
-            )  # keeps every retriever parameter in the graph (DDP)
+            # keeps every retriever parameter in the graph (DDP)
+            r_loss = r_loss + 0.0 * scores.sum()
         if (
             self.contrastive_on
             and gold is not None
@@ -287,9 +280,8 @@ class RagModel(nn.Module):
             extra.append(hard)
             extra_ids.append(hard_ids)
         if self.rcfg.bank_negatives > 0 and self.memory.embeddings is not None:
-            bank, bank_ids = self.memory.negatives(
-                self.rcfg.bank_negatives
-            )  # (n, E), (n,) detached
+            # (n, E), (n,) detached
+            bank, bank_ids = self.memory.negatives(self.rcfg.bank_negatives)
             extra.append(bank.to(dev, q_emb.dtype))
             extra_ids.append(bank_ids.to(dev))
         return losses.contrastive(
@@ -329,9 +321,10 @@ class RagModel(nn.Module):
             q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
             gold = torch.cat([gold, self.store.ids[rows].to(dev)])
         g_docs = self._docs(gold[:, None].cpu(), dev)
+        # (B, E)
         g_emb = enc.embed_docs(
             g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0]
-        )  # (B, E)
+        )
         return q_emb, gold, g_emb
 
     @torch.no_grad()

@@ -45,13 +45,14 @@ def picture_views(
     flip = torch.where(u(N) < (0.5 if mirror else 0.0), -1.0, 1.0)
     shift = (2 * u(N, 2) - 1) * 2 * max_shift  # affine_grid's coordinates span [-1, 1]
     cos, sin = torch.cos(angle) / zoom, torch.sin(angle) / zoom
+    # (N, 2, 3)
     theta = torch.stack(
         [
             torch.stack([cos * flip, -sin, shift[:, 0]], 1),
             torch.stack([sin * flip, cos, shift[:, 1]], 1),
         ],
         1,
-    )  # (N, 2, 3)
+    )
     grid = F.affine_grid(theta.to(dt), list(x.shape), align_corners=False)
     x = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
     perm = torch.rand(N, 3, device=dev).argsort(1)  # (N, 3) a channel order per picture

@@ -68,9 +68,8 @@ def main() -> None:
     )
     for m in [int(x) for x in a.ms.split(",") if x]:
         r = spawn(paired, 2, m=m, depths=depths, steps=a.steps, schedule=a.schedule)
-        per_step = {
-            d: [max(t0, t1) for t0, t1 in zip(r[0][d], r[1][d])] for d in depths
-        }  # the slower rank
+        # the slower rank
+        per_step = {d: [max(t0, t1) for t0, t1 in zip(r[0][d], r[1][d])] for d in depths}
         base = per_step[depths[0]]
         for d in depths:
             rel = statistics.median(t / b for t, b in zip(per_step[d], base))

@@ -41,9 +41,8 @@ def generate(
 ):
     """(n, dim) database and (nq, dim) queries, float32 unit rows, deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
-    basis = np.linalg.qr(rng.standard_normal((dim, latent)))[0].T.astype(
-        np.float32
-    )  # (latent, dim)
+    # (latent, dim)
+    basis = np.linalg.qr(rng.standard_normal((dim, latent)))[0].T.astype(np.float32)
     centres = rng.standard_normal((clusters, latent)).astype(np.float32)  # (C, latent)
 
     def draw(m: int, r: np.random.Generator) -> np.ndarray:

@@ -214,9 +214,8 @@ def pipeline_compare(shape: str) -> dict:
     out = {"shape": shape}
     for mode, ranks in r.items():
         out[f"{mode}_state_bytes"] = max(x["state"] for x in ranks)
-        steps = [
-            max(x["step_s"][i] for x in ranks) for i in range(len(ranks[0]["step_s"]))
-        ]  # slower rank
+        # slower rank
+        steps = [max(x["step_s"][i] for x in ranks) for i in range(len(ranks[0]["step_s"]))]
         out[f"{mode}_step_s"] = sorted(steps)[len(steps) // 2]
     out["fsdp_vs_dp_state"] = out["pp_fsdp_state_bytes"] / out["pp_dp_state_bytes"]
     out["fsdp_vs_dp_step_time"] = out["pp_fsdp_step_s"] / out["pp_dp_step_s"]

@@ -124,9 +124,8 @@ def probe(train: dict, test: dict, stage: str) -> np.ndarray:
             continue
         scale = StandardScaler().fit(train[stage][tr])
         with warnings.catch_warnings():
-            warnings.simplefilter(
-                "ignore"
-            )  # lbfgs stopping at max_iter on separable data is fine here
+            # lbfgs stopping at max_iter on separable data is fine here
+            warnings.simplefilter("ignore")
             lr = LogisticRegression(max_iter=300, C=0.1).fit(
                 scale.transform(train[stage][tr]), answers
             )

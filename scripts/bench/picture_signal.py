@@ -178,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def keep_attention(mod, inputs, _out):
         h = inputs[0]
-        q, k, _ = (
-            mod.qkv(h).unflatten(-1, (3, mod.heads, -1)).permute(2, 0, 3, 1, 4)
-        )  # 3 x (B, H, S, hd)
+        # 3 x (B, H, S, hd)
+        q, k, _ = mod.qkv(h).unflatten(-1, (3, mod.heads, -1)).permute(2, 0, 3, 1, 4)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         causal = torch.ones(
             s.shape[-1], s.shape[-1], dtype=torch.bool

@@ -163,9 +163,8 @@ class _Variant:
         from parallel.pipeline import split_backward
         from parallel.timeline import bubble_fraction, gather
 
-        split_backward.LINEAR_FAST_PATH = (
-            not self.engine_w
-        )  # set per variant: variants alternate in one process
+        # set per variant: variants alternate in one process
+        split_backward.LINEAR_FAST_PATH = not self.engine_w
         times, waits, bubbles, cpus, ev = [], [], [], [], []
         for s in range(steps + warm):
             BARRIER()
@@ -243,6 +242,7 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
         if not (per_step and i == 0):
             rounds.append(r)
     pm = next((v.pm for v in vs.values() if v.pm is not None), None)
+    # the shared-memory rings (lanes.py) of the first variant
     lanes = (
         sorted(
             f"{'to' if out else 'from'} rank {peer}: stage {st} {kind}"
@@ -250,7 +250,7 @@ def mlp_suite(rank, m, steps, reps, variants, stage_path="eager", d=D, batch=BAT
         )
         if pm is not None
         else []
-    )  # the shared-memory rings (lanes.py) of the first variant
+    )
     return {"rounds": rounds, "lanes": lanes, "cores": [list(free_cores), list(bound_cores or ())]}
 
 

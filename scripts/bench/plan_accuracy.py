@@ -183,9 +183,8 @@ def reader_loss(out, _target):
 
 
 def reader_weight(inputs, _target) -> float:
-    return float(
-        inputs["a_len"].sum()
-    )  # answer tokens: microbatches combine to the full-batch token mean
+    # answer tokens: microbatches combine to the full-batch token mean
+    return float(inputs["a_len"].sum())
 
 
 def loss_fns(m: dict) -> tuple:
@@ -391,9 +390,8 @@ def rank_main(
                 tb = traceback.format_exc()
                 gc.collect()
             errors = [None] * world
-            dist.all_gather_object(
-                errors, err
-            )  # the default group: a failed layout's sub-groups are not used
+            # the default group: a failed layout's sub-groups are not used
+            dist.all_gather_object(errors, err)
             if any(errors):
                 # the cause, not a peer's timeout waiting on it, where one rank says more than
                 # "timed out"
@@ -711,9 +709,8 @@ def run_model(kind: str, a: argparse.Namespace, cluster, specs: dict) -> dict:
             log(f"{kind}: {n} skipped: {err['error'][:300]}")
             continue
         timed = len(ranks[0]["train_step_s"])  # steps x rounds
-        steps_fb = [
-            max(r["train_step_s"][i] for r in ranks) for i in range(timed)
-        ]  # the slowest rank
+        # the slowest rank
+        steps_fb = [max(r["train_step_s"][i] for r in ranks) for i in range(timed)]
         steps_op = [max(r["optimizer_s"][i] for r in ranks) for i in range(timed)]
         t_fb, t_op = statistics.median(steps_fb), statistics.median(steps_op)
         full = max(ranks, key=lambda r: sum(r["state"].values()))

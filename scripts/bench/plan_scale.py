@@ -102,9 +102,8 @@ SHAPES = {
 def build(name: str, seq: int):
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-    AttentionInterface.register(
-        "lse_attention", flash_like
-    )  # HF treats names with "flash" as kernels
+    # HF treats names with "flash" as kernels
+    AttentionInterface.register("lse_attention", flash_like)
     cfg = LlamaConfig(**SHAPES[name], max_position_embeddings=max(seq, 2048))
     cfg._attn_implementation = "lse_attention"
     with torch.device("meta"):
@@ -114,6 +113,7 @@ def build(name: str, seq: int):
 
 
 def brief(lay) -> dict:
+    # the runtime's ParallelConfig that runs it
     return {
         "layout": lay.key,
         "fits": lay.fits,
@@ -126,7 +126,7 @@ def brief(lay) -> dict:
         "precision": lay.precision,
         "grad_accum": lay.grad_accum,
         "config": dataclasses.asdict(lay.config),
-    }  # the runtime's ParallelConfig that runs it
+    }
 
 
 def best_of(plan: Plan, candidates: list[dict]) -> object:

@@ -141,9 +141,8 @@ def main() -> None:
         (a 4 x 4 grid of random offsets, bilinearly upsampled) and a random 3 x 3 colour mix near
         the identity."""
         N, _, H, W = x.shape
-        base = F.affine_grid(
-            torch.eye(2, 3).expand(N, 2, 3), [N, 3, H, W], align_corners=False
-        )  # (N, H, W, 2)
+        # (N, H, W, 2)
+        base = F.affine_grid(torch.eye(2, 3).expand(N, 2, 3), [N, 3, H, W], align_corners=False)
         flow = F.interpolate(
             torch.randn(N, 2, 4, 4) * a.redraw, size=(H, W), mode="bicubic", align_corners=False
         )
@@ -195,9 +194,8 @@ def main() -> None:
         i = torch.randint(0, len(tx), (a.batch,))
         j = torch.randint(0, len(corpus), (a.pseudo,))
         mem = redraw(corpus[j]) if a.redraw > 0 else corpus[j]
-        q = torch.cat(
-            [views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))]
-        )  # (B + P, 3, H, W)
+        # (B + P, 3, H, W)
+        q = torch.cat([views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))])
         gold = torch.cat([ty[i], j])  # memory rows
         if a.joint:
             e = embed(torch.cat([corpus, q]))

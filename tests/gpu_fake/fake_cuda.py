@@ -41,9 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 REPO = Path(__file__).resolve().parents[2]
-PROJECT = tuple(
-    str(REPO / d) + "/" for d in ("rag_mm", "retriever", "parallel")
-)  # whose code is audited
+# whose code is audited
+PROJECT = tuple(str(REPO / d) + "/" for d in ("rag_mm", "retriever", "parallel"))
 aten = torch.ops.aten
 _COPIES = {
     aten._to_copy.default,
@@ -145,9 +144,8 @@ def _where() -> str:
     for fr in reversed(stack):
         if fr.filename.startswith(PROJECT):
             return f"{Path(fr.filename).relative_to(REPO)}:{fr.lineno} in {fr.name}"
-    caller = [
-        fr for fr in stack if fr.filename != __file__ and "/torch/" not in fr.filename
-    ]  # torch's own: skipped
+    # torch's own: skipped
+    caller = [fr for fr in stack if fr.filename != __file__ and "/torch/" not in fr.filename]
     fr = caller[-1] if caller else stack[-1]
     return f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} in {fr.name} (outside the project)"
 

@@ -50,9 +50,8 @@ def test_a_non_finite_step_leaves_weights_and_moments_untouched(caplog):
         )
         assert "non-finite" not in caplog.text  # nothing read back yet
         _step(lin, opt, guard, 2, poison=False)
-        assert not all(
-            torch.equal(a, b) for a, b in zip(after, _state(lin, opt))
-        )  # a finite step updates
+        # a finite step updates
+        assert not all(torch.equal(a, b) for a, b in zip(after, _state(lin, opt)))
         guard.flush()
     assert (
         caplog.text.count("non-finite loss or gradient at step 1: step skipped (1 in a row)") == 1

@@ -12,9 +12,8 @@ from parallel.kernels import flex
 
 
 def _offsets():
-    return torch.tensor(
-        [[0, 20, 36, 60], [0, 12, 30, 44]], dtype=torch.int32
-    )  # 2 docs + query, padding
+    # 2 docs + query, padding
+    return torch.tensor([[0, 20, 36, 60], [0, 12, 30, 44]], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])

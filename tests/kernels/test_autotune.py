@@ -282,9 +282,8 @@ def _ranks_use_rank0_choice(rank, world, cache_dir):
         return cands
 
     T.candidates = fake
-    q = torch.randn(
-        1, 2, 64, 64, generator=torch.Generator().manual_seed(0)
-    )  # the same on both ranks
+    # the same on both ranks
+    q = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
     before = A.select_backend("auto", q, "dense")  # no lazy timing under torch.distributed
     chosen = A.autotune([A.TuneSpec("dense", 64, 64, grad=False)])
     after = A.select_backend("auto", q, "dense")

@@ -24,9 +24,8 @@ def _case(layout: str, dtype=torch.float32, S: int = 37, D: int = 16, seed: int 
     """q, k, v and keyword arguments; S = 37 is not a multiple of any block size."""
     gen = torch.Generator().manual_seed(seed)
     if layout == "varlen":
-        cu = torch.tensor(
-            [0, 9, 9, 30, 33], dtype=torch.int32
-        )  # an empty sequence; 2 tokens past the end
+        # an empty sequence; 2 tokens past the end
+        cu = torch.tensor([0, 9, 9, 30, 33], dtype=torch.int32)
         shape, extra = (35, 2, D), dict(cu_seqlens=cu, max_seqlen=21, causal=bool(seed % 2))
     else:
         shape, extra = (2, 2, S, D), {"causal": layout == "causal"}
@@ -209,9 +208,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("cap", sorted(EXPECTED))
 def test_auto_table_by_cpu_capability(monkeypatch, caplog, cap):
-    monkeypatch.setenv(
-        autotune.ENV, "0"
-    )  # the fixed rule (measuring is tests/kernels/test_autotune.py)
+    # the fixed rule (measuring is tests/kernels/test_autotune.py)
+    monkeypatch.setenv(autotune.ENV, "0")
     monkeypatch.setattr(A, "cpu_capability", lambda: cap)
     monkeypatch.setattr(A, "fused_available", lambda: (True, "fused kernels built"))
     monkeypatch.setattr(A, "_logged", set())

@@ -111,7 +111,6 @@ def test_submitit_local_launcher_two_tasks(tiny_world, tmp_path):
     assert "Submitit 'local' sweep output dir" in res.stderr + res.stdout
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["step"] == 4
-    assert (
-        "rank 0/2 joined the gloo process group" in logs
-    )  # the two submitit tasks formed one group
+    # the two submitit tasks formed one group
+    assert "rank 0/2 joined the gloo process group" in logs
     assert [p.name for p in valid_checkpoints(run_dir)][-1] == "step_00000004"

@@ -135,11 +135,12 @@ def test_evaluate_run_notebook(run_dirs, tiny_world, tmp_path):
     for mode in ("closed_book", "learned", "oracle"):
         assert f"test | {mode} | {test['n']} |" in text, mode
     assert "test: retrieval_gain" in text and "oracle_gap" in text
+    # figures are shown inline too
     assert any(
         o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
         for c in nb.cells
         for o in c.get("outputs", [])
-    )  # figures are shown inline too
+    )
 
 
 def test_compare_runs_notebook(run_dirs, tmp_path):
@@ -164,9 +165,8 @@ def test_run_reader_keeps_the_last_record_of_a_replayed_step(tmp_path):
         {"kind": "train", "step": 4, "loss": 3.0},
         {"kind": "val", "step": 4, "acc": 0.5},
     ]
-    (tmp_path / "metrics.jsonl").write_text(
-        "\n".join(map(json.dumps, recs)) + '\n{"kind": "tra'
-    )  # cut by a kill
+    # cut by a kill
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + '\n{"kind": "tra')
     run = runs.load_run(tmp_path)
     assert run.series("train", "loss") == ([2, 4], [5.0, 3.0])
     assert run.summary is None and run.examples is None and run.trace is None

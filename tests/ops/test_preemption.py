@@ -19,6 +19,7 @@ from tests.rag_mm.conftest import tiny_overrides
 
 # signal to exit: one batch and a checkpoint of the tiny model, with room for a loaded host
 BOUND_S = 30.0
+# 24 documents: 6 forward passes per refresh
 LEARNED = (
     "retriever=learned",
     "retriever.top_k=2",
@@ -31,7 +32,7 @@ LEARNED = (
     "retriever.bank_negatives=8",
     "retriever.pseudo_queries=4",
     "retriever.encode_batch_size=4",
-)  # 24 documents: 6 forward passes per refresh
+)
 # phase -> (fault, overrides, the log line that says where it stopped, the step checkpointed or
 # None)
 PHASES = {
@@ -113,9 +114,8 @@ def test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint(tiny_world
         else []
     )
     assert not [r for r in records if r["kind"] == "val"]  # an abandoned evaluation reports nothing
-    res, _ = _run(
-        tiny_world, run_dir, *extra
-    )  # resume=auto: the rest of the run, the final evaluation included
+    # resume=auto: the rest of the run, the final evaluation included
+    res, _ = _run(tiny_world, run_dir, *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (
         (f"resumed from {run_dir / 'checkpoints' / f'step_{saved:08d}'}" in res.stderr)

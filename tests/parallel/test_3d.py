@@ -79,12 +79,13 @@ FSDP_PP = [
 @pytest.mark.multirank
 def test_fsdp_under_pipeline_matches_one_process():
     res = run_ranks(tp_cases.pp_tp_suite, 4, FSDP_PP, timeout_s=600)
+    # pp outermost on the mesh
     assert [next(iter(r.values()))["pp_rank"] for r in res] == [
         0,
         0,
         1,
         1,
-    ]  # pp outermost on the mesh
+    ]
     _check(res, FSDP_PP, 4, fsdp_once=True)
 
 
@@ -168,9 +169,8 @@ def test_stage_plan_cuts_sequence_parallel_regions_per_run_of_held_blocks():
     plan = TPPlan(regions=[("h.0", "h.5")])
     one_f_one_b = {f"h.{i}": {0 if i < 3 else 1} for i in range(6)}
     assert stage_plan(nn.Module(), plan, one_f_one_b, 1)[0].regions == [("h.3", "h.5")]
-    interleaved = {
-        f"h.{i}": {(i // 2) % 2} for i in range(6)
-    }  # stages 0..2 of 2 blocks, ranks 0 1 0
+    # stages 0..2 of 2 blocks, ranks 0 1 0
+    interleaved = {f"h.{i}": {(i // 2) % 2} for i in range(6)}
     assert stage_plan(nn.Module(), plan, interleaved, 0)[0].regions == [
         ("h.0", "h.1"),
         ("h.4", "h.5"),

@@ -77,9 +77,8 @@ def test_activation_offload_moves_to_host_on_gpu():
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
     w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
     hooks = OffloadActivations()
-    torch.tanh(
-        x.detach() @ w.detach()
-    )  # cuBLAS takes its workspace (32 MiB) from the allocator once
+    # cuBLAS takes its workspace (32 MiB) from the allocator once
+    torch.tanh(x.detach() @ w.detach())
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
     with hooks:

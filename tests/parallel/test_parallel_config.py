@@ -29,9 +29,8 @@ def test_every_problem_is_named_at_once():
 
 def test_minus_one_takes_the_ranks_left_over_on_either_data_parallel_dimension():
     replicas = ParallelConfig(dp_replicate=-1, tp=2)
-    assert (
-        replicas.resolved(8).dp_replicate == 4 and replicas.dp_replicate == -1
-    )  # resolved() copies
+    # resolved() copies
+    assert replicas.resolved(8).dp_replicate == 4 and replicas.dp_replicate == -1
     shards = ParallelConfig(pp=2, dp_shard=-1).validate(8)
     assert (shards.dp_replicate, shards.dp_shard, shards.dp, shards.world_size) == (1, 4, 4, 8)
     assert (

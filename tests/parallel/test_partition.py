@@ -116,9 +116,8 @@ def test_trace_records_gpt2_structure_and_dataflow():
         and mods["transformer.h.0.mlp.c_fc"].out_bytes == 2 * 16 * 256 * 4
     )
     assert mods[""].fwd_time > 0 and mods[""].bwd_time > 0 and mods["transformer.h.0"].bwd_time > 0
-    assert (
-        mods["transformer.h.0.mlp.c_fc"].flops == 3 * 2 * (2 * 16) * 64 * 256
-    )  # fwd + 2 bwd matmuls
+    # fwd + 2 bwd matmuls
+    assert mods["transformer.h.0.mlp.c_fc"].flops == 3 * 2 * (2 * 16) * 64 * 256
     # dataflow: each block feeds the next, through the residual glue; c_fc feeds act feeds c_proj
     edges = {(a, b) for a, b, _ in tr.edges()}
     assert ("transformer.h.0", "transformer.h.1") in edges

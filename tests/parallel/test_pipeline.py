@@ -34,9 +34,8 @@ def _compare(pm, loss, ref_loss, ref_grads) -> list[str]:
         n += 1
         r = torch.zeros_like(p) if r is None else r
         g = torch.zeros_like(r) if g is None else g
-        tol = (
-            RTOL * (r.abs() + r.abs().max() * 1e-2) + floor
-        )  # rtol 1e-4, floors: 1% of the tensor's scale
+        # rtol 1e-4, floors: 1% of the tensor's scale
+        tol = RTOL * (r.abs() + r.abs().max() * 1e-2) + floor
         if not bool(((g - r).abs() <= tol).all()):
             bad.append(
                 f"{name}: max |diff| {float((g - r).abs().max()):.3g} (max |ref| "
@@ -75,12 +74,13 @@ def _check(results, label):
 
 
 FAST = [  # (model, ranks, schedules, partition): every capability once, in about two minutes
+    # 4 stages: GPT-2 below; the reader's in SLOW
     (
         "reader",
         2,
         ("gpipe", "1f1b", "zero_bubble"),
         "auto",
-    ),  # 4 stages: GPT-2 below; the reader's in SLOW
+    ),
     ("gpt2", 2, ("gpipe", "1f1b", "interleaved_1f1b", "zbv"), "auto"),
     ("gpt2", 4, ("1f1b", "eager_1f1b"), "uniform"),  # gpipe on 4 ranks: SLOW
 ]
@@ -227,9 +227,8 @@ def test_pipeline_input_structures(schedule):
     each trains (loss and gradients) and predicts as one process does."""
     for rank, res in enumerate(run_ranks(_structures_worker, 2, schedule, timeout_s=240)):
         calls = res["calls"]
-        assert calls["closed_book"] < calls["one_document"] < calls["default"], (
-            calls
-        )  # tok_emb per document
+        # tok_emb per document
+        assert calls["closed_book"] < calls["one_document"] < calls["default"], calls
         for name in ("one_document", "closed_book", "default"):
             assert not res[name], f"{schedule} rank {rank} {name}: {res[name][:5]}"
         assert res["predict"], f"rank {rank}: per-document NLL differs from one process"
@@ -333,9 +332,8 @@ def test_pipeline_under_autocast(schedule, cut, tmp_path):
         bound = res["fp32"] / 30 if cut == "layers" else res["fp32"] / 2
         assert res["pipe"] < bound, f"{schedule} {cut} rank {rank}: {res}"
         loss, ref, fp32 = res["loss"]
-        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, (
-            res
-        )  # the last stage's loss, on every rank
+        # the last stage's loss, on every rank
+        assert abs(loss - ref) < abs(fp32 - ref) / 5 + 1e-6, res
         assert not res["autocast_after"]
 
 
@@ -561,9 +559,8 @@ def test_lanes_follow_the_schedule():
         o = pipeline_order(schedule, 2, 2, 4)
         ranks = [0, 1, 1, 0] if schedule == "zbv" else [0, 1, 0, 1]
         sends, recvs = messages(o, ranks)
-        mixed = [
-            pair for pair in sends if sends[pair] != recvs[pair]
-        ]  # pairs whose edges interleave
+        # pairs whose edges interleave
+        mixed = [pair for pair in sends if sends[pair] != recvs[pair]]
         assert bool(mixed) == (schedule != "interleaved_1f1b"), (schedule, mixed)
         lanes, why = plan_lanes([o], ranks)
         assert why == "", (schedule, why)
@@ -682,11 +679,9 @@ def test_graph_path_matches_single_process():
             bad, kinds, relay, is_graph, same = res[schedule]
             assert not bad, f"graph {schedule} rank {rank}: {bad[:5]}"
             assert kinds == {"GraphStage"} and is_graph and same
-        assert res["interleaved_1f1b"][2][:3] == [2, 2, 2], res["interleaved_1f1b"][
-            2
-        ]  # activation + skip
-        assert res["seq_mlp"] == ([], "GraphStage"), res[
-            "seq_mlp"
-        ]  # auto takes the graph path where it can
+        # activation + skip
+        assert res["interleaved_1f1b"][2][:3] == [2, 2, 2], res["interleaved_1f1b"][2]
+        # auto takes the graph path where it can
+        assert res["seq_mlp"] == ([], "GraphStage"), res["seq_mlp"]
         assert res["reader-auto"] == "EagerStage"
         assert res["vit"] == ([], "GraphStage"), res["vit"]

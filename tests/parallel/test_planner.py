@@ -124,9 +124,8 @@ def test_memory_matches_exact_counts(toy, tp, dp_shard):
     acc = plan.estimate(
         pp=1, tp=tp, dp_replicate=1, dp_shard=dp_shard, microbatches=2, precision="fp32"
     )
-    a = (
-        acc.memory
-    )  # accumulating: the first microbatch's gradients are there when the second's activations peak
+    # accumulating: the first microbatch's gradients are there when the second's activations peak
+    a = acc.memory
     assert acc.memory_bytes_per_device == pytest.approx(sum(a.values()))
     # checkpointing keeps less, and offload moves the state off the device
     ac = plan.estimate(
@@ -171,6 +170,7 @@ def test_model_too_big_for_one_device_needs_sharding(toy):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     mem = 3 * params  # params + grads + Adam need 4x: no replica fits
     plan = plan_layout(tr, (ids,), cluster(dpn=8, mem=mem), global_batch=8, precisions=("fp32",))
+    # (the batch splits: memory was modelled)
     dp_only = [
         lay
         for lay in plan.layouts
@@ -179,7 +179,7 @@ def test_model_too_big_for_one_device_needs_sharding(toy):
         and lay.dp_shard == 1
         and not lay.cpu_offload
         and lay.microbatch_size
-    ]  # (the batch splits: memory was modelled)
+    ]
     assert dp_only and not any(lay.fits for lay in dp_only)
     assert all(any(r.startswith("memory") for r in lay.reasons) for lay in dp_only)
     assert plan.best is not None and (
@@ -407,9 +407,8 @@ def test_fixed_overhead_is_measured_and_charged_per_microbatch_on_every_tp_rank(
         b = slow.estimate(
             pp=1, tp=tp, dp_replicate=4 // tp, dp_shard=1, microbatches=m, precision="fp32"
         )
-        assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(
-            0.01 * m
-        )  # not divided by tp
+        # not divided by tp
+        assert b.breakdown["compute"] - a.breakdown["compute"] == pytest.approx(0.01 * m)
     # ranks time-sharing the cores run their host work at their share of a core, as their FLOPs
     import dataclasses
 
@@ -447,9 +446,8 @@ def test_fsdp_pays_one_collective_latency_per_unit(toy):
     lay = plan.estimate(pp=1, tp=1, dp_replicate=1, dp_shard=4, microbatches=1, precision="fp32")
     assert lay.breakdown["dp_comm"] == pytest.approx(15 * 3 * 1e-3, rel=1e-6)
     ddp = plan.estimate(pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=1, precision="fp32")
-    assert ddp.breakdown["dp_comm"] == pytest.approx(
-        2 * math.ceil(math.log2(4)) * 1e-3, rel=1e-6
-    )  # one tree all-reduce
+    # one tree all-reduce
+    assert ddp.breakdown["dp_comm"] == pytest.approx(2 * math.ceil(math.log2(4)) * 1e-3, rel=1e-6)
     # 2 accumulation steps: gathers in each one's forward and backward (20), the gradients
     # reduce-scattered once per optimizer step (5), as the runtime's train_step(sync=...) does
     acc = plan.estimate(
@@ -459,9 +457,8 @@ def test_fsdp_pays_one_collective_latency_per_unit(toy):
     ddp2 = plan.estimate(
         pp=1, tp=1, dp_replicate=4, dp_shard=1, microbatches=2, mixed_precision="fp32"
     )
-    assert ddp2.breakdown["dp_comm"] == pytest.approx(
-        ddp.breakdown["dp_comm"], rel=1e-6
-    )  # once per step
+    # once per step
+    assert ddp2.breakdown["dp_comm"] == pytest.approx(ddp.breakdown["dp_comm"], rel=1e-6)
 
 
 def test_tp_memory_of_a_module_rule_counts_its_weight_matrices():

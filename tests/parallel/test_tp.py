@@ -225,9 +225,8 @@ def test_hf_fused_layouts(default_suite):
     neox = "gpt_neox.layers.0.attention"
     for case in ("gptneox", "gptneox+sp"):
         assert r[case]["roles"][f"{neox}.query_key_value"] == "colwise"
-        assert (
-            r[case]["blocks"][f"{neox}.query_key_value"] == 1
-        )  # [q_h k_h v_h] per head: one block
+        # [q_h k_h v_h] per head: one block
+        assert r[case]["blocks"][f"{neox}.query_key_value"] == 1
         assert not any("left replicated" in line for line in r[case]["log"])
     assert any(line.startswith("sequence parallel over") for line in r["gptneox+sp"]["log"])
     # the width rule's three blocks are caught by the self-check; sequence parallel then stays off

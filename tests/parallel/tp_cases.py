@@ -442,9 +442,8 @@ def fsdp_mixed_precision_case(rank, world, name="llama"):
     def spy(n):
         def call(*a, **k):
             ts = [v for v in list(a) + list(k.values()) if isinstance(v, torch.Tensor)]
-            reduced.append(
-                ts[-1].dtype if n != "all_reduce" else ts[0].dtype
-            )  # the input (last for RS)
+            # the input (last for RS)
+            reduced.append(ts[-1].dtype if n != "all_reduce" else ts[0].dtype)
             return orig[n](*a, **k)
 
         return call
@@ -491,9 +490,8 @@ class InterleavedAttention(torch.nn.Module):
 
     def forward(self, x):
         B, S, _ = x.shape
-        q, k, v = (
-            self.qkv(x).view(B, S, self.heads, 3, -1).permute(3, 0, 2, 1, 4)
-        )  # 3 x (B, H, S, hd)
+        # 3 x (B, H, S, hd)
+        q, k, v = self.qkv(x).view(B, S, self.heads, 3, -1).permute(3, 0, 2, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).flatten(2))
 

@@ -62,6 +62,7 @@ def llava(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]
         LlavaForConditionalGeneration,
     )
 
+    # "default": the CLS token dropped
     cfg = LlavaConfig(
         vision_config=CLIPVisionConfig(**VISION),
         text_config=LlamaConfig(**TEXT),
@@ -69,16 +70,15 @@ def llava(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]
         image_seq_length=16,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
-    )  # "default": the CLS token dropped
+    )
     return LlavaForConditionalGeneration(cfg), _inputs(b, 2, seed)
 
 
 def paligemma(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
 
-    vision = dict(
-        VISION, model_type="siglip_vision_model", vision_use_head=False
-    )  # as PaliGemma's own
+    # as PaliGemma's own
+    vision = dict(VISION, model_type="siglip_vision_model", vision_use_head=False)
     text = dict(TEXT, model_type="gemma", head_dim=16)
     cfg = PaliGemmaConfig(
         vision_config=vision,
@@ -92,10 +92,11 @@ def paligemma(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Ten
 def qwen2vl(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+    # vision start / end markers around the image tokens
     start, end = (
         IMAGE_TOKEN + 1,
         IMAGE_TOKEN + 2,
-    )  # vision start / end markers around the image tokens
+    )
     vision = dict(
         depth=2,
         embed_dim=32,
@@ -106,12 +107,13 @@ def qwen2vl(b: int = 2, seed: int = 1) -> tuple[nn.Module, dict[str, torch.Tenso
         spatial_merge_size=2,
         temporal_patch_size=2,
     )
+    # the defaults lie outside the tiny vocabulary
     text = dict(
         TEXT,
         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},  # 2 + 3 + 3 = head_dim / 2
         bos_token_id=None,
         eos_token_id=None,
-    )  # the defaults lie outside the tiny vocabulary
+    )
     cfg = Qwen2VLConfig(
         vision_config=vision,
         text_config=text,
@@ -394,12 +396,10 @@ class ProbePool(nn.Module):
         self.pool = nn.MultiheadAttention(dim, heads, batch_first=True)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x: (B, L, dim)
-        h, per_head = self.mix(
-            x, x.view_as(x), x.view_as(x), average_attn_weights=False
-        )  # (B, 4, L, L)
-        y, mean = self.pool(
-            self.probe.expand(x.shape[0], -1, -1), x + h, x + h
-        )  # (B, 1, dim), (B, 1, L)
+        # (B, 4, L, L)
+        h, per_head = self.mix(x, x.view_as(x), x.view_as(x), average_attn_weights=False)
+        # (B, 1, dim), (B, 1, L)
+        y, mean = self.pool(self.probe.expand(x.shape[0], -1, -1), x + h, x + h)
         return y, per_head, mean
 
 

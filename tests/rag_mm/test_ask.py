@@ -108,9 +108,8 @@ def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path
         for i, r in enumerate(rows):
             docs = r["documents"]
             assert [d["doc_id"] for d in docs] == out.doc_ids[i, :SHOWN].tolist()
-            read = (
-                torch.tensor([d["score"] for d in docs[:2]]) * scale
-            )  # the two the reader read, scaled as evaluated
+            # the two the reader read, scaled as evaluated
+            read = torch.tensor([d["score"] for d in docs[:2]]) * scale
             torch.testing.assert_close(read, out.scores[i].float(), atol=1e-5, rtol=1e-5)
             assert [d["score"] for d in docs] == sorted((d["score"] for d in docs), reverse=True)
             for d in docs:  # knowledge-world documents: one passage line, key doc<6-digit id>

@@ -53,9 +53,8 @@ def _bad_files(tmp_path: Path) -> dict[str, Path]:
     (d / "plain_dir").mkdir()
     (d / "plain_dir" / "notes.txt").write_text("hello")
     ckpt = checkpoint.save(d / "ckpts", 1, {"w": torch.zeros(4)}, {"step": 1}, keep=2, is_main=True)
-    (ckpt / "trainer_state.json").write_text(
-        '{"step": 2}'
-    )  # altered after the manifest was written
+    # altered after the manifest was written
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
     return {
         "text": d / "text.pt",
         "empty": d / "empty.pt",
@@ -179,9 +178,8 @@ def _build_index_module(monkeypatch):
         "build_index", REPO / "scripts" / "build_index.py"
     )
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(
-        sys.modules, "build_index", module
-    )  # its dataclasses look their module up there
+    # its dataclasses look their module up there
+    monkeypatch.setitem(sys.modules, "build_index", module)
     spec.loader.exec_module(module)
     return module
 
@@ -231,9 +229,8 @@ def test_two_workers_count_skipped_samples_by_reason(tiny_world, tmp_path):
     finally:
         t.close()
     assert out["step"] == 12
-    skipped = out[
-        "skipped_samples"
-    ]  # summed over the two workers' counts, carried by their batches
+    # summed over the two workers' counts, carried by their batches
+    skipped = out["skipped_samples"]
     assert (
         skipped.get("bad_json", 0) >= 1
         and skipped.get("bad_image", 0) >= 1

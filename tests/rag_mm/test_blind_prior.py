@@ -131,9 +131,8 @@ def test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change(tmp_path
         saved["fingerprint"] == blind_prior.fingerprint(urls)
         and saved["answers"]["is it round"] == "yes"
     )
-    assert os.listdir(cache.parent) == [
-        "blind_prior.json"
-    ]  # the temporary file was renamed, none left
+    # the temporary file was renamed, none left
+    assert os.listdir(cache.parent) == ["blind_prior.json"]
 
     built = []
     real_build = blind_prior.build
@@ -161,6 +160,7 @@ def test_blind_prior_cache_is_reused_and_rebuilt_when_the_shards_change(tmp_path
 
 
 def test_the_pipeline_passes_answer_types_through(tmp_path):
+    # not a string: dropped
     shard = _shard(
         tmp_path / "q.tar",
         [
@@ -168,7 +168,7 @@ def test_the_pipeline_passes_answer_types_through(tmp_path):
             ("What colour?", {"answer": "red"}, True),
             ("How many?", {"answer": "2", "answer_type": 7}, True),
         ],
-    )  # not a string: dropped
+    )
     loader = make_loader(
         StreamSpec(
             urls=[str(shard)], image_size=8, max_question=8, max_answer=4, batch_size=8, train=False
@@ -193,9 +193,8 @@ class _Reader:
     def answers(self, image: torch.Tensor) -> list[str]:
         if not self.looks:
             return ["yes"] * image.shape[0]
-        return [
-            "yes" if m > 0 else "no" for m in image[:, 0].mean((1, 2)).tolist()
-        ]  # the red channel
+        # the red channel
+        return ["yes" if m > 0 else "no" for m in image[:, 0].mean((1, 2)).tolist()]
 
     def generate(self, image, *args, **kwargs) -> list[list[int]]:
         return [self.tok.encode(a) for a in self.answers(image)]

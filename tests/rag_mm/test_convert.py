@@ -282,13 +282,13 @@ def test_vqa_v2_questions_become_query_shards(tmp_path):
         and m["answer"] == "red"
         and len(m["answers"]) == 10
     )
+    # stored as it was: the pipeline resizes
     assert Image.open(io.BytesIO(s["jpg"])).size == (
         40,
         30,
-    )  # stored as it was: the pipeline resizes
-    assert (
-        metas[202][1]["answer"] == "square"
-    )  # no multiple_choice_answer: most frequent, first on a tie
+    )
+    # no multiple_choice_answer: most frequent, first on a tie
+    assert metas[202][1]["answer"] == "square"
     assert metas[102][1]["answer"] == "3"
     assert "doc_id" not in m  # no gold document
     # VQAv2's answer and question types are kept: the evaluation reports accuracy per answer type
@@ -663,10 +663,11 @@ def test_hugging_face_dataset_becomes_the_vqa_converters_shards(tmp_path, capsys
     )
     assert [s["txt"].decode() for s in samples] == ["What colour is it?", "How many shapes?"]
     assert [s["__key__"] for s in samples] == ["q000000000", "q000000001"]
+    # the stored bytes, as they came
     assert Image.open(io.BytesIO(samples[1]["png"])).size == (
         41,
         30,
-    )  # the stored bytes, as they came
+    )
 
     # the same rows from parquet (a glob, through the command line): the same shards and the
     # overrides line

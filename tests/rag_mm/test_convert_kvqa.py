@@ -130,9 +130,8 @@ def test_normalisation_report_names_each_rule(tmp_path):
         "number_words": 1,
         "punctuation": 1,
     }
-    assert (
-        n.report()["changed"] == 4 and n.report()["kept_empty"] == 1
-    )  # "the" alone is kept as given
+    # "the" alone is kept as given
+    assert n.report()["changed"] == 4 and n.report()["kept_empty"] == 1
     assert "4 of 6 changed" in Normaliser.describe(n.report())
 
 
@@ -163,13 +162,13 @@ def test_plain_kb_jsonl_becomes_a_corpus_and_a_doc_map(tmp_path):
     assert res["written"] == 3 and res["blank_picture"] == 1
     samples = _samples(tmp_path / "out", "corpus")
     texts = [s["txt"].decode() for s in samples]
-    assert (
-        texts[0] == "Eiffel Tower. Completed in 1889, 330 m tall."
-    )  # the title first: a name to copy
+    # the title first: a name to copy
+    assert texts[0] == "Eiffel Tower. Completed in 1889, 330 m tall."
+    # the blank picture
     assert Image.open(__import__("io").BytesIO(samples[2]["png"])).size == (
         8,
         8,
-    )  # the blank picture
+    )
     doc_map = json.loads((tmp_path / "out" / "corpus" / DOC_MAP).read_text())
     assert doc_map == {
         "layout": "jsonl",
@@ -335,13 +334,13 @@ def test_infoseek_questions_carry_their_entity_document_and_unseen_mark(tmp_path
     f = _infoseek(tmp_path)
     out = tmp_path / "out"
     kb = convert_kb("infoseek", f["wiki"], out, images=f["wiki_pics"], linked=[f["withkb"]])
-    assert (
-        kb["written"] == 2 and kb["blank_picture"] == 0 and kb["linked_missing"] == 0
-    )  # Q9999: not linked
+    # Q9999: not linked
+    assert kb["written"] == 2 and kb["blank_picture"] == 0 and kb["linked_missing"] == 0
     passages = [s["txt"].decode() for s in _samples(out, "corpus")]
+    # content
     assert (
         passages[1] == "Golden Gate Bridge. A suspension bridge opened in 1937 by Joseph Strauss."
-    )  # content
+    )
     res = convert_infoseek(
         f["questions"], f["oven"], out, "val", withkb=f["withkb"], qtype=f["qtype"]
     )
@@ -389,15 +388,13 @@ def test_infoseek_questions_carry_their_entity_document_and_unseen_mark(tmp_path
 
 def test_infoseek_withkb_rows_alone_and_without_a_kb(tmp_path):
     f = _infoseek(tmp_path)
-    res = convert_infoseek(
-        f["withkb"], f["oven"], tmp_path / "out", "val"
-    )  # entity_id on the rows, no KB
+    # entity_id on the rows, no KB
+    res = convert_infoseek(f["withkb"], f["oven"], tmp_path / "out", "val")
     assert res["gold"] == {"no_kb": 4} and res["written"] == 3
     m = _metas(tmp_path / "out", "val")
     assert all("doc_id" not in x for x in m) and m[0]["entity_id"] == "Q243"
-    assert (
-        m[0]["kvqa"]["qtype"] == "numerical" and m[2]["kvqa"]["qtype"] == "string"
-    )  # inferred, no qtype file
+    # inferred, no qtype file
+    assert m[0]["kvqa"]["qtype"] == "numerical" and m[2]["kvqa"]["qtype"] == "string"
     # InfoSeek's test split has no answers: such rows are skipped and counted
     rows = [json.loads(line) for line in f["questions"].read_text().splitlines()]
     del rows[1]["answer"], rows[1]["answer_eval"]

@@ -46,9 +46,9 @@ def make_batch(B: int, pool: torch.Tensor, g: torch.Generator) -> dict:
     value; every value drawn from ``pool``."""
     values = pool[torch.randint(0, len(pool), (B, len(ATTRS), 2), generator=g)]  # (B, 3, 2)
     asked = torch.randint(0, len(ATTRS), (B,), generator=g)
-    order = torch.stack(
-        [torch.randperm(len(ATTRS), generator=g) for _ in range(B)]
-    )  # facts in random order
+    # facts in random order
+    order = torch.stack([torch.randperm(len(ATTRS), generator=g) for _ in range(B)])
+    # (B, 15)
     doc = torch.stack(
         [
             torch.cat(
@@ -56,7 +56,7 @@ def make_batch(B: int, pool: torch.Tensor, g: torch.Generator) -> dict:
             )
             for b in range(B)
         ]
-    )  # (B, 15)
+    )
     answer = values[torch.arange(B), asked]  # (B, 2)
     return dict(
         image=torch.randn(B, 3, 16, 16, generator=g),

@@ -104,9 +104,8 @@ def test_stream_splits_by_rank_without_overlap(tiny_world):
     for rank in range(2):
         spec = _spec(tiny_world, train=False, rank=rank, world_size=2, batch_size=5)
         keys.append([k for b in make_loader(spec, 0) for k in b["key"]])
-    assert (
-        not set(keys[0]) & set(keys[1]) and len(keys[0]) + len(keys[1]) == 72
-    )  # 18 seen entities x 4
+    # 18 seen entities x 4
+    assert not set(keys[0]) & set(keys[1]) and len(keys[0]) + len(keys[1]) == 72
 
 
 def test_process_exits_with_a_training_pass_still_open(tiny_world):

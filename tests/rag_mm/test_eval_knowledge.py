@@ -40,9 +40,8 @@ def test_infoseek_matching_follows_its_official_script():
     assert numeric_match("108", [100.0, 100.0]) and not numeric_match("111", [100.0, 100.0])
     assert numeric_match("305-335", [300.0, 330.0]) and not numeric_match("320-400", [300.0, 330.0])
     assert correct("330", _infoseek(["330 metres"], "numerical", [300.0, 330.0]))
-    assert correct(
-        "3 2 0", _infoseek(["330"], "numerical", [300.0, 330.0])
-    )  # CLIP's BPE decodes digits spaced
+    # CLIP's BPE decodes digits spaced
+    assert correct("3 2 0", _infoseek(["330"], "numerical", [300.0, 330.0]))
     assert harmonic_mean(0.5, 0.25) == pytest.approx(1 / 3) and harmonic_mean(0.0, 1.0) == 0.0
 
 

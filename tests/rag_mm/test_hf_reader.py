@@ -60,9 +60,8 @@ def test_documents_follow_the_retrieval_layout(family):
         causal = _own_forward(reader, a).logits
     valid = torch.arange(a.x.shape[1])[None] < a.seg_offsets[:, -1:]  # (B, S)
     torch.testing.assert_close(reader.lm.lm_head(h)[valid], ref[valid], atol=1e-5, rtol=0)
-    assert not torch.allclose(
-        ref[valid], causal[valid], atol=1e-3
-    )  # the layout is not plain causal
+    # the layout is not plain causal
+    assert not torch.allclose(ref[valid], causal[valid], atol=1e-3)
     assert int(a.pos.max()) < a.x.shape[1] // 2  # positions restart per segment
 
 
@@ -373,9 +372,8 @@ def test_trains_from_a_pretrained_directory(tiny_world, tmp_path):
     from rag_mm.model.factory import build_reader
 
     (tmp_path / "run" / ".hydra").mkdir()
-    OmegaConf.save(
-        cfg, tmp_path / "run" / ".hydra" / "config.yaml"
-    )  # what `python -m rag_mm.train` saves
+    # what `python -m rag_mm.train` saves
+    OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")
     assert export_main([str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     overrides = json.loads((tmp_path / "out" / "import.json").read_text())["overrides"]
     back = compose(

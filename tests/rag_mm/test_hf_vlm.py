@@ -158,9 +158,8 @@ def test_documents_follow_the_retrieval_layout():
     docs_end = a.seg_offsets[:, -2]  # (B,) where the query segment starts
     for b in range(h.shape[0]):
         n = int(docs_end[b])
-        torch.testing.assert_close(
-            h2[b, :n], h[b, :n], atol=1e-6, rtol=0
-        )  # documents do not see the query
+        # documents do not see the query
+        torch.testing.assert_close(h2[b, :n], h[b, :n], atol=1e-6, rtol=0)
         assert (
             h2[b, n : int(a.seg_offsets[b, -1])] - h[b, n : int(a.seg_offsets[b, -1])]
         ).abs().max() > 1e-4

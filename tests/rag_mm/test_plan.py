@@ -25,9 +25,8 @@ DEMO, REF = "+experiment=demo", "model.attention_backend=reference"
 def test_cli_table_and_json_layouts_run_in_rag_mm(capsys):
     assert rplan.main([DEMO, REF, "cluster=p4d", "top=5"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "on p4d: 1 x 8 devices of 40 GiB, global batch 32" in out
-    )  # the demo's data.global_batch_size
+    # the demo's data.global_batch_size
+    assert "on p4d: 1 x 8 devices of 40 GiB, global batch 32" in out
     assert "best layouts, as rag_mm runs them:" in out
     launch = [
         line.strip()

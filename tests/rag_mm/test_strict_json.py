@@ -73,9 +73,8 @@ def test_every_json_of_a_run_is_strict(tiny_world, tmp_path, caplog, capsys):
         strict_loads(path.read_text())
     records = [strict_loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["acc_heldout"] for r in records if r["kind"] == "val"] == [None]
-    assert (
-        strict_loads(stdout.strip().splitlines()[-1])["acc_heldout"] is None
-    )  # evaluate's JSON line
+    # evaluate's JSON line
+    assert strict_loads(stdout.strip().splitlines()[-1])["acc_heldout"] is None
     summary = strict_loads((run_dir / "metrics.json").read_text())
     assert summary["val"]["acc_heldout"] is None and summary["test"]["n_heldout"] == 0
     assert len(strict_loads(predictions.read_text())) == summary["val"]["n"]

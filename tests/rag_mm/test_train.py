@@ -379,8 +379,7 @@ def test_rerank_reads_the_live_towers_top_k(tiny_world, tmp_path):
         assert torch.equal(ids[:, :2], exact)
         t.rag.rcfg.rerank = 0
         _, stale, _ = t.rag.reader_inputs(q, grad=False)
-        assert not torch.equal(
-            stale[:, :2], exact
-        )  # the test can tell a stale top-k from a live one
+        # the test can tell a stale top-k from a live one
+        assert not torch.equal(stale[:, :2], exact)
     finally:
         t.close()

@@ -93,16 +93,18 @@ def test_timeline_merges_ranks_of_other_hosts_on_the_barrier():
     id) is shifted so that its barrier read lands on the first rank's."""
     from parallel.timeline import Event, align
 
+    # one shift for all of host B
     parts = [
         ("host-a", 10.0, [Event(0, "F", 0, 0, 9.0, 9.5)]),  # barrier left at 10.0 on clock A
         ("host-a", 10.001, [Event(1, "F", 1, 0, 9.5, 9.8)]),  # same clock: kept as it is
+        # clock B reads 500.0 at that barrier
         (
             "host-b",
             500.0,
             [Event(2, "F", 2, 0, 499.8, 499.9)],
-        ),  # clock B reads 500.0 at that barrier
+        ),
         ("host-b", 500.002, [Event(3, "F", 3, 0, 499.9, 499.95)]),
-    ]  # one shift for all of host B
+    ]
     got = [(e.rank, round(e.start, 6), round(e.end, 6)) for e in align(parts)]
     assert got == [(0, 9.0, 9.5), (1, 9.5, 9.8), (2, 9.8, 9.9), (3, 9.9, 9.95)]
 

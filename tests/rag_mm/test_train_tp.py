@@ -98,9 +98,8 @@ def test_torchrun_fsdp_matches_ddp(tiny_world, tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = d
         if name == "ddp":
-            assert "intra=shm" in res.stderr, res.stderr[
-                -3000:
-            ]  # the shared-memory path, no fallback to gloo
+            # the shared-memory path, no fallback to gloo
+            assert "intra=shm" in res.stderr, res.stderr[-3000:]
     assert (runs["fsdp"] / "checkpoints" / f"step_{STEPS:08d}" / "manifest.json").is_file()
     a, b = _losses(runs["ddp"]), _losses(runs["fsdp"])
     assert len(a) == len(b) == STEPS

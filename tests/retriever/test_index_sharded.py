@@ -50,9 +50,8 @@ def _sharded_search(rank, world, doc_split, query_split, metric, seed):
 def test_two_rank_sharded_search_equals_one_flat_index(doc_split, query_split, metric):
     out = run_ranks(_sharded_search, 2, doc_split, query_split, metric, 0)
     x, q, ids = _data(doc_split[-1], query_split[-1], 0)
-    ref_s, ref_i = (
-        FaissIndex(DIM, "Flat", metric).add(x, ids).search(q, K)
-    )  # one index, all queries
+    # one index, all queries
+    ref_s, ref_i = FaissIndex(DIM, "Flat", metric).add(x, ids).search(q, K)
     got_s = np.concatenate([s for s, _ in out])
     got_i = np.concatenate([i for _, i in out])
     assert got_i.shape == (query_split[-1], K)

@@ -62,9 +62,8 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
     hard_ids = 100 + torch.randint(0, N_DOCS, (B, K), generator=g)
     enc = rag.retriever
     enc.zero_grad(set_to_none=True)
-    torch.manual_seed(
-        2
-    )  # the pseudo-query and bank draws, alike on every rank and in the reference
+    # the pseudo-query and bank draws, alike on every rank and in the reference
+    torch.manual_seed(2)
     with rag.replicas.spanning(enc):  # the RagModel's own passes span the replicas themselves
         q_emb = enc.embed_queries(image[rows], q_ids[rows], torch.full((B,), 5)[rows])
         h = rag._docs(hard_ids[rows].flatten()[:, None], "cpu")
@@ -72,9 +71,8 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
     loss = rag._contrastive(q_emb, gold[rows], hard, hard_ids[rows].flatten())
     loss.backward()
     grad = torch.cat([p.grad.reshape(-1) for p in enc.parameters() if p.grad is not None])
-    stats = torch.cat(
-        [b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()]
-    )  # BatchNorm's running ones
+    # BatchNorm's running ones
+    stats = torch.cat([b.reshape(-1).float() for b in enc.buffers() if b.is_floating_point()])
     return loss.item(), grad, stats
 
 
@@ -84,14 +82,14 @@ def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -
     )
     rag = _rag(rcfg)
     start = {n: b.clone() for n, b in rag.retriever.named_buffers()}
-    ref_loss, ref_grad, ref_stats = _loss_and_grads(
-        rag, slice(None)
-    )  # one process, the whole batch
+    # one process, the whole batch
+    ref_loss, ref_grad, ref_stats = _loss_and_grads(rag, slice(None))
     for n, b in rag.retriever.named_buffers():  # the running statistics as they were
         b.copy_(start[n])
     rag.replicas = Replicas(dist.group.WORLD, rank, world)
     loss, grad, stats = _loss_and_grads(rag, rag.replicas.share(B))
     dist.all_reduce(grad)  # data parallel's mean over the replicas
+    # plain lists cross processes
     return dict(
         ref_loss=ref_loss,
         ref_grad=ref_grad.tolist(),
@@ -99,13 +97,12 @@ def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -
         loss=loss,
         grad=(grad / world).tolist(),
         stats=stats.tolist(),
-    )  # plain lists cross processes
+    )
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")]
-)  # 5: shares of 3 and 2, uneven
+# 5: shares of 3 and 2, uneven
+@pytest.mark.parametrize("pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")])
 def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
     one-process loss on every rank and, averaged, its gradient (each replica scoring only its own

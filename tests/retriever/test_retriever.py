@@ -218,13 +218,11 @@ def test_photo_views_put_the_thing_on_a_new_background():
     x = torch.full((4, 3, 32, 32), 1.5)  # a plain, bright ground ...
     x[:, :, 8:24, 8:24] = -1.0  # ... with a dark square on it
     x[:, :, 14:18, 14:18] = 1.5  # whose hole has the ground's colour but is no ground
-    keep = ViewStyle(
-        0.0, (1.0, 1.0), 0.0, 0.0, 0.0, 1.0, 0.0
-    )  # no warp, no blur: only the ground changes
+    # no warp, no blur: only the ground changes
+    keep = ViewStyle(0.0, (1.0, 1.0), 0.0, 0.0, 0.0, 1.0, 0.0)
     v = photo_views(x, keep, torch.Generator().manual_seed(0))
-    assert torch.equal(
-        v[:, :, 8:24, 8:24], x[:, :, 8:24, 8:24]
-    )  # the thing, hole included, is untouched
+    # the thing, hole included, is untouched
+    assert torch.equal(v[:, :, 8:24, 8:24], x[:, :, 8:24, 8:24])
     ground = v[:, :, :8]
     assert (
         ground - 1.5
