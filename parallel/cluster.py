@@ -267,19 +267,32 @@ def _runtime_overheads(world: int, reps: int) -> tuple[float, float]:
         for _ in range(layers):
             dist.all_reduce(act)
 
-    plain = timed(step(stack()))
     sharded = stack()
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    fsdp = timed(step(sharded)) - timed(fsdp_collectives)
     tp_model = parallelize_module(
         stack(),
         mesh,
         {str(i): RowwiseParallel() if i % 2 else ColwiseParallel() for i in range(layers)},
     )
-    tp = timed(step(tp_model)) - timed(tp_collectives)
-    return max(fsdp - plain, 0.0) / layers, max(tp - plain, 0.0) / layers
+    loops = {
+        "plain": step(stack()),
+        "fsdp": step(sharded),
+        "fsdp_collectives": fsdp_collectives,
+        "tp": step(tp_model),
+        "tp_collectives": tp_collectives,
+    }
+    # Each loop's time is the fastest of 5 interleaved rounds: noise on a shared host (another
+    # process scheduled on the core, a late peer) only ever adds time, and one slow round of the
+    # collectives would otherwise subtract more than the runtime's own work.
+    best = dict.fromkeys(loops, float("inf"))
+    for _ in range(5):
+        for name, run in loops.items():
+            best[name] = min(best[name], timed(run))
+    fsdp = best["fsdp"] - best["fsdp_collectives"] - best["plain"]
+    tp = best["tp"] - best["tp_collectives"] - best["plain"]
+    return max(fsdp, 0.0) / layers, max(tp, 0.0) / layers
 
 
 def measure_model(
