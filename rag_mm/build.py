@@ -44,9 +44,10 @@ class RagParts:
     rag: RagModel
 
 
-def build_rag(cfg, device: torch.device) -> RagParts:
+def build_rag(cfg, device: torch.device, gold_queries: bool = True) -> RagParts:
     """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
-    over them, freshly initialised on ``device`` (seed the global RNG first for a given init)."""
+    over them, freshly initialised on ``device`` (seed the global RNG first for a given init).
+    ``gold_queries``: the training queries name their gold documents (``rag_mm.checks.gold``)."""
     m = cfg.model
     # what the model keys name (a tokenizer, an LM family, a pretrained directory) may not build
     try:
@@ -77,7 +78,7 @@ def build_rag(cfg, device: torch.device) -> RagParts:
             batch_size=cfg.retriever.encode_batch_size,
             device=device,
         )
-    rag = RagModel(reader, store, cfg.retriever, retriever, memory)
+    rag = RagModel(reader, store, cfg.retriever, retriever, memory, gold_queries)
     return RagParts(tok, store, reader, retriever, memory, rag)
 
 

@@ -126,7 +126,7 @@ def evaluate(
     acc = torch.zeros(2 * width, dtype=torch.float64)
     # per answer type, the TYPED sums
     typed = torch.zeros(len(ANSWER_TYPES), len(TYPED), dtype=torch.float64)
-    whole = getattr(rag, "whole_reader", True)  # a SpreadRag says; a RagModel is whole
+    whole = rag.whole_reader
     tok = tokenizer if tokenizer is not None else get_tokenizer()
     store = getattr(rag, "store", None)
     know = KnowledgeSums(RECALL_AT, store.passages if store is not None else [])

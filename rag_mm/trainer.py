@@ -90,10 +90,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        parts = build_rag(cfg, self.device)
+        parts = build_rag(cfg, self.device, gold_queries)
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
-        self.rag.gold_queries = gold_queries
         # the whole model, before it is spread over ranks
         self.ckpt_bytes = disk.checkpoint_bytes(self.rag)
         self._check_disk()
@@ -385,15 +384,23 @@ class Trainer:
         }
 
     def _step(
-        self, it, autocast, loss: str, guard: NonFiniteGuard, sched=None, accum: int = 1
+        self,
+        it,
+        autocast,
+        loss: str,
+        guard: NonFiniteGuard,
+        sched=None,
+        accum: int = 1,
+        contrastive: bool = True,
     ) -> _Step | None:
         """One optimizer step: the training step of every phase. ``accum`` micro-steps, each the
         forward and backward of one batch (gradients synchronised over the ranks once, on the last:
         ``SpreadRag.train_step(sync=...)``), the one gradient clipper, the non-finite check every
         rank agrees on (``guard``, which holds the phase's optimizer), then the optimizer and
         ``sched``. ``loss``: ``joint`` (reader and retriever) or
-        ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss).
-        Returns the step's detached sums, or None when the step was skipped (non-finite)."""
+        ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss);
+        ``contrastive``: the joint loss takes the retriever's contrastive terms. Returns the
+        step's detached sums, or None when the step was skipped (non-finite)."""
         c = self.cfg
         reads = loss == "joint" or self.rag.gold_queries
         loss_sum = torch.zeros((), device=self.device)
@@ -403,7 +410,7 @@ class Trainer:
             inputs = self._next_inputs(it) if reads else self._no_queries()
             with autocast:  # train_step keeps it on the forwards only
                 out = self.spread.train_step(
-                    inputs, scale=1 / accum, sync=i == accum - 1, loss=loss
+                    inputs, scale=1 / accum, sync=i == accum - 1, loss=loss, contrastive=contrastive
                 )
             loss_sum += out.loss / accum
             if out.retriever_loss is not None:
@@ -516,12 +523,12 @@ class Trainer:
             except preemption.Stopped as why:
                 return self._stopped(f"signal: {why}", loss_sum)
             while self.step < c.max_steps:
-                self.rag.contrastive_on = r.contrastive_steps < 0 or self.step < r.contrastive_steps
                 faults.inject("step", self.step, self.env.rank)
                 self.spread.record_timeline(self.step + 1 == timeline_step)
                 self.watch.at("forward/backward (gradient reduction)", self.step)
                 t0 = time.perf_counter()
-                done = self._step(it, autocast, "joint", nonfinite, self.sched, accum)
+                contrastive = r.contrastive_steps < 0 or self.step < r.contrastive_steps
+                done = self._step(it, autocast, "joint", nonfinite, self.sched, accum, contrastive)
                 if done is None:
                     continue
                 loss_sum, r_loss_sum, gnorm = done.loss, done.retriever_loss, done.grad_norm

@@ -198,13 +198,19 @@ class SpreadRag:
 
     # ------------------------------------------------------------------ training
     def train_step(
-        self, inputs: dict, scale: float = 1.0, sync: bool = True, loss: str = "joint"
+        self,
+        inputs: dict,
+        scale: float = 1.0,
+        sync: bool = True,
+        loss: str = "joint",
+        contrastive: bool = True,
     ) -> StepOut:
         """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad).
         ``sync``: this is the optimizer step's last micro-step: gradients are synchronised over
         the ranks now, once for everything accumulated (``ParallelModel.train_step``). ``loss``:
         ``joint`` (the reader's NLL and the retriever's loss) or ``retriever`` (the warm-up's
-        contrastive loss alone; ``inputs`` may hold no queries when pseudo-queries make it)."""
+        contrastive loss alone; ``inputs`` may hold no queries when pseudo-queries make it).
+        ``contrastive``: the joint loss takes the retriever's contrastive terms this step."""
         if loss not in STEP_LOSSES:
             raise ValueError(f"loss must be one of {STEP_LOSSES} (got {loss!r})")
         retriever_sync.broadcast_buffers(self.rag.retriever)
@@ -243,7 +249,7 @@ class SpreadRag:
         gold = inputs.get("gold")
         att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
         nll = self._per_document_nll if self.per_document else None
-        r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att)
+        r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att, contrastive)
         with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
             (self.rcfg.loss_weight * scale * r_loss).backward()
         if sync:
@@ -302,12 +308,7 @@ class SpreadRag:
         correct = torch.cat([c for c, _ in res])
         nll = torch.cat([n for _, n in res])
         reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
-        scores = None
-        if ret is not None:  # the index's similarities, scaled as the retriever scores
-            scores = (
-                self.rag.retriever.scale().detach().to(ret[-1].device)
-                * ret[-1][:, : self.rcfg.top_k]
-            )
+        scores = self.rag.index_scores(ret[-1]) if ret is not None else None
         return RagOutput(reader.loss, reader, None, ids, scores)
 
     # ------------------------------------------------------------------ checkpoints

@@ -45,6 +45,7 @@ class RagModel(nn.Module):
         rcfg,
         retriever: DualEncoder | None = None,
         memory: RetrievalMemory | None = None,
+        gold_queries: bool = True,
     ) -> None:
         super().__init__()
         self.reader = reader
@@ -52,13 +53,19 @@ class RagModel(nn.Module):
         self.rcfg = rcfg
         self.store = store  # host tensors, not parameters
         self.memory = memory
-        self.contrastive_on = True  # set by the trainer from retriever.contrastive_steps
-        # whether the training queries name their gold documents (json doc_id; set by the trainer
-        # from the data, rag_mm.checks.gold): without them the contrastive terms use pseudo-queries
+        # whether the training queries name their gold documents (json doc_id, as
+        # rag_mm.checks.gold finds the data): without them the contrastive terms use pseudo-queries
         # alone
-        self.gold_queries = True
-        # the data-parallel replicas the contrastive loss spans (set by the trainer)
+        self.gold_queries = gold_queries
+        # the data-parallel replicas the contrastive loss spans: one process until the parallel
+        # layout is applied (rag_mm.distributed.spread.SpreadRag)
         self.replicas = Replicas()
+
+    @property
+    def whole_reader(self) -> bool:
+        """This process holds the whole reader (``SpreadRag`` says so only for unsharded
+        layouts)."""
+        return True
 
     def _docs(self, ids: torch.Tensor, device) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in self.store.fetch(ids).items()}
@@ -73,25 +80,21 @@ class RagModel(nn.Module):
         gold=None,
         retriever_loss: bool = True,
         search_k: int = 0,
+        contrastive: bool = True,
     ) -> RagOutput:
         """Queries (B, ...) -> RagOutput. ``gold`` (B,) are gold document ids (oracle,
-        contrastive)."""
+        contrastive). ``contrastive``: whether the retriever loss takes its contrastive terms this
+        step (``retriever.contrastive_steps``)."""
         q = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len)
         x, ids, ret = self.reader_inputs(q, gold, search_k=search_k)
         out = self.reader(**x)
         if ret is None:
             return RagOutput(out.loss, out, None, ids, None)
         q_emb, top, docs, sims = ret
-        if not retriever_loss:  # scores: the index's, scaled as the retriever scores
-            return RagOutput(
-                out.loss,
-                out,
-                None,
-                ids,
-                self.retriever.scale().detach().to(sims.device) * sims[:, : top.shape[1]],
-            )
+        if not retriever_loss:
+            return RagOutput(out.loss, out, None, ids, self.index_scores(sims))
         r_loss, scores = self.retriever_loss(
-            q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention
+            q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention, contrastive
         )
         return RagOutput(
             out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach()
@@ -173,6 +176,11 @@ class RagModel(nn.Module):
             return x
         return anonymize_answers(x, share, self.reader.vocab_size)
 
+    def index_scores(self, sims: torch.Tensor) -> torch.Tensor:
+        """The index's similarities of the k documents read (B, k), scaled as the retriever scores
+        them: the scores a forward without the retriever loss reports."""
+        return self.retriever.scale().detach().to(sims.device) * sims[:, : self.rcfg.top_k]
+
     def doc_prior(self, sims: torch.Tensor, dev) -> torch.Tensor | None:
         """log p(d | q) over the top-k documents (B, k), a constant for the reader; None when
         ``retriever.reader_prior`` is off. ``sims``: the index's similarities, nearest first."""
@@ -183,12 +191,21 @@ class RagModel(nn.Module):
         )
 
     def retriever_loss(
-        self, q: dict, q_emb, top, docs: dict, gold, per_document_nll=None, doc_attention=None
+        self,
+        q: dict,
+        q_emb,
+        top,
+        docs: dict,
+        gold,
+        per_document_nll=None,
+        doc_attention=None,
+        contrastive: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents
         ``docs`` (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's
         answer NLL with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the
-        reader's copy attention per document, for adist. The spread reader
+        reader's copy attention per document, for adist; ``contrastive``: the contrastive terms
+        against the gold documents join the loss. The spread reader
         (rag_mm/distributed/spread.py) calls this too, with both read over its stages."""
         cfg, enc, dev = self.rcfg, self.retriever, q_emb.device
         B, k = top.shape
@@ -215,12 +232,7 @@ class RagModel(nn.Module):
         else:
             # keeps every retriever parameter in the graph (DDP)
             r_loss = r_loss + 0.0 * scores.sum()
-        if (
-            self.contrastive_on
-            and gold is not None
-            and cfg.contrastive_weight > 0
-            and self._has_rows()
-        ):
+        if contrastive and gold is not None and cfg.contrastive_weight > 0 and self._has_rows():
             # the retrieved documents are the hardest negatives there are (same colours, other
             # shape)
             keep = self._labelled(gold)  # queries naming no gold document take no part

@@ -209,7 +209,11 @@ def test_torchrun_two_nodes_ddp_hier_int8(tiny_world, tmp_path):
         ("retriever.loss=pdist",),
         ("retriever.loss=emdr", "retriever.refresh_background=true"),
         ("retriever.loss=adist", "retriever.contrastive_steps=2"),
-        ("retriever.loss=contrastive", "retriever.query_side_only=true"),
+        (
+            "retriever.loss=contrastive",
+            "retriever.query_side_only=true",
+            "retriever.contrastive_steps=2",
+        ),
     ],
     ids=["pdist", "emdr-background", "adist", "contrastive-query-side"],
 )
@@ -241,6 +245,9 @@ def test_learned_retrieval_trains_both_towers(tiny_world, tmp_path, extra):
     assert out["index_refreshes"] == (1 if "retriever.query_side_only=true" in extra else 2)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(np.isfinite(r["retriever_loss"]) for r in records if r["kind"] == "train")
+    if "retriever.loss=contrastive" in extra:  # its only term, on for the first 2 steps
+        r_loss = {r["step"]: r["retriever_loss"] for r in records if r["kind"] == "train"}
+        assert r_loss[2] > 0 and r_loss[4] == 0, r_loss
     examples = json.loads((tmp_path / "run" / "retrieved_examples.json").read_text())
     assert examples and len(examples[0]["retrieved"]) == 3 and examples[0]["query_image"]
 
