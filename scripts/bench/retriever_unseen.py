@@ -89,6 +89,12 @@ def main() -> None:
     ap.add_argument(
         "--joint", action="store_true", help="memory and queries through the tower in one call"
     )
+    ap.add_argument(
+        "--negatives",
+        type=int,
+        default=0,
+        help="memory rows scored a step besides the gold ones (0: the whole memory)",
+    )
     ap.add_argument("--timm", default="", help="a timm model name for the tower (random init)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -107,6 +113,7 @@ def main() -> None:
         raise SystemExit(
             f"retriever_unseen: a query's gold doc_id {exc} is not in {a.root / 'corpus'}"
         ) from None
+    unseen_rows = vy[vh].unique()  # memory rows of the entities no training query shows
     cfg = RetrieverConfig(
         mode="learned",
         vision_tower="resnet",
@@ -165,6 +172,12 @@ def main() -> None:
             )
             == vy[:, None]
         )
+        # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
+        # photo transform alone costs, without another vendor's drawing
+        own = photo_views(
+            corpus[unseen_rows], VIEW_STYLES["photo"], torch.Generator().manual_seed(0)
+        )
+        own_hit = (embed(own) @ docs.T).topk(5, 1).indices == unseen_rows[:, None]
         model.train()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
         out = {
@@ -176,6 +189,8 @@ def main() -> None:
             "recall@5_unseen": r5[vh].mean().item(),
             "recall@1_seen": r1[~vh].mean().item(),
             "recall@5_seen": r5[~vh].mean().item(),
+            "recall@1_own_views_unseen": own_hit[:, :1].any(1).float().mean().item(),
+            "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
@@ -197,12 +212,17 @@ def main() -> None:
         # (B + P, 3, H, W)
         q = torch.cat([views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))])
         gold = torch.cat([ty[i], j])  # memory rows
+        # the memory rows scored this step: all of them, or the gold rows plus --negatives others
+        rows = torch.arange(len(corpus))
+        if 0 < a.negatives < len(corpus):
+            rows = torch.cat([gold, torch.randint(0, len(corpus), (a.negatives,))]).unique()
+            gold = torch.searchsorted(rows, gold)
         if a.joint:
-            e = embed(torch.cat([corpus, q]))
-            d_emb, q_emb = e[: len(corpus)], e[len(corpus) :]
+            e = embed(torch.cat([corpus[rows], q]))
+            d_emb, q_emb = e[: len(rows)], e[len(rows) :]
         else:
-            d_emb, q_emb = embed(corpus), embed(q)
-        loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)  # every memory row a negative
+            d_emb, q_emb = embed(corpus[rows]), embed(q)
+        loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
