@@ -11,9 +11,13 @@ seen and unseen entities apart, every ``--eval-every`` steps.
 
     python scripts/bench/retriever_unseen.py data/emoji_kvqa --steps 900 --flip 0.5 --jitter
 
-``--joint`` embeds the memory and the queries in one tower call, so the ResNet's batch statistics
-span both kinds of picture as they do at evaluation; ``--timm NAME`` swaps the tower for a timm
-model (random init) through open_clip's ``TimmModel``. Prints one JSON line per evaluation.
+Beside them, the memory's own pictures of the unseen entities made photo-like (``own_views``):
+what the photo transform alone costs, without another vendor's drawing. ``--negatives N`` scores
+each query against its batch's gold rows and N random others instead of the whole memory (a
+large one). ``--joint`` embeds the memory and the queries in one tower call, so the ResNet's
+batch statistics span both kinds of picture as they do at evaluation; ``--timm NAME`` swaps the
+tower for a timm model (random init) through open_clip's ``TimmModel``. Prints one JSON line per
+evaluation.
 """
 
 from __future__ import annotations
