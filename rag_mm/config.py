@@ -82,7 +82,7 @@ class ModelConfig:
     # and memorise the rest per picture; two views differing in those share only the thing's form.
     # 0: off (the demo's facts come from documents, not from form)
     vision_ssl_steps: int = 0
-    # the SimCLR phase's peak learning rate (its own AdamW, cosine to a tenth)
+    # the SimCLR phase's peak learning rate (the run's AdamW at its own rate, cosine to a tenth)
     vision_ssl_lr: float = 1e-3
     # pictures per SimCLR step on each rank (0: data.batch_size): every other picture of the batch
     # is a negative, and SimCLR's features improve with more of them

@@ -437,8 +437,7 @@ class Trainer:
         step, its own optimizer at a constant ``retriever.warmup_lr`` (fresh Adam moments for
         the retriever alone). Not checkpointed: a run stopped during the warm-up restarts it."""
         c, r = self.cfg, self.cfg.retriever
-        params = [p for p in self.rag.retriever.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=r.warmup_lr, weight_decay=c.optim.weight_decay)
+        opt = build_optimizer(self.rag.retriever, c.optim, lr=r.warmup_lr)
         guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         t0 = window_t = time.perf_counter()
         refresh_before = sum(self.memory.refresh_seconds)

@@ -1,4 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, and warm-up + cosine learning rate."""
+"""AdamW with decoupled weight decay on matrices only, and warm-up + cosine learning rate: the one
+optimizer and schedule of every training phase (the vision warm-up, the retriever warm-up, joint
+training), each phase passing its own rate where it has one."""
 
 from __future__ import annotations
 
@@ -13,10 +15,15 @@ def is_vision_tower(name: str) -> bool:
     return name.startswith("vision.") or ".vision." in name
 
 
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, cfg, lr: float | None = None, weight_decay: float | None = None
+) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters: matrices decayed, norms, biases and embeddings
     not; the vision tower's groups at ``cfg.vision_lr_scale`` times the rate (the scheduler scales
-    every group's own base rate)."""
+    every group's own base rate). ``cfg``: the run's ``optim``; ``lr`` and ``weight_decay``, when
+    given, replace its peak rate and decay (a warm-up phase's own)."""
+    lr = cfg.lr if lr is None else lr
+    weight_decay = cfg.weight_decay if weight_decay is None else weight_decay
     # (decayed, scaled) -> parameters; the first two groups always, in the order checkpoints hold
     # them
     groups: dict[tuple[bool, bool], list] = {(True, False): [], (False, False): []}
@@ -37,8 +44,8 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     param_groups = [
         {
             "params": ps,
-            "weight_decay": cfg.weight_decay if decayed else 0.0,
-            "lr": cfg.lr * (cfg.vision_lr_scale if scaled else 1.0),
+            "weight_decay": weight_decay if decayed else 0.0,
+            "lr": lr * (cfg.vision_lr_scale if scaled else 1.0),
         }
         for (decayed, scaled), ps in groups.items()
     ]
@@ -47,7 +54,7 @@ def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     # torch's default
     fused = True if params and all(p.is_cuda for p in params) else None
     return torch.optim.AdamW(
-        param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
+        param_groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused
     )
 
 
@@ -60,8 +67,16 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def build_scheduler(
-    opt: torch.optim.Optimizer, cfg, total_steps: int
+    opt: torch.optim.Optimizer,
+    cfg,
+    total_steps: int,
+    warmup_steps: int | None = None,
+    min_ratio: float | None = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_factor`` over ``total_steps`` with ``cfg``'s warm-up and floor (``optim``), or a
+    phase's own ``warmup_steps`` / ``min_ratio``."""
+    warmup = cfg.warmup_steps if warmup_steps is None else warmup_steps
+    floor = cfg.min_lr_ratio if min_ratio is None else min_ratio
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio)
+        opt, lambda s: lr_factor(s, warmup, total_steps, floor)
     )

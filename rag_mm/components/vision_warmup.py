@@ -19,9 +19,30 @@ import torch.nn as nn
 from parallel.collectives import all_reduce_mean_, flat_collective
 from rag_mm.build import make_stream
 from rag_mm.components import checkpoint
-from rag_mm.model.vision_ssl import pretrain_tower
+from rag_mm.components.optim import build_optimizer, build_scheduler
+from rag_mm.model.vision_ssl import MakeOptimizer, pretrain_tower
 
 log = logging.getLogger(__name__)
+
+# SimCLR's schedule and decay, its own and not the joint phase's: 50 warm-up steps, cosine to a
+# tenth of the peak, and the heavier weight decay of self-supervised pretraining
+SSL_WARMUP_STEPS = 50
+SSL_MIN_LR_RATIO = 0.1
+SSL_WEIGHT_DECAY = 0.05
+
+
+def ssl_optimizer(optim_cfg, lr: float, steps: int) -> MakeOptimizer:
+    """The vision warm-up's optimizer and schedule (``pretrain_tower``'s ``make_optimizer``):
+    the run's AdamW (``optim``: betas, eps; decay on matrices only) at the phase's peak ``lr``,
+    warm-up then cosine over its ``steps``."""
+
+    def make(module: nn.Module):
+        opt = build_optimizer(module, optim_cfg, lr=lr, weight_decay=SSL_WEIGHT_DECAY)
+        return opt, build_scheduler(
+            opt, optim_cfg, steps, warmup_steps=SSL_WARMUP_STEPS, min_ratio=SSL_MIN_LR_RATIO
+        )
+
+    return make
 
 
 def starts_fresh(cfg, ckpt_dir) -> bool:
@@ -75,7 +96,7 @@ def warm_up_vision(
         tower,
         _pictures(cfg, rank, world, device),
         steps,
-        lr,
+        ssl_optimizer(cfg.optim, lr, steps),
         grad_sync=_mean_over_ranks if distributed else None,
         on_log=on_log,
         log_every=cfg.log_every,

@@ -72,11 +72,18 @@ def nt_xent(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return F.cross_entropy(sim, target)
 
 
+# builds a phase's optimizer and learning-rate schedule over a module's parameters
+# (rag_mm.components.vision_warmup.ssl_optimizer)
+MakeOptimizer = Callable[
+    [nn.Module], tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]
+]
+
+
 def pretrain_tower(
     tower: nn.Module,
     pictures: Iterator[torch.Tensor],
     steps: int,
-    lr: float,
+    make_optimizer: MakeOptimizer,
     *,
     temperature: float = 0.2,
     grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
@@ -86,11 +93,11 @@ def pretrain_tower(
     mirror: bool = True,
 ) -> float:
     """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
-    AdamW steps at ``lr`` (50 warm-up steps, then cosine to a tenth), each on two views of the
-    next batch of ``pictures`` (N, 3, H, W), viewed by ``picture_views`` (``rotate``, ``mirror``).
-    The projection MLP lives only here. ``grad_sync`` averages the gradients over data-parallel
-    ranks (every rank then takes the same step);
-    ``on_log(step, mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
+    optimizer steps, each on two views of the next batch of ``pictures`` (N, 3, H, W), viewed by
+    ``picture_views`` (``rotate``, ``mirror``). ``make_optimizer`` builds the optimizer and its
+    schedule over the tower and the projection MLP, which lives only here. ``grad_sync`` averages
+    the gradients over data-parallel ranks (every rank then takes the same step); ``on_log(step,
+    mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
     if steps < 1:
         raise ValueError(f"pretrain_tower needs at least one step (got {steps})")
     tower.train()
@@ -103,17 +110,11 @@ def pretrain_tower(
         nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)
     ).to(dev)
     params = [p for p in (*tower.parameters(), *head.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
+    opt, sched = make_optimizer(nn.ModuleDict({"tower": tower, "head": head}))
     batches = itertools.chain([first], pictures)
     window = torch.zeros((), device=dev)  # losses summed on the device: read back at log steps only
     mean = 0.0  # set at the last step's log, which always runs
     for step in range(1, steps + 1):
-        for g in opt.param_groups:
-            g["lr"] = (
-                lr
-                * min(1.0, step / 50)
-                * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1) / steps)))
-            )
         x = next(batches)
         views = [picture_views(x, rotate=rotate, mirror=mirror) for _ in range(2)]
         pooled, toks = tower(torch.cat(views))  # (2N, W), (2N, P, W)
@@ -124,6 +125,7 @@ def pretrain_tower(
             grad_sync([p.grad for p in params if p.grad is not None])
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        sched.step()
         window += loss.detach()
         if step % log_every == 0 or step == steps:
             mean = window.item() / (log_every if step % log_every == 0 else step % log_every)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tower_contrastive import probe  # noqa: E402
 
 from rag_mm.build import make_stream  # noqa: E402
+from rag_mm.components.vision_warmup import ssl_optimizer  # noqa: E402
 from rag_mm.evaluate import load_config  # noqa: E402
 from rag_mm.model.reader import build_vision_tower  # noqa: E402
 from rag_mm.model.vision_ssl import pretrain_tower  # noqa: E402
@@ -51,7 +52,7 @@ def pretrain(cfg, steps: int, lr: float) -> nn.Module:
         tower,
         pictures(),
         steps,
-        lr,
+        ssl_optimizer(cfg.optim, lr, steps),
         on_log=lambda step, loss: print(
             json.dumps(
                 {"step": step, "loss": round(loss, 4), "seconds": round(time.time() - t0, 1)}
