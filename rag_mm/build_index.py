@@ -1,8 +1,8 @@
 """Encode a corpus with the retriever's document tower and build, save and check a faiss index.
 
-    python scripts/build_index.py corpus='data/knowledge_world/corpus/corpus-{000000..000000}.tar' \
+    rag_mm build-index corpus='data/knowledge_world/corpus/corpus-{000000..000000}.tar' \
         checkpoint=runs/demo out=runs/demo/memory.index [factory=auto] [queries=<query shards>]
-    torchrun --nproc_per_node=2 scripts/build_index.py ...     # each rank encodes 1/W of the corpus
+    torchrun --nproc_per_node=2 -m rag_mm.build_index ...     # each rank encodes 1/W of the corpus
 
 ``checkpoint`` is a run directory (its newest valid checkpoint and saved config are used), one
 checkpoint directory, or empty for a freshly initialised encoder (sizes from ``retriever.*``
@@ -26,16 +26,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from yaml import YAMLError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rag_mm.checks import paths  # noqa: E402
-from rag_mm.components import checkpoint as ckpt  # noqa: E402
-from rag_mm.data.documents import DocumentStore  # noqa: E402
-from rag_mm.data.pipeline import DataError  # noqa: E402
-from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards  # noqa: E402
-from retriever.config import RetrieverConfig  # noqa: E402
-from retriever.encoders import DualEncoder  # noqa: E402
-from retriever.index import FaissIndex, build_index, default_factory, fingerprint  # noqa: E402
-from retriever.sharded import embed_sharded  # noqa: E402
+from rag_mm.checks import paths
+from rag_mm.components import checkpoint as ckpt
+from rag_mm.data.documents import DocumentStore
+from rag_mm.data.pipeline import DataError
+from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards
+from retriever.config import RetrieverConfig
+from retriever.encoders import DualEncoder
+from retriever.index import FaissIndex, build_index, default_factory, fingerprint
+from retriever.sharded import embed_sharded
 
 
 @dataclass
