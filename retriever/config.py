@@ -58,7 +58,7 @@ class RetrieverConfig:
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
-    # constant AdamW learning rate of the warm-up (its own optimizer; joint training uses optim.lr)
+    # the warm-up's constant learning rate (the run's AdamW, fresh moments; joint: optim.lr)
     warmup_lr: float = 2e-3
     # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
     gold_temperature: float = 0.1

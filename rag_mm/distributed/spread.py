@@ -83,8 +83,7 @@ class SpreadRag:
         self.pcfg = parallel_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
-        r = self.rcfg
-        self.per_document = r.mode == "learned" and r.loss in ("pdist", "emdr") and r.top_k > 1
+        self.per_document = rag.needs_doc_nll
         structures = {}
         if self.per_document:  # (B*k) queries with one document each: another module-call sequence
             structures["one_document"] = one_document_inputs(
@@ -248,7 +247,7 @@ class SpreadRag:
         q, q_emb, top, docs, _ = ret
         gold = inputs.get("gold")
         att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
-        nll = self._per_document_nll if self.per_document else None
+        nll = self._per_document_nll(q, docs) if self.per_document else None
         r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att, contrastive)
         with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
             (self.rcfg.loss_weight * scale * r_loss).backward()

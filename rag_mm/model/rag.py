@@ -62,6 +62,13 @@ class RagModel(nn.Module):
         self.replicas = Replicas()
 
     @property
+    def needs_doc_nll(self) -> bool:
+        """Whether the retriever loss reads the reader's answer NLL with each document alone
+        (pdist / emdr over more than one document)."""
+        r = self.rcfg
+        return r.mode == "learned" and r.loss in ("pdist", "emdr") and r.top_k > 1
+
+    @property
     def whole_reader(self) -> bool:
         """This process holds the whole reader (``SpreadRag`` says so only for unsharded
         layouts)."""
@@ -93,8 +100,9 @@ class RagModel(nn.Module):
         q_emb, top, docs, sims = ret
         if not retriever_loss:
             return RagOutput(out.loss, out, None, ids, self.index_scores(sims))
+        nll = self._per_document_nll(q, docs) if self.needs_doc_nll else None
         r_loss, scores = self.retriever_loss(
-            q, q_emb, top, docs, gold, self._per_document_nll, out.doc_attention, contrastive
+            q, q_emb, top, docs, gold, nll, out.doc_attention, contrastive
         )
         return RagOutput(
             out.loss + self.rcfg.loss_weight * r_loss, out, r_loss.detach(), ids, scores.detach()
@@ -197,13 +205,13 @@ class RagModel(nn.Module):
         top,
         docs: dict,
         gold,
-        per_document_nll=None,
+        doc_nll: torch.Tensor | None = None,
         doc_attention=None,
         contrastive: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the retriever's loss, its scores (B, k)) for queries ``q`` whose top-k documents
-        ``docs`` (ids ``top``) the reader read; ``per_document_nll(q, docs)`` gives the reader's
-        answer NLL with each document alone (B, k), for pdist / emdr; ``doc_attention`` (B, k) the
+        ``docs`` (ids ``top``) the reader read; ``doc_nll`` (B, k) is the reader's answer NLL with
+        each document alone, for pdist / emdr (``needs_doc_nll``); ``doc_attention`` (B, k) the
         reader's copy attention per document, for adist; ``contrastive``: the contrastive terms
         against the gold documents join the loss. The spread reader
         (rag_mm/distributed/spread.py) calls this too, with both read over its stages."""
@@ -220,7 +228,9 @@ class RagModel(nn.Module):
         scores = enc.scale() * torch.einsum("be,bke->bk", q_emb, d_emb)  # (B, k)
         r_loss = scores.new_zeros(())
         if cfg.loss in ("pdist", "emdr") and k > 1:
-            nll = per_document_nll(q, docs)  # (B, k)
+            if doc_nll is None:
+                raise ValueError(f"retriever.loss={cfg.loss} needs the per-document NLL (doc_nll)")
+            nll = doc_nll  # (B, k)
             if cfg.loss == "pdist":
                 r_loss = losses.perplexity_distillation(scores, nll, cfg.gold_temperature)
             else:
