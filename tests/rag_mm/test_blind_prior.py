@@ -205,6 +205,7 @@ class _Rag:
     gold's."""
 
     training = False
+    whole_reader = True  # as a RagModel: the whole reader in this process
     rcfg = SimpleNamespace(mode="none", top_k=0, reader_prior=False)
 
     def __init__(self, looks: bool) -> None:

@@ -109,6 +109,7 @@ class _FixedReader:
 
 class _FixedRag:
     training = False
+    whole_reader = True  # as a RagModel: the whole reader in this process
     rcfg = SimpleNamespace(mode="none", top_k=0, reader_prior=False)
 
     def __init__(self, text: str) -> None:

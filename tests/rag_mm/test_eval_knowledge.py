@@ -90,6 +90,7 @@ class _Rag:
     """The answers ``texts`` for every batch, the documents ``retrieved`` (B, K) read."""
 
     training = False
+    whole_reader = True  # as a RagModel: the whole reader in this process
 
     def __init__(self, texts, retrieved, mode="learned"):
         self.reader = _Reader(texts)
