@@ -14,7 +14,6 @@ import json
 import logging
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +25,8 @@ from rag_mm.components import checkpoint
 from rag_mm.components.metrics import MetricsLogger, json_safe
 from rag_mm.components.nonfinite import NonFiniteGuard
 from rag_mm.components.optim import build_optimizer, build_scheduler
-from rag_mm.components.vision_warmup import starts_fresh, warm_up_vision
+from rag_mm.components.phases import Phase, StepSums, run_phase
+from rag_mm.components.vision_warmup import starts_fresh, vision_phase
 from rag_mm.config import ConfigError
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import (
@@ -46,17 +46,6 @@ from retriever.errors import RefreshInterrupted
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One optimizer step's detached sums (``Trainer._step``)."""
-
-    loss: torch.Tensor  # () the logged loss, mean over the micro-steps
-    retriever_loss: torch.Tensor  # () the retriever's loss, mean over the micro-steps (0: none)
-    grad_norm: torch.Tensor  # () the global gradient norm before clipping
-    hits: torch.Tensor  # () CPU: queries naming their gold document whose top-k holds it
-    n_hit: int  # queries naming their gold document
 
 
 def accuracy_line(m: dict) -> str:
@@ -97,53 +86,33 @@ class Trainer:
         self.ckpt_bytes = disk.checkpoint_bytes(self.rag)
         self._check_disk()
         retriever = parts.retriever
-        vision_records = []
-        if cfg.model.vision_ssl_steps and starts_fresh(
-            cfg, self.ckpt_dir
-        ):  # before the reader is spread
-            self.watch.at("vision warm-up (gradient all_reduce)", 0)
-            vision_records = warm_up_vision(
-                cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
-            )
-        if (
-            cfg.optim.vision_lr_scale == 0
-        ):  # frozen before the reader is spread: no gradient, no optimizer state
-            self.model.vision.requires_grad_(False)
-        # the reader over the ranks, as cfg.parallel says
-        self.spread = SpreadRag(self.rag, cfg, self.device)
-        # a replica shares a batch
-        self.data_rank, self.data_size = (
-            self.spread.dp_rank,
-            self.spread.dp_size,
-        )
-        # backend=auto's attention kernels, chosen by measurement before the first step: a
-        # collective (rank 0 times the candidates or reads its cache, every rank runs its choices)
-        self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
-        tune_reader_attention(cfg, self.device)
-        self.opt = build_optimizer(self.spread, cfg.optim)
-        self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
+        # the vision warm-up trains the plain tower, before the reader is spread over the ranks:
+        # then ``fit`` spreads it after that phase (a fresh start only; a resumed run restores
+        # the tower)
+        self.vision_first = bool(cfg.model.vision_ssl_steps) and starts_fresh(cfg, self.ckpt_dir)
+        self.spread: SpreadRag | None = None
+        if not self.vision_first:
+            self._spread_reader()
         self.step = 0
         # training batches this rank has drawn (resume replays the stream past them)
         self.consumed = 0
-        self.skipped: dict[
-            int, dict[str, int]
-        ] = {}  # per loader worker: cumulative dropped samples
+        # per loader worker: cumulative dropped samples
+        self.skipped: dict[int, dict[str, int]] = {}
         self.train_time = 0.0
         # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
         self.warmup_time = 0.0
         # [hits, queries] on a fresh / stale index (``_count_drift``)
-        self._drift = [
-            [0, 0],
-            [0, 0],
-        ]
+        self._drift = [[0, 0], [0, 0]]
         # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.pipeline: dict | None = None
         self.metrics = MetricsLogger(
             self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress
         )
-        for rec in vision_records:
-            self.metrics.log(rec, prefix="vision_warmup")
         self._stop_signal = False
+        # why the joint phase stopped early (a signal, stop_after_steps); None: it ran to the end
+        self._stop_reason: str | None = None
+        # the last trained step's loss (NaN: no step trained by this process)
+        self._last_loss = torch.full((), float("nan"))
         self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
         # the blind prior's table, read at the first evaluation
         self._prior: BlindPrior | None = None
@@ -157,6 +126,23 @@ class Trainer:
             self.env.world_size,
             self.device,
         )
+
+    def _spread_reader(self) -> None:
+        """The reader over the ranks as cfg.parallel says (``SpreadRag``), its attention kernels
+        chosen, and the joint phase's optimizer and schedule."""
+        cfg = self.cfg
+        if cfg.optim.vision_lr_scale == 0:
+            # frozen before the reader is spread: no gradient, no optimizer state
+            self.model.vision.requires_grad_(False)
+        self.spread = SpreadRag(self.rag, cfg, self.device)
+        # a replica shares a batch
+        self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size
+        # backend=auto's attention kernels, chosen by measurement before the first step: a
+        # collective (rank 0 times the candidates or reads its cache, every rank runs its choices)
+        self.watch.at("attention tuning (rank 0's choices to every rank)", 0)
+        tune_reader_attention(cfg, self.device)
+        self.opt = build_optimizer(self.spread, cfg.optim)
+        self.sched = build_scheduler(self.opt, cfg.optim, cfg.max_steps)
 
     def _check_disk(self) -> None:
         """Warn (or with ``disk_check=stop`` refuse to start) when run_dir's file system cannot hold
@@ -392,13 +378,13 @@ class Trainer:
         sched=None,
         accum: int = 1,
         contrastive: bool = True,
-    ) -> _Step | None:
-        """One optimizer step: the training step of every phase. ``accum`` micro-steps, each the
-        forward and backward of one batch (gradients synchronised over the ranks once, on the last:
-        ``SpreadRag.train_step(sync=...)``), the one gradient clipper, the non-finite check every
-        rank agrees on (``guard``, which holds the phase's optimizer), then the optimizer and
-        ``sched``. ``loss``: ``joint`` (reader and retriever) or
-        ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss);
+    ) -> StepSums | None:
+        """One optimizer step: the step of the retriever's warm-up and of joint training.
+        ``accum`` micro-steps, each the forward and backward of one batch (gradients synchronised
+        over the ranks once, on the last: ``SpreadRag.train_step(sync=...)``), the one gradient
+        clipper, the non-finite check every rank agrees on (``guard``, which holds the phase's
+        optimizer), then the optimizer and ``sched``. ``loss``: ``joint`` (reader and retriever)
+        or ``retriever`` (the warm-up; no batch is read when pseudo-queries alone make its loss);
         ``contrastive``: the joint loss takes the retriever's contrastive terms. Returns the
         step's detached sums, or None when the step was skipped (non-finite)."""
         c = self.cfg
@@ -428,21 +414,52 @@ class Trainer:
         if sched is not None:
             sched.step()
         opt.zero_grad(set_to_none=True)
-        return _Step(loss_sum, r_loss_sum, gnorm, hits, n_hit)
+        r_loss = r_loss_sum if self.memory is not None else None
+        return StepSums(loss_sum, gnorm, r_loss, hits, n_hit)
 
-    def _warmup_retriever(self, it, autocast) -> None:
+    def _run(self, phase: Phase, say) -> int:
+        """``run_phase`` with this run's metrics: each window's record in metrics.jsonl under the
+        phase's name, ``say(record)`` its line in the log; the loss averaged over the ranks."""
+
+        def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
+            self.watch.at(f"all_reduce: {phase.name} loss")
+            return all_reduce_sum(loss.clone()) / self.env.world_size
+
+        def log_record(rec: dict) -> None:
+            self.metrics.log(rec, prefix=phase.name)
+            say(rec)
+
+        return run_phase(phase, self.cfg.log_every, log_record, mean_over_ranks)
+
+    def _vision_warmup(self) -> None:
+        """SimCLR on the plain vision tower (``components.vision_warmup``), then the reader is
+        spread over the ranks."""
+        steps = self.cfg.model.vision_ssl_steps
+        self.watch.at("vision warm-up (gradient all_reduce)", 0)
+        t0 = time.perf_counter()
+        phase = vision_phase(
+            self.cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
+        )
+        self._run(
+            phase,
+            lambda rec: log.info(
+                "vision warm-up %d/%d: SimCLR loss %.3f", rec["step"], steps, rec["loss"]
+            ),
+        )
+        log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
+        self._spread_reader()
+
+    def _retriever_warmup(self, it, autocast) -> Phase:
         """Retriever-only contrastive steps before joint training (DPR-style warm-up): a random
         retriever hands the reader random documents, from which it learns nothing. The same step
         as joint training with the retriever's loss (``_step(loss="retriever")``), one batch per
         step, its own optimizer at a constant ``retriever.warmup_lr`` (fresh Adam moments for
-        the retriever alone). Not checkpointed: a run stopped during the warm-up restarts it."""
+        the retriever alone); the index re-embedded every ``retriever.refresh_every`` steps and
+        after the last. Not checkpointed: a run stopped during the warm-up restarts it."""
         c, r = self.cfg, self.cfg.retriever
         opt = build_optimizer(self.rag.retriever, c.optim, lr=r.warmup_lr)
         guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
-        t0 = window_t = time.perf_counter()
-        refresh_before = sum(self.memory.refresh_seconds)
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
-        window: list[_Step] = []
         log.info(
             "retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s",
             r.warmup_steps,
@@ -450,11 +467,12 @@ class Trainer:
             r.bank_negatives,
             "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)",
         )
-        for i in range(1, r.warmup_steps + 1):
-            self.watch.at("retriever warm-up (gradient all_reduce)", i)
-            done = self._step(it, autocast, "retriever", guard)
-            if done is not None:
-                window.append(done)
+
+        def step(done: int) -> StepSums | None:
+            self.watch.at("retriever warm-up (gradient all_reduce)", done + 1)
+            return self._step(it, autocast, "retriever", guard)
+
+        def after(i: int, done: StepSums, logged: dict | None) -> bool:
             faults.inject("warmup", i, self.env.rank)
             if self._stop_agreed():
                 raise preemption.Stopped(
@@ -464,147 +482,140 @@ class Trainer:
             if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
                 # fresher bank negatives; the joint phase starts on a current index
                 self.refresh_index()
-            if i % c.log_every == 0 or i == r.warmup_steps:
-                guard.flush()  # the device path's skipped steps: logged now, abort if too many
-            if (i % c.log_every == 0 or i == r.warmup_steps) and window:
-                n_hit = sum(s.n_hit for s in window)
-                # queries naming their gold document
-                recall = float(sum(s.hits for s in window)) / n_hit if n_hit else None
-                per_step = c.data.batch_size * self.data_size if labelled else r.pseudo_queries
-                rec = {
-                    "step": i,
-                    "loss": float(sum(s.loss for s in window)) / len(window),
-                    f"train_recall@{r.top_k}": recall,
-                    "samples_per_s": len(window) * per_step / (time.perf_counter() - window_t),
-                }
-                self.metrics.log(rec, prefix="warmup")
+            if logged is not None:
+                recall = logged[f"train_recall@{r.top_k}"]
                 log.info(
                     "retriever warm-up %d/%d: loss %.3f, train recall@%d %s",
                     i,
                     r.warmup_steps,
-                    rec["loss"],
+                    logged["loss"],
                     r.top_k,
                     "n/a (no gold documents)" if recall is None else f"{recall:.3f}",
                 )
-                window, window_t = [], time.perf_counter()
-        # counted as refresh time, not warm-up
-        refreshed = sum(self.memory.refresh_seconds) - refresh_before
-        self.warmup_time = time.perf_counter() - t0 - refreshed
+            return False
+
+        return Phase(
+            "warmup",
+            r.warmup_steps,
+            step,
+            c.data.batch_size * self.data_size if labelled else r.pseudo_queries,
+            after=after,
+            flush=guard.flush,
+            recall_key=f"train_recall@{r.top_k}",
+        )
+
+    def _joint_phase(self, it, autocast) -> Phase:
+        """Reader and retriever together, from the restored step to ``max_steps``. The cadences
+        after a step: index refresh, validation, the pipeline timeline, the stop-signal agreement
+        and the checkpoint (a stop checkpoints the step, then ends the phase)."""
+        c, r = self.cfg, self.cfg.retriever
+        # skips non-finite steps; on an accelerator decided on the device, read at log steps
+        guard = NonFiniteGuard(self.opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
+        stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
+        # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
+        # (allocator growth, lazy initialisation), written once; recorded on that step only
+        timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
+        refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
+
+        def step(done: int) -> StepSums | None:
+            faults.inject("step", done, self.env.rank)
+            self.spread.record_timeline(done + 1 == timeline_step)
+            self.watch.at("forward/backward (gradient reduction)", done)
+            t0 = time.perf_counter()
+            contrastive = r.contrastive_steps < 0 or done < r.contrastive_steps
+            out = self._step(
+                it, autocast, "joint", guard, self.sched, c.optim.grad_accum, contrastive
+            )
+            if out is not None:
+                self.train_time += time.perf_counter() - t0
+            return out
+
+        def after(i: int, done: StepSums, logged: dict | None) -> bool:
+            self.step, self._last_loss = i, done.loss
+            if refresh and done.n_hit:
+                self._count_drift(done)
+            if logged is not None:
+                self.metrics.progress(
+                    i, f"loss {logged['loss']:.4f} | {logged['samples_per_s']:.0f} samples/s"
+                )
+            # a stop signal ends an index refresh or an evaluation between two of its batches,
+            # on every rank together (Stopped): the step is done, so it is checkpointed below
+            abandoned = False
+            if refresh and i % r.refresh_every == 0 and i < c.max_steps:
+                abandoned, _ = self._abandonable(self.refresh_index)
+            if c.eval_every and i % c.eval_every == 0 and i < c.max_steps and not abandoned:
+                abandoned, val = self._abandonable(lambda: self.evaluate_split("val", final=False))
+                if not abandoned:
+                    self.metrics.log({"step": i, **val}, prefix="val")
+                    log.info("step %d val: %s", i, accuracy_line(val))
+            if i == timeline_step:  # after the step's timing and logging: not counted in them
+                self.watch.at("pipeline timeline (gather of events)", i)
+                self._write_timeline()
+            self.watch.at("all_reduce: stop-signal agreement", i)
+            if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
+                self._stop_signal = True
+            stopping = self._stop_signal or (stop_at is not None and i >= stop_at)
+            if (c.ckpt_every and i % c.ckpt_every == 0) or stopping:
+                self.save()
+            if stopping:
+                self._stop_reason = "signal" if self._stop_signal else "stop_after_steps"
+            return stopping
+
+        return Phase(
+            "train",
+            c.max_steps,
+            step,
+            c.data.batch_size * c.optim.grad_accum * self.data_size,
+            first=self.step,
+            after=after,
+            flush=guard.flush,
+            extra=lambda: {
+                "lr": self.sched.get_last_lr()[0],
+                "skipped": sum(self._skipped_total().values()),
+            },
+            recall_key=f"train_recall@{r.top_k}" if self.memory is not None else None,
+        )
 
     def fit(self) -> dict:
-        c = self.cfg
+        """The phases in order: the vision warm-up (a fresh start with ``model.vision_ssl_steps``),
+        the retriever's warm-up (a fresh start with ``retriever.warmup_steps``), joint training;
+        then the final evaluation. Each phase runs through ``run_phase``."""
+        c, r = self.cfg, self.cfg.retriever
         prev = signal.signal(signal.SIGTERM, self._on_sigterm)
         autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if c.optim.precision == "bf16"
             else contextlib.nullcontext()
         )
-        it = iter(self._stream("train", train=True, skip_batches=self.consumed))
-        accum = c.optim.grad_accum
-        samples_per_step = c.data.batch_size * accum * self.data_size
-        window_t, window_steps = time.perf_counter(), 0
-        # skips non-finite steps; on an accelerator decided on the device, read at log steps
-        nonfinite = NonFiniteGuard(self.opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
-        stop_at = self.step + c.stop_after_steps if c.stop_after_steps else None
-        # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
-        # (allocator growth, lazy initialisation), written once; recorded on that step only
-        timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
-        r = c.retriever
-        refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
-        # no step trained by this process (resumed at max_steps): null
-        loss_sum = torch.full((), float("nan"))
         try:
+            if self.spread is None:
+                self._vision_warmup()
+            it = iter(self._stream("train", train=True, skip_batches=self.consumed))
             # before the first step: the index and the retriever warm-up (neither is checkpointed)
             try:
                 self._ensure_index()
                 if self.step == 0 and r.warmup_steps and self.memory is not None:
-                    self._warmup_retriever(it, autocast)
+                    t0, refreshed = time.perf_counter(), sum(self.memory.refresh_seconds)
+                    self._run(self._retriever_warmup(it, autocast), lambda rec: None)
+                    # its refreshes are counted as refresh time, not warm-up
+                    refreshed = sum(self.memory.refresh_seconds) - refreshed
+                    self.warmup_time = time.perf_counter() - t0 - refreshed
             except preemption.Stopped as why:
-                return self._stopped(f"signal: {why}", loss_sum)
-            while self.step < c.max_steps:
-                faults.inject("step", self.step, self.env.rank)
-                self.spread.record_timeline(self.step + 1 == timeline_step)
-                self.watch.at("forward/backward (gradient reduction)", self.step)
-                t0 = time.perf_counter()
-                contrastive = r.contrastive_steps < 0 or self.step < r.contrastive_steps
-                done = self._step(it, autocast, "joint", nonfinite, self.sched, accum, contrastive)
-                if done is None:
-                    continue
-                loss_sum, r_loss_sum, gnorm = done.loss, done.retriever_loss, done.grad_norm
-                self.step += 1
-                dt = time.perf_counter() - t0
-                self.train_time += dt
-                window_steps += 1
-                if refresh and done.n_hit:
-                    self._count_drift(done)
-                # a stop signal ends an index refresh or an evaluation between two of its batches,
-                # on every rank together (Stopped): the step is done, so it is checkpointed below
-                abandoned = False
-                if refresh and self.step % r.refresh_every == 0 and self.step < c.max_steps:
-                    abandoned, _ = self._abandonable(self.refresh_index)
-                if self.step % c.log_every == 0 or self.step == c.max_steps:
-                    # the device path's skipped steps: logged now, abort if too many
-                    nonfinite.flush()
-                    self.watch.at("all_reduce: training loss")
-                    loss = all_reduce_sum(loss_sum.clone()) / self.env.world_size
-                    elapsed = time.perf_counter() - window_t
-                    rec = {
-                        "step": self.step,
-                        "loss": loss.item(),
-                        "lr": self.sched.get_last_lr()[0],
-                        "grad_norm": float(gnorm),
-                        "samples_per_s": samples_per_step * window_steps / elapsed,
-                        "skipped": sum(self._skipped_total().values()),
-                    }
-                    if self.memory is not None:
-                        rec["retriever_loss"] = float(r_loss_sum)
-                        rec[f"train_recall@{r.top_k}"] = (
-                            float(done.hits) / done.n_hit if done.n_hit else None
-                        )
-                    self.metrics.log(rec)
-                    self.metrics.progress(
-                        self.step, f"loss {rec['loss']:.4f} | {rec['samples_per_s']:.0f} samples/s"
-                    )
-                    window_t, window_steps = time.perf_counter(), 0
-                if (
-                    c.eval_every
-                    and self.step % c.eval_every == 0
-                    and self.step < c.max_steps
-                    and not abandoned
-                ):
-                    abandoned, val = self._abandonable(
-                        lambda: self.evaluate_split("val", final=False)
-                    )
-                    if not abandoned:
-                        self.metrics.log({"step": self.step, **val}, prefix="val")
-                        log.info("step %d val: %s", self.step, accuracy_line(val))
-                if (
-                    self.step == timeline_step
-                ):  # after the step's timing and logging: not counted in them
-                    self.watch.at("pipeline timeline (gather of events)", self.step)
-                    self._write_timeline()
-                self.watch.at("all_reduce: stop-signal agreement", self.step)
-                if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
-                    self._stop_signal = True
-                stopping = self._stop_signal or (stop_at is not None and self.step >= stop_at)
-                if (c.ckpt_every and self.step % c.ckpt_every == 0) or stopping:
-                    self.save()
-                if stopping:
-                    return self._stopped(
-                        "signal" if self._stop_signal else "stop_after_steps", loss_sum
-                    )
+                return self._stopped(f"signal: {why}", self._last_loss)
+            self._run(self._joint_phase(it, autocast), lambda rec: None)
+            if self._stop_reason is not None:
+                return self._stopped(self._stop_reason, self._last_loss)
             if self._saved_step != self.step:
                 self.save()
             self.watch.at("all_reduce: stop-signal agreement", self.step)
-            if (
-                self._stop_agreed()
-            ):  # a signal during the last step's checkpoint: no final evaluation
-                return self._stopped("signal; the final evaluation was not run", loss_sum)
+            if self._stop_agreed():
+                # a signal during the last step's checkpoint: no final evaluation
+                return self._stopped("signal; the final evaluation was not run", self._last_loss)
             try:
-                return self.finish(loss_sum.item())
+                return self.finish(self._last_loss.item())
             except preemption.Stopped as why:  # the checkpoint of the last step is on disk already
                 return self._stopped(
-                    f"signal: {why}; the final evaluation was not finished", loss_sum
+                    f"signal: {why}; the final evaluation was not finished", self._last_loss
                 )
         finally:
             signal.signal(signal.SIGTERM, prev)
@@ -676,7 +687,7 @@ class Trainer:
             )
         return summary
 
-    def _count_drift(self, done: _Step) -> None:
+    def _count_drift(self, done: StepSums) -> None:
         """Training recall by the age of the index the step searched: the first half of the steps
         between two refreshes (a fresh index) against the second (stale: the query tower has moved
         on since the memory was embedded). Their difference is the recall the refresh schedule

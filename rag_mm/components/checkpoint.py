@@ -195,15 +195,17 @@ def savable(model_state: dict, opt: torch.optim.Optimizer, named_parameters) -> 
     ``opt``'s state (per parameter name, from ``named_parameters``), as DCP writes and loads them;
     ``strided`` maps where each whole-written strided tensor sits to the shard it came from.
 
-    The optimizer's state is created now if it has not stepped yet, so a restore has tensors to
-    load into; its param groups come from the config. DCP cannot plan TP's strided shards (fused
+    The optimizer's state is created now for every parameter it has none for (not stepped yet, or
+    never given a gradient, as a closed-book reader's unused embeddings), so a restore has tensors
+    to load into and a checkpoint holds them all; its param groups come from the config. DCP cannot plan TP's strided shards (fused
     q|k|v blocks split per block on a 1-D mesh: its chunk offsets overlap), so those tensors go
     to the checkpoint whole (gathered over their mesh, then written once like any replicated
     tensor); ``scatter_strided`` puts a restored one back into the shards."""
     names = {id(q): n for n, q in named_parameters}
-    if not opt.state:
-        for group in opt.param_groups:
-            for q in group["params"]:
+    for group in opt.param_groups:
+        for q in group["params"]:
+            if q not in opt.state:
+                # AdamW's state before its first step on q: its next step is step 1
                 opt.state[q] = {
                     "step": torch.zeros((), dtype=torch.float32),
                     "exp_avg": torch.zeros_like(q),

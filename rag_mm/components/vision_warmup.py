@@ -8,8 +8,8 @@ tower)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
-import time
 from collections.abc import Iterator
 
 import torch
@@ -20,7 +20,8 @@ from parallel.collectives import all_reduce_mean_, flat_collective
 from rag_mm.build import make_stream
 from rag_mm.components import checkpoint
 from rag_mm.components.optim import build_optimizer, build_scheduler
-from rag_mm.model.vision_ssl import MakeOptimizer, pretrain_tower
+from rag_mm.components.phases import Phase, StepSums, run_phase
+from rag_mm.model.vision_ssl import MakeOptimizer, SimCLR
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ SSL_WEIGHT_DECAY = 0.05
 
 
 def ssl_optimizer(optim_cfg, lr: float, steps: int) -> MakeOptimizer:
-    """The vision warm-up's optimizer and schedule (``pretrain_tower``'s ``make_optimizer``):
+    """The vision warm-up's optimizer and schedule (``SimCLR``'s ``make_optimizer``):
     the run's AdamW (``optim``: betas, eps; decay on matrices only) at the phase's peak ``lr``,
     warm-up then cosine over its ``steps``."""
 
@@ -72,36 +73,55 @@ def _mean_over_ranks(grads: list[torch.Tensor]) -> None:
     flat_collective(grads, all_reduce_mean_)
 
 
-def warm_up_vision(
-    cfg, tower: nn.Module, rank: int, world: int, device: torch.device
-) -> list[dict]:
-    """Run the warm-up on ``tower`` in place; returns its log records ({step, loss, seconds})."""
+def vision_phase(cfg, tower: nn.Module, rank: int, world: int, device: torch.device) -> Phase:
+    """The warm-up as a phase (``run_phase``): ``model.vision_ssl_steps`` SimCLR steps on
+    ``tower`` in place, at ``model.vision_ssl_lr``, each rank on its own share of the training
+    pictures, gradients averaged over the ranks."""
     steps, lr = cfg.model.vision_ssl_steps, cfg.model.vision_ssl_lr
     distributed = dist.is_initialized() and world > 1
-    records: list[dict] = []
-    t0 = time.perf_counter()
+    pictures = _pictures(cfg, rank, world, device)
+    first = next(pictures)
+    simclr = SimCLR(
+        tower,
+        first,
+        ssl_optimizer(cfg.optim, lr, steps),
+        grad_sync=_mean_over_ranks if distributed else None,
+        rotate=cfg.model.vision_ssl_rotate,
+        mirror=cfg.model.vision_ssl_mirror,
+    )
+    batches = itertools.chain([first], pictures)
 
-    def on_log(step: int, loss: float) -> None:
-        records.append({"step": step, "loss": loss, "seconds": time.perf_counter() - t0})
-        log.info("vision warm-up %d/%d: SimCLR loss %.3f", step, steps, loss)
+    def step(i: int) -> StepSums:
+        loss, gnorm = simclr.step(next(batches))
+        return StepSums(loss=loss, grad_norm=gnorm)
 
+    batch = cfg.model.vision_ssl_batch or cfg.data.batch_size
     log.info(
         "vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s",
         steps,
         lr,
-        cfg.model.vision_ssl_batch or cfg.data.batch_size,
+        batch,
         f" per rank over {world} ranks" if distributed else "",
     )
-    pretrain_tower(
-        tower,
-        _pictures(cfg, rank, world, device),
-        steps,
-        ssl_optimizer(cfg.optim, lr, steps),
-        grad_sync=_mean_over_ranks if distributed else None,
-        on_log=on_log,
-        log_every=cfg.log_every,
-        rotate=cfg.model.vision_ssl_rotate,
-        mirror=cfg.model.vision_ssl_mirror,
+    return Phase("vision_warmup", steps, step, samples_per_step=batch * world)
+
+
+def _mean_loss(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        all_reduce_mean_(t)
+    return t
+
+
+def warm_up_vision(
+    cfg, tower: nn.Module, rank: int, world: int, device: torch.device
+) -> list[dict]:
+    """The warm-up run on its own (``vision_phase`` through ``run_phase``), outside a trainer;
+    returns its log records."""
+    records: list[dict] = []
+    run_phase(
+        vision_phase(cfg, tower, rank, world, device),
+        cfg.log_every,
+        records.append,
+        _mean_loss,
     )
-    log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
     return records

@@ -10,9 +10,8 @@ apart by colour, size and place and memorise per picture what it was asked about
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -79,57 +78,49 @@ MakeOptimizer = Callable[
 ]
 
 
-def pretrain_tower(
-    tower: nn.Module,
-    pictures: Iterator[torch.Tensor],
-    steps: int,
-    make_optimizer: MakeOptimizer,
-    *,
-    temperature: float = 0.2,
-    grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
-    on_log: Callable[[int, float], None] | None = None,
-    log_every: int = 50,
-    rotate: float = 180.0,
-    mirror: bool = True,
-) -> float:
-    """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``) in place: ``steps``
-    optimizer steps, each on two views of the next batch of ``pictures`` (N, 3, H, W), viewed by
-    ``picture_views`` (``rotate``, ``mirror``). ``make_optimizer`` builds the optimizer and its
-    schedule over the tower and the projection MLP, which lives only here. ``grad_sync`` averages
-    the gradients over data-parallel ranks (every rank then takes the same step); ``on_log(step,
-    mean loss)`` every ``log_every`` steps. Returns the last window's mean loss."""
-    if steps < 1:
-        raise ValueError(f"pretrain_tower needs at least one step (got {steps})")
-    tower.train()
-    dev = next(tower.parameters()).device
-    first = next(pictures)
-    with torch.no_grad():
-        pooled, toks = tower(first[:1])
-    width = pooled.shape[-1] + toks.shape[-1]
-    head = nn.Sequential(
-        nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)
-    ).to(dev)
-    params = [p for p in (*tower.parameters(), *head.parameters()) if p.requires_grad]
-    opt, sched = make_optimizer(nn.ModuleDict({"tower": tower, "head": head}))
-    batches = itertools.chain([first], pictures)
-    window = torch.zeros((), device=dev)  # losses summed on the device: read back at log steps only
-    mean = 0.0  # set at the last step's log, which always runs
-    for step in range(1, steps + 1):
-        x = next(batches)
-        views = [picture_views(x, rotate=rotate, mirror=mirror) for _ in range(2)]
-        pooled, toks = tower(torch.cat(views))  # (2N, W), (2N, P, W)
-        loss = nt_xent(head(torch.cat([pooled, toks.mean(1)], 1)), temperature)
-        opt.zero_grad(set_to_none=True)
+class SimCLR:
+    """SimCLR on an open_clip tower (``tower(x) -> (pooled, patch tokens)``), trained in place one
+    optimizer step per ``step`` call, each on two views of a batch of pictures (N, 3, H, W) viewed
+    by ``picture_views`` (``rotate``, ``mirror``). ``make_optimizer`` builds the optimizer and its
+    schedule over the tower and the projection MLP, which lives only here (its width is read from
+    the tower's output on ``sample``). ``grad_sync`` averages the gradients over data-parallel
+    ranks, so every rank takes the same step. The loop around it is the trainer's
+    (``rag_mm.components.phases.run_phase``)."""
+
+    def __init__(
+        self,
+        tower: nn.Module,
+        sample: torch.Tensor,
+        make_optimizer: MakeOptimizer,
+        *,
+        temperature: float = 0.2,
+        grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
+        rotate: float = 180.0,
+        mirror: bool = True,
+    ) -> None:
+        self.tower, self.temperature, self.grad_sync = tower, temperature, grad_sync
+        self.rotate, self.mirror = rotate, mirror
+        tower.train()
+        dev = next(tower.parameters()).device
+        with torch.no_grad():
+            pooled, toks = tower(sample[:1].to(dev))
+        width = pooled.shape[-1] + toks.shape[-1]
+        self.head = nn.Sequential(
+            nn.Linear(width, width // 2), nn.GELU(), nn.Linear(width // 2, PROJECTION)
+        ).to(dev)
+        self.params = [p for p in (*tower.parameters(), *self.head.parameters()) if p.requires_grad]
+        self.opt, self.sched = make_optimizer(nn.ModuleDict({"tower": tower, "head": self.head}))
+
+    def step(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the batch ``x``; returns its detached (loss, gradient norm)."""
+        views = [picture_views(x, rotate=self.rotate, mirror=self.mirror) for _ in range(2)]
+        pooled, toks = self.tower(torch.cat(views))  # (2N, W), (2N, P, W)
+        loss = nt_xent(self.head(torch.cat([pooled, toks.mean(1)], 1)), self.temperature)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if grad_sync is not None:
-            grad_sync([p.grad for p in params if p.grad is not None])
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        window += loss.detach()
-        if step % log_every == 0 or step == steps:
-            mean = window.item() / (log_every if step % log_every == 0 else step % log_every)
-            window.zero_()
-            if on_log is not None:
-                on_log(step, mean)
-    return mean
+        if self.grad_sync is not None:
+            self.grad_sync([p.grad for p in self.params if p.grad is not None])
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.sched.step()
+        return loss.detach(), gnorm.detach()

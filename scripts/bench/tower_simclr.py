@@ -1,6 +1,6 @@
 """Does self-supervised pretraining on the pictures alone give the reader's vision tower the
 features a VQA data set asks about? SimCLR (two augmented views of each training picture, NT-Xent;
-``rag_mm.model.vision_ssl.pretrain_tower``, the trainer's vision warm-up) on the training split's
+``rag_mm.components.vision_warmup``, the trainer's vision warm-up) on the training split's
 pictures, then a linear probe of an asked-for attribute on frozen features of the validation split,
 for the freshly initialised and the pretrained tower.
 
@@ -9,9 +9,9 @@ for the freshly initialised and the pretrained tower.
 ``RUN`` is a run directory (its saved config names the data and the reader's tower). Views:
 ``rag_mm.model.vision_ssl.picture_views`` (random affine: rotation, flip, scale, shift; a random
 colour permutation and greyscale), so what two views of one picture share is the thing's form. The
-probe is the one of ``tower_contrastive.py``. Prints JSON lines: the loss every 50 steps, then one
-probe result per tower (and ``--save`` writes the pretrained tower's state dict, which
-``model.vision_checkpoint`` loads).
+probe is the one of ``tower_contrastive.py``. Prints JSON lines: the loss every ``log_every``
+steps, then one probe result per tower (and ``--save`` writes the pretrained tower's state
+dict, which ``model.vision_checkpoint`` loads).
 """
 
 from __future__ import annotations
@@ -30,36 +30,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tower_contrastive import probe  # noqa: E402
 
-from rag_mm.build import make_stream  # noqa: E402
-from rag_mm.components.vision_warmup import ssl_optimizer  # noqa: E402
+from rag_mm.components.vision_warmup import warm_up_vision  # noqa: E402
 from rag_mm.evaluate import load_config  # noqa: E402
 from rag_mm.model.reader import build_vision_tower  # noqa: E402
-from rag_mm.model.vision_ssl import pretrain_tower  # noqa: E402
 
 
 def pretrain(cfg, steps: int, lr: float) -> nn.Module:
     """The recipe's tower after ``steps`` of the vision warm-up the trainer runs
-    (``pretrain_tower``)."""
+    (``vision_phase``, through the trainer's phase loop)."""
     tower = build_vision_tower(cfg.model)
-
-    def pictures():
-        while True:
-            for b in make_stream(cfg, "train", True):
-                yield b["image"]
-
+    cfg.model.vision_ssl_steps, cfg.model.vision_ssl_lr = steps, lr
+    cfg.model.vision_ssl_batch = cfg.data.batch_size  # --batch
     t0 = time.time()
-    pretrain_tower(
-        tower,
-        pictures(),
-        steps,
-        ssl_optimizer(cfg.optim, lr, steps),
-        on_log=lambda step, loss: print(
-            json.dumps(
-                {"step": step, "loss": round(loss, 4), "seconds": round(time.time() - t0, 1)}
-            ),
-            flush=True,
-        ),
-    )
+    for rec in warm_up_vision(cfg, tower, 0, 1, torch.device("cpu")):
+        print(json.dumps({"step": rec["step"], "loss": round(rec["loss"], 4)}), flush=True)
+    print(json.dumps({"simclr_seconds": round(time.time() - t0, 1)}), flush=True)
     return tower
 
 

@@ -80,30 +80,41 @@ def _tower(t: Trainer) -> dict:
 
 
 def test_warmup_trains_the_tower_on_a_fresh_start_only(tiny_world, tmp_path):
+    """The warm-up is the first phase of ``fit`` (the reader is spread after it); a resumed run
+    restores the tower from its checkpoint and runs no second warm-up."""
     over = tiny_overrides(tiny_world, tmp_path / "run", *SSL)
     torch.manual_seed(0)
-    plain = Trainer(
-        compose(
-            [*over[: -len(SSL)], *SSL, "model.vision_ssl_steps=0", f"run_dir={tmp_path / 'plain'}"]
-        ),
-        log_metrics=False,
-    )
-    before = _tower(plain)
-    plain.close()
     t = Trainer(compose(over))
-    after = _tower(t)
-    assert any(not torch.equal(before[n], after[n]) for n in before)  # the warm-up moved the tower
+    before = _tower(t)
+    assert t.spread is None  # the plain tower trains first
     t.restore()
     t.fit()
     t.close()
+    # the warm-up moved the tower (the two joint steps alone move it too, so against a run
+    # without it, from the same seed)
+    torch.manual_seed(0)
+    plain = Trainer(
+        compose([*over, "model.vision_ssl_steps=0", f"run_dir={tmp_path / 'plain'}"]),
+        log_metrics=False,
+    )
+    assert all(torch.equal(before[n], p) for n, p in _tower(plain).items())  # same start
+    plain.restore()
+    plain.fit()
+    plain.close()
+    after, plain_after = _tower(t), _tower(plain)
+    assert any(not torch.equal(after[n], plain_after[n]) for n in after)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in records if r["kind"] == "vision_warmup"]
     assert [r["step"] for r in warm] == [2, 4] and all(np.isfinite(r["loss"]) for r in warm)
     # resumed from its checkpoint: no second warm-up (the tower comes from the checkpoint)
     t2 = Trainer(compose([*over, "max_steps=4"]))
+    assert t2.spread is not None
+    t2.restore()
+    t2.fit()
     t2.close()
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len([r for r in records if r["kind"] == "vision_warmup"]) == 2
+    assert max(r["step"] for r in records if r["kind"] == "train") == 4
 
 
 def _warm_rank(rank, world, overrides):
