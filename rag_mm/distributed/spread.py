@@ -68,10 +68,11 @@ class StepOut:
 
 
 def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:
-    """Tokens in the reader's loss: every answer token after the first (a_len - 1 per example), a
+    """Tokens in the reader's loss: ``a_len`` per example (its answer tokens and the closing EOT:
+    the question's last slot predicts the first, answer slot j the one after it; ``Layout``), a
     () tensor on the inputs' device (an accelerator's is not read back: that would be a host
     sync)."""
-    return (inputs["a_len"] - 1).clamp_min(0).sum()
+    return inputs["a_len"].sum()
 
 
 class SpreadRag:
