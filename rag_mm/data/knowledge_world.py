@@ -52,9 +52,8 @@ class WorldConfig:
     val_queries_per_entity: int = 2  # small: periodic evaluation must be cheap
     test_queries_per_entity: int = 4  # final evaluation, over seen and held-out entities
     # also ask for each creature's name (multi-token, never a training answer for a held-out
-    # creature): off by default, since pipelined training does not yet match one process on
-    # multi-token answers (tests/rag_mm/test_train_pipeline.py)
-    name_questions: bool = False
+    # creature, so only a reader that copies it from the retrieved passage gets it right)
+    name_questions: bool = True
     image_size: int = 32  # pixels per side; 4x4 patches of 8 px for the default towers
     shard_size: int = 1024  # samples per tar shard; several shards let ranks and workers split
 
