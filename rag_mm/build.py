@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rag_mm.config import ConfigError, data_splits, reader_tokenizer
+from rag_mm.config import ConfigError, TrainConfig, data_splits, reader_tokenizer
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
@@ -44,7 +44,7 @@ class RagParts:
     rag: RagModel
 
 
-def build_rag(cfg, device: torch.device, gold_queries: bool = True) -> RagParts:
+def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True) -> RagParts:
     """Tokenizer, document store, reader, retriever and memory (learned mode), and the RagModel
     over them, freshly initialised on ``device`` (seed the global RNG first for a given init).
     ``gold_queries``: the training queries name their gold documents (``rag_mm.checks.gold``)."""

@@ -43,6 +43,7 @@ from rag_mm.build import SPLITS, RagParts, batch_inputs, build_rag, make_stream
 from rag_mm.checks.paths import data_key, output_file_problems, writable_dir_problem
 from rag_mm.components import checkpoint
 from rag_mm.components.metrics import json_safe, strict_dumps
+from rag_mm.config import TrainConfig
 from rag_mm.data.pipeline import DataError
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
@@ -640,7 +641,7 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def load_run(cfg, ckpt: Path) -> tuple[RagParts, int, torch.device]:
+def load_run(cfg: TrainConfig, ckpt: Path) -> tuple[RagParts, int, torch.device]:
     """The run's model as ``cfg`` builds it, with checkpoint ``ckpt``'s weights and, when it
     retrieves, its documents indexed by the loaded document encoder: (parts, the checkpoint's
     step, the device). The caller closes ``parts.memory``."""
@@ -753,7 +754,7 @@ def run(
     return {"split": split, "step": step, **metrics}
 
 
-def _modes(cfg, split: str, text: str) -> list[str]:
+def _modes(cfg: TrainConfig, split: str, text: str) -> list[str]:
     """The modes ``modes=`` asks for, checked against the run and the split's data."""
     from rag_mm.checks.gold import oracle_problem
     from rag_mm.config import data_splits

@@ -27,7 +27,7 @@ from rag_mm.components.nonfinite import NonFiniteGuard
 from rag_mm.components.optim import build_optimizer, build_scheduler
 from rag_mm.components.phases import Phase, StepSums, run_phase
 from rag_mm.components.vision_warmup import starts_fresh, vision_phase
-from rag_mm.config import ConfigError
+from rag_mm.config import ConfigError, TrainConfig
 from rag_mm.data.urls import expand_urls
 from rag_mm.distributed.env import (
     all_reduce_sum,
@@ -62,7 +62,7 @@ def accuracy_line(m: dict) -> str:
 
 
 class Trainer:
-    def __init__(self, cfg, log_metrics: bool = True) -> None:
+    def __init__(self, cfg: TrainConfig, log_metrics: bool = True) -> None:
         """``cfg`` as the entry point hands it over: values validated, paths and shards checked
         (``rag_mm.train``: ``config.validate``, ``paths.check_paths``), once per start."""
         # settings that need gold documents, against the data's first samples

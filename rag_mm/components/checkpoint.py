@@ -197,10 +197,11 @@ def savable(model_state: dict, opt: torch.optim.Optimizer, named_parameters) -> 
 
     The optimizer's state is created now for every parameter it has none for (not stepped yet, or
     never given a gradient, as a closed-book reader's unused embeddings), so a restore has tensors
-    to load into and a checkpoint holds them all; its param groups come from the config. DCP cannot plan TP's strided shards (fused
-    q|k|v blocks split per block on a 1-D mesh: its chunk offsets overlap), so those tensors go
-    to the checkpoint whole (gathered over their mesh, then written once like any replicated
-    tensor); ``scatter_strided`` puts a restored one back into the shards."""
+    to load into and a checkpoint holds them all; its param groups come from the config. DCP
+    cannot plan TP's strided shards (fused q|k|v blocks split per block on a 1-D mesh: its chunk
+    offsets overlap), so those tensors go to the checkpoint whole (gathered over their mesh, then
+    written once like any replicated tensor); ``scatter_strided`` puts a restored one back into
+    the shards."""
     names = {id(q): n for n, q in named_parameters}
     for group in opt.param_groups:
         for q in group["params"]:

@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from rag_mm.config import OptimConfig
+
 
 def is_vision_tower(name: str) -> bool:
     """Whether parameter ``name`` (as ``named_parameters`` gives it, wrappers' prefixes included)
@@ -16,7 +18,10 @@ def is_vision_tower(name: str) -> bool:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg, lr: float | None = None, weight_decay: float | None = None
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    lr: float | None = None,
+    weight_decay: float | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters: matrices decayed, norms, biases and embeddings
     not; the vision tower's groups at ``cfg.vision_lr_scale`` times the rate (the scheduler scales
@@ -68,7 +73,7 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 def build_scheduler(
     opt: torch.optim.Optimizer,
-    cfg,
+    cfg: OptimConfig,
     total_steps: int,
     warmup_steps: int | None = None,
     min_ratio: float | None = None,

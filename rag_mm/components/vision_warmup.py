@@ -21,6 +21,7 @@ from rag_mm.build import make_stream
 from rag_mm.components import checkpoint
 from rag_mm.components.optim import build_optimizer, build_scheduler
 from rag_mm.components.phases import Phase, StepSums, run_phase
+from rag_mm.config import OptimConfig, TrainConfig
 from rag_mm.model.vision_ssl import MakeOptimizer, SimCLR
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ SSL_MIN_LR_RATIO = 0.1
 SSL_WEIGHT_DECAY = 0.05
 
 
-def ssl_optimizer(optim_cfg, lr: float, steps: int) -> MakeOptimizer:
+def ssl_optimizer(optim_cfg: OptimConfig, lr: float, steps: int) -> MakeOptimizer:
     """The vision warm-up's optimizer and schedule (``SimCLR``'s ``make_optimizer``):
     the run's AdamW (``optim``: betas, eps; decay on matrices only) at the phase's peak ``lr``,
     warm-up then cosine over its ``steps``."""
@@ -46,14 +47,16 @@ def ssl_optimizer(optim_cfg, lr: float, steps: int) -> MakeOptimizer:
     return make
 
 
-def starts_fresh(cfg, ckpt_dir) -> bool:
+def starts_fresh(cfg: TrainConfig, ckpt_dir) -> bool:
     """Whether ``restore`` will find nothing to resume from (``resume``: never | auto | a path)."""
     return cfg.resume == "never" or (
         cfg.resume == "auto" and checkpoint.latest_valid(ckpt_dir) is None
     )
 
 
-def _pictures(cfg, rank: int, world: int, device: torch.device) -> Iterator[torch.Tensor]:
+def _pictures(
+    cfg: TrainConfig, rank: int, world: int, device: torch.device
+) -> Iterator[torch.Tensor]:
     """This rank's training pictures, ``model.vision_ssl_batch`` at a time (0: ``data.batch_size``),
     epoch after epoch."""
     if cfg.model.vision_ssl_batch:
@@ -73,7 +76,9 @@ def _mean_over_ranks(grads: list[torch.Tensor]) -> None:
     flat_collective(grads, all_reduce_mean_)
 
 
-def vision_phase(cfg, tower: nn.Module, rank: int, world: int, device: torch.device) -> Phase:
+def vision_phase(
+    cfg: TrainConfig, tower: nn.Module, rank: int, world: int, device: torch.device
+) -> Phase:
     """The warm-up as a phase (``run_phase``): ``model.vision_ssl_steps`` SimCLR steps on
     ``tower`` in place, at ``model.vision_ssl_lr``, each rank on its own share of the training
     pictures, gradients averaged over the ranks."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 import parallel
 from parallel.timeline import write_run_timeline
-from rag_mm.config import parallel_config
+from rag_mm.config import TrainConfig, parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
 from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
@@ -79,7 +79,7 @@ class SpreadRag:
     """The RagModel as the trainer trains it: its reader spread over the ranks as ``parallel``
     says."""
 
-    def __init__(self, rag: RagModel, cfg, device: torch.device) -> None:
+    def __init__(self, rag: RagModel, cfg: TrainConfig, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
         self.pcfg = parallel_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it

@@ -12,9 +12,10 @@ import torch
 
 from parallel.kernels.attention import autotune
 from parallel.kernels.autotune import TuneSpec, seq_bucket
+from rag_mm.config import TrainConfig
 
 
-def reader_specs(cfg, device: torch.device) -> list[TuneSpec]:
+def reader_specs(cfg: TrainConfig, device: torch.device) -> list[TuneSpec]:
     """The attention shapes a native reader trains on: its retrieval layout (documents within
     themselves, the query over them) at the longest sequence the config allows and the bucket
     below it (a packed batch is often shorter than the longest). Empty for other readers (their
@@ -41,7 +42,7 @@ def reader_specs(cfg, device: torch.device) -> list[TuneSpec]:
     ]
 
 
-def tune_reader_attention(cfg, device: torch.device, group=None) -> dict[str, str]:
+def tune_reader_attention(cfg: TrainConfig, device: torch.device, group=None) -> dict[str, str]:
     """Choose ``auto``'s kernel for every shape of ``reader_specs``; a collective under
     torch.distributed (every rank calls it at the same point). Key -> choice (each logged once
     by the tuner)."""

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from rag_mm.config import known_model_type, transformers_version
+from rag_mm.config import ModelConfig, known_model_type, transformers_version
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.hf_attention import check_dispatch, implementation
 from rag_mm.model.hf_base import HFReaderBase
@@ -54,7 +54,7 @@ def _container(value: Any) -> dict:
     )
 
 
-def lm_config(cfg):
+def lm_config(cfg: ModelConfig):
     """The LM's ``PretrainedConfig`` from ``model.pretrained``, ``model.lm_config`` or
     ``model.lm``."""
     from transformers import AutoConfig
@@ -82,7 +82,7 @@ def lm_config(cfg):
         ) from None
 
 
-def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Module:
+def build_lm(cfg: ModelConfig, meta: bool = False, vocab_size: int | None = None) -> nn.Module:
     """The causal LM with rag_mm's attention (``model.attention_backend``), fp32, on the CPU or on
     the meta device (``meta``: no memory, no init; ``factory.materialize`` gives it weights).
     ``vocab_size``: the tokenizer's; a randomly initialised LM with more rows is cut to it
@@ -143,7 +143,7 @@ def build_lm(cfg, meta: bool = False, vocab_size: int | None = None) -> nn.Modul
 
 
 class HFReader(HFReaderBase):
-    def __init__(self, cfg, lm: nn.Module, vocab_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, lm: nn.Module, vocab_size: int) -> None:
         """``lm``: a causal LM from ``build_lm``; ``vocab_size``: the tokenizer's, at most the
         LM's embedding rows."""
         super().__init__()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from rag_mm.config import known_model_type, transformers_version
+from rag_mm.config import ModelConfig, known_model_type, transformers_version
 from rag_mm.data.pipeline import MEAN as DATA_MEAN
 from rag_mm.data.pipeline import STD as DATA_STD
 from rag_mm.model import vlm_presets
@@ -69,7 +69,7 @@ def _vlm_class(config) -> type | None:
     return None
 
 
-def vlm_config(cfg, vocab_size: int):
+def vlm_config(cfg: ModelConfig, vocab_size: int):
     """The VLM's ``PretrainedConfig`` from ``model.pretrained`` or ``model.vlm_config``; a clear
     ``ValueError`` for anything that is not a vision-language model rag_mm can read."""
     from transformers import AutoConfig
@@ -134,7 +134,7 @@ def _attn_implementations(config, impl: str) -> dict[str, str]:
     }
 
 
-def build_vlm(cfg, vocab_size: int, meta: bool = False) -> nn.Module:
+def build_vlm(cfg: ModelConfig, vocab_size: int, meta: bool = False) -> nn.Module:
     """The VLM with rag_mm's attention in its language model, fp32, on the CPU or the meta
     device."""
     config = vlm_config(cfg, vocab_size)
@@ -173,7 +173,7 @@ def build_vlm(cfg, vocab_size: int, meta: bool = False) -> nn.Module:
     return vlm
 
 
-def image_processor(cfg, config):
+def image_processor(cfg: ModelConfig, config):
     """The VLM's image processor: the one saved beside ``model.pretrained``, else CLIP's
     (OpenAI mean/std, bicubic) resizing to the vision tower's image size."""
     from transformers import AutoImageProcessor, CLIPImageProcessor
@@ -205,7 +205,7 @@ def image_processor(cfg, config):
     )
 
 
-def tp_divisor(cfg, vocab_size: int = 49408) -> int:
+def tp_divisor(cfg: ModelConfig, vocab_size: int = 49408) -> int:
     """What tp must divide: the language model's query heads and the tower's heads (key/value
     heads tp does not divide are replicated; ``vocab_size``: the tokenizer's, which only a small
     config's vocabulary depends on)."""
@@ -215,7 +215,7 @@ def tp_divisor(cfg, vocab_size: int = 49408) -> int:
 
 
 class HFVLMReader(HFReaderBase):
-    def __init__(self, cfg, vlm: nn.Module, vocab_size: int, processor=None) -> None:
+    def __init__(self, cfg: ModelConfig, vlm: nn.Module, vocab_size: int, processor=None) -> None:
         """``vlm``: from ``build_vlm``; ``vocab_size``: the tokenizer's, at most the VLM's
         embedding rows; ``processor``: its image processor (``image_processor``)."""
         super().__init__()
@@ -313,7 +313,7 @@ class HFVLMReader(HFReaderBase):
         return torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
 
 
-def build_vlm_reader(cfg, vocab_size: int, meta: bool = False) -> HFVLMReader:
+def build_vlm_reader(cfg: ModelConfig, vocab_size: int, meta: bool = False) -> HFVLMReader:
     """``model`` config (family hf_vlm) -> the reader, on the CPU or the meta device."""
     vlm = build_vlm(cfg, vocab_size, meta=meta)
     processor = image_processor(cfg, vlm.config)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from open_clip.model import CLIPVisionCfg
 
+from rag_mm.config import ModelConfig
 from rag_mm.model.blocks import Block
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.layout import IGNORE, ReaderBase, ReaderOutput
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 __all__ = ["IGNORE", "Reader", "ReaderOutput", "build_vision_tower"]
 
 
-def build_vision_tower(cfg) -> nn.Module:
+def build_vision_tower(cfg: ModelConfig) -> nn.Module:
     """An open_clip ViT that also returns its patch tokens (random init or a local checkpoint)."""
     vcfg = CLIPVisionCfg(
         layers=cfg.vision_layers,
@@ -53,7 +54,7 @@ def build_vision_tower(cfg) -> nn.Module:
 
 
 class Reader(ReaderBase):
-    def __init__(self, cfg, vocab_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
