@@ -20,7 +20,10 @@ The reader-driven retriever losses read the spread reader as one process reads i
   training step's own forward and hands it to every rank of the pipeline.
 
 Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
-weighted by their answer-token count: the step loss and gradients equal the full batch's. The
+weighted by their answer-token count: the step loss and gradients equal the full batch's.
+Data-parallel replicas and accumulation micro-steps (``optim.grad_accum``) are averaged as
+equals, as DDP does: with answers of different lengths that is the mean of their token means, not
+the token mean of the global batch. The
 reader's gradients are reduced over its data-parallel ranks by ``ParallelModel`` (FSDP's
 reduce-scatter, or an all-reduce of what FSDP does not shard, ``parallel.grad_reduce`` choosing
 how); the retriever's over every rank (``retriever.sync``); both once per optimizer step, on the
