@@ -89,9 +89,9 @@ class Trainer:
         # the vision warm-up trains the plain tower, before the reader is spread over the ranks:
         # then ``fit`` spreads it after that phase (a fresh start only; a resumed run restores
         # the tower)
-        self.vision_first = bool(cfg.model.vision_ssl_steps) and starts_fresh(cfg, self.ckpt_dir)
+        vision_first = bool(cfg.model.vision_ssl_steps) and starts_fresh(cfg, self.ckpt_dir)
         self.spread: SpreadRag | None = None
-        if not self.vision_first:
+        if not vision_first:
             self._spread_reader()
         self.step = 0
         # training batches this rank has drawn (resume replays the stream past them)
@@ -417,9 +417,10 @@ class Trainer:
         r_loss = r_loss_sum if self.memory is not None else None
         return StepSums(loss_sum, gnorm, r_loss, hits, n_hit)
 
-    def _run(self, phase: Phase, say) -> int:
+    def _run(self, phase: Phase) -> int:
         """``run_phase`` with this run's metrics: each window's record in metrics.jsonl under the
-        phase's name, ``say(record)`` its line in the log; the loss averaged over the ranks."""
+        phase's name (its line in the log is the phase's own, from its cadences); the loss
+        averaged over the ranks."""
 
         def mean_over_ranks(loss: torch.Tensor) -> torch.Tensor:
             self.watch.at(f"all_reduce: {phase.name} loss")
@@ -427,24 +428,18 @@ class Trainer:
 
         def log_record(rec: dict) -> None:
             self.metrics.log(rec, prefix=phase.name)
-            say(rec)
 
         return run_phase(phase, self.cfg.log_every, log_record, mean_over_ranks)
 
     def _vision_warmup(self) -> None:
         """SimCLR on the plain vision tower (``components.vision_warmup``), then the reader is
         spread over the ranks."""
-        steps = self.cfg.model.vision_ssl_steps
         self.watch.at("vision warm-up (gradient all_reduce)", 0)
         t0 = time.perf_counter()
-        phase = vision_phase(
-            self.cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
-        )
         self._run(
-            phase,
-            lambda rec: log.info(
-                "vision warm-up %d/%d: SimCLR loss %.3f", rec["step"], steps, rec["loss"]
-            ),
+            vision_phase(
+                self.cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
+            )
         )
         log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)
         self._spread_reader()
@@ -596,13 +591,13 @@ class Trainer:
                 self._ensure_index()
                 if self.step == 0 and r.warmup_steps and self.memory is not None:
                     t0, refreshed = time.perf_counter(), sum(self.memory.refresh_seconds)
-                    self._run(self._retriever_warmup(it, autocast), lambda rec: None)
+                    self._run(self._retriever_warmup(it, autocast))
                     # its refreshes are counted as refresh time, not warm-up
                     refreshed = sum(self.memory.refresh_seconds) - refreshed
                     self.warmup_time = time.perf_counter() - t0 - refreshed
             except preemption.Stopped as why:
                 return self._stopped(f"signal: {why}", self._last_loss)
-            self._run(self._joint_phase(it, autocast), lambda rec: None)
+            self._run(self._joint_phase(it, autocast))
             if self._stop_reason is not None:
                 return self._stopped(self._stop_reason, self._last_loss)
             if self._saved_step != self.step:

@@ -100,6 +100,11 @@ def vision_phase(
         loss, gnorm = simclr.step(next(batches))
         return StepSums(loss=loss, grad_norm=gnorm)
 
+    def after(i: int, done: StepSums, logged: dict | None) -> bool:
+        if logged is not None:
+            log.info("vision warm-up %d/%d: SimCLR loss %.3f", i, steps, logged["loss"])
+        return False
+
     batch = cfg.model.vision_ssl_batch or cfg.data.batch_size
     log.info(
         "vision warm-up: %d SimCLR steps on the training pictures at lr %g, batch %d x 2 views%s",
@@ -108,7 +113,7 @@ def vision_phase(
         batch,
         f" per rank over {world} ranks" if distributed else "",
     )
-    return Phase("vision_warmup", steps, step, samples_per_step=batch * world)
+    return Phase("vision_warmup", steps, step, samples_per_step=batch * world, after=after)
 
 
 def _mean_loss(t: torch.Tensor) -> torch.Tensor:
