@@ -181,6 +181,7 @@ class ParallelModel(nn.Module):
         weight_fn: Callable[[Any, Any], float | torch.Tensor] | None = None,
         structure: str | None = None,
         sync: bool = True,
+        weight_total: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch over the pipeline; returns the mean loss (every rank).
 
@@ -193,6 +194,14 @@ class ParallelModel(nn.Module):
         mean when ``w_i`` is the microbatch's token count. Gradients accumulate into ``.grad`` (call
         ``zero_grad``). ``structure``: inputs are shaped like that extra example of ``parallelize``
         (its plan).
+
+        ``weight_total``: the sum of the weights over the whole optimizer step (every
+        data-parallel replica's batch, every accumulated call), which the caller counts before
+        the step (an all-reduce of its count, as torchtitan counts its global tokens). The step
+        loss is then ``sum w_i loss_i / weight_total`` over all of them, and this call's
+        gradients and returned loss are its share of it: the shares of an optimizer step's
+        calls sum to the global mean. None: the mean of this call's batch, replicas averaged as
+        equals (DDP's convention; with unequal weights not the global mean).
 
         ``sync``: whether this call ends an optimizer step's gradient accumulation. Only then are
         gradients synchronised, once, over everything accumulated since the last synced call:
@@ -217,6 +226,9 @@ class ParallelModel(nn.Module):
         total_w = sum(w)
         if not isinstance(total_w, torch.Tensor) and total_w <= 0:
             raise ValueError("microbatch weights sum to zero")
+        if weight_total is not None:
+            # the gradient sync averages over the dp replicas: each weighs in dp times its share
+            total_w = _weight(weight_total) / self.layout.dp_size
         self.events = []
         losses: dict[int, torch.Tensor] = {}
         rec = self.events.append if self._record else None

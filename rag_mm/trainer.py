@@ -392,13 +392,22 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         r_loss_sum = torch.zeros((), device=self.device)
         hits, n_hit = torch.zeros((), dtype=torch.long), 0  # CPU: the search's ids are on the host
-        for i in range(accum):
-            inputs = self._next_inputs(it) if reads else self._no_queries()
+        # every micro-step's batch first: the reader's loss is the token mean of the whole step,
+        # whose count over the replicas is known before the first backward
+        batches = [self._next_inputs(it) if reads else self._no_queries() for _ in range(accum)]
+        tokens = self.spread.step_answer_tokens(batches) if loss == "joint" else None
+        for i, inputs in enumerate(batches):
             with autocast:  # train_step keeps it on the forwards only
                 out = self.spread.train_step(
-                    inputs, scale=1 / accum, sync=i == accum - 1, loss=loss, contrastive=contrastive
+                    inputs,
+                    scale=1 / accum,
+                    sync=i == accum - 1,
+                    loss=loss,
+                    contrastive=contrastive,
+                    answer_tokens=tokens,
                 )
-            loss_sum += out.loss / accum
+            # joint: each micro-step's reader loss is its share of the step's token mean
+            loss_sum += out.loss if tokens is not None else out.loss / accum
             if out.retriever_loss is not None:
                 r_loss_sum += out.retriever_loss / accum
             if out.hit is not None:

@@ -19,11 +19,13 @@ The reader-driven retriever losses read the spread reader as one process reads i
 - adist needs the reader's copy attention per document: the last stage keeps it from the
   training step's own forward and hands it to every rank of the pipeline.
 
-Step loss convention: the reader's loss is a mean over answer tokens, so microbatches are
-weighted by their answer-token count: the step loss and gradients equal the full batch's.
-Data-parallel replicas and accumulation micro-steps (``optim.grad_accum``) are averaged as
-equals, as DDP does: with answers of different lengths that is the mean of their token means, not
-the token mean of the global batch. The
+Step loss convention: the reader's loss is the mean over the answer tokens of the whole
+optimizer step, as one process computes it over the global batch: the trainer counts the step's
+answer tokens over the data-parallel replicas and accumulation micro-steps
+(``optim.grad_accum``) before the step (``SpreadRag.step_answer_tokens``, one all-reduce), and each
+pipeline microbatch, micro-step and replica weighs in by its own token count
+(``ParallelModel.train_step(weight_fn=, weight_total=)``). Averaging the replicas' token means
+as equals, as DDP does, would weigh a replica whose answers are short above its share. The
 reader's gradients are reduced over its data-parallel ranks by ``ParallelModel`` (FSDP's
 reduce-scatter, or an all-reduce of what FSDP does not shard, ``parallel.grad_reduce`` choosing
 how); the retriever's over every rank (``retriever.sync``); both once per optimizer step, on the
@@ -62,7 +64,8 @@ STEP_LOSSES = (
 class StepOut:
     """What one ``train_step`` call hands back (detached, on every rank)."""
 
-    # () the logged loss: the reader's NLL (joint), the contrastive loss (retriever warm-up)
+    # () the logged loss: the reader's NLL (joint; with ``answer_tokens`` this batch's share of the
+    # step's), the contrastive loss (retriever warm-up)
     loss: torch.Tensor
     # () the retriever's loss, before its weight (None: no learned retriever)
     retriever_loss: torch.Tensor | None
@@ -200,6 +203,17 @@ class SpreadRag:
         return torch.cat(res).view(B, k).to(self.device)
 
     # ------------------------------------------------------------------ training
+    def step_answer_tokens(self, batches: list[dict]) -> torch.Tensor:
+        """The answer tokens of one optimizer step over every data-parallel replica, a () float
+        tensor on the batches' device: the sum of ``a_len`` over this rank's accumulation
+        ``batches``, summed over the world (one all-reduce) and divided by the ranks that read
+        each replica's batch (its pipeline and tensor-parallel ranks)."""
+        tokens = sum(_answer_tokens(b) for b in batches).float().reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(tokens)
+            tokens /= dist.get_world_size() // self.dp_size
+        return tokens[0]
+
     def train_step(
         self,
         inputs: dict,
@@ -207,13 +221,18 @@ class SpreadRag:
         sync: bool = True,
         loss: str = "joint",
         contrastive: bool = True,
+        answer_tokens: torch.Tensor | None = None,
     ) -> StepOut:
         """Forward + backward of one batch (gradients of ``scale * loss`` accumulate into .grad).
         ``sync``: this is the optimizer step's last micro-step: gradients are synchronised over
         the ranks now, once for everything accumulated (``ParallelModel.train_step``). ``loss``:
         ``joint`` (the reader's NLL and the retriever's loss) or ``retriever`` (the warm-up's
         contrastive loss alone; ``inputs`` may hold no queries when pseudo-queries make it).
-        ``contrastive``: the joint loss takes the retriever's contrastive terms this step."""
+        ``contrastive``: the joint loss takes the retriever's contrastive terms this step.
+        ``answer_tokens``: the whole step's (``step_answer_tokens``): the reader's loss is then
+        this batch's share of the step's token mean (the shares of a step's micro-steps sum to
+        it; ``scale`` weighs the retriever's loss only). None: this batch's token mean times
+        ``scale``."""
         if loss not in STEP_LOSSES:
             raise ValueError(f"loss must be one of {STEP_LOSSES} (got {loss!r})")
         retriever_sync.broadcast_buffers(self.rag.retriever)
@@ -233,16 +252,23 @@ class SpreadRag:
         rows = torch.arange(x["image"].shape[0], device="cpu" if attention else self.device)
         doc_att = torch.zeros(len(rows), self.rcfg.top_k) if attention else None
 
+        r_scale = scale if answer_tokens is None else 1.0
+
         def loss_fn(out, mb_rows):
             if doc_att is not None:  # adist's target, from the training forward itself (last stage)
                 doc_att[mb_rows] = out.doc_attention.detach().float().cpu()
-            return out.loss * scale
+            return out.loss * r_scale
 
         reader_loss = (
             self.pmodel.train_step(
-                x, target=rows, loss_fn=loss_fn, weight_fn=_answer_tokens, sync=sync
+                x,
+                target=rows,
+                loss_fn=loss_fn,
+                weight_fn=_answer_tokens,
+                sync=sync,
+                weight_total=answer_tokens,
             )
-            / scale
+            / r_scale
         )
         if ret is None:
             if sync:  # the retriever's gradients, if any, are the one reduce's too

@@ -259,8 +259,8 @@ def test_parallel_model_step_on_fake_cuda(monkeypatch):
 
 # -------------------------------------------------------------------------- the trainer's step path
 def test_trainer_step_path_on_fake_cuda(monkeypatch):
-    """The trainer's step over the closed-book demo reader: ``SpreadRag.train_step``, its
-    ``clip_grad_norm_``, the non-finite check and the optimizer (no data loader, no faiss)."""
+    """The trainer's step over the closed-book demo reader: the step's answer-token count,
+    ``SpreadRag.train_step``, its ``clip_grad_norm_``, the non-finite check and the optimizer (no data loader, no faiss)."""
     from rag_mm.data.documents import DocumentStore
     from rag_mm.distributed.spread import SpreadRag
     from rag_mm.model.rag import RagModel
@@ -283,7 +283,8 @@ def test_trainer_step_path_on_fake_cuda(monkeypatch):
             )
         for step in range(2):
             with audited() as audit:
-                out = spread.train_step(x)
+                tokens = spread.step_answer_tokens([x])  # the step's token count, on the device
+                out = spread.train_step(x, answer_tokens=tokens)
                 gnorm = spread.clip_grad_norm_(1.0)
                 assert guard.check(step, out.loss.detach(), gnorm)
                 opt.step()
