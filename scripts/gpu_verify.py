@@ -209,15 +209,15 @@ def run(args) -> int:
     )
     if not args.build:
         env.setdefault("RAG_MM_DISABLE_FUSED_ATTENTION", "1")
-    env.setdefault(
-        "RAG_MM_ATTN_AUTOTUNE_CACHE",
-        str(Path(tempfile.mkdtemp(prefix="gv_tune_")) / "autotune.json"),
-    )
     if args.dry_run:
         env |= {"RAG_MM_FLEX_COMPILE": "0", "OMP_NUM_THREADS": "1"}
     todo = list(steps)
-    while todo and time.time() < deadline - MIN_STEP_S:
-        todo = _one_worker(args, todo, out, env, deadline)
+    # the attention tuner's choices made afresh for this run (a cache of another run's machine
+    # would skip the timing the steps measure), removed after it
+    with tempfile.TemporaryDirectory(prefix="gv_tune_") as tune:
+        env.setdefault("RAG_MM_ATTN_AUTOTUNE_CACHE", str(Path(tune) / "autotune.json"))
+        while todo and time.time() < deadline - MIN_STEP_S:
+            todo = _one_worker(args, todo, out, env, deadline)
     data = read_json(out)
     for s in todo:
         data["steps"][s] |= {"status": "skipped", "why": "budget spent"}
