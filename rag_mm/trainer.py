@@ -9,7 +9,6 @@ Checkpoints, metrics and the resolved config live in ``cfg.run_dir``.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import signal
@@ -22,27 +21,20 @@ import torch.distributed as dist
 from rag_mm.build import batch_inputs, build_rag, make_stream
 from rag_mm.checks import gold
 from rag_mm.components import checkpoint
+from rag_mm.components.checkpoint import Checkpointer
 from rag_mm.components.metrics import MetricsLogger, json_safe
 from rag_mm.components.nonfinite import NonFiniteGuard
 from rag_mm.components.optim import build_optimizer, build_scheduler
 from rag_mm.components.phases import Phase, StepSums, run_phase
+from rag_mm.components.refresh import IndexRefresh
 from rag_mm.components.vision_warmup import starts_fresh, vision_phase
 from rag_mm.config import ConfigError, TrainConfig
-from rag_mm.data.urls import expand_urls
-from rag_mm.distributed.env import (
-    all_reduce_sum,
-    broadcast_object,
-    cleanup,
-    init_distributed,
-)
+from rag_mm.distributed.env import all_reduce_sum, broadcast_object, cleanup, init_distributed
 from rag_mm.distributed.spread import SpreadRag
-from rag_mm.eval.blind_prior import CACHE_NAME, BlindPrior, load_or_build
-from rag_mm.evaluate import evaluate
+from rag_mm.eval.in_training import RunEvaluation
 from rag_mm.ft import disk, faults, preemption
 from rag_mm.ft.watchdog import Watchdog
 from rag_mm.model.attention_tuning import tune_reader_attention
-from retriever import sync as retriever_sync
-from retriever.errors import RefreshInterrupted
 
 log = logging.getLogger(__name__)
 MAX_NONFINITE_STEPS = 10  # consecutive non-finite losses tolerated (skipped) before the run aborts
@@ -78,7 +70,8 @@ class Trainer:
         self.watch = Watchdog(self.env.rank, self.env.world_size, cfg.launch.timeout_s)
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.ckpt = Checkpointer(cfg, self.env.is_main, self.watch)
+        self.ckpt_dir = self.ckpt.dir
         parts = build_rag(cfg, self.device, gold_queries)
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
@@ -86,6 +79,14 @@ class Trainer:
         self.ckpt_bytes = disk.checkpoint_bytes(self.rag)
         self._check_disk()
         retriever = parts.retriever
+        self._stop_signal = False
+        # the components that own a cadence: index refresh, evaluation (checkpoints: self.ckpt)
+        self.refresh = IndexRefresh(
+            self.memory, retriever, cfg.retriever, self.watch, self.env.rank, self._stop_agreed
+        )
+        self.evaluation = RunEvaluation(
+            cfg, self.env, self.watch, self.tok, lambda: self._stop_signal
+        )
         # the vision warm-up trains the plain tower, before the reader is spread over the ranks:
         # then ``fit`` spreads it after that phase (a fresh start only; a resumed run restores
         # the tower)
@@ -101,22 +102,15 @@ class Trainer:
         self.train_time = 0.0
         # the retriever-only warm-up phase, its refreshes excluded (not in samples/s)
         self.warmup_time = 0.0
-        # [hits, queries] on a fresh / stale index (``_count_drift``)
-        self._drift = [[0, 0], [0, 0]]
         # the written step's bubble fraction (rank 0, parallel.pp > 1)
         self.pipeline: dict | None = None
         self.metrics = MetricsLogger(
             self.run_dir, self.env.is_main and log_metrics, cfg.max_steps, cfg.progress
         )
-        self._stop_signal = False
         # why the joint phase stopped early (a signal, stop_after_steps); None: it ran to the end
         self._stop_reason: str | None = None
         # the last trained step's loss (NaN: no step trained by this process)
         self._last_loss = torch.full((), float("nan"))
-        self._saved_step: int | None = None  # the step of the newest checkpoint written or restored
-        # the blind prior's table, read at the first evaluation
-        self._prior: BlindPrior | None = None
-        self._prior_ready = False
         n_params = sum(p.numel() for p in self.model.parameters())
         n_retr = sum(p.numel() for p in retriever.parameters()) if retriever is not None else 0
         log.info(
@@ -162,104 +156,22 @@ class Trainer:
         if self.env.is_main:
             log.warning("%s (disk_check=stop refuses to start then)", problem)
 
-    # ------------------------------------------------------------------------------ retrieval
-    def refresh_index(self) -> None:
-        """Re-embed the memory with the current document encoder (learned mode)."""
-        if self.memory is None:
-            return
-        r = self.cfg.retriever
-        # every rank searches for itself: the retriever copies must be one
-        self.watch.at("index refresh (retriever copies check)", self.step)
-        retriever_sync.check_copies(self.rag.retriever)
-        self.watch.at("index refresh (all_gather of document embeddings)", self.step)
-        asked = itertools.count()
-
-        def stop() -> (
-            bool
-        ):  # asked before each forward pass; the fault point is after the first one
-            if next(asked) == 1:
-                faults.inject("refresh", self.step, self.env.rank)
-            return self._stop_agreed()
-
-        try:  # a stop signal ends it between two forward passes, on every rank together
-            self.memory.refresh(background=r.refresh_background, step=self.step, stop=stop)
-        except RefreshInterrupted as exc:
-            raise preemption.Stopped(
-                f"index refresh at step {self.step} stopped after {exc.done} of its "
-                f"{exc.total} passes"
-            ) from None
-        if self.memory.refresh_seconds:
-            log.info("index refresh at step %d: %.2fs", self.step, self.memory.refresh_seconds[-1])
-
-    def _ensure_index(self) -> None:
-        if self.memory is not None and not self.memory.built:
-            self.refresh_index()
-
     # ------------------------------------------------------------------------------ data
     def _stream(self, split: str, train: bool, skip_batches: int = 0):
         return make_stream(self.cfg, split, train, self.data_rank, self.data_size, skip_batches)
 
-    def blind_prior(self) -> BlindPrior | None:
-        """The blind prior's table (``rag_mm.eval.blind_prior``): read from the training shards once
-        per run on the main rank (cached in the run directory, so a resumed run or the command-line
-        evaluation reuses it) and sent to the other ranks. None when no training sample is
-        usable."""
-        if not self._prior_ready:
-            table, stopped = None, False
-            if self.env.is_main:  # a stop signal ends the read between two shards
-                try:
-                    prior = load_or_build(
-                        expand_urls(self.cfg.data.root, self.cfg.data.train),
-                        self.run_dir / CACHE_NAME,
-                        stop=lambda: self._stop_signal,
-                    )
-                    table = prior.to_json("") if prior is not None else None
-                except preemption.Stopped:
-                    stopped = True
-            self.watch.at("blind prior (broadcast of the table)", self.step)
-            # plain JSON data, checked again on arrival
-            table, stopped = broadcast_object((table, stopped))
-            if stopped:
-                raise preemption.Stopped(
-                    "reading the blind prior's table from the training shards stopped"
-                )
-            self._prior = BlindPrior.from_json(table) if table is not None else None
-            self._prior_ready = True
-        return self._prior
-
-    def evaluate_split(self, split: str, max_batches: int = 0, final: bool = True) -> dict:
-        """Evaluate ``split``. ``final`` (the evaluations metrics.json reports) adds the image
-        ablation (one more forward per batch) and logs the split's summary line and warnings; the
-        periodic validation passes during training leave both out."""
-        prior = self.blind_prior()
-        self.watch.at(f"evaluation on {split} (all_reduce of counts)")
-        self._ensure_index()
-        # a few queries with their answers and documents, generated by the whole reader on rank 0
-        examples = None
-        if self.env.is_main and self.memory is not None and self.spread.whole_reader:
-            examples = self.run_dir / "retrieved_examples.json"
-        # every rank of a replica (its stages and tp ranks) counts the batch: divided by them
-        asked = itertools.count()
-
-        def stop() -> bool:  # asked before each batch; the fault point is after the first one
-            if next(asked) == 1:
-                faults.inject("eval", self.step, self.env.rank)
-            return self._stop_signal
-
-        return evaluate(
+    def evaluate_split(self, split: str, final: bool = True) -> dict:
+        """``split`` evaluated at this step (``RunEvaluation.run``) on a current index."""
+        self.refresh.ensure(self.step)
+        return self.evaluation.run(
             self.spread,
             self._stream(split, train=False),
-            self.device,
-            max_batches,
-            examples_path=examples,
-            n_examples=self.cfg.retriever.eval_examples,
-            tokenizer=self.tok,
-            replicas=self.env.world_size // self.data_size,
-            prior=prior,
-            ablation=final,
-            split=split if final else "",
-            stop=stop,
-            name=f"evaluation of {split} at step {self.step}",
+            split,
+            self.step,
+            replica_ranks=self.env.world_size // self.data_size,
+            # a few queries with their answers and documents, generated by the whole reader
+            examples=self.env.is_main and self.memory is not None and self.spread.whole_reader,
+            final=final,
         )
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -278,33 +190,13 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "skipped": self.skipped,
         }
-        self.watch.at("checkpoint save (DCP write + barriers)")
-        path = checkpoint.save(
-            self.ckpt_dir,
-            self.step,
-            self._state()[0],
-            trainer_state,
-            self.cfg.keep_checkpoints,
-            self.env.is_main,
-        )
-        self._saved_step = self.step
-        log.info("checkpoint saved: %s", path)
-        return path
+        return self.ckpt.save(self.step, self._state()[0], trainer_state)
 
     def restore(self) -> None:
         """Resume according to ``cfg.resume``: auto | never | a checkpoint path."""
-        r = self.cfg.resume
-        if r == "never":
+        ts = self.ckpt.restore(self._state)
+        if ts is None:
             return
-        self.watch.at("checkpoint restore")
-        path = checkpoint.latest_valid(self.ckpt_dir) if r == "auto" else Path(r)
-        if path is None:
-            log.info("no checkpoint to resume from in %s: starting fresh", self.ckpt_dir)
-            return
-        state, strided = self._state()
-        ts = checkpoint.load(path, state)
-        # loaded in place; gathered TP blocks scattered back
-        checkpoint.scatter_strided(state, strided)
         self.sched.load_state_dict(ts["scheduler"])
         # the optimizer's state is saved per parameter, its groups come from the config: their
         # learning rate is the schedule's at the restored step (a scheduler's load sets none)
@@ -312,8 +204,6 @@ class Trainer:
             group["lr"] = lr
         self.step, self.consumed, self.train_time = ts["step"], ts["consumed"], ts["train_time"]
         self.skipped = {int(k): v for k, v in ts.get("skipped", {}).items()}
-        self._saved_step = self.step
-        log.info("resumed from %s at step %d", path, self.step)
 
     # ------------------------------------------------------------------------------ training
     def _on_sigterm(self, signum, frame) -> None:
@@ -331,7 +221,7 @@ class Trainer:
         self._stop_signal = True
         if self.memory is not None:
             self.memory.cancel()  # a background refresh stops at its next batch
-        if self._saved_step is None or self._saved_step != self.step:
+        if self.ckpt.saved_step != self.step:
             after = "nothing checkpointed yet: resume=auto starts over"
         else:
             then = (
@@ -483,9 +373,8 @@ class Trainer:
                     f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "
                     "(it is not checkpointed)"
                 )
-            if (r.refresh_every and i % r.refresh_every == 0) or i == r.warmup_steps:
-                # fresher bank negatives; the joint phase starts on a current index
-                self.refresh_index()
+            if self.refresh.due_in_warmup(i, r.warmup_steps):
+                self.refresh.run(self.step)  # joint step 0: the warm-up is not checkpointed
             if logged is not None:
                 recall = logged[f"train_recall@{r.top_k}"]
                 log.info(
@@ -519,7 +408,6 @@ class Trainer:
         # the pipeline timeline of the run's last planned step: past the first steps' one-off costs
         # (allocator growth, lazy initialisation), written once; recorded on that step only
         timeline_step = min(c.max_steps, stop_at or c.max_steps) if self.spread.pipelined else -1
-        refresh = self.memory is not None and r.refresh_every > 0 and not r.query_side_only
 
         def step(done: int) -> StepSums | None:
             faults.inject("step", done, self.env.rank)
@@ -536,8 +424,7 @@ class Trainer:
 
         def after(i: int, done: StepSums, logged: dict | None) -> bool:
             self.step, self._last_loss = i, done.loss
-            if refresh and done.n_hit:
-                self._count_drift(done)
+            self.refresh.count(i, done)
             if logged is not None:
                 self.metrics.progress(
                     i, f"loss {logged['loss']:.4f} | {logged['samples_per_s']:.0f} samples/s"
@@ -545,9 +432,9 @@ class Trainer:
             # a stop signal ends an index refresh or an evaluation between two of its batches,
             # on every rank together (Stopped): the step is done, so it is checkpointed below
             abandoned = False
-            if refresh and i % r.refresh_every == 0 and i < c.max_steps:
-                abandoned, _ = self._abandonable(self.refresh_index)
-            if c.eval_every and i % c.eval_every == 0 and i < c.max_steps and not abandoned:
+            if self.refresh.due(i, c.max_steps):
+                abandoned, _ = self._abandonable(lambda: self.refresh.run(i))
+            if self.evaluation.due(i, c.max_steps) and not abandoned:
                 abandoned, val = self._abandonable(lambda: self.evaluate_split("val", final=False))
                 if not abandoned:
                     self.metrics.log({"step": i, **val}, prefix="val")
@@ -559,7 +446,7 @@ class Trainer:
             if preemption.any_rank(self._stop_signal):  # every rank stops after the same step
                 self._stop_signal = True
             stopping = self._stop_signal or (stop_at is not None and i >= stop_at)
-            if (c.ckpt_every and i % c.ckpt_every == 0) or stopping:
+            if self.ckpt.due(i, stopping):
                 self.save()
             if stopping:
                 self._stop_reason = "signal" if self._stop_signal else "stop_after_steps"
@@ -597,19 +484,19 @@ class Trainer:
             it = iter(self._stream("train", train=True, skip_batches=self.consumed))
             # before the first step: the index and the retriever warm-up (neither is checkpointed)
             try:
-                self._ensure_index()
+                self.refresh.ensure(self.step)
                 if self.step == 0 and r.warmup_steps and self.memory is not None:
-                    t0, refreshed = time.perf_counter(), sum(self.memory.refresh_seconds)
+                    t0, refreshed = time.perf_counter(), self.refresh.seconds
                     self._run(self._retriever_warmup(it, autocast))
                     # its refreshes are counted as refresh time, not warm-up
-                    refreshed = sum(self.memory.refresh_seconds) - refreshed
+                    refreshed = self.refresh.seconds - refreshed
                     self.warmup_time = time.perf_counter() - t0 - refreshed
             except preemption.Stopped as why:
                 return self._stopped(f"signal: {why}", self._last_loss)
             self._run(self._joint_phase(it, autocast))
             if self._stop_reason is not None:
                 return self._stopped(self._stop_reason, self._last_loss)
-            if self._saved_step != self.step:
+            if self.ckpt.saved_step != self.step:
                 self.save()
             self.watch.at("all_reduce: stop-signal agreement", self.step)
             if self._stop_agreed():
@@ -672,7 +559,7 @@ class Trainer:
             "chance_accuracy": world.get("chance_accuracy"),
             "skipped_samples": self._skipped_total(),
             "skipped_documents": self.store.skipped,
-            **self._refresh_summary(),
+            **self.refresh.summary(self.train_time, self.warmup_time),
         }
         if self.pipeline is not None:
             summary["pipeline"] = self.pipeline
@@ -690,40 +577,6 @@ class Trainer:
                 json.dumps(summary, indent=1, allow_nan=False)
             )
         return summary
-
-    def _count_drift(self, done: StepSums) -> None:
-        """Training recall by the age of the index the step searched: the first half of the steps
-        between two refreshes (a fresh index) against the second (stale: the query tower has moved
-        on since the memory was embedded). Their difference is the recall the refresh schedule
-        loses to staleness (recall drift; this rank's queries)."""
-        since = (
-            self.step - 1
-        ) % self.cfg.retriever.refresh_every  # steps searched on this index before
-        half = int(since >= self.cfg.retriever.refresh_every / 2)
-        self._drift[half][0] += int(done.hits)  # CPU tensor: the search's ids are on the host
-        self._drift[half][1] += done.n_hit
-
-    def _refresh_summary(self) -> dict:
-        if self.memory is None:
-            return {}
-        self.memory.wait()
-        secs = self.memory.refresh_seconds
-        total = sum(secs)
-        (fh, fn), (sh, sn) = self._drift
-        fresh, stale = (fh / fn if fn else None), (sh / sn if sn else None)
-        return {
-            "index_refreshes": len(secs),
-            "refresh_time_s": total,
-            f"train_recall@{self.cfg.retriever.top_k}_fresh_index": fresh,
-            f"train_recall@{self.cfg.retriever.top_k}_stale_index": stale,
-            "recall_drift": fresh - stale if fresh is not None and stale is not None else None,
-            "refresh_fraction": total / max(total + self.train_time + self.warmup_time, 1e-9)
-            if not self.cfg.retriever.refresh_background
-            else None,
-            "refresh_mode": "off"
-            if self.cfg.retriever.query_side_only or not self.cfg.retriever.refresh_every
-            else ("background" if self.cfg.retriever.refresh_background else "sync"),
-        }
 
     def close(self) -> None:
         if self.memory is not None:

@@ -6,6 +6,8 @@ only after every rank finished and the manifest is on disk, so a crash never lea
 that looks complete. ``latest_valid`` re-checks the manifest and skips (with a warning) a
 checkpoint whose files are missing, truncated or altered.
 
+``Checkpointer`` is the run's side: where, when, how many, which to resume.
+
 ``savable`` turns this rank's model and optimizer state into what DCP writes (optimizer state by
 parameter name, tensor-parallel strided shards whole); ``scatter_strided`` puts a restored whole
 tensor back into its shards.
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,8 +31,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rag_mm.components import checkpoint_safety
 from rag_mm.components.checkpoint_safety import one_process_quiet
 from rag_mm.components.metrics import strict_dumps
+from rag_mm.config import TrainConfig
 from rag_mm.distributed.env import barrier, broadcast_object
 from rag_mm.ft import disk, faults
+from rag_mm.ft.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -244,3 +249,48 @@ def scatter_strided(state: dict, strided: dict) -> None:
         for k in path:
             full = full[k]
         dt.copy_(distribute_tensor(full.to(dt.dtype), dt.device_mesh, dt.placements))
+
+
+class Checkpointer:
+    """The run's checkpoints: where (``run_dir/checkpoints``), when (every ``ckpt_every`` steps
+    and at a stop), how many are kept (``keep_checkpoints``) and which one a start resumes from
+    (``resume``: auto, never or a path)."""
+
+    def __init__(self, cfg: TrainConfig, is_main: bool, watch: Watchdog) -> None:
+        self.dir = Path(cfg.run_dir) / "checkpoints"
+        self.every, self.keep, self.resume = cfg.ckpt_every, cfg.keep_checkpoints, cfg.resume
+        self.is_main, self.watch = is_main, watch
+        # the step of the newest checkpoint written or restored (None: none yet)
+        self.saved_step: int | None = None
+
+    def due(self, step: int, stopping: bool) -> bool:
+        """After step ``step``: every ``ckpt_every`` steps, and when the run stops there."""
+        return stopping or bool(self.every and step % self.every == 0)
+
+    def save(self, step: int, state: dict, trainer_state: dict) -> Path:
+        """This rank's ``state`` (``savable``'s) and the trainer's as step ``step``; every rank
+        calls it together."""
+        self.watch.at("checkpoint save (DCP write + barriers)")
+        path = save(self.dir, step, state, trainer_state, self.keep, self.is_main)
+        self.saved_step = step
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def restore(self, make_state: Callable[[], tuple[dict, dict]]) -> dict | None:
+        """The checkpoint ``resume`` names loaded in place into the state ``make_state()`` gives
+        (``savable``'s (state, strided): its gathered tensor-parallel blocks are scattered back),
+        which is asked for only when there is a checkpoint; the trainer state saved with it, or
+        None when there is none to resume from."""
+        if self.resume == "never":
+            return None
+        self.watch.at("checkpoint restore")
+        path = latest_valid(self.dir) if self.resume == "auto" else Path(self.resume)
+        if path is None:
+            log.info("no checkpoint to resume from in %s: starting fresh", self.dir)
+            return None
+        state, strided = make_state()
+        trainer_state = load(path, state)
+        scatter_strided(state, strided)
+        self.saved_step = trainer_state["step"]
+        log.info("resumed from %s at step %d", path, self.saved_step)
+        return trainer_state

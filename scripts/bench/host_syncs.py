@@ -202,7 +202,8 @@ def spread_step():
         try:
 
             def step():
-                out = spread.train_step(x)
+                # the trainer's step: the step's answer-token count, then the batch
+                out = spread.train_step(x, answer_tokens=spread.step_answer_tokens([x]))
                 gnorm = spread.clip_grad_norm_(1.0)
                 if check(0, out.loss.detach(), gnorm):
                     opt.step()

@@ -260,7 +260,8 @@ def test_parallel_model_step_on_fake_cuda(monkeypatch):
 # -------------------------------------------------------------------------- the trainer's step path
 def test_trainer_step_path_on_fake_cuda(monkeypatch):
     """The trainer's step over the closed-book demo reader: the step's answer-token count,
-    ``SpreadRag.train_step``, its ``clip_grad_norm_``, the non-finite check and the optimizer (no data loader, no faiss)."""
+    ``SpreadRag.train_step``, its ``clip_grad_norm_``, the non-finite check and the optimizer (no
+    data loader, no faiss)."""
     from rag_mm.data.documents import DocumentStore
     from rag_mm.distributed.spread import SpreadRag
     from rag_mm.model.rag import RagModel

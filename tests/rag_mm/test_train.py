@@ -365,7 +365,7 @@ def test_rerank_reads_the_live_towers_top_k(tiny_world, tmp_path):
     )
     t = Trainer(cfg)
     try:
-        t._ensure_index()
+        t.refresh.ensure(0)
         t.rag.eval()
         with torch.no_grad():  # the towers move on; the index keeps their old embeddings
             torch.manual_seed(0)
