@@ -493,7 +493,11 @@ MUTATIONS = (
                 "        self.drift[half][0] += 0",
             ),
         ),
-        ("tests/rag_mm/test_train.py::test_retriever_warmup_then_joint_training",),
+        (
+            "tests/rag_mm/test_refresh_cadence.py::"
+            "test_recall_drift_counts_steps_by_the_age_of_their_index",
+            "tests/rag_mm/test_train.py::test_retriever_warmup_then_joint_training",
+        ),
     ),
 )
 
