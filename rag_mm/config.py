@@ -234,7 +234,7 @@ def _positive(errors: list[str], key: str, value: Any) -> None:
         errors.append(f"{key} must be positive (got {value})")
 
 
-def validate(cfg: Any, world_size: int = 1) -> None:
+def validate(cfg: TrainConfig, world_size: int = 1) -> None:
     """Reject values that cannot work, naming every bad key at once. Runs before any work."""
     e: list[str] = []
     m, d, o, r = cfg.model, cfg.data, cfg.optim, cfg.retriever
@@ -360,7 +360,7 @@ FAMILIES = ("native", "hf", "hf_vlm")
 PROJECTORS = ("mlp2x_gelu", "linear")
 
 
-def _model_family_problems(cfg: Any) -> list[str]:
+def _model_family_problems(cfg: TrainConfig) -> list[str]:
     """What is wrong with the reader family's own keys (paths are checked for existence here)."""
     from pathlib import Path
 
@@ -411,7 +411,7 @@ def _model_family_problems(cfg: Any) -> list[str]:
     return e + _tokenizer_fusion_problems(cfg)
 
 
-def _tokenizer_fusion_problems(cfg: Any) -> list[str]:
+def _tokenizer_fusion_problems(cfg: TrainConfig) -> list[str]:
     """A learned retriever that reads text reads CLIP BPE ids: the reader's tokenizer must be
     CLIP's."""
     m = cfg.model
@@ -423,7 +423,7 @@ def _tokenizer_fusion_problems(cfg: Any) -> list[str]:
     return []
 
 
-def _vlm_problems(m: Any) -> list[str]:
+def _vlm_problems(m: ModelConfig) -> list[str]:
     """What is wrong with a vision-language reader's keys (``model.family=hf_vlm``)."""
     from pathlib import Path
 
@@ -473,7 +473,7 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def reader_tokenizer(m: Any) -> str | None:
+def reader_tokenizer(m: ModelConfig) -> str | None:
     """The local tokenizer directory the reader (and the data it reads) uses; None: CLIP BPE."""
     from rag_mm.data.tokenizer import has_tokenizer
 
@@ -484,7 +484,7 @@ def reader_tokenizer(m: Any) -> str | None:
     return None
 
 
-def _launch_problems(launch: Any) -> list[str]:
+def _launch_problems(launch: LaunchConfig) -> list[str]:
     e = []
     if launch.backend not in BACKENDS:
         e.append(f"launch.backend must be one of {BACKENDS} (got {launch.backend!r})")
@@ -492,7 +492,7 @@ def _launch_problems(launch: Any) -> list[str]:
     return e
 
 
-def layout_problems(cfg: Any, world_size: int) -> list[str]:
+def layout_problems(cfg: TrainConfig, world_size: int) -> list[str]:
     """What is wrong with the run's layout on ``world_size`` ranks: the runtime's own check
     (``ParallelConfig.problems``: degrees against the world, names, option x layout), then the
     reader's and the data's rules on top of it."""
@@ -534,7 +534,7 @@ def layout_problems(cfg: Any, world_size: int) -> list[str]:
 PARALLEL_KEYS = frozenset(f.name for f in dataclasses.fields(ParallelConfig))
 
 
-def runtime_config(cfg: Any) -> ParallelConfig:
+def runtime_config(cfg: TrainConfig) -> ParallelConfig:
     """The run's ``parallel`` group as the runtime's ``ParallelConfig`` (a copy; -1 not
     resolved)."""
     p = cfg.parallel
@@ -544,13 +544,13 @@ def runtime_config(cfg: Any) -> ParallelConfig:
     return obj if isinstance(obj, ParallelConfig) else ParallelConfig(**obj)
 
 
-def parallel_config(cfg: Any, world_size: int) -> ParallelConfig:
+def parallel_config(cfg: TrainConfig, world_size: int) -> ParallelConfig:
     """The runtime's ``parallel.ParallelConfig`` for the reader: the run's ``parallel`` group,
     validated for ``world_size`` ranks (-1 resolved)."""
     return runtime_config(cfg).validate(world_size)
 
 
-def data_parallel_degree(cfg: Any, world_size: int) -> int | None:
+def data_parallel_degree(cfg: TrainConfig, world_size: int) -> int | None:
     """Data-parallel replicas of the run (``dp_replicate x dp_shard``, -1 resolved); None when the
     layout does not fit the world (``validate`` says why)."""
     try:
@@ -559,7 +559,7 @@ def data_parallel_degree(cfg: Any, world_size: int) -> int | None:
         return None
 
 
-def resolve_batch(cfg: Any, world_size: int) -> None:
+def resolve_batch(cfg: TrainConfig, world_size: int) -> None:
     """``data.global_batch_size`` > 0: set ``data.batch_size`` to its share per data-parallel
     replica (left as it is when the replicas do not divide it: ``validate`` says so, with every
     other bad key)."""
@@ -572,7 +572,7 @@ def resolve_batch(cfg: Any, world_size: int) -> None:
     cfg.data.batch_size = g // dp
 
 
-def _data_hint(cfg: Any, split: str) -> str:
+def _data_hint(cfg: TrainConfig, split: str) -> str:
     """How the missing shards of ``data.<split>`` are made: the demo world, or a user's data through
     the converter (``corpus`` for the document memory, ``vqa`` / ``hf`` for the query splits)."""
     if (
@@ -594,14 +594,14 @@ def _data_hint(cfg: Any, split: str) -> str:
     )
 
 
-def data_splits(cfg: Any) -> tuple[str, ...]:
+def data_splits(cfg: TrainConfig) -> tuple[str, ...]:
     """The ``data.*`` shard keys a run reads: the corpus only when it retrieves or reads
     documents."""
     needs_corpus = cfg.data.corpus and cfg.retriever.mode != "none"
     return ("corpus", "train", "val", "test") if needs_corpus else ("train", "val", "test")
 
 
-def shard_problems(cfg: Any) -> list[str]:
+def shard_problems(cfg: TrainConfig) -> list[str]:
     """Local shard patterns that match a missing file, a directory or an unreadable file."""
     from rag_mm.data.urls import expand_urls, missing_local_shards, unusable_local_shards
 

@@ -77,7 +77,7 @@ class RetrieverConfig:
     eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
 
 
-def validate(cfg) -> list[str]:
+def validate(cfg: RetrieverConfig) -> list[str]:
     """Problems with a RetrieverConfig (or a DictConfig of one); empty when fine."""
     e = []
     if cfg.mode not in MODES:

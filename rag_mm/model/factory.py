@@ -8,10 +8,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from rag_mm.config import ModelConfig
 from rag_mm.model.layout import ReaderBase
 
 
-def build_reader(m, vocab_size: int, meta: bool = False) -> ReaderBase:
+def build_reader(m: ModelConfig, vocab_size: int, meta: bool = False) -> ReaderBase:
     """``model`` config -> a freshly initialised reader (seed the global RNG first for a given
     init), or with ``meta`` one on the meta device with no memory and no init: its shapes can be
     counted and planned, and ``materialize`` gives it weights."""
