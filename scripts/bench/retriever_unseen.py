@@ -91,6 +91,15 @@ def main() -> None:
         ),
     )
     ap.add_argument(
+        "--randconv",
+        type=float,
+        default=0.0,
+        help=(
+            "share of query pictures (training queries and memory views) passed through a random "
+            "convolution, RandConv's style change (Xu et al., ICLR 2021)"
+        ),
+    )
+    ap.add_argument(
         "--joint", action="store_true", help="memory and queries through the tower in one call"
     )
     ap.add_argument(
@@ -163,6 +172,22 @@ def main() -> None:
         mix = torch.eye(3) + 0.15 * torch.randn(N, 3, 3)
         return torch.einsum("nij,njhw->nihw", mix, x)
 
+    def randconv(x: torch.Tensor) -> torch.Tensor:
+        """x (N, 3, H, W) -> a ``--randconv`` share of them restyled: each through its own random
+        k x k convolution (k in 1, 3, 5, 7; He-scaled normal weights), brought back to the
+        picture's own per-channel mean and spread, and mixed with it by a random weight. Local
+        texture and colour change, the layout of shapes stays."""
+        N, C, H, W = x.shape
+        k = int(torch.randint(0, 4, ()).item()) * 2 + 1
+        w = torch.randn(N * C, C, k, k) / (C * k * k) ** 0.5
+        y = F.conv2d(x.reshape(1, N * C, H, W), w, padding=k // 2, groups=N).view(N, C, H, W)
+        mu, sd = x.mean((2, 3), keepdim=True), x.std((2, 3), keepdim=True)
+        y = (y - y.mean((2, 3), keepdim=True)) / (y.std((2, 3), keepdim=True) + 1e-6) * sd + mu
+        alpha = torch.rand(N, 1, 1, 1)
+        y = alpha * x + (1 - alpha) * y
+        pick = (torch.rand(N) < a.randconv)[:, None, None, None]
+        return torch.where(pick, y, x)
+
     @torch.no_grad()
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
@@ -215,6 +240,8 @@ def main() -> None:
         mem = redraw(corpus[j]) if a.redraw > 0 else corpus[j]
         # (B + P, 3, H, W)
         q = torch.cat([views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))])
+        if a.randconv > 0:
+            q = randconv(q)
         gold = torch.cat([ty[i], j])  # memory rows
         # the memory rows scored this step: all of them, or the gold rows plus --negatives others
         rows = torch.arange(len(corpus))
