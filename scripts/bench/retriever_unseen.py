@@ -100,6 +100,12 @@ def main() -> None:
         ),
     )
     ap.add_argument(
+        "--randconv-on",
+        choices=("all", "pseudo", "train"),
+        default="all",
+        help="which query pictures --randconv restyles: all, memory views, training queries",
+    )
+    ap.add_argument(
         "--joint", action="store_true", help="memory and queries through the tower in one call"
     )
     ap.add_argument(
@@ -239,8 +245,13 @@ def main() -> None:
         j = torch.randint(0, len(corpus), (a.pseudo,))
         mem = redraw(corpus[j]) if a.redraw > 0 else corpus[j]
         # (B + P, 3, H, W)
-        q = torch.cat([views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))])
-        if a.randconv > 0:
+        train_q, pseudo_q = views(tx[i]), views(photo_views(mem, VIEW_STYLES["photo"]))
+        if a.randconv > 0 and a.randconv_on == "train":
+            train_q = randconv(train_q)
+        if a.randconv > 0 and a.randconv_on == "pseudo":
+            pseudo_q = randconv(pseudo_q)
+        q = torch.cat([train_q, pseudo_q])
+        if a.randconv > 0 and a.randconv_on == "all":  # one kernel size for the step's queries
             q = randconv(q)
         gold = torch.cat([ty[i], j])  # memory rows
         # the memory rows scored this step: all of them, or the gold rows plus --negatives others
