@@ -127,7 +127,7 @@ def main(cfg: DictConfig) -> None:
             _close_after_disk_fault(trainer)
             if trainer.env.is_main:
                 print(
-                    f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt_dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",  # noqa: E501
+                    f"rag_mm.train: {disk.failure_message(found, trainer.run_dir, trainer.ckpt.dir, trainer.ckpt_bytes, cfg.keep_checkpoints, exc)}",  # noqa: E501
                     file=sys.stderr,
                     flush=True,
                 )

@@ -71,7 +71,6 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt = Checkpointer(cfg, self.env.is_main, self.watch)
-        self.ckpt_dir = self.ckpt.dir
         parts = build_rag(cfg, self.device, gold_queries)
         self.tok, self.store, self.memory = parts.tok, parts.store, parts.memory
         self.model, self.rag = parts.reader, parts.rag
@@ -90,7 +89,7 @@ class Trainer:
         # the vision warm-up trains the plain tower, before the reader is spread over the ranks:
         # then ``fit`` spreads it after that phase (a fresh start only; a resumed run restores
         # the tower)
-        vision_first = bool(cfg.model.vision_ssl_steps) and starts_fresh(cfg, self.ckpt_dir)
+        vision_first = bool(cfg.model.vision_ssl_steps) and starts_fresh(cfg, self.ckpt.dir)
         self.spread: SpreadRag | None = None
         if not vision_first:
             self._spread_reader()
@@ -144,7 +143,7 @@ class Trainer:
         if self.cfg.disk_check == "off":
             return
         problem = (
-            disk.space_problem(self.ckpt_dir, self.ckpt_bytes, self.cfg.keep_checkpoints)
+            disk.space_problem(self.ckpt.dir, self.ckpt_bytes, self.cfg.keep_checkpoints)
             if self.env.is_main
             else None
         )

@@ -124,7 +124,6 @@ class IndexRefresh:
         total = self.seconds
         (fh, fn), (sh, sn) = self.drift
         fresh, stale = (fh / fn if fn else None), (sh / sn if sn else None)
-        off = r.query_side_only or not r.refresh_every
         return {
             "index_refreshes": len(self.memory.refresh_seconds),
             "refresh_time_s": total,
@@ -134,5 +133,7 @@ class IndexRefresh:
             "refresh_fraction": None
             if r.refresh_background
             else total / max(total + train_time + warmup_time, 1e-9),
-            "refresh_mode": "off" if off else ("background" if r.refresh_background else "sync"),
+            "refresh_mode": (
+                ("background" if r.refresh_background else "sync") if self.in_training else "off"
+            ),
         }
