@@ -139,3 +139,34 @@ def photo_views(
         out = _blur(out, style.blur * u(N))
     out = out + style.colour * (2 * u(N, 3, 1, 1) - 1)
     return out + style.noise * randn(*out.shape).to(out.dtype)
+
+
+def random_restyle(
+    images: torch.Tensor, share: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures -> (N, 3, H, W) with a ``share`` of them redrawn in a
+    random style: RandConv (Xu et al., ICLR 2021). Each chosen picture goes through its own random
+    k x k convolution (k in 1, 3, 5, 7; He-scaled normal weights, colours mixed), is brought back
+    to its own per-channel mean and spread, and is blended with itself by a random weight. Stroke,
+    texture and colour change; where the shapes are stays. Another artist's drawing of the same
+    thing differs in those, which pose, background and blur (``photo_views``) do not teach."""
+    N, C, H, W = images.shape
+    dev = images.device
+    gen_dev = dev if generator is None else generator.device
+    u = lambda *s: torch.rand(*s, generator=generator, device=gen_dev).to(dev)  # noqa: E731
+    K = 7  # largest kernel; a smaller one sits zero-padded in its centre (the same convolution)
+    k = 2 * torch.randint(0, 4, (N,), generator=generator, device=gen_dev).to(dev) + 1  # (N,)
+    w = torch.randn(N, C, C, K, K, generator=generator, device=gen_dev).to(dev, images.dtype)
+    r = torch.arange(K, device=dev) - K // 2  # (K,) tap offsets
+    inside = (r.abs()[None] <= (k[:, None] // 2)).to(images.dtype)  # (N, K)
+    w = w * (inside[:, None, None, :, None] * inside[:, None, None, None, :])
+    w = w / (C * k.to(images.dtype) ** 2).sqrt()[:, None, None, None, None]
+    # one grouped convolution: picture n's C output channels read its own C input channels
+    y = F.conv2d(images.reshape(1, N * C, H, W), w.reshape(N * C, C, K, K), padding=K // 2, groups=N)
+    y = y.view(N, C, H, W)
+    mu, sd = images.mean((2, 3), keepdim=True), images.std((2, 3), keepdim=True)
+    y = (y - y.mean((2, 3), keepdim=True)) / (y.std((2, 3), keepdim=True) + 1e-6) * sd + mu
+    alpha = u(N, 1, 1, 1)  # how much of the picture's own look stays
+    y = alpha * images + (1 - alpha) * y
+    pick = (u(N) < share)[:, None, None, None]
+    return torch.where(pick, y, images)

@@ -55,6 +55,9 @@ class RetrieverConfig:
     # (pose and colour; queries are renderings like the memory's) | photo (smaller, turned, on a
     # busy background, blurred; queries are photos of what the memory shows on a plain ground)
     pseudo_view: str = "jitter"
+    # share of those views redrawn in a random style (RandConv: stroke, texture, colour), for
+    # queries drawn by another hand than the memory's pictures (another vendor's icon, a sketch)
+    pseudo_restyle: float = 0.0
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
@@ -88,6 +91,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(
             f"retriever.vision_tower must be one of {VISION_TOWERS} (got {cfg.vision_tower!r})"
         )
+    if not 0.0 <= cfg.pseudo_restyle <= 1.0:
+        e.append(f"retriever.pseudo_restyle is a share, in [0, 1] (got {cfg.pseudo_restyle})")
     if cfg.pseudo_view not in PSEUDO_VIEWS:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:

@@ -20,7 +20,7 @@ from rag_mm.data.documents import DocumentStore
 from rag_mm.model.anonymize import anonymize_answers
 from rag_mm.model.reader import Reader, ReaderOutput
 from retriever import losses
-from retriever.augment import VIEW_STYLES, photo_views, random_views
+from retriever.augment import VIEW_STYLES, photo_views, random_restyle, random_views
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
 from retriever.replicas import Replicas
@@ -332,6 +332,8 @@ class RagModel(nn.Module):
             views = (
                 random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
             )
+            if self.rcfg.pseudo_restyle > 0:
+                views = random_restyle(views, self.rcfg.pseudo_restyle)
             views = views.to(q_emb.dtype)
             part = rep.share(len(rows))
             rows, views = rows[part], views[part]

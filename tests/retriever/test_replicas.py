@@ -154,3 +154,17 @@ def test_sharded_refresh_embeds_as_one_process():
         torch.testing.assert_close(
             torch.tensor(out["stats"]), torch.tensor(out["ref_stats"]), rtol=1e-4, atol=1e-6
         )
+
+
+def test_pseudo_queries_are_restyled_when_asked():
+    """``retriever.pseudo_restyle`` reaches the pseudo-queries: the same draws give another loss
+    and gradient with every view restyled, and the one-process loss is unchanged at share 0."""
+
+    def loss(share: float) -> float:
+        rcfg = RetrieverConfig(
+            **SMALL, mode="learned", pseudo_queries=5, pseudo_restyle=share, bank_negatives=10
+        )
+        return _loss_and_grads(_rag(rcfg), slice(None))[0]
+
+    assert loss(0.0) == loss(0.0)
+    assert abs(loss(1.0) - loss(0.0)) > 1e-4

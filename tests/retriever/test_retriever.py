@@ -230,3 +230,35 @@ def test_photo_views_put_the_thing_on_a_new_background():
     a = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
     b = photo_views(x, VIEW_STYLES["photo"], torch.Generator().manual_seed(1))
     assert a.shape == x.shape and torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_random_restyle_changes_the_look_not_the_layout():
+    from retriever.augment import random_restyle
+
+    # three colours whose channels are no rescaling of one another (a 1 x 1 colour mix of a
+    # two-colour picture, brought back to each channel's mean and spread, is the picture itself)
+    colour = lambda *c: torch.tensor(c).view(1, 3, 1, 1)  # noqa: E731
+    x = colour(1.5, -0.5, 0.2).expand(16, 3, 64, 64).clone()  # a plain ground ...
+    x[:, :, 20:44, 20:44] = colour(-1.0, 1.0, 0.5)  # ... with a square on it ...
+    x[:, :, 28:36, 28:36] = colour(0.3, -1.2, 1.4)  # ... and another inside
+    x = x + 0.3 * torch.randn(16, 3, 1, 1)  # each picture its own shade
+    assert torch.equal(random_restyle(x, 0.0), x)  # share 0: untouched
+    a = random_restyle(x, 1.0, torch.Generator().manual_seed(0))
+    b = random_restyle(x, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+    # every picture redrawn, each to its own colours: the same picture restyled twice differs
+    assert ((a - x).flatten(1).abs().amax(1) > 1e-3).all()
+    assert not torch.allclose(a[0] - x[0], a[1] - x[1], atol=1e-3)
+    # each channel keeps its mean (the look changes, not the exposure)
+    torch.testing.assert_close(a.mean((2, 3)), x.mean((2, 3)), atol=1e-4, rtol=0)
+    # a local filter: the ground far from the square and the frame stays flat, the square's edge
+    # does not vanish
+    far = a[:, :, 5:14, 5:58]  # at least 6 px from the square, 5 px from the frame
+    assert far.std((2, 3)).amax() < 1e-4
+    edge = (a[:, :, 30:34, 17:23] - a[:, :, 30:34, 6:12]).abs().mean((1, 2, 3))  # across the edge
+    assert (edge > 1e-3).all()
+    # about the share asked of a large batch is redrawn
+    y = torch.randn(400, 3, 8, 8)
+    changed = (random_restyle(y, 0.25, torch.Generator().manual_seed(1)) != y).flatten(1).any(1)
+    assert 0.15 < changed.float().mean() < 0.35
+    assert "retriever.pseudo_restyle" in " ".join(validate(RetrieverConfig(pseudo_restyle=1.5)))
