@@ -213,7 +213,24 @@ def main() -> None:
             corpus[unseen_rows], VIEW_STYLES["photo"], torch.Generator().manual_seed(0)
         )
         own_hit = (embed(own) @ docs.T).topk(5, 1).indices == unseen_rows[:, None]
+
+        def both_ways(x: torch.Tensor) -> torch.Tensor:  # a picture and its mirror image, averaged
+            return F.normalize(embed(x) + embed(x.flip(-1)), dim=-1)
+
+        # vendors draw some things facing the other way: the memory and the queries embedded as
+        # themselves plus their mirror images
+        flip_docs = both_ways(corpus)
+        flip_hits = (
+            torch.cat(
+                [
+                    (both_ways(vx[i : i + 256]) @ flip_docs.T).topk(5, 1).indices
+                    for i in range(0, len(vx), 256)
+                ]
+            )
+            == vy[:, None]
+        )
         model.train()
+        f1, f5 = flip_hits[:, :1].any(1).float(), flip_hits.any(1).float()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
         out = {
             "step": step,
@@ -224,6 +241,9 @@ def main() -> None:
             "recall@5_unseen": r5[vh].mean().item(),
             "recall@1_seen": r1[~vh].mean().item(),
             "recall@5_seen": r5[~vh].mean().item(),
+            "recall@1_mirror_averaged_unseen": f1[vh].mean().item(),
+            "recall@5_mirror_averaged_unseen": f5[vh].mean().item(),
+            "recall@1_mirror_averaged_seen": f1[~vh].mean().item(),
             "recall@1_own_views_unseen": own_hit[:, :1].any(1).float().mean().item(),
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
