@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rag_mm.config import ConfigError, TrainConfig, data_splits, reader_tokenizer
+from rag_mm.data.balance import answer_balance
 from rag_mm.data.documents import DocumentStore
 from rag_mm.data.pipeline import StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
@@ -88,8 +89,12 @@ def make_stream(
     """The loader over ``data.<split>``: this rank's share of it, training batches (shuffled,
     augmented when ``data.augment``) or evaluation batches, ``skip_batches`` already drawn."""
     c = cfg
+    urls = expand_urls(c.data.root, getattr(c.data, split))
+    balance = None
+    if train and c.data.balance_answers > 0:
+        balance = answer_balance(urls, c.data.balance_answers, c.seed)
     spec = StreamSpec(
-        urls=expand_urls(c.data.root, getattr(c.data, split)),
+        urls=urls,
         image_size=c.model.image_size,
         max_question=c.model.max_question,
         max_answer=c.model.max_answer,
@@ -105,6 +110,7 @@ def make_stream(
         world_size=world_size,
         skip_batches=skip_batches,
         tokenizer=reader_tokenizer(c.model),
+        keep=balance,
     )
     return make_loader(spec, c.data.num_workers)
 

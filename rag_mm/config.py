@@ -152,6 +152,10 @@ class DataConfig:
     # reader that sees each picture with many questions otherwise memorises per-picture answers
     # it cannot generalise (see the VQA recipe)
     zoom_out: float = 1.0
+    # beta of answer balancing (rag_mm/data/balance.py): within each question text the training
+    # answers come in proportion to count ** (1 - beta); 0 as the data has them, 1 evenly. For
+    # sets whose question texts have a few answers, one of them most of the time (yes/no)
+    balance_answers: float = 0.0
 
 
 @dataclass
@@ -309,6 +313,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         e.append(f"data.colour_jitter must be >= 0 (got {d.colour_jitter})")
     if d.crop_pad < 0:
         e.append(f"data.crop_pad must be >= 0 (got {d.crop_pad})")
+    if not 0.0 <= d.balance_answers <= 1.0:
+        e.append(f"data.balance_answers is a strength in [0, 1] (got {d.balance_answers})")
     if d.zoom_out < 1.0:
         e.append(
             f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the "

@@ -162,7 +162,9 @@ def random_restyle(
     w = w * (inside[:, None, None, :, None] * inside[:, None, None, None, :])
     w = w / (C * k.to(images.dtype) ** 2).sqrt()[:, None, None, None, None]
     # one grouped convolution: picture n's C output channels read its own C input channels
-    y = F.conv2d(images.reshape(1, N * C, H, W), w.reshape(N * C, C, K, K), padding=K // 2, groups=N)
+    y = F.conv2d(
+        images.reshape(1, N * C, H, W), w.reshape(N * C, C, K, K), padding=K // 2, groups=N
+    )
     y = y.view(N, C, H, W)
     mu, sd = images.mean((2, 3), keepdim=True), images.std((2, 3), keepdim=True)
     y = (y - y.mean((2, 3), keepdim=True)) / (y.std((2, 3), keepdim=True) + 1e-6) * sd + mu

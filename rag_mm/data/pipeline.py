@@ -22,7 +22,7 @@ import signal
 import weakref
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,6 +147,9 @@ class StreamSpec:
     skip_batches: int = 0  # batches this rank already consumed (resume)
     # local Hugging Face tokenizer directory; None: the bundled CLIP BPE
     tokenizer: str | None = None
+    # training only: called on each decoded sample, False drops it (rag_mm.data.balance); None
+    # keeps every sample
+    keep: Callable[[dict], bool] | None = None
 
 
 class QueryStream(torch.utils.data.IterableDataset):
@@ -267,6 +270,8 @@ class QueryStream(torch.utils.data.IterableDataset):
                     continue
                 n_seen += 1
                 out["epoch"] = epoch
+                if s.train and s.keep is not None and not s.keep(out):
+                    continue
                 yield out
             # Training: this worker's shards gave nothing in a whole pass, and every later pass
             # would too. Evaluation reads every shard in each worker: no sample at all means the

@@ -176,10 +176,13 @@ def _pair(sample: dict) -> tuple[str, str] | None:
     return question, str(meta["answer"])
 
 
-def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior | None:
-    """The table of the training shards ``urls``; None when no usable sample was read. An
-    unreadable shard is skipped with a warning, as the training stream skips it. ``stop()`` is
-    asked before each shard: when True, ``rag_mm.ft.preemption.Stopped`` ends the read."""
+def count_answers(
+    urls: list[str], stop: Callable[[], bool] | None = None
+) -> tuple[dict[str, Counter[str]], Counter[str], int]:
+    """The (normalised) answers of the training shards ``urls``: (per question key, of all
+    questions, samples counted). An unreadable shard is skipped with a warning, as the training
+    stream skips it. ``stop()`` is asked before each shard: when True,
+    ``rag_mm.ft.preemption.Stopped`` ends the read."""
     per_question: dict[str, Counter[str]] = {}
     overall: Counter[str] = Counter()
     n = skipped = 0
@@ -207,6 +210,13 @@ def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior
             "blind prior: %d training samples without a picture, question or answer skipped",
             skipped,
         )
+    return per_question, overall, n
+
+
+def build(urls: list[str], stop: Callable[[], bool] | None = None) -> BlindPrior | None:
+    """The table of the training shards ``urls`` (``count_answers``); None when no usable sample
+    was read."""
+    per_question, overall, n = count_answers(urls, stop)
     if not n:
         return None
     return BlindPrior(

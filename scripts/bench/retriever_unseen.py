@@ -197,38 +197,29 @@ def main() -> None:
     @torch.no_grad()
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
-        docs = embed(corpus)
-        hits = (
-            torch.cat(
-                [
-                    (embed(vx[i : i + 256]) @ docs.T).topk(5, 1).indices
-                    for i in range(0, len(vx), 256)
-                ]
-            )
-            == vy[:, None]
-        )
+
+        def hits5(emb) -> torch.Tensor:
+            """(Q, 5) whether each of a query's top 5 memory rows is its gold one, ``emb`` embedding
+            both sides"""
+            docs = emb(corpus)
+            top = [
+                (emb(vx[i : i + 256]) @ docs.T).topk(5, 1).indices for i in range(0, len(vx), 256)
+            ]
+            return torch.cat(top) == vy[:, None]
+
+        def both_ways(x: torch.Tensor) -> torch.Tensor:  # a picture and its mirror image, averaged
+            return F.normalize(embed(x) + embed(x.flip(-1)), dim=-1)
+
+        hits = hits5(embed)
+        # vendors draw some things facing the other way: the memory and the queries embedded as
+        # themselves plus their mirror images
+        flip_hits = hits5(both_ways)
         # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
         # photo transform alone costs, without another vendor's drawing
         own = photo_views(
             corpus[unseen_rows], VIEW_STYLES["photo"], torch.Generator().manual_seed(0)
         )
-        own_hit = (embed(own) @ docs.T).topk(5, 1).indices == unseen_rows[:, None]
-
-        def both_ways(x: torch.Tensor) -> torch.Tensor:  # a picture and its mirror image, averaged
-            return F.normalize(embed(x) + embed(x.flip(-1)), dim=-1)
-
-        # vendors draw some things facing the other way: the memory and the queries embedded as
-        # themselves plus their mirror images
-        flip_docs = both_ways(corpus)
-        flip_hits = (
-            torch.cat(
-                [
-                    (both_ways(vx[i : i + 256]) @ flip_docs.T).topk(5, 1).indices
-                    for i in range(0, len(vx), 256)
-                ]
-            )
-            == vy[:, None]
-        )
+        own_hit = (embed(own) @ embed(corpus).T).topk(5, 1).indices == unseen_rows[:, None]
         model.train()
         f1, f5 = flip_hits[:, :1].any(1).float(), flip_hits.any(1).float()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
