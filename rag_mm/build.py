@@ -84,15 +84,22 @@ def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True)
 
 
 def make_stream(
-    cfg, split: str, train: bool, rank: int = 0, world_size: int = 1, skip_batches: int = 0
+    cfg,
+    split: str,
+    train: bool,
+    rank: int = 0,
+    world_size: int = 1,
+    skip_batches: int = 0,
+    balance: bool = True,
 ):
     """The loader over ``data.<split>``: this rank's share of it, training batches (shuffled,
-    augmented when ``data.augment``) or evaluation batches, ``skip_batches`` already drawn."""
+    augmented when ``data.augment``, answers balanced when ``data.balance_answers`` and
+    ``balance``) or evaluation batches, ``skip_batches`` already drawn."""
     c = cfg
     urls = expand_urls(c.data.root, getattr(c.data, split))
-    balance = None
-    if train and c.data.balance_answers > 0:
-        balance = answer_balance(urls, c.data.balance_answers, c.seed)
+    keep = None
+    if train and balance and c.data.balance_answers > 0:
+        keep = answer_balance(urls, c.data.balance_answers, c.seed)
     spec = StreamSpec(
         urls=urls,
         image_size=c.model.image_size,
@@ -110,7 +117,7 @@ def make_stream(
         world_size=world_size,
         skip_batches=skip_batches,
         tokenizer=reader_tokenizer(c.model),
-        keep=balance,
+        keep=keep,
     )
     return make_loader(spec, c.data.num_workers)
 

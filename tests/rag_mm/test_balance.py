@@ -110,6 +110,8 @@ def test_make_stream_balances_training_only_and_the_config_is_checked(skewed):
     cfg.data.num_workers = 0
     assert make_stream(cfg, "train", True).spec.keep is not None
     assert make_stream(cfg, "val", False).spec.keep is None
+    # the SimCLR warm-up reads pictures, not answers: its stream keeps every sample
+    assert make_stream(cfg, "train", True, balance=False).spec.keep is None
     cfg.data.balance_answers = 0.0
     assert make_stream(cfg, "train", True).spec.keep is None
     cfg.data.balance_answers = 1.5
