@@ -38,6 +38,11 @@ class RetrieverConfig:
     # the reader's copy attention weighs each document by its retrieval probability (RAG-token
     # style)
     reader_prior: bool = True
+    # share of the training queries whose k documents the reader reads in a random order with
+    # that prior made uniform (rag_mm/model/reading_order.py): a reader that always follows the
+    # first document is only as good as recall@1; these queries teach it to tell the right one
+    # among the k itself. Evaluation reads the retriever's order and prior
+    reader_shuffle: float = 0.0
     # -- training --------------------------------------------------------------------------------
     # reader-driven loss: pdist (Atlas default) | emdr | adist | contrastive (only)
     loss: str = "pdist"
@@ -93,6 +98,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         )
     if not 0.0 <= cfg.pseudo_restyle <= 1.0:
         e.append(f"retriever.pseudo_restyle is a share, in [0, 1] (got {cfg.pseudo_restyle})")
+    if not 0.0 <= cfg.reader_shuffle <= 1.0:
+        e.append(f"retriever.reader_shuffle is a share, in [0, 1] (got {cfg.reader_shuffle})")
     if cfg.pseudo_view not in PSEUDO_VIEWS:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:

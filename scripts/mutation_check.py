@@ -499,6 +499,21 @@ MUTATIONS = (
             "tests/rag_mm/test_train.py::test_retriever_warmup_then_joint_training",
         ),
     ),
+    Mutation(
+        "reader-shuffle",
+        "the shuffled training queries keep the retriever's prior",
+        (
+            (
+                "rag_mm/model/rag.py",
+                "prior if blind is None else unranked_prior(prior, blind)",
+                "prior",
+            ),
+        ),
+        (
+            "tests/rag_mm/test_reading_order.py::"
+            "test_training_reads_a_share_shuffled_and_unranked_evaluation_never",
+        ),
+    ),
 )
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-_P = 2**31 - 1  # a Mersenne prime: the hash's modulus; products of two residues stay under 2**62
+P = 2**31 - 1  # a Mersenne prime: the hash's modulus; products of two residues stay under 2**62
 
 
-def _mix(v: torch.Tensor) -> torch.Tensor:
-    """int64 residues mod _P -> pseudo-random residues mod _P (two rounds of multiply-add)."""
-    v = (v * 48271 + 12345) % _P
-    return (v * 69621 + 2**20 + 7) % _P
+def mix(v: torch.Tensor) -> torch.Tensor:
+    """int64 residues mod P -> pseudo-random residues mod P (two rounds of multiply-add)."""
+    v = (v * 48271 + 12345) % P
+    return (v * 69621 + 2**20 + 7) % P
 
 
 def example_keys(
@@ -36,12 +36,12 @@ def example_keys(
     def fold(ids: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         L = ids.shape[1]
         pos = torch.arange(L, device=ids.device)[None]
-        w = _mix(pos + 1)  # (1, L) a weight per position
-        return ((ids.long() % _P) * w % _P * (pos < n[:, None])).sum(
+        w = mix(pos + 1)  # (1, L) a weight per position
+        return ((ids.long() % P) * w % P * (pos < n[:, None])).sum(
             1
-        ) % _P  # (B,) each term under 2**31
+        ) % P  # (B,) each term under 2**31
 
-    return _mix(fold(q_ids, q_len) * 31 + fold(a_ids, a_len))
+    return mix(fold(q_ids, q_len) * 31 + fold(a_ids, a_len))
 
 
 def anonymize_answers(x: dict, share: float, vocab_size: int) -> dict:
@@ -57,7 +57,7 @@ def anonymize_answers(x: dict, share: float, vocab_size: int) -> dict:
     B, La = a_ids.shape
     dev = a_ids.device
     key = example_keys(q_ids, x["q_len"], a_ids, a_len)  # (B,)
-    pick = (_mix(key) % 10_000) < share * 10_000  # (B,) examples renamed
+    pick = (mix(key) % 10_000) < share * 10_000  # (B,) examples renamed
     # (B, La) answer tokens before EOT
     span = torch.arange(La, device=dev)[None] < (a_len[:, None] - 1)
     ctx = (
@@ -72,7 +72,7 @@ def anonymize_answers(x: dict, share: float, vocab_size: int) -> dict:
     # the same token twice in one answer takes one replacement: the first occurrence's
     first = (a_ids[:, :, None] == a_ids[:, None, :]).to(torch.int8).argmax(-1)  # (B, La)
     # (B, La) the replacement of each answer token
-    new = _mix(_mix(key[:, None] + first + 1)) % vocab_size
+    new = mix(mix(key[:, None] + first + 1)) % vocab_size
     # never the end token
     new = torch.where(new == eot, (new + 1) % vocab_size, new).to(a_ids.dtype)
 

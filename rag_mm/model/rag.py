@@ -19,6 +19,7 @@ import torch.nn as nn
 from rag_mm.data.documents import DocumentStore
 from rag_mm.model.anonymize import anonymize_answers
 from rag_mm.model.reader import Reader, ReaderOutput
+from rag_mm.model.reading_order import shuffled_reads, unranked_prior
 from retriever import losses
 from retriever.augment import VIEW_STYLES, photo_views, random_restyle, random_views
 from retriever.encoders import DualEncoder
@@ -134,13 +135,21 @@ class RagModel(nn.Module):
             sims, ids, ranked = self.rerank(q_emb.detach(), sims, ids, dev)
             docs = {name: v[:, :k] for name, v in ranked.items()}  # fetched once, for the rerank
         sims, ids = sims[:, : max(k, search_k)], ids[:, : max(k, search_k)]
-        top = ids[:, :k]
+        top, blind = ids[:, :k], None
         if not self.rcfg.rerank:
             docs = self._docs(top, dev)
+        if grad and self.training and self.rcfg.reader_shuffle > 0:
+            # a share of the queries read their k documents shuffled, the prior hidden
+            # (rag_mm/model/reading_order.py); the retriever's loss sees the same order
+            order, blind = shuffled_reads(top, self.rcfg.reader_shuffle)  # (B, k), (B,)
+            top = top.gather(1, order)
+            sims = torch.cat([sims[:, :k].gather(1, order), sims[:, k:]], 1)
+            rows, cols = torch.arange(len(order), device=dev)[:, None], order.to(dev)
+            docs = {name: v[rows, cols] for name, v in docs.items()}
         x = {**q, **docs}
         prior = self.doc_prior(sims, dev)
         if prior is not None:
-            x["doc_prior"] = prior
+            x["doc_prior"] = prior if blind is None else unranked_prior(prior, blind)
         return self._anonymized(x, grad), ids, (q_emb, top, docs, sims)
 
     @torch.no_grad()
