@@ -141,6 +141,34 @@ def photo_views(
     return out + style.noise * randn(*out.shape).to(out.dtype)
 
 
+def random_tone(
+    images: torch.Tensor,
+    amount: float,
+    generator: torch.Generator | None = None,
+    knots: int = 5,
+) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures -> each channel of each picture through its own random
+    tone curve (a colour-curves augmentation): a value v becomes v + c(v), c the piecewise-linear
+    interpolation of ``knots`` offsets drawn in [-amount, amount] (std units) at levels spread
+    evenly over [-2, 2] std. Unlike a brightness shift, the colours of one picture move each on
+    its own (red and orange differ in green, so their green moves by different amounts), as when
+    a picture's colours are each redrawn a little off (another print, another camera's colour
+    response, a renderer that jitters every colour)."""
+    N, C = images.shape[:2]
+    dev = images.device
+    gen_dev = dev if generator is None else generator.device
+    offsets = (
+        2 * torch.rand(N, C, knots, generator=generator, device=gen_dev).to(dev) - 1
+    ) * amount
+    pos = (images.clamp(-2.0, 2.0) + 2.0) / 4.0 * (knots - 1)  # (N, C, H, W) in knot units
+    lo = pos.floor().clamp(max=knots - 2)
+    frac = pos - lo  # (N, C, H, W) in [0, 1]
+    lo = lo.long().flatten(2)  # (N, C, H*W)
+    at_lo = offsets.gather(2, lo).view_as(images)
+    at_hi = offsets.gather(2, lo + 1).view_as(images)
+    return images + (at_lo + (at_hi - at_lo) * frac).to(images.dtype)
+
+
 def random_restyle(
     images: torch.Tensor, share: float, generator: torch.Generator | None = None
 ) -> torch.Tensor:

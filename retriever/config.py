@@ -63,6 +63,10 @@ class RetrieverConfig:
     # share of those views redrawn in a random style (RandConv: stroke, texture, colour), for
     # queries drawn by another hand than the memory's pictures (another vendor's icon, a sketch)
     pseudo_restyle: float = 0.0
+    # largest change (std units) of a random per-channel tone curve on the pseudo-queries
+    # (retriever/augment.random_tone): each colour of a view moves on its own, for queries whose
+    # colours are each redrawn a little off the memory's (a brightness change moves all together)
+    pseudo_tone: float = 0.0
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
@@ -100,6 +104,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(f"retriever.pseudo_restyle is a share, in [0, 1] (got {cfg.pseudo_restyle})")
     if not 0.0 <= cfg.reader_shuffle <= 1.0:
         e.append(f"retriever.reader_shuffle is a share, in [0, 1] (got {cfg.reader_shuffle})")
+    if cfg.pseudo_tone < 0:
+        e.append(f"retriever.pseudo_tone must be >= 0 (got {cfg.pseudo_tone})")
     if cfg.pseudo_view not in PSEUDO_VIEWS:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:

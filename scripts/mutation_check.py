@@ -514,6 +514,19 @@ MUTATIONS = (
             "test_training_reads_a_share_shuffled_and_unranked_evaluation_never",
         ),
     ),
+    Mutation(
+        "pseudo-tone",
+        "the tone curve a brightness shift: one offset for every level",
+        (
+            (
+                "retriever/augment.py",
+                "    at_hi = offsets.gather(2, lo + 1).view_as(images)\n",
+                "    at_hi = offsets.gather(2, lo + 1).view_as(images)\n"
+                "    at_lo = at_hi = offsets[..., :1, None].expand_as(images)\n",
+            ),
+        ),
+        ("tests/retriever/test_retriever.py::test_random_tone_moves_each_colour_on_its_own",),
+    ),
 )
 
 

@@ -21,7 +21,13 @@ from rag_mm.model.anonymize import anonymize_answers
 from rag_mm.model.reader import Reader, ReaderOutput
 from rag_mm.model.reading_order import shuffled_reads, unranked_prior
 from retriever import losses
-from retriever.augment import VIEW_STYLES, photo_views, random_restyle, random_views
+from retriever.augment import (
+    VIEW_STYLES,
+    photo_views,
+    random_restyle,
+    random_tone,
+    random_views,
+)
 from retriever.encoders import DualEncoder
 from retriever.memory import RetrievalMemory
 from retriever.replicas import Replicas
@@ -343,6 +349,8 @@ class RagModel(nn.Module):
             )
             if self.rcfg.pseudo_restyle > 0:
                 views = random_restyle(views, self.rcfg.pseudo_restyle)
+            if self.rcfg.pseudo_tone > 0:
+                views = random_tone(views, self.rcfg.pseudo_tone)
             views = views.to(q_emb.dtype)
             part = rep.share(len(rows))
             rows, views = rows[part], views[part]

@@ -168,3 +168,16 @@ def test_pseudo_queries_are_restyled_when_asked():
 
     assert loss(0.0) == loss(0.0)
     assert abs(loss(1.0) - loss(0.0)) > 1e-4
+
+
+def test_pseudo_queries_take_a_tone_curve_when_asked():
+    """``retriever.pseudo_tone`` reaches the pseudo-queries: the same draws give another loss."""
+
+    def loss(amount: float) -> float:
+        rcfg = RetrieverConfig(
+            **SMALL, mode="learned", pseudo_queries=5, pseudo_tone=amount, bank_negatives=10
+        )
+        return _loss_and_grads(_rag(rcfg), slice(None))[0]
+
+    assert loss(0.0) == loss(0.0)
+    assert abs(loss(1.0) - loss(0.0)) > 1e-4

@@ -262,3 +262,27 @@ def test_random_restyle_changes_the_look_not_the_layout():
     changed = (random_restyle(y, 0.25, torch.Generator().manual_seed(1)) != y).flatten(1).any(1)
     assert 0.15 < changed.float().mean() < 0.35
     assert "retriever.pseudo_restyle" in " ".join(validate(RetrieverConfig(pseudo_restyle=1.5)))
+
+
+def test_random_tone_moves_each_colour_on_its_own():
+    """A tone curve per channel: the identity at amount 0; two colours of one picture (red and
+    orange: the same red, another green) move by different amounts, where a brightness change
+    would move them alike; each pixel moves by at most the amount; a seeded draw repeats."""
+    from retriever.augment import random_tone
+
+    pics = torch.zeros(64, 3, 8, 8)
+    pics[:, 0] = 1.5  # red everywhere
+    pics[:, 1, :4], pics[:, 1, 4:] = -1.5, 0.2  # green low (red) above, mid (orange) below
+    assert torch.equal(random_tone(pics, 0.0), pics)
+    out = random_tone(pics, 0.5, torch.Generator().manual_seed(0))
+    moved = out - pics
+    assert moved.abs().max() <= 0.5 + 1e-6
+    # within one region every pixel moves alike; the two regions' greens move differently
+    assert torch.allclose(moved[:, 1, :4], moved[:, 1, :1, :1].expand(-1, 4, 8))
+    apart = (moved[:, 1, 0, 0] - moved[:, 1, 7, 0]).abs()
+    assert (apart > 0.05).float().mean() > 0.8
+    # the red channel, alike in both regions, moves alike in both
+    assert torch.allclose(moved[:, 0, 0, 0], moved[:, 0, 7, 0])
+    again = random_tone(pics, 0.5, torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
+    assert "retriever.pseudo_tone" in " ".join(validate(RetrieverConfig(pseudo_tone=-1.0)))
