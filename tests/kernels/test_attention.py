@@ -208,6 +208,16 @@ def test_noncontiguous_inputs(fused):
     )
 
 
+def test_mixed_dtypes_raise(fused):
+    """fp32 q with bf16 k and v (what RoPE under autocast can hand attention): the kernel reads
+    all three buffers as q's dtype, so it must refuse rather than read bf16 bytes as fp32."""
+    q = torch.randn(1, 2, 30, 16)
+    k, v = (torch.randn(1, 2, 30, 16, dtype=torch.bfloat16) for _ in range(2))
+    seg = torch.tensor([[0, 10, 20, 30]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        A.attention(q, k, v, seg_offsets=seg, backend="fused")
+
+
 # ----------------------------------------------------------------------------- opcheck / gradcheck
 def _op_args(layout, dtype, seed=5, small=True):
     q, k, v, extra = make_case(layout, dtype, seed)

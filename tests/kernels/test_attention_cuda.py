@@ -150,6 +150,26 @@ def test_cuda_matches_reference(layout, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)]
+)
+def test_cuda_mixed_dtypes_raise(dtypes):
+    """The CUDA kernels read q, k and v as q's element type: another dtype for k and v is refused,
+    forward and backward, never read as the wrong type."""
+    ok, why = A.fused_available()
+    assert ok, why
+    q = torch.randn(1, 2, 30, 16, device="cuda", dtype=dtypes[0])
+    k, v = (torch.randn(1, 2, 30, 16, device="cuda", dtype=dtypes[1]) for _ in range(2))
+    seg = torch.tensor([[0, 10, 20, 30]], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="same dtype"):
+        A.attention(q, k, v, seg_offsets=seg, backend="fused")
+    out, lse = torch.ops.rag_attn.fwd(q, q, q, seg, None, 0, False, 0.25)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.ops.rag_attn.bwd(out, q, k, v, out, lse, seg, None, 0, False, 0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_opcheck():
     ok, why = A.fused_available()
     assert ok, why

@@ -102,3 +102,17 @@ def test_profile_counts_the_host_syncs_inside_the_steps_only():
     syncing = profile_steps(lambda: (x @ x).sum().item(), torch.device("cpu"), steps=2)
     assert quiet["host_syncs_per_step"] == 0, quiet
     assert syncing["host_syncs_per_step"] == 1, syncing
+
+
+def test_build_runs_the_fused_kernel_inside_the_first_steps_longer_cap(tmp_path):
+    """--build reaches the worker: the extension is built (here the CPU one) inside the first
+    step's cap, which allows for the compile, and the attention step measures the fused kernel,
+    which refuses mixed dtypes rather than reading bf16 bytes as fp32."""
+    proc = _run(tmp_path, "--only", "attention", "--build")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step = json.loads((tmp_path / "gpu_verify.json").read_text())["steps"]["attention"]
+    assert step["status"] == "ok" and step["fused_extension"].startswith("fused kernels"), step
+    assert step["cap_s"] > 150 + 100  # the dry run's cap plus the build's allowance
+    fused = step["result"]["backends"]["fused"]
+    assert "not_run" not in fused and fused["max_rel_err"] < 2e-2, fused
+    assert "same dtype" in step["result"]["mixed_dtype"]["fused"]

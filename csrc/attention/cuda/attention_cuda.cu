@@ -273,10 +273,18 @@ void dispatch_type(at::ScalarType st, F&& f) {
   else TORCH_CHECK(false, "rag_attn (CUDA): dtype must be float32, float16 or bfloat16, got ", st);
 }
 
+// One dtype for q, k and v: the kernels read all three buffers as q's element type.
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.sizes() == k.sizes() && q.sizes() == v.sizes(), "rag_attn: q, k, v must have the same shape");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "rag_attn: q, k, v must have the same dtype (got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type(), ")");
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                             const c10::optional<at::Tensor>& seg, const c10::optional<at::Tensor>& cu,
                                             int64_t max_seqlen, bool causal, double scale) {
-  TORCH_CHECK(q_.sizes() == k_.sizes() && q_.sizes() == v_.sizes(), "rag_attn: q, k, v must have the same shape");
+  check_inputs(q_, k_, v_);
   const c10::cuda::CUDAGuard guard(q_.device());
   const auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
   int n_groups = 0, max_len = 0;
@@ -307,6 +315,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& dout_,
                                                         const c10::optional<at::Tensor>& seg,
                                                         const c10::optional<at::Tensor>& cu, int64_t max_seqlen,
                                                         bool causal, double scale) {
+  check_inputs(q_, k_, v_);
   TORCH_CHECK(lse_.scalar_type() == at::kFloat, "rag_attn (CUDA): lse must be float32");
   const c10::cuda::CUDAGuard guard(q_.device());
   const auto q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
