@@ -68,7 +68,10 @@ def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True)
         store = DocumentStore.empty(m.image_size, m.max_doc_text)
     retriever = memory = None
     if cfg.retriever.mode == "learned":
-        retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
+        try:
+            retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
+        except ValueError as exc:  # a retriever.checkpoint of other towers
+            raise ConfigError(str(exc)) from None
         memory = RetrievalMemory(
             retriever,
             store.images,

@@ -24,7 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("rag_mm.evaluate", "score a run's checkpoint on a split: RUN [split=...]"),
     "ask": ("rag_mm.ask", "answer questions about pictures with a trained run: RUN --question"),
     "plan": ("rag_mm.plan", "choose a parallel layout for a model and a cluster: key=value"),
-    "export": ("rag_mm.export", "a trained HF reader back to Hugging Face files: RUN OUT_DIR"),
+    "export": (
+        "rag_mm.export",
+        "a trained HF reader to Hugging Face files, a learned retriever to open_clip: RUN OUT_DIR",
+    ),
     "build-index": ("rag_mm.build_index", "encode a corpus and build a faiss index: key=value"),
     "convert": ("rag_mm.data.convert_cli", "your own data as rag_mm shards: vqa | corpus | ..."),
 }

@@ -1,18 +1,27 @@
-"""Export a trained Hugging Face reader for the libraries it came from, and say how to import it.
+"""Export a trained run's reader and retriever for the libraries they came from, and say how to
+import them.
 
     python -m rag_mm.export RUN_DIR OUT_DIR [key=value ...]
 
-loads RUN_DIR's newest valid checkpoint (DCP, the training format) into the reader its saved
-config builds and writes OUT_DIR:
+loads RUN_DIR's newest valid checkpoint (DCP, the training format) into the model its saved
+config builds and writes OUT_DIR. For a Hugging Face reader (``model.family=hf``):
 
 - ``lm/``: the language model as a Hugging Face directory (``config.json``, safetensors weights,
   and the tokenizer when the run read with a Hugging Face one):
   ``AutoModelForCausalLM.from_pretrained`` loads it;
 - ``open_clip_visual.pt``: the vision tower as an open_clip CLIP state dict (``visual.*`` keys);
 - ``adapter.safetensors``: the reader's own weights (projector, retrieval-rank and token-type
-  embeddings, copy head);
-- ``import.json``: the overrides that build the same reader from these files, e.g.
-  ``python -m rag_mm.train +experiment=demo_hf $(jq -r '.overrides|join(" ")' OUT/import.json)``.
+  embeddings, copy head).
+
+For a learned retriever (``retriever.mode=learned``, any reader):
+
+- ``retriever.pt``: the dual encoder's query tower as an open_clip CLIP state dict (plus ``mix``,
+  its image / text fusion weights), which
+  ``retriever.checkpoint`` loads into both towers of a new run: a retriever trained on one
+  knowledge set (say a larger one with gold links) starts the retriever of another.
+
+And ``import.json``: the overrides that build the same parts from these files, e.g.
+``python -m rag_mm.train +experiment=demo_hf $(jq -r '.overrides|join(" ")' OUT/import.json)``.
 """
 
 from __future__ import annotations
@@ -25,6 +34,20 @@ import torch
 
 USAGE = __doc__.split("\n\n")[1]
 VISION_FIELDS = ("vision_width", "vision_layers", "vision_head_width", "patch_size", "image_size")
+# what shapes the dual encoder's towers: a checkpoint loads only into the same
+RETRIEVER_FIELDS = (
+    "embed_dim",
+    "vision_tower",
+    "vision_width",
+    "vision_layers",
+    "vision_head_width",
+    "patch_size",
+    "text_width",
+    "text_layers",
+    "text_heads",
+    "context_length",
+    "fusion",
+)
 
 
 def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
@@ -61,16 +84,35 @@ def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:
     return overrides
 
 
+def export_retriever(retriever, out: Path, retriever_cfg) -> list[str]:
+    """Write ``retriever`` (a ``DualEncoder``)'s query tower to ``out/retriever.pt`` as an open_clip
+    CLIP state dict; returns the overrides that build a retriever it loads into (besides
+    ``model.image_size``, the pictures' size)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "retriever.pt"
+    state = {k: v.detach().cpu() for k, v in retriever.query.clip.state_dict().items()}
+    state["mix"] = retriever.query.mix.detach().cpu()  # the image / text fusion weights
+    tmp = path.with_name(path.name + ".tmp")  # never a half-written file under the final name
+    torch.save(state, tmp)
+    tmp.replace(path)
+    return [
+        f"retriever.checkpoint={path}",
+        *(f"retriever.{f}={getattr(retriever_cfg, f)}" for f in RETRIEVER_FIELDS),
+    ]
+
+
 def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     from rag_mm.build import build_rag
     from rag_mm.components import checkpoint
     from rag_mm.evaluate import EvalError, load_config, load_model_state
 
     cfg = load_config(run_dir, overrides)
-    if cfg.model.family != "hf":
+    hf, learned = cfg.model.family == "hf", cfg.retriever.mode == "learned"
+    if not (hf or learned):
         raise EvalError(
-            f"{run_dir}: model.family={cfg.model.family}; only a Hugging Face reader "
-            "(model.family=hf) exports to Hugging Face and open_clip files"
+            f"{run_dir}: model.family={cfg.model.family} and retriever.mode={cfg.retriever.mode}: "
+            "nothing to export (a Hugging Face reader, model.family=hf, exports to Hugging Face "
+            "and open_clip files; a learned retriever, retriever.mode=learned, to an open_clip one)"
         )
     ckpt = checkpoint.latest_valid(run_dir / "checkpoints")
     if ckpt is None:
@@ -79,7 +121,15 @@ def run(run_dir: Path, out: Path, overrides: list[str]) -> list[str]:
     load_model_state(parts.rag, ckpt)
     if parts.memory is not None:
         parts.memory.close()
-    return export_reader(parts.reader, out, cfg.model, parts.tok)
+    done = export_reader(parts.reader, out, cfg.model, parts.tok) if hf else []
+    if learned:
+        done += export_retriever(parts.retriever, out, cfg.retriever)
+        if not hf:  # (the reader's overrides carry it otherwise)
+            done.append(f"model.image_size={cfg.model.image_size}")
+        (out / "import.json").write_text(
+            json.dumps({"overrides": done}, indent=1, allow_nan=False) + "\n"
+        )
+    return done
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,8 +88,23 @@ class Encoder(nn.Module):
         self.mix = nn.Parameter(torch.ones(2))  # learned weights of the image and text embeddings
         if cfg.checkpoint:
             state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
-            state = state.get("state_dict", state)
-            missing, unexpected = self.clip.load_state_dict(state, strict=False)
+            state = dict(state.get("state_dict", state))
+            # rag_mm.export's file also carries the fusion weights (not an open_clip key)
+            mix = state.pop("mix", None)
+            if mix is not None and self.fusion == "sum":
+                with torch.no_grad():
+                    self.mix.copy_(mix)
+            try:
+                missing, unexpected = self.clip.load_state_dict(state, strict=False)
+            except RuntimeError as exc:  # a tensor of another shape: another tower's checkpoint
+                sizes = [ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln]
+                first = sizes[0] if sizes else str(exc).splitlines()[0]
+                raise ValueError(
+                    f"retriever.checkpoint {cfg.checkpoint} does not fit the towers this config "
+                    f"builds ({len(sizes)} tensors of another shape, e.g. {first}); build the "
+                    "retriever as the run that wrote it (rag_mm.export writes those overrides "
+                    "to import.json)"
+                ) from None
             log.info(
                 "retriever tower: loaded %s (missing %d, unexpected %d)",
                 cfg.checkpoint,

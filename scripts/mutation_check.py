@@ -527,6 +527,21 @@ MUTATIONS = (
         ),
         ("tests/retriever/test_retriever.py::test_random_tone_moves_each_colour_on_its_own",),
     ),
+    Mutation(
+        "retriever-export",
+        "rag_mm.export writes the document tower instead of the query tower",
+        (
+            (
+                "rag_mm/export.py",
+                "retriever.query.clip.state_dict()",
+                "retriever.doc.clip.state_dict()",
+            ),
+        ),
+        (
+            "tests/rag_mm/test_export_retriever.py::"
+            "test_export_writes_the_query_tower_and_the_overrides_that_load_it",
+        ),
+    ),
 )
 
 

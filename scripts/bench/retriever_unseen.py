@@ -115,6 +115,14 @@ def main() -> None:
         help="memory rows scored a step besides the gold ones (0: the whole memory)",
     )
     ap.add_argument("--timm", default="", help="a timm model name for the tower (random init)")
+    ap.add_argument(
+        "--pretrain",
+        type=Path,
+        default=None,
+        help="another data root (other entities) whose memory and training queries train the "
+        "tower for --pretrain-steps first",
+    )
+    ap.add_argument("--pretrain-steps", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -250,8 +258,8 @@ def main() -> None:
             default=str,
         )
     )
-    t0, trained = time.perf_counter(), 0.0
-    for step in range(1, a.steps + 1):
+
+    def train_step(corpus, tx, ty) -> torch.Tensor:
         i = torch.randint(0, len(tx), (a.batch,))
         j = torch.randint(0, len(corpus), (a.pseudo,))
         mem = redraw(corpus[j]) if a.redraw > 0 else corpus[j]
@@ -279,6 +287,25 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        return loss
+
+    if a.pretrain is not None and a.pretrain_steps > 0:
+        try:
+            p_corpus, p_ids, _ = load_split(a.pretrain, "corpus", a.image_size)
+            p_tx, p_ty, _ = load_split(a.pretrain, "train", a.image_size)
+        except (OSError, KeyError, ValueError) as exc:
+            raise SystemExit(f"retriever_unseen: cannot read {a.pretrain}: {exc}") from None
+        p_row = {int(d): r for r, d in enumerate(p_ids)}
+        p_ty = torch.tensor([p_row[int(d)] for d in p_ty])
+        t0 = time.perf_counter()
+        for step in range(1, a.pretrain_steps + 1):
+            loss = train_step(p_corpus, p_tx, p_ty)
+            if step % a.eval_every == 0 or step == a.pretrain_steps:
+                out = evaluate(-a.pretrain_steps + step, time.perf_counter() - t0)
+                print(json.dumps(out | {"pretrain_loss": round(loss.item(), 4)}), flush=True)
+    t0, trained = time.perf_counter(), 0.0
+    for step in range(1, a.steps + 1):
+        loss = train_step(corpus, tx, ty)
         if step % a.eval_every == 0 or step == a.steps:
             trained = time.perf_counter() - t0
             print(json.dumps(evaluate(step, trained) | {"loss": round(loss.item(), 4)}), flush=True)
