@@ -32,22 +32,12 @@ from pathlib import Path
 
 import torch
 
+from retriever.config import TOWER_SIZES
+
 USAGE = __doc__.split("\n\n")[1]
 VISION_FIELDS = ("vision_width", "vision_layers", "vision_head_width", "patch_size", "image_size")
 # what shapes the dual encoder's towers: a checkpoint loads only into the same
-RETRIEVER_FIELDS = (
-    "embed_dim",
-    "vision_tower",
-    "vision_width",
-    "vision_layers",
-    "vision_head_width",
-    "patch_size",
-    "text_width",
-    "text_layers",
-    "text_heads",
-    "context_length",
-    "fusion",
-)
+RETRIEVER_FIELDS = (*TOWER_SIZES, "vision_tower", "fusion")
 
 
 def export_reader(reader, out: Path, model_cfg, tokenizer=None) -> list[str]:

@@ -10,6 +10,18 @@ LOSSES = ("contrastive", "pdist", "emdr", "adist")
 FUSIONS = ("sum", "image", "text")
 VISION_TOWERS = ("vit", "resnet")
 PSEUDO_VIEWS = ("jitter", "photo")  # retriever/augment.py VIEW_STYLES
+# the sizes that shape the dual encoder's towers (a checkpoint loads only into the same)
+TOWER_SIZES = (
+    "embed_dim",
+    "vision_width",
+    "vision_layers",
+    "vision_head_width",
+    "patch_size",
+    "text_width",
+    "text_layers",
+    "text_heads",
+    "context_length",
+)
 
 
 @dataclass
@@ -116,18 +128,7 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(f"retriever.top_k must be >= 1 with retriever.mode=learned (got {cfg.top_k})")
     if cfg.top_k < 0:
         e.append(f"retriever.top_k must be >= 0 (got {cfg.top_k})")
-    for key in (
-        "embed_dim",
-        "vision_width",
-        "vision_layers",
-        "vision_head_width",
-        "patch_size",
-        "text_width",
-        "text_layers",
-        "text_heads",
-        "context_length",
-        "encode_batch_size",
-    ):
+    for key in (*TOWER_SIZES, "encode_batch_size"):
         if getattr(cfg, key) <= 0:
             e.append(f"retriever.{key} must be positive (got {getattr(cfg, key)})")
     if cfg.gold_temperature <= 0:

@@ -23,9 +23,7 @@ def exported(tiny_world, tmp_path_factory):
     """A six-step learned-retriever run on the tiny world and its export."""
     root = tmp_path_factory.mktemp("export_retriever")
     run, out = root / "run", root / "out"
-    res = run_module(
-        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, "retriever=learned")]
-    )
+    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, "retriever=learned")])
     assert res.returncode == 0, res.stderr[-3000:]
     res = run_module(["-m", "rag_mm.export", str(run), str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
