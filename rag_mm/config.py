@@ -172,8 +172,8 @@ class OptimConfig:
     grad_clip: float = 1.0  # global-norm clipping threshold (0 disables)
     grad_accum: int = 1  # micro-steps per optimizer step
     precision: str = "fp32"  # fp32 | bf16 (bf16 autocast on matmuls, fp32 master weights)
-    # the vision tower's learning rate over ``lr`` (rag_mm's open_clip tower: families native and
-    # hf). 1: trained as the rest; 0: frozen (LLaVA's recipe for a pretrained tower). A tower the
+    # the vision tower's learning rate over ``lr`` (rag_mm's open_clip tower of the native and hf
+    # readers, a VLM's own tower). 1: trained as the rest; 0: frozen (LLaVA's recipe for a pretrained tower). A tower the
     # vision warm-up gave form features loses them again when answers can be memorised per picture
     # at the full rate (BENCHMARKS.md)
     vision_lr_scale: float = 1.0
@@ -284,16 +284,6 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         e.append(f"model.vision_ssl_lr must be > 0 (got {m.vision_ssl_lr})")
     if o.vision_lr_scale < 0:
         e.append(f"optim.vision_lr_scale must be >= 0 (got {o.vision_lr_scale})")
-    if o.vision_lr_scale != 1 and m.family == "hf_vlm":
-        e.append(
-            "optim.vision_lr_scale works on rag_mm's open_clip tower (family native or hf): set "
-            "it to 1 for a VLM"
-        )
-    if m.vision_ssl_steps and m.family == "hf_vlm":
-        e.append(
-            "model.vision_ssl_steps works on rag_mm's open_clip tower (family native or hf); a "
-            "VLM's tower is inside its transformers model: set it to 0"
-        )
     if m.attention_backend not in ATTENTION_BACKENDS:
         e.append(
             f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got "

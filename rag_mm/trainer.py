@@ -126,7 +126,7 @@ class Trainer:
         cfg = self.cfg
         if cfg.optim.vision_lr_scale == 0:
             # frozen before the reader is spread: no gradient, no optimizer state
-            self.model.vision.requires_grad_(False)
+            self.model.picture_tower.requires_grad_(False)
         self.spread = SpreadRag(self.rag, cfg, self.device)
         # a replica shares a batch
         self.data_rank, self.data_size = self.spread.dp_rank, self.spread.dp_size
@@ -336,7 +336,7 @@ class Trainer:
         t0 = time.perf_counter()
         self._run(
             vision_phase(
-                self.cfg, self.model.vision, self.env.rank, self.env.world_size, self.device
+                self.cfg, self.model.picture_tower, self.env.rank, self.env.world_size, self.device
             )
         )
         log.info("vision warm-up done in %.0f s", time.perf_counter() - t0)

@@ -13,8 +13,9 @@ from rag_mm.config import OptimConfig
 
 def is_vision_tower(name: str) -> bool:
     """Whether parameter ``name`` (as ``named_parameters`` gives it, wrappers' prefixes included)
-    belongs to the reader's open_clip tower, the module ``vision`` of either reader family."""
-    return name.startswith("vision.") or ".vision." in name
+    belongs to the reader's vision tower (``ReaderBase.picture_tower``): the open_clip module
+    ``vision`` of the native and ``hf`` readers, a transformers VLM's ``vision_tower``."""
+    return name.startswith("vision.") or ".vision." in name or ".vision_tower." in name
 
 
 def build_optimizer(

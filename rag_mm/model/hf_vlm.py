@@ -304,6 +304,10 @@ class HFVLMReader(HFReaderBase):
         out = self.processor(images=raw, do_rescale=False, return_tensors="pt").pixel_values
         return out.to(pics.device)
 
+    @property
+    def picture_tower(self) -> nn.Module:
+        return VLMPictureTower(self)
+
     def encode_images(self, pics: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) -> (N, P, D): the VLM's own picture features (tower, layer, projector)."""
         dtype = next(self.vlm.parameters()).dtype
@@ -311,6 +315,48 @@ class HFVLMReader(HFReaderBase):
         # transformers 5: per-picture features in pooler_output
         feats = getattr(out, "pooler_output", out)
         return torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
+
+
+class VLMPictureTower(nn.Module):
+    """A VLM's vision tower as the vision warm-up reads a tower (``ReaderBase.picture_tower``):
+    pictures -> (pooled (N, W), tokens (N, P, W)). The tokens are what the VLM's projector reads
+    (its feature layer and selection applied: LLaVA's layer and CLS drop, PaliGemma's and Gemma
+    3's last layer), caught on the projector's input, so the warm-up trains what the reader reads
+    and nothing model-specific is written here; pooled is their mean (the towers differ in whether
+    they have a pooled output at all). Its only submodule is the VLM's tower: the projector runs
+    but is not trained by the warm-up, as the native reader's ``image_proj`` is not. (Named
+    ``tower``, not ``vision_tower``: the warm-up's optimizer trains it at its own rate, which
+    ``optim.vision_lr_scale`` must not scale.)"""
+
+    def __init__(self, reader: HFVLMReader) -> None:
+        super().__init__()
+        inner = getattr(reader.vlm, "model", None)
+        tower = getattr(inner, "vision_tower", None)
+        projector = getattr(inner, "multi_modal_projector", None)
+        if tower is None or projector is None:
+            raise ValueError(
+                f"{type(reader.vlm).__name__} has no model.vision_tower and "
+                "model.multi_modal_projector: the vision warm-up (model.vision_ssl_steps) and "
+                "optim.vision_lr_scale need them; set model.vision_ssl_steps=0 and "
+                "optim.vision_lr_scale=1"
+            )
+        self.tower = tower
+        # plain attributes, not submodules: neither is this module's to train
+        self.__dict__["_projector"] = projector
+        self.__dict__["_encode"] = reader.encode_images
+
+    def forward(self, pics: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        caught: list[torch.Tensor] = []
+        handle = self._projector.register_forward_pre_hook(
+            lambda m, args, kwargs: caught.append(args[0] if args else next(iter(kwargs.values()))),
+            with_kwargs=True,
+        )
+        try:
+            self._encode(pics)
+        finally:
+            handle.remove()
+        toks = caught[0]  # (N, P, W)
+        return toks.mean(1), toks
 
 
 def build_vlm_reader(cfg: ModelConfig, vocab_size: int, meta: bool = False) -> HFVLMReader:

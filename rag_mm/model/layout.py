@@ -82,6 +82,14 @@ class ReaderBase(nn.Module):
     def encode_images(self, pics: torch.Tensor) -> torch.Tensor:  # (N, 3, H, W) -> (N, P, D)
         raise NotImplementedError
 
+    @property
+    def picture_tower(self) -> nn.Module:
+        """The vision tower alone, as the vision warm-up reads one: ``tower(pics) -> (pooled (N,
+        W), tokens (N, P, W))`` before the reader's projection. Its parameters are what the
+        warm-up trains, ``optim.vision_lr_scale`` scales and 0 freezes. The open_clip tower of the
+        native and ``hf`` readers (``vision``); a VLM reader wraps its own."""
+        return self.vision
+
     # ------------------------------------------------------------------------------ assembly
     def _slots(self, image, q_ids, q_len, a_ids, a_len, doc_image, doc_ids, doc_len):
         """Every candidate token in a fixed layout: embeddings, validity, positions, labels,

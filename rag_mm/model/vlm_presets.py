@@ -21,7 +21,9 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 def _llava(m: Any, vocab: int) -> dict:
     """LLaVA-1.5's layout: CLIP vision tower, two-layer GELU projector, Llama; features from the
-    tower's penultimate layer without the CLS token, as LLaVA-1.5 reads them."""
+    tower's last layer without the CLS token. LLaVA-1.5 reads CLIP's penultimate layer, whose last
+    one was trained for the contrastive pooled output; a random tower has no such layer to skip,
+    and from the penultimate its last layer would never be read nor trained."""
     return dict(
         model_type="llava",
         text_config=dict(
@@ -46,7 +48,7 @@ def _llava(m: Any, vocab: int) -> dict:
             patch_size=m.patch_size,
         ),
         image_token_index=vocab,
-        vision_feature_layer=-2,
+        vision_feature_layer=-1,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
         tie_word_embeddings=m.tie_embeddings,

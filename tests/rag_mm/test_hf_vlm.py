@@ -202,6 +202,30 @@ def test_builds_from_a_save_pretrained_directory(tmp_path):
         torch.testing.assert_close(reader(**x).logits, src(**x).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llava", "paligemma"])
+def test_picture_tower_is_what_the_projector_reads_and_trains_every_tower_layer(family):
+    """``picture_tower`` (what the vision warm-up and ``optim.vision_lr_scale`` act on): its
+    tokens are the projector's input, so the VLM's picture features are the projector of them;
+    its parameters are the tower's alone; and the
+    reader's picture features reach every layer of the tower (a small LLaVA reads its last)."""
+    reader = tiny_vlm_reader(family)
+    inner = reader.vlm.model
+    tower = reader.picture_tower
+    assert {id(p) for p in tower.parameters()} == {id(p) for p in inner.vision_tower.parameters()}
+    pics = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        pooled, toks = tower(pics)
+        feats = reader.encode_images(pics)
+        projected = inner.multi_modal_projector(toks)
+    assert toks.shape == (3, 16, 32) and pooled.shape == (3, 32)
+    torch.testing.assert_close(projected, feats)
+    torch.testing.assert_close(pooled, toks.mean(1))
+    reader.encode_images(pics).square().sum().backward()
+    last = f"layers.{reader.vlm.config.vision_config.num_hidden_layers - 1}."
+    in_last = [(n, p) for n, p in inner.vision_tower.named_parameters() if last in n]
+    assert in_last and all(p.grad is not None and p.grad.abs().sum() > 0 for _, p in in_last)
+
+
 @pytest.mark.parametrize("preset", ["llava1_5_7b", "paligemma_3b"])
 def test_presets_on_meta_have_the_public_parameter_counts(preset):
     from rag_mm import plan as rplan

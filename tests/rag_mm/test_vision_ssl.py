@@ -140,22 +140,46 @@ def test_warmup_keeps_ranks_identical(tiny_world, tmp_path):
     assert all(np.array_equal(p0[n], p1[n]) for n in p0)
 
 
+def test_warmup_trains_a_vlms_own_tower(tiny_world, tmp_path):
+    """``model=hf_vlm``: the warm-up trains the VLM's vision tower (``picture_tower``) through
+    the features its projector reads; frozen afterwards (``optim.vision_lr_scale=0``), what moved
+    it is the warm-up alone."""
+    over = tiny_overrides(
+        tiny_world, tmp_path / "run", *SSL, "model=hf_vlm", "optim.vision_lr_scale=0"
+    )
+    torch.manual_seed(0)
+    t = Trainer(compose(over))
+    inner = t.model.vlm.model
+    before = {n: p.detach().clone() for n, p in inner.vision_tower.named_parameters()}
+    t.restore()
+    t.fit()
+    t.close()
+    moved = [n for n, p in inner.vision_tower.named_parameters() if not torch.equal(before[n], p)]
+    assert any("layers.0." in n for n in moved), moved
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    warm = [r for r in records if r["kind"] == "vision_warmup"]
+    assert [r["step"] for r in warm] == [2, 4] and all(np.isfinite(r["loss"]) for r in warm)
+
+
+@pytest.mark.parametrize("model", ["small", "hf_vlm"])
 @pytest.mark.parametrize("scale", [0.0, 0.25])
-def test_vision_lr_scale_sets_the_towers_rate_or_freezes_it(tiny_world, tmp_path, scale):
+def test_vision_lr_scale_sets_the_towers_rate_or_freezes_it(tiny_world, tmp_path, scale, model):
     over = tiny_overrides(
         tiny_world,
         tmp_path / "run",
         "retriever=none",
         "data.corpus=null",
+        f"model={model}",
         f"optim.vision_lr_scale={scale}",
     )
     t = Trainer(compose(over), log_metrics=False)
     t.close()
-    tower = {id(p) for p in t.model.vision.parameters()}
+    tower = {id(p) for p in t.model.picture_tower.parameters()}
+    assert tower
     lr = t.cfg.optim.lr
     in_opt = {id(p): g["initial_lr"] for g in t.opt.param_groups for p in g["params"]}
     if scale == 0:
-        assert not any(p.requires_grad for p in t.model.vision.parameters())
+        assert not any(p.requires_grad for p in t.model.picture_tower.parameters())
         assert not tower & set(in_opt)
     else:
         assert tower <= set(in_opt)
