@@ -24,7 +24,7 @@ demo: install
 # The tests of the default selection (CPU; gloo ranks for the distributed parts), after the
 # install when it is not done yet. `make test-all` adds the slow ones.
 test: install
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=25
+	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=40
 
 # Every CUDA source of csrc/ compiled for sm_80, sm_90 (and sm_100 when the toolkit has it) with
 # nvcc from PyPI, installed under ~/.cache/rag_mm/cuda-toolkit (the venv is not touched), then

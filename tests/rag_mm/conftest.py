@@ -63,6 +63,23 @@ def tiny_world(tmp_path_factory):
     return root
 
 
+# the six-step learned-retriever run that ``learned_run`` trains once for the session
+LEARNED_RUN = ("retriever=learned", "retriever.top_k=2")
+
+
+@pytest.fixture(scope="session")
+def learned_run(tiny_world, tmp_path_factory) -> Path:
+    """A six-step learned-retriever run on the tiny world, trained once by ``python -m
+    rag_mm.train`` and read by the tests of what reads a finished run (ask, export): read it,
+    never write into it."""
+    from tests.rag_mm.test_train import run_module
+
+    run = tmp_path_factory.mktemp("learned_run") / "run"
+    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, *LEARNED_RUN)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
+
+
 def rewrite_queries(src: Path, dst: Path, edit: Callable[[dict], dict]) -> Path:
     """A copy of the world ``src`` at ``dst`` with every query's json (train, val, test) passed
     through ``edit``: the tiny world as other data sets look (no doc_id, no held-out entities)."""

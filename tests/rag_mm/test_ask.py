@@ -15,21 +15,23 @@ from rag_mm import ask
 from rag_mm.build import batch_inputs, make_stream
 from rag_mm.components import checkpoint
 from rag_mm.evaluate import greedy_answers, load_config, load_run
-from tests.rag_mm.conftest import tiny_overrides
+from tests.rag_mm.conftest import LEARNED_RUN, tiny_overrides
 from tests.rag_mm.test_train import run_module
 
 SHOWN = 3  # documents ask shows: more than the two the learned reader reads
-RUNS = {"learned": ("retriever=learned", "retriever.top_k=2"), "closed": ("retriever=none",)}
+RUNS = {"learned": LEARNED_RUN, "closed": ("retriever=none",)}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_world, tmp_path_factory) -> dict[str, Path]:
-    """A six-step learned-retriever run and a closed-book run on the tiny world."""
+def runs(tiny_world, learned_run, tmp_path_factory) -> dict[str, Path]:
+    """A six-step learned-retriever run (the session's) and a closed-book run on the tiny
+    world."""
     root = tmp_path_factory.mktemp("ask_runs")
-    for name, extra in RUNS.items():
-        res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, root / name, *extra)])
-        assert res.returncode == 0, res.stderr[-3000:]
-    return {name: root / name for name in RUNS}
+    res = run_module(
+        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, root / "closed", *RUNS["closed"])]
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"learned": learned_run, "closed": root / "closed"}
 
 
 def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:

@@ -19,12 +19,9 @@ from tests.rag_mm.test_train import run_module
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_world, tmp_path_factory):
-    """A six-step learned-retriever run on the tiny world and its export."""
-    root = tmp_path_factory.mktemp("export_retriever")
-    run, out = root / "run", root / "out"
-    res = run_module(["-m", "rag_mm.train", *tiny_overrides(tiny_world, run, "retriever=learned")])
-    assert res.returncode == 0, res.stderr[-3000:]
+def exported(learned_run, tmp_path_factory):
+    """A six-step learned-retriever run on the tiny world (the session's) and its export."""
+    run, out = learned_run, tmp_path_factory.mktemp("export_retriever") / "out"
     res = run_module(["-m", "rag_mm.export", str(run), str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     return run, out, json.loads(res.stdout.strip().splitlines()[-1])["overrides"]

@@ -55,7 +55,15 @@ def task_batch(tok, g: torch.Generator, B: int = BATCH) -> tuple[dict, torch.Ten
     }, colours
 
 
-@pytest.mark.parametrize("model", ["native", "hf_tiny"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        # the default run reads pictures through the native recipe against a pixel classifier
+        # (test_reader_vs_pixels.py)
+        pytest.param("native", marks=pytest.mark.slow),
+        "hf_tiny",
+    ],
+)
 def test_recipe_reader_learns_from_the_picture(model, tmp_path):
     extra = ["model=hf_tiny"] if model == "hf_tiny" else []
     cfg = compose(

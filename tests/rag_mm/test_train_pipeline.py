@@ -321,6 +321,10 @@ def _evaluate(run_dir) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+# the default run covers FSDP inside pipeline stages in tests/parallel/test_3d.py (4 and 8 ranks),
+# the app's pipeline under torchrun above, and its FSDP checkpoint read in one process in
+# test_train_tp.py
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_torchrun_fsdp_under_pipeline_matches_replicated(tiny_world, tmp_path):
     """pp=2 x dp_shard=2 (FSDP2 inside each stage) against pp=2 x dp=2 (each stage replicated) on

@@ -11,7 +11,7 @@ from rag_mm.config import ConfigError, compose, validate
 from tests.distributed import free_port
 from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import run_module
-from tests.rag_mm.test_train_pipeline import COMMON, STEPS, _losses
+from tests.rag_mm.test_train_pipeline import COMMON, STEPS, _evaluate, _losses
 
 
 def test_tp_config_rejections(tiny_world, tmp_path):
@@ -81,7 +81,8 @@ def test_torchrun_tp_matches_one_process(tiny_world, tmp_path):
 def test_torchrun_fsdp_matches_ddp(tiny_world, tmp_path):
     """parallel.dp_shard=2 (FSDP2: each rank holds half of the reader's parameters, gradients and
     Adam state) trains like data parallel on the same two ranks, whose gradients are averaged
-    through shared memory (parallel.grad_reduce=shm); the FSDP checkpoint is written."""
+    through shared memory (parallel.grad_reduce=shm); the FSDP checkpoint (DTensor shards written
+    by DCP), evaluated in one process, reads as the data-parallel run's."""
     runs = {}
     for name, extra in (("ddp", ["parallel.grad_reduce=shm"]), ("fsdp", ["parallel.dp_shard=2"])):
         d = tmp_path / name
@@ -104,3 +105,6 @@ def test_torchrun_fsdp_matches_ddp(tiny_world, tmp_path):
     a, b = _losses(runs["ddp"]), _losses(runs["fsdp"])
     assert len(a) == len(b) == STEPS
     assert b == pytest.approx(a, rel=2e-4, abs=2e-5), (a, b)
+    ea, eb = _evaluate(runs["ddp"]), _evaluate(runs["fsdp"])
+    assert eb["step"] == ea["step"] == STEPS and eb["n"] == ea["n"]
+    assert eb["nll"] == pytest.approx(ea["nll"], rel=2e-4), (ea, eb)
