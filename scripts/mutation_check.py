@@ -542,6 +542,34 @@ MUTATIONS = (
             "test_export_writes_the_query_tower_and_the_overrides_that_load_it",
         ),
     ),
+    Mutation(
+        "vlm-picture-tower",
+        "a VLM's vision warm-up reads the projector's output, not what the projector reads",
+        (
+            (
+                "rag_mm/model/hf_vlm.py",
+                "toks = caught[0]  # (N, P, W)",
+                "toks = self._encode(pics)  # (N, P, W)",
+            ),
+        ),
+        (
+            "tests/rag_mm/test_hf_vlm.py::test_picture_tower_is_what_the_projector_reads_and_trains_every_tower_layer",
+        ),
+    ),
+    Mutation(
+        "vlm-tower-rate",
+        "optim.vision_lr_scale leaves a VLM's tower at the full rate",
+        (
+            (
+                "rag_mm/components/optim.py",
+                'or ".vision." in name or ".vision_tower." in name',
+                'or ".vision." in name',
+            ),
+        ),
+        (
+            "tests/rag_mm/test_vision_ssl.py::test_vision_lr_scale_sets_the_towers_rate_or_freezes_it",
+        ),
+    ),
 )
 
 
