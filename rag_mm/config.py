@@ -173,9 +173,9 @@ class OptimConfig:
     grad_accum: int = 1  # micro-steps per optimizer step
     precision: str = "fp32"  # fp32 | bf16 (bf16 autocast on matmuls, fp32 master weights)
     # the vision tower's learning rate over ``lr`` (rag_mm's open_clip tower of the native and hf
-    # readers, a VLM's own tower). 1: trained as the rest; 0: frozen (LLaVA's recipe for a pretrained tower). A tower the
-    # vision warm-up gave form features loses them again when answers can be memorised per picture
-    # at the full rate (BENCHMARKS.md)
+    # readers, a VLM's own tower). 1: trained as the rest; 0: frozen (LLaVA's recipe for a
+    # pretrained tower). A tower the vision warm-up gave form features loses them again when
+    # answers can be memorised per picture at the full rate (BENCHMARKS.md)
     vision_lr_scale: float = 1.0
 
 
