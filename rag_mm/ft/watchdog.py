@@ -56,6 +56,7 @@ class Watchdog:
         self.seq, self.step, self.what, self.since = 0, 0, "start", time.monotonic()
         self._pub = self._reader = None
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._warned = -1
         self._published = -1
         if world_size <= 1:
@@ -68,7 +69,8 @@ class Watchdog:
             log.warning("watchdog disabled: cannot reach the rendezvous store: %s", exc)
             return
         self._publish()
-        threading.Thread(target=self._watch, name="rag_mm-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="rag_mm-watchdog", daemon=True)
+        self._thread.start()
 
     # ---------------------------------------------------------------------------- reporting
     def at(self, what: str, step: int | None = None) -> None:
@@ -177,4 +179,10 @@ class Watchdog:
                 )
 
     def close(self) -> None:
+        """Stop the publisher and wait for it: a daemon thread still inside a store call when the
+        interpreter finalises is killed as it takes the GIL back, and that unwinding through the
+        store's C++ frames aborts the process ("terminate called without an active exception")
+        after its work is done. Bounded: a call on a dead store gives up after its timeout."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STORE_TIMEOUT_S + PUBLISH_EVERY_S)
