@@ -25,6 +25,10 @@ from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
 
+# training queries whose mean embedding centres the query side of a centred index
+# (retriever.centre): enough for the mean of a 64-512-wide embedding to settle, one forward pass
+CALIBRATION_QUERIES = 512
+
 # the query splits a stream can read (data.<split> shard patterns)
 SPLITS = (
     "train",
@@ -81,9 +85,43 @@ def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True)
             factory=cfg.retriever.index_factory,
             batch_size=cfg.retriever.encode_batch_size,
             device=device,
+            queries=calibration_queries(cfg) if cfg.retriever.centre else None,
         )
     rag = RagModel(reader, store, cfg.retriever, retriever, memory, gold_queries)
     return RagParts(tok, store, reader, retriever, memory, rag)
+
+
+def calibration_queries(cfg: TrainConfig, n: int = CALIBRATION_QUERIES):
+    """The first ``n`` training queries in shard order, as evaluation reads them (no augmentation,
+    no shuffle), the same on every rank and in every process that builds the run: (image (n, 3,
+    H, W), q_ids, q_len) on the host."""
+    m = cfg.model
+    spec = StreamSpec(
+        urls=expand_urls(cfg.data.root, cfg.data.train),
+        image_size=m.image_size,
+        max_question=m.max_question,
+        max_answer=m.max_answer,
+        batch_size=min(n, cfg.data.eval_batch_size),
+        train=False,
+        tokenizer=reader_tokenizer(m),
+    )
+    parts: dict[str, list[torch.Tensor]] = {"image": [], "q_ids": [], "q_len": []}
+    got = 0
+    for batch in make_loader(spec, 0):
+        for key, v in parts.items():
+            v.append(batch[key])
+        got += len(batch["q_len"])
+        if got >= n:
+            break
+    width = max(t.shape[1] for t in parts["q_ids"])  # each batch is padded to its own longest
+    ids = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts["q_ids"]]
+    image, q_ids, q_len = (
+        torch.cat(parts["image"])[:n],
+        torch.cat(ids)[:n],
+        torch.cat(parts["q_len"])[:n],
+    )
+    log.info("retriever.centre: %d training queries calibrate the query side", len(q_len))
+    return image, q_ids, q_len
 
 
 def make_stream(

@@ -98,6 +98,11 @@ class RetrieverConfig:
     # order
     rerank: int = 0
     encode_batch_size: int = 256  # documents per forward pass when (re-)embedding the memory
+    # score cos(q - mean_q, d - mean_d): each refresh takes the mean embedding of the documents
+    # and of a fixed sample of training queries (retriever/memory.py), so the offset between
+    # queries of another kind than the memory's pictures (photos, another artist's drawing) and
+    # the documents stops compressing every score
+    centre: bool = False
     eval_examples: int = 16  # retrieved examples saved to retrieved_examples.json per evaluation
 
 

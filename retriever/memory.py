@@ -6,6 +6,15 @@ ranks (each rank embeds 1/W of every forward pass, then all-gather:
 ``retriever.sharded.embed_sharded``), as Atlas does; background refresh embeds a frozen copy of the
 encoder on the rebuild thread while training goes on with the old index, the way REALM's
 asynchronous index builder works.
+
+With calibration ``queries`` the index is centred: queries (photos, another artist's drawing)
+and documents (clean reference pictures) sit apart in the embedding space, a shared offset
+between the two kinds (the "modality gap" of CLIP's two towers, Liang et al. 2022) that
+every cosine carries and that compresses what tells one entity from another. Each refresh
+embeds the documents and a fixed sample of training queries with the same encoder, and
+scores ``cos(q - mean_q, d - mean_d)``: the index holds the centred documents, a search
+centres the query. Training's own losses (bank negatives, rerank aside) keep the raw
+embeddings.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from retriever.encoders import DualEncoder
 from retriever.errors import RefreshInterrupted
@@ -41,6 +51,7 @@ class RetrievalMemory:
         batch_size: int = 256,
         device=None,
         corpus_hash: str = "",
+        queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.encoder = encoder  # DualEncoder; only .embed_docs is used
         # (N, ...) on the host
@@ -60,6 +71,11 @@ class RetrievalMemory:
         ] = []  # wall time of each refresh (embedding + index build)
         # (N, E) of the last refresh: the negatives bank
         self.embeddings: torch.Tensor | None = None
+        # calibration queries (image (Q, 3, H, W), q_ids, q_len) on the host: their mean
+        # embedding centres the query side (see the module's note); None: no centring
+        self.queries = queries
+        # (index, query mean (E,), document mean (E,)) of the last refresh, swapped together
+        self._centred: tuple[FaissIndex, torch.Tensor, torch.Tensor] | None = None
         self._cancelled = False  # set by cancel(): a background refresh stops at its next batch
 
     def __len__(self) -> int:
@@ -71,11 +87,18 @@ class RetrievalMemory:
         return self.index._current is not None
 
     # ------------------------------------------------------------------------------ embedding
+    @property
+    def centred(self) -> bool:
+        return self.queries is not None
+
     @torch.no_grad()
-    def embed(self, encoder=None, rows: range | None = None) -> torch.Tensor:
-        """Embeddings (n, E) of ``rows`` (default all) with ``encoder`` (default the live one)."""
+    def embed(self, encoder=None, rows: range | None = None, queries: bool = False) -> torch.Tensor:
+        """Embeddings (n, E) of ``rows`` (default all) with ``encoder`` (default the live one):
+        of the documents, or with ``queries`` of the calibration queries (query tower)."""
         enc = encoder or self.encoder
-        rows = rows if rows is not None else range(len(self))
+        images, ids, lens = self.queries if queries else (self.images, self.text_ids, self.text_len)
+        side = enc.embed_queries if queries else enc.embed_docs
+        rows = rows if rows is not None else range(len(images))
         out = [torch.zeros(0, self._dim())]
         starts = range(rows.start, rows.stop, self.batch_size)
         for i, s in enumerate(starts):
@@ -85,10 +108,8 @@ class RetrievalMemory:
                 raise RefreshInterrupted(i, len(starts))
             idx = slice(s, min(rows.stop, s + self.batch_size))
             out.append(
-                enc.embed_docs(
-                    self.images[idx].to(self.device),
-                    self.text_ids[idx].to(self.device),
-                    self.text_len[idx].to(self.device),
+                side(
+                    images[idx].to(self.device), ids[idx].to(self.device), lens[idx].to(self.device)
                 )
                 .float()
                 .cpu()
@@ -111,27 +132,39 @@ class RetrievalMemory:
             log.info("index refresh at step %d skipped: the previous one is still running", step)
             return
         # training changes the live weights
-        frozen = _FrozenDocSide(self.encoder) if background else None
+        frozen = _FrozenDocSide(self.encoder, self.centred) if background else None
 
-        def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
+        def side(queries: bool) -> torch.Tensor:
             if frozen is not None:  # no collectives off the main thread: this rank embeds it all
-                return self.embed(encoder=frozen)
+                return self.embed(encoder=frozen, queries=queries)
             # in passes of batch_size rows, as one process embeds them, each split over the ranks
             # with the encoder's batch statistics spanning them: in training mode the ResNet tower's
             # BatchNorm normalises each pass as one process does
             return embed_sharded(
-                lambda rows: self.embed(rows=rows),
-                len(self),
+                lambda rows: self.embed(rows=rows, queries=queries),
+                len(self.queries[0]) if queries else len(self),
                 self._dim(),
                 chunk=self.batch_size,
                 jointly=lambda: Replicas.world().spanning(self.encoder),
                 should_stop=stop,
             )
 
+        raw: dict[str, torch.Tensor] = {}
+
+        def embed() -> torch.Tensor:  # called by rebuild, on its background thread if there is one
+            raw["docs"] = side(queries=False)
+            if not self.centred:
+                return raw["docs"]
+            raw["mean_q"], raw["mean_d"] = side(queries=True).mean(0), raw["docs"].mean(0)
+            return F.normalize(raw["docs"] - raw["mean_d"], dim=-1)
+
         start = time.perf_counter()
 
-        def keep(_: FaissIndex, emb: torch.Tensor) -> None:
-            self.embeddings = emb  # one reference assignment: readers see the old or the new bank
+        def keep(index: FaissIndex, _: torch.Tensor) -> None:
+            # one reference assignment each: readers see the old or the new bank (and index)
+            self.embeddings = raw["docs"]
+            if self.centred:
+                self._centred = (index, raw["mean_q"], raw["mean_d"])
             self.refresh_seconds.append(time.perf_counter() - start)
 
         # factory None is "auto": build_index picks default_factory(N, E).
@@ -181,17 +214,39 @@ class RetrievalMemory:
 
     # ------------------------------------------------------------------------------ search
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E)."""
-        scores, ids = self.index.search(queries.detach().float().cpu().numpy(), k)
+        """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E): the inner
+        product with the documents, or, centred, ``cos(q - mean_q, d - mean_d)``."""
+        q, index = queries.detach().float().cpu(), self.index
+        if self.centred:
+            if self._centred is None:
+                raise RuntimeError("the memory has no index yet: refresh() first")
+            index, mean_q, _ = self._centred
+            q = F.normalize(q - mean_q, dim=-1)
+        scores, ids = index.search(q.numpy(), k)
         return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
             np.ascontiguousarray(ids)
         )
 
+    def score(self, queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        """Scores (B, R) of queries (B, E) against their own documents (B, R, E) as a search
+        scores them (centred with the last refresh's means, or the inner product)."""
+        q, d = queries.float(), docs.float()
+        if self.centred and self._centred is not None:
+            _, mean_q, mean_d = self._centred
+            q = F.normalize(q - mean_q.to(q.device), dim=-1)
+            d = F.normalize(d - mean_d.to(d.device), dim=-1)
+        return torch.einsum("be,bre->br", q, d)
+
 
 class _FrozenDocSide:
-    """A copy of a DualEncoder's document side, taken at refresh time, for background embedding."""
+    """A copy of a DualEncoder's document side (and its query side, shared or not, for the
+    calibration queries of a centred memory), taken at refresh time, for background embedding."""
 
-    embed_docs = DualEncoder.embed_docs  # the same code, run on the copied weights
+    # the same code, run on the copied weights
+    embed_docs = DualEncoder.embed_docs
+    embed_queries = DualEncoder.embed_queries
 
-    def __init__(self, live: DualEncoder) -> None:
+    def __init__(self, live: DualEncoder, queries: bool = False) -> None:
         self.doc, self.cfg = copy.deepcopy(live.doc), live.cfg
+        if queries:
+            self.query = self.doc if live.query is live.doc else copy.deepcopy(live.query)

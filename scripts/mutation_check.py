@@ -570,6 +570,33 @@ MUTATIONS = (
             "tests/rag_mm/test_vision_ssl.py::test_vision_lr_scale_sets_the_towers_rate_or_freezes_it",
         ),
     ),
+    Mutation(
+        "centred-index",
+        "a centred memory searches with the raw query (its offset kept)",
+        (
+            (
+                "retriever/memory.py",
+                "q = F.normalize(q - mean_q, dim=-1)",
+                "q = F.normalize(q, dim=-1)",
+            ),
+        ),
+        (
+            "tests/retriever/test_centred_index.py",
+            "tests/rag_mm/test_centred_retrieval.py",
+        ),
+    ),
+    Mutation(
+        "watchdog-join",
+        "the watchdog's close leaves its publisher running",
+        (
+            (
+                "rag_mm/ft/watchdog.py",
+                "self._thread.join(timeout=STORE_TIMEOUT_S + PUBLISH_EVERY_S)",
+                "pass",
+            ),
+        ),
+        ("tests/ops/test_watchdog_exit.py",),
+    ),
 )
 
 

@@ -178,9 +178,7 @@ class RagModel(nn.Module):
             docs["doc_ids"].flatten(0, 1),
             docs["doc_len"].flatten(0, 1),
         ).view(B, R, -1)  # (B, R, E)
-        fresh = torch.einsum(
-            "be,bre->br", q_emb.float(), d.float()
-        ).cpu()  # (B, R) as the index scores (inner product)
+        fresh = self.memory.score(q_emb, d).cpu()  # (B, R) as the index scores them
         fresh = fresh.masked_fill(cand < 0, float("-inf"))
         order = fresh.argsort(dim=1, descending=True, stable=True)  # (B, R)
         rows, cols = torch.arange(B, device=dev)[:, None], order.to(dev)

@@ -298,6 +298,8 @@ def test_torchrun_pipeline_retriever_copies_stay_one(tiny_world, tmp_path):
         "retriever.vision_width=16",
         "retriever.shared_towers=true",
         "retriever.fusion=image",
+        # the centred index: the calibration queries' refresh is sharded like the documents'
+        "retriever.centre=true",
         "parallel.pp=2",
         "parallel.microbatches=2",
     ]
