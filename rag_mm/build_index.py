@@ -294,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     if gold is not None:
         for r in sorted({1, 5, k}):
             report[f"gold_recall@{r}"] = float(np.mean([g in f[:r] for g, f in zip(gold, found)]))
+    if enc.cfg.centre:  # this file holds what the tower gives; the run scores centred vectors
+        report["note"] = (
+            "raw document embeddings; the run scores them centred (retriever.centre), with its "
+            "training queries' mean, as rag_mm.evaluate and rag_mm.ask index them"
+        )
     print(json.dumps(report))
     if dist.is_initialized():
         dist.destroy_process_group()

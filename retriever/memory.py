@@ -13,7 +13,7 @@ between the two kinds (the "modality gap" of CLIP's two towers, Liang et al. 202
 every cosine carries and that compresses what tells one entity from another. Each refresh
 embeds the documents and a fixed sample of training queries with the same encoder, and
 scores ``cos(q - mean_q, d - mean_d)``: the index holds the centred documents, a search
-centres the query. Training's own losses (bank negatives, rerank aside) keep the raw
+and a rerank centre the query. The contrastive loss and its bank negatives keep the raw
 embeddings.
 """
 
@@ -53,7 +53,7 @@ class RetrievalMemory:
         corpus_hash: str = "",
         queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        self.encoder = encoder  # DualEncoder; only .embed_docs is used
+        self.encoder = encoder  # DualEncoder; .embed_docs (and .embed_queries when centred)
         # (N, ...) on the host
         self.images, self.text_ids, self.text_len = (
             images,

@@ -135,6 +135,7 @@ def test_build_index_script_round_trip(tmp_path):
         "k=5",
         f"save_embeddings={tmp_path}/emb_",
         *[f"retriever.{k}={v}" for k, v in SMALL.items()],
+        "retriever.centre=true",  # a run that scores centred vectors: the file says it is raw
     ]
     res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -142,6 +143,7 @@ def test_build_index_script_round_trip(tmp_path):
     assert (
         report["num_docs"] == 20 and report["recall@5_vs_exact"] == 1.0 and report["queries"] == 20
     )
+    assert "retriever.centre" in report["note"]
     import numpy as np  # the saved embeddings are what scripts/bench/index.py --embeddings reads
 
     assert np.load(tmp_path / "emb_docs.npy").shape == (20, 16) and np.load(
