@@ -14,7 +14,7 @@ import torch
 from rag_mm.config import ConfigError, TrainConfig, data_splits, reader_tokenizer
 from rag_mm.data.balance import answer_balance
 from rag_mm.data.documents import DocumentStore
-from rag_mm.data.pipeline import StreamSpec, make_loader
+from rag_mm.data.pipeline import DataError, StreamSpec, make_loader
 from rag_mm.data.tokenizer import get_tokenizer
 from rag_mm.data.urls import expand_urls
 from rag_mm.model.factory import build_reader
@@ -107,12 +107,16 @@ def calibration_queries(cfg: TrainConfig, n: int = CALIBRATION_QUERIES):
     )
     parts: dict[str, list[torch.Tensor]] = {"image": [], "q_ids": [], "q_len": []}
     got = 0
-    for batch in make_loader(spec, 0):
-        for key, v in parts.items():
-            v.append(batch[key])
-        got += len(batch["q_len"])
-        if got >= n:
-            break
+    try:
+        for batch in make_loader(spec, 0):
+            for key, v in parts.items():
+                v.append(batch[key])
+            got += len(batch["q_len"])
+            if got >= n:
+                break
+    except DataError as exc:  # evaluate and ask read the training split for this alone: say so
+        what = f"retriever.centre centres queries with the training queries' mean, but {exc.what}"
+        raise DataError(what, exc.urls, exc.counts) from None
     width = max(t.shape[1] for t in parts["q_ids"])  # each batch is padded to its own longest
     ids = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in parts["q_ids"]]
     image, q_ids, q_len = (

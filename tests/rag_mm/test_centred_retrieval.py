@@ -4,11 +4,13 @@ index the trainer and the evaluation search is centred with them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from rag_mm.build import build_rag, make_stream
 from rag_mm.config import compose
+from rag_mm.data.pipeline import DataError
 from tests.rag_mm.conftest import LEARNED_RUN, tiny_overrides
 
 
@@ -45,3 +47,9 @@ def test_centred_memory_calibrates_on_the_training_queries(tiny_world, tmp_path)
         compose(tiny_overrides(tiny_world, tmp_path, *LEARNED_RUN)), torch.device("cpu")
     )
     assert plain.memory.queries is None
+
+
+def test_centred_memory_without_training_queries_says_why_it_needs_them(tiny_world, tmp_path):
+    over = [*LEARNED_RUN, "retriever.centre=true", "data.train='gone/train-{000000..000001}.tar'"]
+    with pytest.raises(DataError, match=r"retriever.centre centres queries .* no readable sample"):
+        build_rag(compose(tiny_overrides(tiny_world, tmp_path, *over)), torch.device("cpu"))
