@@ -256,6 +256,7 @@ class Asker:
             q = {k: x[k] for k in ("image", "q_ids", "q_len")}
             _, ids, ret = rag.reader_inputs(q, search_k=show if learned else 0, grad=False)
             sims = ret[3] if ret is not None else None  # (B, max(k, show)) nearest first
+            ids = ids.cpu() if ids is not None else None  # the device search's are on the device
             # what evaluate()'s forward hands its greedy decoding: the ids and the scaled scores of
             # the k read
             scores = (

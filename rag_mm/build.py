@@ -21,6 +21,7 @@ from rag_mm.model.factory import build_reader
 from rag_mm.model.layout import ReaderBase
 from rag_mm.model.rag import RagModel
 from retriever.encoders import DualEncoder
+from retriever.exact import search_on_device, store_fits
 from retriever.memory import RetrievalMemory
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,13 @@ def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True)
             retriever = DualEncoder(cfg.retriever, m.image_size).to(device)
         except ValueError as exc:  # a retriever.checkpoint of other towers
             raise ConfigError(str(exc)) from None
+        r = cfg.retriever
+        try:
+            on_device = search_on_device(r.search, r.index_factory, len(store), r.embed_dim, device)
+        except ValueError as exc:  # retriever.search=device with an approximate index
+            raise ConfigError(str(exc)) from None
+        if on_device and store_fits(store.images.nbytes + store.text_ids.nbytes, device):
+            store = store.to(device)  # the search's ids index it where they are
         memory = RetrievalMemory(
             retriever,
             store.images,
@@ -86,6 +94,7 @@ def build_rag(cfg: TrainConfig, device: torch.device, gold_queries: bool = True)
             batch_size=cfg.retriever.encode_batch_size,
             device=device,
             queries=calibration_queries(cfg) if cfg.retriever.centre else None,
+            on_device=on_device,
         )
     rag = RagModel(reader, store, cfg.retriever, retriever, memory, gold_queries)
     return RagParts(tok, store, reader, retriever, memory, rag)

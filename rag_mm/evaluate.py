@@ -138,7 +138,7 @@ def evaluate(
     for batch in _batches(
         loader, max_batches, stop, name, before_stop=lambda: rag.train(was_training)
     ):
-        out = rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k)
+        out = _on_host(rag(**batch_inputs(batch, device), retriever_loss=False, search_k=search_k))
         held = batch["heldout"]
         correct, nll = out.reader.correct.cpu(), out.reader.nll.cpu()
         kinds.add(batch.get("attribute") or [""] * len(correct), correct, held)
@@ -229,7 +229,9 @@ def evaluate(
             know.add_passages(batch, read, store, gold=oracle)
         if ablation:
             blank = _blank(batch)
-            out_blank = rag(**batch_inputs(blank, device), retriever_loss=False, search_k=search_k)
+            out_blank = _on_host(
+                rag(**batch_inputs(blank, device), retriever_loss=False, search_k=search_k)
+            )
             _add(typed, "correct_blank", types, out_blank.reader.correct.cpu())
             if vqa_rows:
                 _add_vqa(typed, "_blank", rag, blank, out_blank, device, rows, types, tok)
@@ -474,6 +476,14 @@ def _png_b64(img: torch.Tensor) -> str:
     buf = io.BytesIO()
     Image.fromarray(x).save(buf, format="PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def _on_host(out):
+    """A forward's output with its retrieved ids on the host, beside the batch's gold ids (the
+    device search, ``retriever.search``, answers on the device)."""
+    if out.doc_ids is not None:
+        out.doc_ids = out.doc_ids.cpu()
+    return out
 
 
 def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:

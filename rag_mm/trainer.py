@@ -280,7 +280,9 @@ class Trainer:
         reads = loss == "joint" or self.rag.gold_queries
         loss_sum = torch.zeros((), device=self.device)
         r_loss_sum = torch.zeros((), device=self.device)
-        hits, n_hit = torch.zeros((), dtype=torch.long), 0  # CPU: the search's ids are on the host
+        # the search's counts, on its device (the host, or the GPU with the device search): read
+        # at log steps, not here
+        hits = n_hit = 0
         # every micro-step's batch first: the reader's loss is the token mean of the whole step,
         # whose count over the replicas is known before the first backward
         batches = [self._next_inputs(it) if reads else self._no_queries() for _ in range(accum)]
@@ -299,8 +301,8 @@ class Trainer:
             loss_sum += out.loss if tokens is not None else out.loss / accum
             if out.retriever_loss is not None:
                 r_loss_sum += out.retriever_loss / accum
-            if out.hit is not None:
-                hits, n_hit = hits + out.hit.sum(), n_hit + out.hit.numel()
+            if out.hits is not None:
+                hits, n_hit = hits + out.hits[0], n_hit + out.hits[1]
         gnorm = self.spread.clip_grad_norm_(c.optim.grad_clip or float("inf"))
         # every rank must take the same decision, so agree on finiteness
         self.watch.at("all_reduce: non-finite check")

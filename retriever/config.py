@@ -10,6 +10,7 @@ LOSSES = ("contrastive", "pdist", "emdr", "adist")
 FUSIONS = ("sum", "image", "text")
 VISION_TOWERS = ("vit", "resnet")
 PSEUDO_VIEWS = ("jitter", "photo")  # retriever/augment.py VIEW_STYLES
+SEARCH_SETTINGS = ("auto", "faiss", "device")  # retriever/exact.py search_on_device
 # the sizes that shape the dual encoder's towers (a checkpoint loads only into the same)
 TOWER_SIZES = (
     "embed_dim",
@@ -90,6 +91,11 @@ class RetrieverConfig:
     query_side_only: bool = False
     # -- index and refresh -----------------------------------------------------------------------
     index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
+    # where the memory is searched: "device" (exact: one matmul + top-k on the training device,
+    # the document store there too, so a step's search and fetch never wait on the host),
+    # "faiss" (faiss on the host, any index_factory), "auto" (device on CUDA when the index is
+    # exact, faiss on the CPU); retriever/exact.py
+    search: str = "auto"
     refresh_every: int = 50  # steps between re-embedding the memory (0 = never)
     refresh_background: bool = False  # rebuild in a background thread while training goes on
     # over-retrieve then rerank (Atlas): the index's top ``rerank`` candidates are re-embedded by
@@ -123,6 +129,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(f"retriever.reader_shuffle is a share, in [0, 1] (got {cfg.reader_shuffle})")
     if cfg.pseudo_tone < 0:
         e.append(f"retriever.pseudo_tone must be >= 0 (got {cfg.pseudo_tone})")
+    if cfg.search not in SEARCH_SETTINGS:
+        e.append(f"retriever.search must be one of {SEARCH_SETTINGS} (got {cfg.search!r})")
     if cfg.pseudo_view not in PSEUDO_VIEWS:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:

@@ -15,6 +15,11 @@ embeds the documents and a fixed sample of training queries with the same encode
 scores ``cos(q - mean_q, d - mean_d)``: the index holds the centred documents, a search
 and a rerank centre the query. The contrastive loss and its bank negatives keep the raw
 embeddings.
+
+With ``on_device`` the index is ``retriever.exact.TorchFlatIndex`` on the training device (exact
+search, one matmul and a top-k) and the bank negatives live there too: a search takes the query
+embeddings where they are and answers there, with no copy to the host. Otherwise faiss searches
+on the host.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 
 from retriever.encoders import DualEncoder
 from retriever.errors import RefreshInterrupted
+from retriever.exact import TorchFlatIndex
 from retriever.index import FaissIndex
 from retriever.replicas import Replicas
 from retriever.serve import DocumentIndex
@@ -52,6 +58,7 @@ class RetrievalMemory:
         device=None,
         corpus_hash: str = "",
         queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        on_device: bool = False,
     ) -> None:
         self.encoder = encoder  # DualEncoder; .embed_docs (and .embed_queries when centred)
         # (N, ...) on the host
@@ -77,6 +84,10 @@ class RetrievalMemory:
         # (index, query mean (E,), document mean (E,)) of the last refresh, swapped together
         self._centred: tuple[FaissIndex, torch.Tensor, torch.Tensor] | None = None
         self._cancelled = False  # set by cancel(): a background refresh stops at its next batch
+        # search by TorchFlatIndex on self.device (retriever.exact.search_on_device decides),
+        # else by faiss on the host
+        self.on_device = on_device
+        self._ids_t = torch.from_numpy(self.doc_ids).to(self.device if on_device else "cpu")
 
     def __len__(self) -> int:
         return len(self.doc_ids)
@@ -160,12 +171,19 @@ class RetrievalMemory:
 
         start = time.perf_counter()
 
-        def keep(index: FaissIndex, _: torch.Tensor) -> None:
+        # the bank and the means live where the index searches: on the device, or the host
+        home = self.device if self.on_device else torch.device("cpu")
+
+        def keep(index: FaissIndex | TorchFlatIndex, _: torch.Tensor) -> None:
             # one reference assignment each: readers see the old or the new bank (and index)
-            self.embeddings = raw["docs"]
+            self.embeddings = raw["docs"].to(home)
             if self.centred:
-                self._centred = (index, raw["mean_q"], raw["mean_d"])
+                self._centred = (index, raw["mean_q"].to(home), raw["mean_d"].to(home))
             self.refresh_seconds.append(time.perf_counter() - start)
+
+        build = None
+        if self.on_device:
+            build = lambda x, ids: TorchFlatIndex(x, ids, device=home)  # noqa: E731
 
         # factory None is "auto": build_index picks default_factory(N, E).
         self.index.rebuild(
@@ -178,6 +196,7 @@ class RetrievalMemory:
             search_params=None,
             encoder_hash=f"step{step}",
             corpus_hash=self.corpus_hash,
+            build=build,
         )
 
     def wait(self) -> None:
@@ -210,18 +229,25 @@ class RetrievalMemory:
             if n < len(bank)
             else torch.arange(len(bank))
         )
-        return bank[rows], torch.from_numpy(self.doc_ids)[rows]
+        if self.on_device:  # the draw stays on the CPU's generator, so both searches agree
+            rows = rows.to(bank.device, non_blocking=True)
+        return bank[rows], self._ids_t[rows]
 
     # ------------------------------------------------------------------------------ search
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E): the inner
-        product with the documents, or, centred, ``cos(q - mean_q, d - mean_d)``."""
-        q, index = queries.detach().float().cpu(), self.index
+        product with the documents, or, centred, ``cos(q - mean_q, d - mean_d)``. On the device
+        (``on_device``) the results are on the queries' device, else on the host."""
+        q, index = queries.detach().float(), self.index
+        q = q if self.on_device else q.cpu()
         if self.centred:
             if self._centred is None:
                 raise RuntimeError("the memory has no index yet: refresh() first")
-            index, mean_q, _ = self._centred
+            index, mean_q, _ = self._centred  # on the index's side: q's device
             q = F.normalize(q - mean_q, dim=-1)
+        if self.on_device:
+            scores, ids = index.search(q, k)
+            return scores.to(queries.device), ids.to(queries.device)
         scores, ids = index.search(q.numpy(), k)
         return torch.from_numpy(np.ascontiguousarray(scores)), torch.from_numpy(
             np.ascontiguousarray(ids)

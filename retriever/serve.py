@@ -67,6 +67,7 @@ class DocumentIndex:
         background: bool = False,
         retrain: bool = True,
         on_swap: Callable[[FaissIndex, Any], None] | None = None,
+        build: Callable[[Any, Any], Any] | None = None,
         **build_kwargs: Any,
     ) -> FaissIndex | Future:
         """Build an index from fresh ``embeddings`` and swap it in: one call.
@@ -76,11 +77,13 @@ class DocumentIndex:
         embeddings)`` runs on that thread right after the swap. ``retrain=False`` reuses the
         current index's trained quantizers (no k-means). Other keywords go to ``build_index``
         (factory, metric, train_size, encoder_hash, corpus_hash, ...); by default the current
-        index's factory, metric and search params carry over. With ``background=True`` returns a
-        ``Future`` of the new index; the caller must not modify ``embeddings`` until it completes.
+        index's factory, metric and search params carry over. ``build(embeddings, ids)`` makes
+        the index instead of ``build_index`` (``retriever.exact.TorchFlatIndex``: anything with a
+        ``search``); the keywords are then unused. With ``background=True`` returns a ``Future``
+        of the new index; the caller must not modify ``embeddings`` until it completes.
         """
         old = self._current
-        if old is not None:
+        if old is not None and build is None:
             build_kwargs.setdefault("factory", old.meta.factory)
             build_kwargs.setdefault("metric", old.meta.metric)
             build_kwargs.setdefault("search_params", dict(old.meta.search_params))
@@ -90,7 +93,7 @@ class DocumentIndex:
         def job() -> FaissIndex:
             t = time.perf_counter()
             x = embeddings() if callable(embeddings) else embeddings
-            new = build_index(x, ids, **build_kwargs)
+            new = build(x, ids) if build is not None else build_index(x, ids, **build_kwargs)
             self.swap(new)
             log.info("rebuilt %r in %.1fs (version %d)", new, time.perf_counter() - t, self.version)
             if on_swap is not None:

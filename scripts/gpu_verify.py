@@ -21,6 +21,9 @@ Steps, in priority order (each with a time cap; ``--budget`` seconds for all of 
 * ``demo``: the demo reader at batch 32, eager and with every block compiled.
 * ``profile``: two steps of the fastest configuration under torch.profiler: GPU busy share, device
   time by kind, top kernels, host syncs per step.
+* ``search``: the memory search at the flat limit (100,000 documents, 256-d, 32 queries, top 4):
+  exact search on the device (``retriever.search=device``) against faiss's Flat index on the host,
+  ms each and whether they return the same documents.
 
 ``$OUT/gpu_verify.json`` is rewritten after every step (a killed run keeps what finished). A step
 that runs past its cap is stopped and recorded as ``timeout``; the steps after it still run. The
@@ -46,7 +49,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("probe", "step_A", "step_B", "step_C", "step_D", "step_E", "attention", "demo", "profile")
+ORDER = (
+    "probe",
+    "step_A",
+    "step_B",
+    "step_C",
+    "step_D",
+    "step_E",
+    "attention",
+    "demo",
+    "profile",
+    "search",
+)
 # seconds per step on one H100 (compilation included); the dry run allows more on a shared CPU
 CAPS = {
     "probe": 25,
@@ -58,6 +72,7 @@ CAPS = {
     "attention": 50,
     "demo": 70,
     "profile": 35,
+    "search": 30,
 }
 DRY_CAP = 150
 # with --build the first step a worker runs also compiles (or loads) the fused attention
@@ -346,6 +361,9 @@ def verdict(steps: dict, dry: bool) -> dict:
             "demo reader: >= 10,000 samples/s",
             max(r["samples_per_s"] for r in dm["rows"]) >= 10_000,
         )
+    se = res.get("search")
+    if se:
+        check("search: the device search finds faiss's documents", se["same_ids"], speed=False)
     pr = res.get("profile")
     if pr:
         check("profile: zero host syncs inside the step", pr["host_syncs_per_step"] == 0)

@@ -489,7 +489,7 @@ MUTATIONS = (
         (
             (
                 "rag_mm/components/refresh.py",
-                "        self.drift[half][0] += int(done.hits)",
+                "        self.drift[half][0] += done.hits",
                 "        self.drift[half][0] += 0",
             ),
         ),
@@ -596,6 +596,42 @@ MUTATIONS = (
             ),
         ),
         ("tests/ops/test_watchdog_exit.py",),
+    ),
+    Mutation(
+        "device-search-ties",
+        "the device search breaks ties by the highest document id",
+        (
+            (
+                "retriever/exact.py",
+                "rev = (self.ntotal - 1) - torch.arange(self.ntotal, device=self.device)",
+                "rev = torch.arange(self.ntotal, device=self.device)",
+            ),
+        ),
+        ("tests/retriever/test_exact.py",),
+    ),
+    Mutation(
+        "device-search-host",
+        "the device search sends its queries through the host",
+        (
+            (
+                "retriever/memory.py",
+                "q = q if self.on_device else q.cpu()",
+                "q = q.cpu()",
+            ),
+        ),
+        ("tests/gpu_fake/test_device_search.py",),
+    ),
+    Mutation(
+        "gold-hits-unnamed",
+        "the training recall counts queries that name no gold document",
+        (
+            (
+                "rag_mm/model/rag.py",
+                "return ((ids == g[:, None]).any(1) & named).sum(), named.sum()",
+                "return (ids == g[:, None]).any(1).sum(), named.sum()",
+            ),
+        ),
+        ("tests/rag_mm/test_search_device.py",),
     ),
 )
 

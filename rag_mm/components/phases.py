@@ -25,10 +25,10 @@ class StepSums:
     grad_norm: torch.Tensor  # () the global gradient norm before clipping
     # () the retriever's loss, mean over the micro-steps; None: the phase trains no retriever
     retriever_loss: torch.Tensor | None = None
-    # () on the CPU (the search's ids are on the host): queries naming their gold document whose
-    # top-k holds it, out of ``n_hit`` such queries
+    # queries naming their gold document whose top-k holds it, out of ``n_hit`` such queries:
+    # () tensors on the search's device (read at log steps only) or 0
     hits: torch.Tensor | int = 0
-    n_hit: int = 0
+    n_hit: torch.Tensor | int = 0
 
 
 def _no_cadence(step: int, done: StepSums, logged: dict | None) -> bool:
@@ -88,7 +88,7 @@ class Window:
         if r_losses:
             rec["retriever_loss"] = float(torch.stack(r_losses).mean())
         if recall_key is not None:
-            n_hit = sum(s.n_hit for s in self.steps)
+            n_hit = int(sum(s.n_hit for s in self.steps))
             rec[recall_key] = float(sum(s.hits for s in self.steps)) / n_hit if n_hit else None
         self.steps, self.t0 = [], time.perf_counter()
         return rec

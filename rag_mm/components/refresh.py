@@ -106,12 +106,13 @@ class IndexRefresh:
     def count(self, step: int, done: StepSums) -> None:
         """Joint step ``step``'s gold-document hits, by the age of the index it searched (this
         rank's queries)."""
-        if not self.in_training or not done.n_hit:
+        if not self.in_training:
             return
         every = self.rcfg.refresh_every
         since = (step - 1) % every  # steps searched on this index before this one
         half = int(since >= every / 2)
-        self.drift[half][0] += int(done.hits)  # CPU tensor: the search's ids are on the host
+        # counts on the search's device, read once by summary(): no host sync in the step
+        self.drift[half][0] += done.hits
         self.drift[half][1] += done.n_hit
 
     def summary(self, train_time: float, warmup_time: float) -> dict:
@@ -122,7 +123,7 @@ class IndexRefresh:
         r = self.rcfg
         self.memory.wait()
         total = self.seconds
-        (fh, fn), (sh, sn) = self.drift
+        (fh, fn), (sh, sn) = ((int(h), int(n)) for h, n in self.drift)
         fresh, stale = (fh / fn if fn else None), (sh / sn if sn else None)
         return {
             "index_refreshes": len(self.memory.refresh_seconds),

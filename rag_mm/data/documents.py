@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import webdataset as wds
@@ -33,19 +33,41 @@ class DocumentStore:
     skipped: dict[str, int]  # corrupt documents dropped while loading
 
     def __post_init__(self) -> None:
-        self._row = {int(d): i for i, d in enumerate(self.ids.tolist())}
+        # ids in ascending order and the row of each: ids -> rows by a binary search that runs
+        # on the store's device, so a fetch of ids found there needs no host round trip
+        self._sorted, self._order = self.ids.sort(stable=True)
 
     def __len__(self) -> int:
         return len(self.passages)
 
+    @property
+    def device(self) -> torch.device:
+        return self.ids.device
+
+    def to(self, device) -> DocumentStore:
+        """The same documents with their tensors on ``device`` (the device search's store)."""
+        move = {f: getattr(self, f).to(device) for f in ("ids", "images", "text_ids", "text_len")}
+        return replace(self, **move)
+
     def rows(self, doc_ids: torch.Tensor) -> torch.Tensor:
-        """Map document ids (any shape) to row indices; unknown ids raise KeyError."""
-        flat = [self._row[int(d)] for d in doc_ids.reshape(-1).tolist()]
-        return torch.tensor(flat, dtype=torch.long).view(doc_ids.shape)
+        """Map document ids (any shape) to row indices, on the store's device; unknown ids raise
+        KeyError on the CPU. On a GPU they are not checked, which would cost a sync: the ids
+        come from searches of an index built from this store."""
+        d = doc_ids.to(self.device)
+        pos = torch.searchsorted(self._sorted, d.reshape(-1)).clamp_(max=max(len(self) - 1, 0))
+        if self.device.type == "cpu":
+            bad = (
+                d.reshape(-1)
+                if len(self) == 0
+                else d.reshape(-1)[self._sorted[pos] != d.reshape(-1)]
+            )
+            if len(bad):
+                raise KeyError(int(bad[0]))
+        return self._order[pos].view(doc_ids.shape)
 
     def fetch(self, doc_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """Documents for a (B, k) id tensor: images (B, k, 3, H, W), text (B, k, Lt), lengths (B,
-        k)."""
+        k), on the store's device."""
         r = self.rows(doc_ids)
         return {
             "doc_image": self.images[r],

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import parallel
 from parallel.timeline import write_run_timeline
 from rag_mm.config import TrainConfig, parallel_config
-from rag_mm.model.rag import RagModel, RagOutput, one_document_inputs
+from rag_mm.model.rag import RagModel, RagOutput, gold_hits, one_document_inputs
 from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
 
@@ -69,8 +69,9 @@ class StepOut:
     loss: torch.Tensor
     # () the retriever's loss, before its weight (None: no learned retriever)
     retriever_loss: torch.Tensor | None
-    # (n,) bool, CPU: for each query naming its gold document, whether the top-k holds it
-    hit: torch.Tensor | None
+    # () counts, on the search's device: queries naming their gold document whose top-k holds
+    # it, and queries naming one (``rag_mm.model.rag.gold_hits``); None: no retrieval
+    hits: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def _answer_tokens(inputs: dict, _target=None) -> torch.Tensor:
@@ -237,12 +238,12 @@ class SpreadRag:
             raise ValueError(f"loss must be one of {STEP_LOSSES} (got {loss!r})")
         retriever_sync.broadcast_buffers(self.rag.retriever)
         if loss == "retriever":
-            r_loss, hit = self.rag.retriever_warmup(**inputs)
+            r_loss, hits = self.rag.retriever_warmup(**inputs)
             with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
                 (scale * r_loss).backward()
             if sync:
                 retriever_sync.average_grads(self.rag.retriever)
-            return StepOut(r_loss.detach(), r_loss.detach(), hit)
+            return StepOut(r_loss.detach(), r_loss.detach(), hits)
         x, ids, ret = self._reader_inputs(inputs, train=True)
         attention = (
             self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
@@ -283,11 +284,10 @@ class SpreadRag:
             (self.rcfg.loss_weight * scale * r_loss).backward()
         if sync:
             retriever_sync.average_grads(self.rag.retriever)
-        hit = None
+        hits = None
         if gold is not None and ids is not None:  # recall of the queries naming their gold document
-            g = gold.cpu()
-            hit = (ids[:, : self.rcfg.top_k] == g[:, None]).any(1)[g >= 0]
-        return StepOut(reader_loss, r_loss.detach(), hit)
+            hits = gold_hits(ids[:, : self.rcfg.top_k], gold)
+        return StepOut(reader_loss, r_loss.detach(), hits)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global-norm clipping over the whole model, reader and retriever

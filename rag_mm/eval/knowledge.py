@@ -72,7 +72,7 @@ class KnowledgeSums:
         """Pseudo-recall of the documents ``doc_ids`` (B, K) (``gold``: the oracle's gold one)."""
         ids = doc_ids.cpu()
         known = ids >= 0  # faiss pads short result lists with -1
-        rows = store.rows(torch.where(known, ids, store.ids[0])).tolist()
+        rows = store.rows(torch.where(known, ids, int(store.ids[0]))).tolist()
         answers = batch.get("answers") or [None] * len(rows)
         kvqas = batch.get("kvqa") or [None] * len(rows)
         for b, (row_ids, ok) in enumerate(zip(rows, known.tolist())):

@@ -58,7 +58,9 @@ class RagModel(nn.Module):
         self.reader = reader
         self.retriever = retriever
         self.rcfg = rcfg
-        self.store = store  # host tensors, not parameters
+        # tensors, not parameters: on the host, or on the device with the device search
+        # (retriever.search)
+        self.store = store
         self.memory = memory
         # whether the training queries name their gold documents (json doc_id, as
         # rag_mm.checks.gold finds the data): without them the contrastive terms use pseudo-queries
@@ -146,10 +148,12 @@ class RagModel(nn.Module):
             docs = self._docs(top, dev)
         if grad and self.training and self.rcfg.reader_shuffle > 0:
             # a share of the queries read their k documents shuffled, the prior hidden
-            # (rag_mm/model/reading_order.py); the retriever's loss sees the same order
-            order, blind = shuffled_reads(top, self.rcfg.reader_shuffle)  # (B, k), (B,)
+            # (rag_mm/model/reading_order.py); the retriever's loss sees the same order. The
+            # draw hashes the ids on the host: with the device search, a copy of (B, k) ids
+            order, blind = shuffled_reads(top.cpu(), self.rcfg.reader_shuffle)  # (B, k), (B,)
+            order = order.to(top.device, non_blocking=True)
             top = top.gather(1, order)
-            sims = torch.cat([sims[:, :k].gather(1, order), sims[:, k:]], 1)
+            sims = torch.cat([sims[:, :k].gather(1, order.to(sims.device)), sims[:, k:]], 1)
             rows, cols = torch.arange(len(order), device=dev)[:, None], order.to(dev)
             docs = {name: v[rows, cols] for name, v in docs.items()}
         x = {**q, **docs}
@@ -178,7 +182,7 @@ class RagModel(nn.Module):
             docs["doc_ids"].flatten(0, 1),
             docs["doc_len"].flatten(0, 1),
         ).view(B, R, -1)  # (B, R, E)
-        fresh = self.memory.score(q_emb, d).cpu()  # (B, R) as the index scores them
+        fresh = self.memory.score(q_emb, d).to(ids.device)  # (B, R) as the index scores them
         fresh = fresh.masked_fill(cand < 0, float("-inf"))
         order = fresh.argsort(dim=1, descending=True, stable=True)  # (B, R)
         rows, cols = torch.arange(B, device=dev)[:, None], order.to(dev)
@@ -266,12 +270,12 @@ class RagModel(nn.Module):
 
     def retriever_warmup(
         self, image, q_ids, q_len, gold, **_unused
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Retriever-only contrastive loss of a batch, no reader (the warm-up phase): returns the
-        loss () and, for each query naming its gold document, whether that document is in the
-        index's top-k (n,) bool. Queries naming none take no part; when no training query names
-        one (``gold_queries`` off) the pseudo-queries alone make the loss, as Contriever trains
-        without labels, and the queries are not even embedded."""
+        loss () and ``gold_hits`` of the index's top-k. Queries naming no gold document take no
+        part; when no training query names one (``gold_queries`` off) the pseudo-queries alone
+        make the loss, as Contriever trains without labels, and the queries are not even
+        embedded."""
         if not self._has_rows():
             raise ValueError(
                 "the retriever warm-up needs gold documents (json doc_id) or "
@@ -279,14 +283,13 @@ class RagModel(nn.Module):
             )
         if not self.gold_queries:
             q_emb = torch.zeros(0, self.retriever.cfg.embed_dim, device=image.device)  # (0, E)
-            return self._contrastive(q_emb, gold[:0]), torch.zeros(0, dtype=torch.bool)
+            none = torch.zeros((), dtype=torch.long)
+            return self._contrastive(q_emb, gold[:0]), (none, none)
         with self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
         _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
         keep = self._labelled(gold)
-        return self._contrastive(q_emb[keep], gold[keep]), (ids == gold.cpu()[:, None]).any(1)[
-            keep.cpu()
-        ]
+        return self._contrastive(q_emb[keep], gold[keep]), gold_hits(ids, gold)
 
     def _labelled(self, gold: torch.Tensor) -> torch.Tensor:
         """(B,) bool: the queries whose gold document the contrastive terms may use."""
@@ -340,6 +343,7 @@ class RagModel(nn.Module):
             # one draw of the configured count, alike on replicas whose generators agree; each
             # embeds its share
             rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
+            rows = rows.to(self.store.device, non_blocking=True)  # the draw on the CPU's generator
             pics = self.store.images[rows].to(dev)
             style = self.rcfg.pseudo_view
             views = (
@@ -359,7 +363,7 @@ class RagModel(nn.Module):
             )
             q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
             gold = torch.cat([gold, self.store.ids[rows].to(dev)])
-        g_docs = self._docs(gold[:, None].cpu(), dev)
+        g_docs = self._docs(gold[:, None], dev)
         # (B, E)
         g_emb = enc.embed_docs(
             g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0]
@@ -372,6 +376,15 @@ class RagModel(nn.Module):
         score)."""
         B, k = docs["doc_ids"].shape[:2]
         return self.reader(**one_document_inputs(q, docs)).nll.view(B, k)
+
+
+def gold_hits(ids: torch.Tensor, gold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of the queries naming their gold document (``gold`` (B,) >= 0), how many have it among
+    their retrieved ``ids`` (B, k), and how many there are: two () counts on ``ids``' device
+    (the device search's: not read back, which would be a host sync in the step)."""
+    g = gold.to(ids.device)
+    named = g >= 0
+    return ((ids == g[:, None]).any(1) & named).sum(), named.sum()
 
 
 def one_document_inputs(q: dict, docs: dict) -> dict:

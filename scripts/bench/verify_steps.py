@@ -443,10 +443,52 @@ def profile(ctx: Ctx) -> dict:
     return out
 
 
+def search(ctx: Ctx) -> dict:
+    """The memory search of a learned-retriever step, at the flat limit: exact search on the device
+    (``retriever.exact.TorchFlatIndex``, one matmul and a top-k; ``retriever.search=device``)
+    against faiss's Flat index on the host (the query embeddings copied there and the ids back,
+    ``retriever.search=faiss``), B queries, top 4; best of 20 each, and whether they agree."""
+    import torch.nn.functional as F
+
+    from retriever.exact import TorchFlatIndex
+    from retriever.index import build_index
+    from retriever.index_choice import FLAT_MAX_DOCS
+
+    n, dim, B, k = (4096, 64, 8, 4) if ctx.dry else (FLAT_MAX_DOCS, 256, 32, 4)
+    g = torch.Generator().manual_seed(0)
+    x = F.normalize(torch.randn(n, dim, generator=g), dim=-1)  # (N, E) the memory
+    q = F.normalize(torch.randn(B, dim, generator=g), dim=-1).to(ctx.device)  # (B, E)
+    on_device = TorchFlatIndex(x, device=ctx.device)
+    on_host = build_index(x.numpy(), factory="Flat")
+
+    def via_host():
+        _, ids = on_host.search(q.cpu().numpy(), k)
+        return torch.from_numpy(ids).to(ctx.device)
+
+    rows = {}
+    for name, fn in (("device", lambda: on_device.search(q, k)[1]), ("faiss_host", via_host)):
+        for _ in range(3):
+            fn()
+        rows[name] = min(_time_ms(ctx.device, fn) for _ in range(20))
+    agree = bool(torch.equal(on_device.search(q, k)[1].cpu(), via_host().cpu()))
+    _release(ctx.device)
+    return {
+        "docs": n,
+        "dim": dim,
+        "queries": B,
+        "k": k,
+        "device_ms": rows["device"],
+        "faiss_host_ms": rows["faiss_host"],
+        "faiss_over_device": rows["faiss_host"] / max(rows["device"], 1e-9),
+        "same_ids": agree,
+    }
+
+
 STEPS = {
     "probe": probe,
     **{f"step_{n}": (lambda ctx, n=n: step_config(n, ctx)) for n in CONFIGS},
     "attention": attention,
     "demo": demo,
     "profile": profile,
+    "search": search,
 }

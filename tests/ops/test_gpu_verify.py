@@ -11,7 +11,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["probe", "step_A", "step_B", "step_C", "step_D", "step_E", "attention", "demo", "profile"]
+STEPS = [
+    "probe",
+    "step_A",
+    "step_B",
+    "step_C",
+    "step_D",
+    "step_E",
+    "attention",
+    "demo",
+    "profile",
+    "search",
+]
 
 
 def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -66,6 +77,9 @@ def test_dry_run_runs_every_step(tmp_path):
     assert [r["config"] for r in res["demo"]["rows"]] == ["eager", "compiled_blocks"]
     assert res["profile"]["config"] == "B" and "host_syncs_per_step" in res["profile"]
     assert "A and B: same first loss" in " ".join(data["verdict"]["passed"])
+    se = res["search"]
+    assert se["same_ids"] and se["device_ms"] > 0 and se["faiss_host_ms"] > 0, se
+    assert "the device search finds faiss's documents" in " ".join(data["verdict"]["passed"])
 
     # --only reruns one step and leaves the others as they were
     before = data["steps"]["step_A"]

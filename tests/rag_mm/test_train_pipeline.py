@@ -300,6 +300,8 @@ def test_torchrun_pipeline_retriever_copies_stay_one(tiny_world, tmp_path):
         "retriever.fusion=image",
         # the centred index: the calibration queries' refresh is sharded like the documents'
         "retriever.centre=true",
+        # the device search (here the CPU): its index, bank and store on each rank's device
+        "retriever.search=device",
         "parallel.pp=2",
         "parallel.microbatches=2",
     ]
