@@ -93,8 +93,8 @@ class RetrieverConfig:
     index_factory: str = "Flat"  # faiss index_factory string ('auto' picks by memory size)
     # where the memory is searched: "device" (exact: one matmul + top-k on the training device,
     # the document store there too, so a step's search and fetch never wait on the host),
-    # "faiss" (faiss on the host, any index_factory), "auto" (device on CUDA when the index is
-    # exact, faiss on the CPU); retriever/exact.py
+    # "faiss" (faiss on the host, any index_factory), "auto" (device when the index is exact,
+    # else faiss); retriever/exact.py
     search: str = "auto"
     refresh_every: int = 50  # steps between re-embedding the memory (0 = never)
     refresh_background: bool = False  # rebuild in a background thread while training goes on

@@ -89,9 +89,10 @@ class TorchFlatIndex:
 def search_on_device(setting: str, factory: str, num_docs: int, dim: int, device) -> bool:
     """Whether the memory is searched by ``TorchFlatIndex`` on ``device`` (else by faiss on the
     host), for ``retriever.search=setting``; logs the decision and why. ``device``: the one the
-    retriever trains on. ``auto``: on a CUDA device when the index is exact (``Flat``, or
-    ``auto`` for a memory under the flat limit); faiss on the CPU, where it is as fast and the
-    ids need no copy. ``device`` asks for it anywhere (the CPU included), for an exact index."""
+    retriever trains on. ``auto`` and ``device``: whenever the index is exact (``Flat``, or
+    ``auto`` for a memory under the flat limit), on any device, the CPU included (torch's matmul
+    is faiss Flat's match there: ``scripts/bench/search.py``); ``device`` refuses an approximate
+    index, ``auto`` hands it to faiss. ``faiss``: faiss on the host always."""
     if setting not in SEARCH_SETTINGS:
         raise ValueError(f"retriever.search must be one of {SEARCH_SETTINGS} (got {setting!r})")
     resolved = default_factory(num_docs, dim) if factory == "auto" else factory
@@ -107,11 +108,8 @@ def search_on_device(setting: str, factory: str, num_docs: int, dim: int, device
                 f"{FLAT_MAX_DOCS}): set retriever.index_factory=Flat or retriever.search=faiss"
             )
         why, yes = f"the index is approximate ({resolved})", False
-    elif setting == "device":
-        why, yes = "retriever.search=device", True
     else:
-        yes = dev.type == "cuda"
-        why = "exact index on a CUDA device" if yes else f"exact index, training on {dev.type}"
+        why, yes = f"retriever.search={setting}, an exact index", True
     log.info(
         "memory search: %s (%s)", f"matmul + top-k on {dev}" if yes else "faiss on the host", why
     )

@@ -47,14 +47,15 @@ def test_torch_flat_index_answers_as_faiss_flat_ties_and_padding_included():
 
 def test_the_gate_says_where_the_search_runs(caplog):
     with caplog.at_level(logging.INFO, logger="retriever.exact"):
-        assert not search_on_device("auto", "Flat", 1000, 64, "cpu")  # faiss is as fast there
+        assert search_on_device("auto", "Flat", 1000, 64, "cpu")
         assert search_on_device("auto", "Flat", 1000, 64, "cuda")
         assert search_on_device("auto", "auto", 1000, 64, "cuda")  # auto builds Flat here
         assert not search_on_device("auto", "IVF64,Flat", 1000, 64, "cuda")
         assert not search_on_device("faiss", "Flat", 1000, 64, "cuda")
         assert search_on_device("device", "Flat", 1000, 64, "cpu")
     assert "faiss on the host (the index is approximate (IVF64,Flat))" in caplog.text
-    assert "matmul + top-k on cpu (retriever.search=device)" in caplog.text
+    assert "matmul + top-k on cpu (retriever.search=device, an exact index)" in caplog.text
+    assert "faiss on the host (retriever.search=faiss)" in caplog.text
     with pytest.raises(ValueError, match="retriever.search=device is exact search"):
         search_on_device("device", "auto", 10**6, 64, "cpu")
     with pytest.raises(ValueError, match="must be one of"):
