@@ -123,6 +123,12 @@ def main() -> None:
         "tower for --pretrain-steps first",
     )
     ap.add_argument("--pretrain-steps", type=int, default=0)
+    ap.add_argument(
+        "--centred-loss",
+        action="store_true",
+        help="train on cos(q - mean_q, d - mean_d), the means over the step's queries and memory "
+        "rows: the score a centred index (retriever.centre) searches with",
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -206,10 +212,10 @@ def main() -> None:
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
 
-        def hits5(emb) -> torch.Tensor:
+        def hits5(emb, emb_docs=None) -> torch.Tensor:
             """(Q, 5) whether each of a query's top 5 memory rows is its gold one, ``emb`` embedding
-            both sides"""
-            docs = emb(corpus)
+            the queries and ``emb_docs`` (default ``emb``) the memory"""
+            docs = (emb_docs or emb)(corpus)
             top = [
                 (emb(vx[i : i + 256]) @ docs.T).topk(5, 1).indices for i in range(0, len(vx), 256)
             ]
@@ -219,6 +225,13 @@ def main() -> None:
             return F.normalize(embed(x) + embed(x.flip(-1)), dim=-1)
 
         hits = hits5(embed)
+        # the centred index's score (retriever.centre): the memory's mean and the mean of the
+        # first 512 training queries subtracted before the cosine
+        mean_q, mean_d = embed(tx[:512]).mean(0), embed(corpus).mean(0)
+        hits_c = hits5(
+            lambda x: F.normalize(embed(x) - mean_q, dim=-1),
+            lambda x: F.normalize(embed(x) - mean_d, dim=-1),
+        )
         # vendors draw some things facing the other way: the memory and the queries embedded as
         # themselves plus their mirror images
         flip_hits = hits5(both_ways)
@@ -231,6 +244,7 @@ def main() -> None:
         model.train()
         f1, f5 = flip_hits[:, :1].any(1).float(), flip_hits.any(1).float()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
+        c1, c5 = hits_c[:, :1].any(1).float(), hits_c.any(1).float()
         out = {
             "step": step,
             "seconds": round(seconds, 1),
@@ -240,6 +254,9 @@ def main() -> None:
             "recall@5_unseen": r5[vh].mean().item(),
             "recall@1_seen": r1[~vh].mean().item(),
             "recall@5_seen": r5[~vh].mean().item(),
+            "recall@1_centred_unseen": c1[vh].mean().item(),
+            "recall@5_centred_unseen": c5[vh].mean().item(),
+            "recall@1_centred_seen": c1[~vh].mean().item(),
             "recall@1_mirror_averaged_unseen": f1[vh].mean().item(),
             "recall@5_mirror_averaged_unseen": f5[vh].mean().item(),
             "recall@1_mirror_averaged_seen": f1[~vh].mean().item(),
@@ -283,6 +300,9 @@ def main() -> None:
             d_emb, q_emb = e[: len(rows)], e[len(rows) :]
         else:
             d_emb, q_emb = embed(corpus[rows]), embed(q)
+        if a.centred_loss:
+            q_emb = F.normalize(q_emb - q_emb.mean(0), dim=-1)
+            d_emb = F.normalize(d_emb - d_emb.mean(0), dim=-1)
         loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)
         opt.zero_grad(set_to_none=True)
         loss.backward()
