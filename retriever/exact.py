@@ -34,8 +34,9 @@ class TorchFlatIndex:
     """Exact inner-product search over ``x`` (N, E) with document ids (N,), on ``x``'s device.
 
     Results follow ``retriever.index``'s convention: scores descending, ties broken by ascending
-    document id, missing results (k > N) scored -inf with id -1, so a search answers exactly as
-    faiss's ``Flat`` index does.
+    document id, missing results (k > N) scored -inf with id -1, so a search returns the documents
+    faiss's ``Flat`` index returns, with scores equal to float rounding (torch's matmul and faiss's
+    sum in different orders).
     """
 
     def __init__(self, x: torch.Tensor, ids: Any = None, device: Any = None) -> None:
