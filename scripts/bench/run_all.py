@@ -42,6 +42,7 @@ def commands(out: Path, full: bool) -> dict[str, list[str]]:
             str(out / "pipeline.json"),
             *(["--steps", "10", "--reader-reps", "1"] if quick else []),
         ],
+        "search": ["--docs", "1000", "10000", "--reps", "5"] if quick else [],
         "memory": ["--json", str(out / "memory.json")],
         "train_throughput": ["--steps", "10" if quick else "20"],
         "accum_sync": ["--out", str(out / "accum_sync.json"), "--steps", "5" if quick else "20"],
