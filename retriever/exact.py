@@ -91,8 +91,8 @@ def search_on_device(setting: str, factory: str, num_docs: int, dim: int, device
     """Whether the memory is searched by ``TorchFlatIndex`` on ``device`` (else by faiss on the
     host), for ``retriever.search=setting``; logs the decision and why. ``device``: the one the
     retriever trains on. ``auto`` and ``device``: whenever the index is exact (``Flat``, or
-    ``auto`` for a memory under the flat limit), on any device, the CPU included (torch's matmul
-    is faiss Flat's match there: ``scripts/bench/search.py``); ``device`` refuses an approximate
+    ``auto`` for a memory under the flat limit), on any device, the CPU included (where torch's
+    matmul keeps up with faiss Flat: ``scripts/bench/search.py``); ``device`` refuses an approximate
     index, ``auto`` hands it to faiss. ``faiss``: faiss on the host always."""
     if setting not in SEARCH_SETTINGS:
         raise ValueError(f"retriever.search must be one of {SEARCH_SETTINGS} (got {setting!r})")
