@@ -53,14 +53,10 @@ class DocumentStore:
         """Map document ids (any shape) to row indices, on the store's device; unknown ids raise
         KeyError on the CPU. On a GPU they are not checked, which would cost a sync: the ids
         come from searches of an index built from this store."""
-        d = doc_ids.to(self.device)
-        pos = torch.searchsorted(self._sorted, d.reshape(-1)).clamp_(max=max(len(self) - 1, 0))
+        flat = doc_ids.to(self.device).reshape(-1)
+        pos = torch.searchsorted(self._sorted, flat).clamp_(max=max(len(self) - 1, 0))
         if self.device.type == "cpu":
-            bad = (
-                d.reshape(-1)
-                if len(self) == 0
-                else d.reshape(-1)[self._sorted[pos] != d.reshape(-1)]
-            )
+            bad = flat if len(self) == 0 else flat[self._sorted[pos] != flat]
             if len(bad):
                 raise KeyError(int(bad[0]))
         return self._order[pos].view(doc_ids.shape)

@@ -153,7 +153,7 @@ class RagModel(nn.Module):
             order, blind = shuffled_reads(top.cpu(), self.rcfg.reader_shuffle)  # (B, k), (B,)
             order = order.to(top.device, non_blocking=True)
             top = top.gather(1, order)
-            sims = torch.cat([sims[:, :k].gather(1, order.to(sims.device)), sims[:, k:]], 1)
+            sims = torch.cat([sims[:, :k].gather(1, order), sims[:, k:]], 1)
             rows, cols = torch.arange(len(order), device=dev)[:, None], order.to(dev)
             docs = {name: v[rows, cols] for name, v in docs.items()}
         x = {**q, **docs}
