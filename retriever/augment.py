@@ -129,7 +129,7 @@ def photo_views(
         # the ground is what of it connects to the frame (a white heart inside a white-framed
         # picture stays): grow the frame's near pixels through near pixels, 2 px per round
         edge = torch.ones_like(near)
-        edge[..., 1:-1, 1:-1] = 0
+        edge[..., 1:-1, 1:-1].zero_()  # an in-place fill: no host scalar copied in
         is_ground = near * edge
         for _ in range((max(H, W) + 3) // 4):
             is_ground = F.max_pool2d(is_ground, 5, stride=1, padding=2) * near

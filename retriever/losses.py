@@ -19,6 +19,7 @@ def contrastive(
     scale: torch.Tensor,
     hard: torch.Tensor | None = None,
     hard_doc: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """InfoNCE of queries against the batch's gold documents (both directions, as CLIP), plus
     optional hard negatives for the query side (DPR, Karpukhin et al. 2020).
@@ -26,15 +27,29 @@ def contrastive(
     q, d: (B, E) unit vectors; q_doc: (B,) gold document id of each query; hard: (N, E) more
     document embeddings (e.g. what the index retrieved) with ids hard_doc (N,). Every candidate
     whose id is a query's gold id counts as a positive of it (multi-positive targets).
+    valid: (B,) bool, the rows that take part (None: all). A row left out is neither a query nor
+    a candidate: the loss equals the one over the valid rows alone, with fixed shapes (selecting
+    them would read their count back from the device); no valid row gives 0.
     """
     logits = scale * q @ d.t()  # (B, B)
     pos = (q_doc[:, None] == q_doc[None, :]).float()  # (B, B)
-    d2q = -(pos / pos.sum(0, keepdim=True) * F.log_softmax(logits, 0)).sum(0).mean()
+    if valid is not None:
+        both = valid[:, None] & valid[None, :]  # (B, B) pairs of valid rows
+        pos = pos * both
+        # a left-out row or column weighs nothing in the softmax: a finite fill, not -inf, keeps
+        # a fully left-out row's softmax (and its gradient) finite
+        logits = logits.masked_fill(~both, torch.finfo(logits.dtype).min)
+    # every valid row is its own positive: the clamp only keeps left-out rows and columns at 0 / 1
+    d2q = -(pos / pos.sum(0, keepdim=True).clamp_min(1) * F.log_softmax(logits, 0)).sum(0)
     if hard is not None:
         logits = torch.cat([logits, scale * q @ hard.t()], 1)  # (B, B + N)
-        pos = torch.cat([pos, (q_doc[:, None] == hard_doc[None, :]).float()], 1)
-    q2d = -(pos / pos.sum(1, keepdim=True) * F.log_softmax(logits, 1)).sum(1).mean()
-    return 0.5 * (q2d + d2q)
+        hard_pos = (q_doc[:, None] == hard_doc[None, :]).float()  # (B, N)
+        pos = torch.cat([pos, hard_pos if valid is None else hard_pos * valid[:, None]], 1)
+    q2d = -(pos / pos.sum(1, keepdim=True).clamp_min(1) * F.log_softmax(logits, 1)).sum(1)
+    if valid is None:
+        return 0.5 * (q2d.mean() + d2q.mean())
+    n = valid.sum().clamp_min(1)
+    return 0.5 * ((q2d * valid).sum() + (d2q * valid).sum()) / n
 
 
 def _kl_to(target: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

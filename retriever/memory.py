@@ -224,13 +224,15 @@ class RetrievalMemory:
         bank = self.embeddings
         if bank is None:
             raise RuntimeError("the memory has no embeddings yet: refresh() first")
+        # drawn on the bank's device (a host draw copied to an accelerator waits for it), a given
+        # generator on its own: on the CPU both searches (retriever.search) draw alike
+        gen_dev = bank.device if generator is None else generator.device
         rows = (
-            torch.randperm(len(bank), generator=generator)[:n]
+            torch.randperm(len(bank), generator=generator, device=gen_dev)[:n]
             if n < len(bank)
-            else torch.arange(len(bank))
+            else torch.arange(len(bank), device=gen_dev)
         )
-        if self.on_device:  # the draw stays on the CPU's generator, so both searches agree
-            rows = rows.to(bank.device, non_blocking=True)
+        rows = rows.to(bank.device)
         return bank[rows], self._ids_t[rows]
 
     # ------------------------------------------------------------------------------ search

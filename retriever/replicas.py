@@ -91,28 +91,27 @@ class Replicas:
                 m.span = b
 
     def gather(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every replica's rows of each of ``xs`` (all n_r rows long here) concatenated in rank
-        order: (sum n_r, ...), the same on every replica, differentiable back into this replica's
-        rows. Replicas may hold different row counts (a share of an uneven draw): the counts are
-        exchanged once for all of ``xs``, rows padded to the longest for the collective and the
-        padding dropped."""
+        """Every replica's rows of each of ``xs`` (all n rows long here) concatenated in rank
+        order: (size * n, ...), the same on every replica, differentiable back into this
+        replica's rows. Every replica must hold the same n: callers pad a share shorter than the
+        longest and mask the padding (``RagModel._contrastive_rows``), since exchanging the
+        counts would read them back from an accelerator, a host sync per step. Rows on the CPU
+        (gloo) cost nothing to count, and there a mismatch is refused with the counts named."""
         if self.group is None or self.size == 1:
             return xs
-        n = torch.tensor([xs[0].shape[0]], device=xs[0].device)
-        counts = [torch.zeros_like(n) for _ in range(self.size)]
-        dist.all_gather(counts, n, group=self.group)
-        counts = [int(c) for c in counts]
-        longest = max(counts)
-        out = []
-        for x in xs:
-            if x.shape[0] < longest:
-                x = torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
-            # (size * longest, ...); backward sums into each owner
-            rows = _gather_autograd(x.contiguous(), 0, self.group)
-            out.append(
-                torch.cat([rows[r * longest : r * longest + c] for r, c in enumerate(counts)])
+        if xs[0].device.type == "cpu":
+            self._check_counts(xs[0].shape[0])
+        # (size * n, ...); backward sums into each owner
+        return tuple(_gather_autograd(x.contiguous(), 0, self.group) for x in xs)
+
+    def _check_counts(self, n: int) -> None:
+        counts = [None] * self.size
+        dist.all_gather_object(counts, n, group=self.group)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"Replicas.gather needs the same row count on every replica, got {counts} "
+                "(pad the shorter shares and mask them)"
             )
-        return tuple(out)
 
 
 class ReplicaBatchNorm(_BatchNorm):

@@ -194,11 +194,14 @@ class SpreadRag:
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
-        """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it."""
+        """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it. A pipeline
+        hands the last stage's results to its other ranks as objects, on the host; a whole reader
+        keeps them on the device."""
         B, k = docs["doc_ids"].shape[:2]
+        host = self.pipelined
         res = self.pmodel.predict(
             one_document_inputs(q, docs),
-            output_fn=lambda out, _: out.nll.cpu(),
+            output_fn=lambda out, _: out.nll.cpu() if host else out.nll,
             structure="one_document",
         )
         return torch.cat(res).view(B, k).to(self.device)
@@ -248,16 +251,18 @@ class SpreadRag:
         attention = (
             self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
         )
-        # the target: which batch rows a microbatch holds; on the host only when they index adist's
-        # host-side target (elsewhere a host tensor in the step would be copied to the device)
-        rows = torch.arange(x["image"].shape[0], device="cpu" if attention else self.device)
-        doc_att = torch.zeros(len(rows), self.rcfg.top_k) if attention else None
+        # the target: which batch rows a microbatch holds. adist's target gathers the reader's
+        # copy attention there: on the host when a pipeline hands it from its last stage to the
+        # other ranks (as objects), else on the device
+        att_dev = "cpu" if attention and self.pipelined else self.device
+        rows = torch.arange(x["image"].shape[0], device=att_dev)
+        doc_att = torch.zeros(len(rows), self.rcfg.top_k, device=att_dev) if attention else None
 
         r_scale = scale if answer_tokens is None else 1.0
 
         def loss_fn(out, mb_rows):
             if doc_att is not None:  # adist's target, from the training forward itself (last stage)
-                doc_att[mb_rows] = out.doc_attention.detach().float().cpu()
+                doc_att[mb_rows] = out.doc_attention.detach().float().to(att_dev)
             return out.loss * r_scale
 
         reader_loss = (

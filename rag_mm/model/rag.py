@@ -148,10 +148,8 @@ class RagModel(nn.Module):
             docs = self._docs(top, dev)
         if grad and self.training and self.rcfg.reader_shuffle > 0:
             # a share of the queries read their k documents shuffled, the prior hidden
-            # (rag_mm/model/reading_order.py); the retriever's loss sees the same order. The
-            # draw hashes the ids on the host: with the device search, a copy of (B, k) ids
-            order, blind = shuffled_reads(top.cpu(), self.rcfg.reader_shuffle)  # (B, k), (B,)
-            order = order.to(top.device, non_blocking=True)
+            # (rag_mm/model/reading_order.py); the retriever's loss sees the same order
+            order, blind = shuffled_reads(top, self.rcfg.reader_shuffle)  # (B, k), (B,)
             top = top.gather(1, order)
             sims = torch.cat([sims[:, :k].gather(1, order), sims[:, k:]], 1)
             rows, cols = torch.arange(len(order), device=dev)[:, None], order.to(dev)
@@ -262,9 +260,8 @@ class RagModel(nn.Module):
         if contrastive and gold is not None and cfg.contrastive_weight > 0 and self._has_rows():
             # the retrieved documents are the hardest negatives there are (same colours, other
             # shape)
-            keep = self._labelled(gold)  # queries naming no gold document take no part
             r_loss = r_loss + cfg.contrastive_weight * self._contrastive(
-                q_emb[keep], gold[keep], d_emb.flatten(0, 1), top.flatten().to(dev)
+                *self._labelled(q_emb, gold), d_emb.flatten(0, 1), top.flatten().to(dev)
             )
         return r_loss, scores
 
@@ -288,12 +285,16 @@ class RagModel(nn.Module):
         with self.replicas.spanning(self.retriever):
             q_emb = self.retriever.embed_queries(image, q_ids, q_len)  # (B, E)
         _, ids = self.memory.search(q_emb, self.rcfg.top_k)  # (B, k) for the logged recall only
-        keep = self._labelled(gold)
-        return self._contrastive(q_emb[keep], gold[keep]), gold_hits(ids, gold)
+        return self._contrastive(*self._labelled(q_emb, gold)), gold_hits(ids, gold)
 
-    def _labelled(self, gold: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: the queries whose gold document the contrastive terms may use."""
-        return gold >= 0 if self.gold_queries else torch.zeros_like(gold, dtype=torch.bool)
+    def _labelled(
+        self, q_emb: torch.Tensor, gold: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training queries (B, E) and their gold ids (B,) that the contrastive terms read:
+        all of them, the loss leaving out those naming no gold document (id -1) by a mask (fixed
+        shapes: selecting them would read their count back from the device); none when no
+        training query names one (``gold_queries`` off)."""
+        return (q_emb, gold) if self.gold_queries else (q_emb[:0], gold[:0])
 
     def _has_rows(self) -> bool:
         """Whether the contrastive terms have queries: gold-labelled ones or pseudo-queries."""
@@ -302,15 +303,16 @@ class RagModel(nn.Module):
     def _contrastive(self, q_emb, gold, hard=None, hard_ids=None) -> torch.Tensor:
         """In-batch InfoNCE against the batch's gold documents, plus ``hard`` negatives (N, E) with
         ids (N,) and ``retriever.bank_negatives`` memory rows of the last refresh; with
-        ``retriever.pseudo_queries``, random views of memory pictures join the queries. Over every
-        data-parallel replica (``self.replicas``): the rows of all of them are gathered, so each
-        query meets the whole global batch's documents, as in one process, and the towers' batch
-        statistics span them too."""
+        ``retriever.pseudo_queries``, random views of memory pictures join the queries. Queries
+        whose gold id is -1 take no part (``losses.contrastive``'s mask). Over every data-parallel
+        replica (``self.replicas``): the rows of all of them are gathered, so each query meets the
+        whole global batch's documents, as in one process, and the towers' batch statistics span
+        them too."""
         enc, dev, rep = self.retriever, q_emb.device, self.replicas
         with rep.spanning(enc):
             q_emb, gold, g_emb = self._contrastive_rows(q_emb, gold)
-        q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (sum of replicas' B, ...)
-        if len(gold) == 0:  # no replica had a labelled query (and there are no pseudo-queries)
+        q_emb, g_emb, gold = rep.gather(q_emb, g_emb, gold)  # (replicas * n, ...)
+        if len(gold) == 0:  # no rows at all (no labelled queries, no pseudo-queries)
             return 0.0 * enc.scale()
         extra, extra_ids = [], []
         if hard is not None:
@@ -329,32 +331,32 @@ class RagModel(nn.Module):
             enc.scale(),
             torch.cat(extra) if extra else None,
             torch.cat(extra_ids) if extra else None,
+            valid=gold >= 0,
         )
 
     def _contrastive_rows(self, q_emb, gold) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This replica's contrastive rows: (query embeddings (n, E), their gold ids (n,), the gold
         documents' embeddings (n, E)), the queries followed by this replica's share of the
-        pseudo-queries when ``retriever.pseudo_queries`` is on."""
-        enc, dev, rep = self.retriever, q_emb.device, self.replicas
+        pseudo-queries when ``retriever.pseudo_queries`` is on. Every replica returns the same n
+        (``Replicas.gather``): a share shorter than the longest is padded with rows of gold id -1,
+        which the loss leaves out. The gold documents of queries naming none (-1) are embedded as
+        a stand-in (the store's first document), left out too."""
+        enc, dev, rep, store = self.retriever, q_emb.device, self.replicas, self.store
         gold = gold.to(dev)
-        if (
-            self.rcfg.pseudo_queries > 0
-        ):  # random views of memory pictures, each querying its own document
-            # one draw of the configured count, alike on replicas whose generators agree; each
-            # embeds its share
-            rows = torch.randint(0, len(self.store), (self.rcfg.pseudo_queries,))
-            rows = rows.to(self.store.device, non_blocking=True)  # the draw on the CPU's generator
-            pics = self.store.images[rows].to(dev)
-            style = self.rcfg.pseudo_view
-            views = (
-                random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
-            )
-            if self.rcfg.pseudo_restyle > 0:
-                views = random_restyle(views, self.rcfg.pseudo_restyle)
-            if self.rcfg.pseudo_tone > 0:
-                views = random_tone(views, self.rcfg.pseudo_tone)
-            views = views.to(q_emb.dtype)
-            part = rep.share(len(rows))
+        # (n,) rows of the store: the gold documents, a stand-in where there is none
+        g_rows = store.rows(torch.where(gold >= 0, gold, store.ids[:1].to(dev)))
+        pad = 0
+        if self.rcfg.pseudo_queries > 0:
+            # random views of memory pictures, each querying its own document: one draw of the
+            # configured count, alike on replicas whose generators agree; each embeds its share
+            n_draw = self.rcfg.pseudo_queries
+            # drawn on the store's device: a host draw copied to an accelerator waits for it
+            rows = torch.randint(0, len(store), (n_draw,), device=store.device)
+            # every replica draws the views of the whole draw (the random augmentations then
+            # agree with one process's) and embeds its share
+            views = self._pseudo_views(store.images[rows].to(dev)).to(q_emb.dtype)
+            part = rep.share(n_draw)
+            pad = -(-n_draw // rep.size) - (part.stop - part.start)  # to the longest share
             rows, views = rows[part], views[part]
             n = len(rows)  # an empty question: the picture is the whole query
             no_text = (
@@ -362,13 +364,30 @@ class RagModel(nn.Module):
                 torch.zeros(n, dtype=torch.long, device=dev),
             )
             q_emb = torch.cat([q_emb, enc.embed_queries(views, *no_text)])
-            gold = torch.cat([gold, self.store.ids[rows].to(dev)])
-        g_docs = self._docs(gold[:, None], dev)
-        # (B, E)
+            gold = torch.cat([gold, store.ids[rows].to(dev)])
+            g_rows = torch.cat([g_rows, rows.to(g_rows.device)])
+        # (n, E), one pass over every row's gold document
         g_emb = enc.embed_docs(
-            g_docs["doc_image"][:, 0], g_docs["doc_ids"][:, 0], g_docs["doc_len"][:, 0]
+            store.images[g_rows].to(dev),
+            store.text_ids[g_rows].to(dev),
+            store.text_len[g_rows].to(dev),
         )
+        if pad:
+            q_emb = torch.cat([q_emb, q_emb.new_zeros(pad, q_emb.shape[1])])
+            g_emb = torch.cat([g_emb, g_emb.new_zeros(pad, g_emb.shape[1])])
+            gold = torch.cat([gold, gold.new_full((pad,), -1)])
         return q_emb, gold, g_emb
+
+    def _pseudo_views(self, pics: torch.Tensor) -> torch.Tensor:
+        """Photo-like random views of memory pictures (n, 3, H, W), as ``retriever.pseudo_view``,
+        ``pseudo_restyle`` and ``pseudo_tone`` say."""
+        style = self.rcfg.pseudo_view
+        views = random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
+        if self.rcfg.pseudo_restyle > 0:
+            views = random_restyle(views, self.rcfg.pseudo_restyle)
+        if self.rcfg.pseudo_tone > 0:
+            views = random_tone(views, self.rcfg.pseudo_tone)
+        return views
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:

@@ -10,9 +10,9 @@ uniform prior, so that the answer depends on the reader telling the right docume
 (its query picture against each document's picture and passage), as a cross-encoder reranker
 does; the other queries keep the retriever's order and prior, which evaluation always uses.
 
-The draw hashes the retrieved ids alone (host tensors, no device synchronisation), so every rank
-of a replica (pipeline stages, tensor-parallel ranks) draws the same order for the same batch, and
-a resumed run draws it again.
+The draw hashes the retrieved ids alone, with tensor ops on their device (no read back to the
+host), so every rank of a replica (pipeline stages, tensor-parallel ranks) draws the same order for
+the same batch, and a resumed run draws it again.
 """
 
 from __future__ import annotations
@@ -25,17 +25,27 @@ from rag_mm.model.anonymize import P, mix
 
 
 def shuffled_reads(top: torch.Tensor, share: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``top`` (B, k) retrieved ids (host, nearest first; -1 for an unfilled slot) -> (order (B, k):
+    """``top`` (B, k) retrieved ids (nearest first; -1 for an unfilled slot) -> (order (B, k):
     the column of ``top`` each reading position takes, blind (B,) bool: the rows read shuffled with
-    a uniform prior). About ``share`` of the rows are shuffled; the others keep 0..k-1."""
+    a uniform prior), on ``top``'s device. About ``share`` of the rows are shuffled; the others
+    keep 0..k-1. Tensor ops alone: no value is read back to the host."""
     B, k = top.shape
-    w = mix(torch.arange(k, dtype=torch.long) + 1)  # (k,) a weight per rank
-    key = mix(((top.long() % P) * w % P).sum(1) % P)  # (B,) a hash of the retrieved ids
+    cols = torch.arange(k, dtype=torch.long, device=top.device)  # (k,)
+    key = mix(((top.long() % P) * mix(cols + 1) % P).sum(1) % P)  # (B,) a hash of the retrieved ids
     blind = (mix(key) % 10_000) < share * 10_000  # (B,)
-    order = torch.arange(k).repeat(B, 1)  # (B, k)
-    for b in blind.nonzero().flatten().tolist():  # host tensors: a few small draws a step
-        order[b] = torch.randperm(k, generator=torch.Generator().manual_seed(int(key[b])))
+    # a permutation per row: its positions sorted by a hash of (row key, position) each
+    noise = _scramble(key[:, None] ^ _scramble(cols + 1))  # (B, k)
+    noise = _scramble(noise ^ (noise >> 11))
+    order = torch.where(blind[:, None], noise.argsort(dim=1, stable=True), cols)
     return order, blind
+
+
+def _scramble(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**31) -> residues mod P, non-linear (a square between two ``mix``
+    rounds; the callers add xor and shift): ``mix`` alone is affine, and sorting an affine map of
+    k consecutive positions gives only k orders of the k! there are."""
+    v = mix(v)
+    return mix((v * v + 1_540_483_477) % P)
 
 
 def unranked_prior(prior: torch.Tensor, blind: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,15 @@ from rag_mm.model.factory import build_reader, materialize  # noqa: E402
 from tests.gpu_fake.fake_cuda import audited, engine_backward_error, fake_cuda  # noqa: E402
 
 CUDA, VOCAB, B = torch.device("cuda"), 49408, 4
-KINDS = ("reader_demo", "reader_hf_tiny", "retriever", "parallel_model", "spread_closed_book")
+KINDS = (
+    "reader_demo",
+    "reader_hf_tiny",
+    "retriever",
+    "parallel_model",
+    "spread_closed_book",
+    "spread_learned_warmup",
+    "spread_learned_joint",
+)
 
 
 def _cfg(*overrides):
@@ -214,6 +222,44 @@ def spread_step():
             torch.Tensor.backward = backward
 
 
+def learned_step(kind: str):
+    """The trainer's step path with the demo's learned retriever and the device search
+    (``retriever.search=device``): the retriever warm-up's step or the joint step (search, the
+    reader, pdist over each document alone, the contrastive terms with pseudo-queries and bank
+    negatives), clipping, the check and the optimizer. Half of the batch names no gold
+    document."""
+    from rag_mm.components.optim import build_optimizer
+    from tests.gpu_fake.learned import learned_spread
+
+    cfg = _cfg("data.batch_size=4", "retriever.search=device")
+    mode = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False)
+    reader, ids = _reader(cfg.model, mode), torch.arange(12) * 7 + 3
+    with fake_cuda(mode):
+        spread = learned_spread(cfg, mode, reader, ids)
+        opt = build_optimizer(spread, cfg.optim)
+        check = _checker(opt)
+        gold = torch.arange(B, device=CUDA) * 7 + 3
+        x = {**_inputs(cfg.model, 0), "gold": gold.masked_fill(gold > 10, -1)}
+        params = list(spread.parameters())
+        backward, torch.Tensor.backward = (
+            torch.Tensor.backward,
+            lambda loss, *a, **kw: _backward(loss, params),
+        )
+        try:
+
+            def step():
+                tokens = spread.step_answer_tokens([x]) if kind == "joint" else None
+                out = spread.train_step(x, answer_tokens=tokens, loss=kind)
+                gnorm = spread.clip_grad_norm_(1.0)
+                if check(0, out.loss.detach(), gnorm):
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            return _steps(step)
+        finally:
+            torch.Tensor.backward = backward
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
@@ -224,6 +270,8 @@ def main() -> None:
         "retriever": retriever_step,
         "parallel_model": parallel_model_step,
         "spread_closed_book": spread_step,
+        "spread_learned_warmup": lambda: learned_step("retriever"),
+        "spread_learned_joint": lambda: learned_step("joint"),
     }
     why = _engine_error()  # before any step patches Tensor.backward
     out = {

@@ -89,19 +89,25 @@ def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -
     rag.replicas = Replicas(dist.group.WORLD, rank, world)
     loss, grad, stats = _loss_and_grads(rag, rag.replicas.share(B))
     dist.all_reduce(grad)  # data parallel's mean over the replicas
+    try:  # rows of another count on each replica: refused, the counts named
+        rag.replicas.gather(torch.zeros(rank + 1, 2))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     # plain lists cross processes
     return dict(
         ref_loss=ref_loss,
         ref_grad=ref_grad.tolist(),
         ref_stats=ref_stats.tolist(),
         loss=loss,
+        refused=refused,
         grad=(grad / world).tolist(),
         stats=stats.tolist(),
     )
 
 
 @pytest.mark.multirank
-# 5: shares of 3 and 2, uneven
+# 5: shares of 3 and 2, uneven: the shorter padded with rows the loss leaves out
 @pytest.mark.parametrize("pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")])
 def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
@@ -111,6 +117,7 @@ def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     one process's do (each replica normalising its own 3 rows, the loss is 6% off)."""
     for out in run_ranks(_replicated_vs_one_process, 2, pseudo, tower):
         assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
+        assert "[1, 2]" in out["refused"]
         # atol 5e-5: the replicas sum the ResNet's conv gradients in another order than one process;
         # on an AVX-512 host one of the 13.5 M entries, near zero, lands 2.1e-5 away (1e-5 held on
         # AVX2)

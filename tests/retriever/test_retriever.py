@@ -77,6 +77,32 @@ def test_losses_point_the_retriever_at_the_reader():
     assert aligned < shuffled
 
 
+def test_contrastive_mask_gives_the_loss_of_the_valid_rows_alone():
+    """A row left out by ``valid`` is neither a query nor a candidate: the loss and the gradients
+    of the kept rows are those of the kept rows selected, with hard negatives too; gold ids shared
+    with a left-out row do not make it a positive. No valid row: 0, with finite gradients."""
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.functional.normalize
+    q, d = (norm(torch.randn(6, 8, generator=g), dim=-1).requires_grad_() for _ in range(2))
+    hard = norm(torch.randn(5, 8, generator=g), dim=-1)
+    gold = torch.tensor([3, 1, 3, 2, 2, 7])  # row 4, left out, shares row 3's gold
+    hard_ids = torch.tensor([1, 9, 3, 7, 2])
+    valid = torch.tensor([True, False, True, True, False, True])
+    scale = torch.tensor(10.0)
+    for extra in ((), (hard, hard_ids)):
+        masked = losses.contrastive(q, d, gold, scale, *extra, valid=valid)
+        kept = losses.contrastive(q[valid], d[valid], gold[valid], scale, *extra)
+        torch.testing.assert_close(masked, kept)
+        gm = torch.autograd.grad(masked, (q, d))
+        gk = torch.autograd.grad(kept, (q, d))
+        for a, b in zip(gm, gk):
+            torch.testing.assert_close(a, b)
+            assert (a[~valid] == 0).all()
+    none = losses.contrastive(q, d, gold, scale, hard, hard_ids, valid=torch.zeros(6, dtype=bool))
+    assert none.item() == 0.0
+    assert all(t.isfinite().all() for t in torch.autograd.grad(none, (q, d)))
+
+
 def _memory(n=40, factory="Flat"):
     torch.manual_seed(0)
     enc = DualEncoder(RetrieverConfig(**SMALL), 32)
