@@ -145,10 +145,12 @@ def make_stream(
     world_size: int = 1,
     skip_batches: int = 0,
     balance: bool = True,
+    device: torch.device | None = None,
 ):
     """The loader over ``data.<split>``: this rank's share of it, training batches (shuffled,
     augmented when ``data.augment``, answers balanced when ``data.balance_answers`` and
-    ``balance``) or evaluation batches, ``skip_batches`` already drawn."""
+    ``balance``) or evaluation batches, ``skip_batches`` already drawn; in page-locked memory
+    when they go to a CUDA ``device``."""
     c = cfg
     urls = expand_urls(c.data.root, getattr(c.data, split))
     keep = None
@@ -173,7 +175,8 @@ def make_stream(
         tokenizer=reader_tokenizer(c.model),
         keep=keep,
     )
-    return make_loader(spec, c.data.num_workers)
+    pin = device is not None and torch.device(device).type == "cuda"
+    return make_loader(spec, c.data.num_workers, pin_memory=pin)
 
 
 def batch_inputs(batch: dict, device) -> dict:

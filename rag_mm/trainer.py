@@ -157,7 +157,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ data
     def _stream(self, split: str, train: bool, skip_batches: int = 0):
-        return make_stream(self.cfg, split, train, self.data_rank, self.data_size, skip_batches)
+        return make_stream(
+            self.cfg, split, train, self.data_rank, self.data_size, skip_batches, device=self.device
+        )
 
     def evaluate_split(self, split: str, final: bool = True) -> dict:
         """``split`` evaluated at this step (``RunEvaluation.run``) on a current index."""

@@ -64,7 +64,9 @@ def _pictures(
         cfg.data.batch_size = cfg.model.vision_ssl_batch
     while True:
         n = 0
-        for b in make_stream(cfg, "train", True, rank=rank, world_size=world, balance=False):
+        for b in make_stream(
+            cfg, "train", True, rank=rank, world_size=world, balance=False, device=device
+        ):
             n += 1
             yield b["image"].to(device, non_blocking=True)
         if n == 0:

@@ -386,12 +386,15 @@ class Loader:
     the end of a finite pass logs what was dropped.
     """
 
-    def __init__(self, spec: StreamSpec, num_workers: int) -> None:
+    def __init__(self, spec: StreamSpec, num_workers: int, pin_memory: bool = False) -> None:
         self.spec = spec
         self.loader = torch.utils.data.DataLoader(
             QueryStream(spec),
             batch_size=None,
             num_workers=num_workers,
+            # batches in page-locked memory (a thread of the DataLoader's): a copy from pageable
+            # memory to a GPU first waits for every kernel queued on its stream
+            pin_memory=pin_memory,
             persistent_workers=False,
             prefetch_factor=4 if num_workers > 0 else None,
             worker_init_fn=_ignore_sigterm if num_workers > 0 else None,
@@ -430,9 +433,10 @@ class Loader:
         return dict(total)
 
 
-def make_loader(spec: StreamSpec, num_workers: int) -> Loader:
-    """The batches of ``spec``'s stream, read by ``num_workers`` loader processes (0: this one)."""
-    return Loader(spec, num_workers)
+def make_loader(spec: StreamSpec, num_workers: int, pin_memory: bool = False) -> Loader:
+    """The batches of ``spec``'s stream, read by ``num_workers`` loader processes (0: this one),
+    in page-locked memory when ``pin_memory`` (for a CUDA device: its copies then do not wait)."""
+    return Loader(spec, num_workers, pin_memory)
 
 
 # DataLoader iterators whose workers may still run. At interpreter exit multiprocessing

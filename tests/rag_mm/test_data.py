@@ -179,3 +179,19 @@ def test_bad_crop_settings_are_named(tmp_path):
         validate(cfg)
     problems = str(err.value)
     assert "data.crop_pad must be >= 0" in problems and "data.zoom_out must be >= 1" in problems
+
+
+def test_batches_for_a_cuda_device_come_pinned(tiny_world, monkeypatch):
+    """``make_stream`` for a CUDA device asks the DataLoader for page-locked batches (their copies
+    to the GPU then do not wait for its stream); for the CPU it does not. On a machine with a GPU
+    the batches are read and checked pinned."""
+    from rag_mm.build import make_stream
+    from rag_mm.config import compose
+
+    cfg = compose(["+experiment=demo", f"data.root={tiny_world}", "data.num_workers=0"])
+    for device, pinned in (("cpu", False), ("cuda", True), (None, False)):
+        loader = make_stream(cfg, "train", True, device=device)
+        assert loader.loader.pin_memory is pinned, device
+    if torch.cuda.is_available():
+        batch = next(iter(make_stream(cfg, "train", True, device="cuda")))
+        assert batch["image"].is_pinned() and batch["doc_id"].is_pinned()
