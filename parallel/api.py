@@ -374,7 +374,7 @@ def _shard(
         sharded = parallelize_spmd(model, cfg, layout.mesh, example_inputs, plan=tp_plan, part=part)
     elif cfg.activation_checkpointing != "none" or cfg.activation_offload or cfg.compile:
         # one process: savers, then compile (the spmd order without TP and FSDP)
-        from .compile import apply_compile
+        from .compile import apply_compile, apply_compile_model
         from .memory import (
             apply_activation_checkpointing,
             apply_activation_offload,
@@ -387,7 +387,9 @@ def _shard(
         apply_activation_checkpointing(ac_blocks, cfg.activation_checkpointing, cfg.ac_every)
         if cfg.activation_offload:
             apply_activation_offload(blocks)
-        if cfg.compile:
+        if cfg.compile and cfg.compile_scope == "model":
+            apply_compile_model(model, cfg.compile_backend, cfg.compile_mode)
+        elif cfg.compile:
             apply_compile(blocks, cfg.compile_backend)
     new = dict(model.named_parameters(remove_duplicate=False))
     # (while FSDP holds a unit gathered, the module shows its unsharded parameters)

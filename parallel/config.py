@@ -32,6 +32,8 @@ CHOICES = {
     "activation_checkpointing": ("none", "full", "every_n"),
     "mixed_precision": ("fp32", "bf16"),
     "compile_backend": ("inductor", "aot_eager", "eager"),
+    "compile_scope": ("blocks", "model"),
+    "compile_mode": ("default", "reduce-overhead"),
     "grad_reduce": ("pg", "auto", "shm", "hier_int8"),
     "p2p": ("auto", "shm", "gloo"),
     "stage_path": ("auto", "graph", "eager"),
@@ -70,6 +72,13 @@ class ParallelConfig:
     # elementwise kernels, fewer launches; off by default: the first step pays the compilation
     compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (traced, no code generated) | eager
+    # what one compiled graph holds: blocks (each block, any layout) | model (the whole module,
+    # forward and backward as one graph: fewer, larger fused kernels for a small model whose step
+    # is bound by kernel launches; one process or plain data parallel, see problems())
+    compile_scope: str = "blocks"
+    # default | reduce-overhead: Inductor records the whole model's graph as CUDA graphs and
+    # replays a step as one launch (CUDA, compile_scope=model, shapes fixed from step to step)
+    compile_mode: str = "default"
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 parameters and compute, fp32 reductions)
     cpu_offload: bool = False  # FSDP2: keep sharded parameters and optimizer state on the host
     grad_reduce: str = "pg"  # data-parallel gradient reduction: pg | auto | shm | hier_int8
@@ -143,6 +152,23 @@ class ParallelConfig:
                 f"cpu_offload with pp={self.pp}: a pipeline rank keeps its part gathered for the "
                 "whole step, so offloading between microbatches would only copy; use cpu_offload "
                 "with pp=1"
+            )
+        fsdp = shard != 1 or self.cpu_offload or self.mixed_precision != "fp32"
+        if self.compile_scope == "model" and (self.pp > 1 or self.tp > 1 or fsdp):
+            e.append(
+                f"compile_scope='model' with pp={self.pp}, tp={self.tp}, dp_shard={shard}, "
+                f"cpu_offload={self.cpu_offload}, mixed_precision={self.mixed_precision!r}: one "
+                "graph of the whole module needs all of it in this process, without the "
+                "pipeline's, TP's or FSDP's hooks (FSDP wraps for a shard, an offload or bf16 "
+                "parameters); use compile_scope='blocks', or autocast for bf16 compute"
+            )
+        if self.compile_mode != "default" and (
+            self.compile_scope != "model" or self.compile_backend != "inductor"
+        ):
+            e.append(
+                f"compile_mode={self.compile_mode!r} records CUDA graphs of a whole compiled "
+                f"model: it needs compile_scope='model' and compile_backend='inductor' (got "
+                f"{self.compile_scope!r}, {self.compile_backend!r})"
             )
         if self.pp > 1 and self.stage_path == "graph" and (self.tp > 1 or shard != 1):
             e.append(

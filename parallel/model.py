@@ -232,6 +232,7 @@ class ParallelModel(nn.Module):
         self.events = []
         losses: dict[int, torch.Tensor] = {}
         rec = self.events.append if self._record else None
+        graphs = self._cuda_graphs()  # a new step: the last one's outputs may be overwritten
         rank = self.layout.rank
         no_cast = _autocast_off(self._device().type)
         if self.step_sync is not None:  # FSDP: gather once, reduce-scatter once (if sync), per call
@@ -253,7 +254,8 @@ class ParallelModel(nn.Module):
                 loss = loss_fn(self.module(*args, **kwargs), tgts[i])
                 with no_cast():
                     (loss * (w[i] / total_w)).backward()
-                losses[i] = loss.detach()
+                # a CUDA graph's output is overwritten by the next microbatch's replay: copied
+                losses[i] = loss.detach().clone() if graphs else loss.detach()
                 if rec:
                     rec(Event(rank, "B", 0, i, t0, time.perf_counter()))
         else:
@@ -337,6 +339,14 @@ class ParallelModel(nn.Module):
         yield from self.stages.values()
         for stages in self.structures.values():
             yield from stages.values()
+
+    def _cuda_graphs(self) -> bool:
+        """Whether the model replays CUDA graphs (``compile_mode=reduce-overhead``); if so, tells
+        them a new step begins: the graphs' outputs of the last one may now be overwritten."""
+        if self.cfg.compile and self.cfg.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+            return True
+        return False
 
     def from_last_stage(self, obj: Any) -> Any:
         """``obj`` as the rank holding the pipeline's last stage has it, on every rank of this
@@ -458,6 +468,7 @@ class ParallelModel(nn.Module):
         ext = split_microbatches(extra, m)
         fn = output_fn or (lambda out, _: out)
         if not stages:
+            self._cuda_graphs()
             res = []
             for i in range(m):
                 args, kwargs = _as_call(mbs[i])

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.compile import apply_compile
+from parallel.compile import apply_compile, apply_compile_model
 from parallel.config import ParallelConfig
 from parallel.fsdp import apply_fsdp, fsdp_units, mixed_precision_policy
 from parallel.memory import (
@@ -115,8 +115,11 @@ def parallelize_spmd(
     apply_activation_checkpointing(ac_blocks, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.activation_offload:
         apply_activation_offload(blocks)
-    # 3. torch.compile per block, around the checkpointed forward and inside FSDP's hooks
-    if cfg.compile:
+    # 3. torch.compile per block, around the checkpointed forward and inside FSDP's hooks; or the
+    #    whole model as one graph (plain data parallel only: ParallelConfig.problems)
+    if cfg.compile and cfg.compile_scope == "model":
+        apply_compile_model(model, cfg.compile_backend, cfg.compile_mode)
+    elif cfg.compile:
         apply_compile(blocks, cfg.compile_backend)
     # 4. FSDP2 last: it shards whatever parameters (plain or TP DTensors) the steps above left
     dp = dp_mesh(mesh)

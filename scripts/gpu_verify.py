@@ -18,7 +18,9 @@ Steps, in priority order (each with a time cap; ``--budget`` seconds for all of 
 * ``attention``: rag_mm's attention at the 1B's retrieval shapes in bf16 (SDPA with the mask,
   flex, the fused kernel when built): error of the output and the gradients against an fp32
   reference, forward and forward + backward ms, the BlockMask's tiles, mixed-dtype inputs.
-* ``demo``: the demo reader at batch 32, eager and with every block compiled.
+* ``demo``: the demo reader at batch 32: eager, every block compiled, the whole reader compiled as
+  one graph, and that graph replayed as CUDA graphs (``parallel.compile_scope=model``,
+  ``compile_mode=reduce-overhead``); each compiled run's losses against eager's.
 * ``profile``: two steps of the fastest configuration under torch.profiler: GPU busy share, device
   time by kind, top kernels, host syncs per step.
 * ``search``: the memory search at the flat limit (100,000 documents, 256-d, 32 queries, top 4):
@@ -70,7 +72,7 @@ CAPS = {
     "step_D": 110,
     "step_E": 70,
     "attention": 50,
-    "demo": 70,
+    "demo": 180,
     "profile": 35,
     "search": 30,
 }
@@ -361,6 +363,8 @@ def verdict(steps: dict, dry: bool) -> dict:
             "demo reader: >= 10,000 samples/s",
             max(r["samples_per_s"] for r in dm["rows"]) >= 10_000,
         )
+        for name, same in (dm.get("losses_match_eager") or {}).items():
+            check(f"demo reader: {name} trains as eager does (losses)", same, speed=False)
     se = res.get("search")
     if se:
         check("search: the device search finds faiss's documents", se["same_ids"], speed=False)

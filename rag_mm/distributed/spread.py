@@ -92,6 +92,11 @@ class SpreadRag:
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
         self.per_document = rag.needs_doc_nll
+        if self.pcfg.compile and self.pcfg.compile_scope == "model":
+            # one graph of the whole reader: the accelerator's static layout (every slot kept, no
+            # length read back, rag_mm/model/layout.py), on every device, the CPU included
+            rag.reader.packed_devices = ()
+            log.info("parallel.compile_scope=model: the reader keeps the static layout")
         structures = {}
         if self.per_document:  # (B*k) queries with one document each: another module-call sequence
             structures["one_document"] = one_document_inputs(
@@ -201,7 +206,8 @@ class SpreadRag:
         host = self.pipelined
         res = self.pmodel.predict(
             one_document_inputs(q, docs),
-            output_fn=lambda out, _: out.nll.cpu() if host else out.nll,
+            # (a copy: a compiled reader replaying CUDA graphs overwrites its outputs next call)
+            output_fn=lambda out, _: out.nll.cpu() if host else out.nll.clone(),
             structure="one_document",
         )
         return torch.cat(res).view(B, k).to(self.device)

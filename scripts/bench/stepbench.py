@@ -223,20 +223,29 @@ class StepSetup:
     compile: bool = False  # torch.compile each block
     # aot_eager: traced, partitioned, no code written (CPU dry runs)
     compile_backend: str = "inductor"
+    # blocks | model: the whole reader as one graph, in its static layout (parallel.compile_scope)
+    compile_scope: str = "blocks"
+    compile_mode: str = "default"  # default | reduce-overhead: CUDA graphs (parallel.compile_mode)
 
 
-def make_step(model, opt, batch: dict, autocast: bool) -> Callable[[], torch.Tensor]:
-    """One training step (forward, backward, optimizer) returning the detached loss."""
+def make_step(
+    model, opt, batch: dict, autocast: bool, cuda_graphs: bool = False
+) -> Callable[[], torch.Tensor]:
+    """One training step (forward, backward, optimizer) returning the detached loss.
+    ``cuda_graphs``: the model replays CUDA graphs: each step is marked as a new one and the loss
+    copied out of the graph's memory (``parallel.ParallelModel`` does the same)."""
     device = next(model.parameters()).device
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)
 
     def step() -> torch.Tensor:
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with ctx:
             loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone() if cuda_graphs else loss.detach()
 
     return step
 
@@ -248,7 +257,7 @@ def _peak_memory(device: torch.device) -> float | None:
 def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
     """(config, model, blocks, step) for ``setup``: the reader with random weights on ``device``
     in the setup's dtype, its blocks checkpointed and compiled as asked, and its training step."""
-    from parallel.compile import apply_compile
+    from parallel.compile import apply_compile, apply_compile_model
     from parallel.memory import apply_activation_checkpointing
     from parallel.spmd import find_blocks
     from rag_mm.components.optim import build_optimizer
@@ -260,15 +269,18 @@ def prepare(overrides: list[str], setup: StepSetup, device: torch.device):
     blocks = find_blocks(model)
     if setup.ac == "full":
         apply_activation_checkpointing(blocks, "full", 1)
-    if (
-        setup.compile
-    ):  # the runtime's step 3 (parallel.compile); a graph break is counted, not fatal
+    # the runtime's step 3 (parallel.compile); a graph break is counted, not fatal
+    if setup.compile and setup.compile_scope == "model":
+        model.packed_devices = ()  # the static layout, as rag_mm's SpreadRag sets it
+        apply_compile_model(model, setup.compile_backend, setup.compile_mode, fullgraph=False)
+    elif setup.compile:
         apply_compile(blocks, setup.compile_backend, fullgraph=False)
     batch = synthetic_batch(cfg, setup.batch, vocab, device)
     if setup.params == "bf16":  # pictures in the weights' dtype
         batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in batch.items()}
     opt = build_optimizer(model, cfg.optim)
-    step = make_step(model, opt, batch, setup.params == "fp32+autocast")
+    graphs = setup.compile and setup.compile_mode == "reduce-overhead"
+    step = make_step(model, opt, batch, setup.params == "fp32+autocast", graphs)
     return (cfg, model_cfg, vocab), model, blocks, step
 
 
@@ -313,6 +325,8 @@ def measure(
         "params": setup.params,
         "attention_requested": setup.attention,
         "compile": setup.compile,
+        "compile_scope": setup.compile_scope if setup.compile else None,
+        "compile_mode": setup.compile_mode if setup.compile else None,
         "params_M": round(count_parameters(model) / 1e6, 3),
         "blocks": len(blocks),
         "warmup": warmup,

@@ -1,7 +1,8 @@
 """Reader training throughput: samples/s, MFU and HFU, on the CPU or a GPU.
 
     python scripts/bench/train_throughput.py [--device cpu|cuda] [--threads 2] [--steps 20]
-        [--batch 32] [--precision fp32|bf16] [--checkpointing] [--compile] [overrides...]
+        [--batch 32] [--precision fp32|bf16] [--checkpointing] [--compile]
+        [--compile-scope blocks|model] [--cuda-graphs] [overrides...]
 
     # the ~1B Hugging Face reader preset on one GPU
     python scripts/bench/train_throughput.py --device cuda --precision bf16 --batch 8 \
@@ -57,6 +58,17 @@ def main() -> None:
     )
     ap.add_argument("--checkpointing", action="store_true", help="recompute each block in backward")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block")
+    ap.add_argument(
+        "--compile-scope",
+        choices=["blocks", "model"],
+        default="blocks",
+        help="with --compile: each block, or the whole reader as one graph",
+    )
+    ap.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="with --compile-scope model: replay the graph as CUDA graphs (reduce-overhead)",
+    )
     ap.add_argument("--out", default="", help="also write the JSON to this file")
     ap.add_argument(
         "overrides", nargs="*", help="training overrides, e.g. model=llama3_2_1b retriever.top_k=2"
@@ -65,6 +77,10 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
+    if args.cuda_graphs and (not args.compile or args.compile_scope != "model"):
+        ap.error(
+            "--cuda-graphs replays the whole compiled reader: add --compile --compile-scope model"
+        )
     if args.steps < 1 or args.warmup < 0 or args.batch < 1:
         ap.error("--steps and --batch must be >= 1, --warmup >= 0")
     torch.set_num_threads(args.threads)
@@ -79,6 +95,8 @@ def main() -> None:
         ac="full" if args.checkpointing else "none",
         attention=backend,
         compile=args.compile,
+        compile_scope=args.compile_scope,
+        compile_mode="reduce-overhead" if args.cuda_graphs else "default",
     )
     peaks = sb.device_peaks(device, "fp32" if args.precision == "fp32" else "bf16")
     row = sb.measure(overrides, setup, device, warmup=args.warmup, steps=args.steps, peaks=peaks)

@@ -392,12 +392,20 @@ def _mixed_dtype(q, k, v, offsets, ref_out, ok_fused: bool) -> dict:
 
 # ----------------------------------------------------------------------------- demo reader
 def demo(ctx: Ctx) -> dict:
-    """The demo reader (``+experiment=demo``, batch 32, bf16 autocast) eager, then each block
-    compiled. Rows are appended as they finish."""
+    """The demo reader (``+experiment=demo``, batch 32, bf16 autocast) eager, each block
+    compiled, the whole reader compiled as one graph, and that graph replayed as CUDA graphs
+    (a GPU only: Inductor's). Rows are appended as they finish."""
     batch = 32 if not ctx.dry else 4
     rows = []
     ctx.results.setdefault("demo", {})["result"] = {"rows": rows}
-    for name, comp in (("eager", False), ("compiled_blocks", True)):
+    runs = [
+        ("eager", False, "blocks", "default"),
+        ("compiled_blocks", True, "blocks", "default"),
+        ("compiled_model", True, "model", "default"),
+    ]
+    if ctx.device.type == "cuda" and ctx.compile_backend == "inductor":
+        runs.append(("compiled_model_cuda_graphs", True, "model", "reduce-overhead"))
+    for name, comp, scope, mode in runs:
         setup = sb.StepSetup(
             name=name,
             batch=batch,
@@ -406,6 +414,8 @@ def demo(ctx: Ctx) -> dict:
             attention="auto",
             compile=comp,
             compile_backend=ctx.compile_backend,
+            compile_scope=scope,
+            compile_mode=mode,
         )
         rows.append(
             sb.measure(
@@ -419,9 +429,20 @@ def demo(ctx: Ctx) -> dict:
             )
         )
         _release(ctx.device)
-    if len(rows) == 2:
-        return {"rows": rows, "compiled_speedup": round(rows[0]["step_ms"] / rows[1]["step_ms"], 3)}
-    return {"rows": rows}
+    # each compiled row's step time against eager's, and whether its losses are eager's
+    eager = rows[0]
+    return {
+        "rows": rows,
+        "speedup_over_eager": {
+            r["config"]: round(eager["step_ms"] / r["step_ms"], 3) for r in rows[1:]
+        },
+        "losses_match_eager": {r["config"]: _close(r["loss"], eager["loss"]) for r in rows[1:]},
+    }
+
+
+def _close(a: list[float], b: list[float], tol: float = 2e-2) -> bool:
+    """The same loss curve to bf16 autocast's precision (relative ``tol`` at every step)."""
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(abs(y), 1e-6) for x, y in zip(a, b))
 
 
 # ----------------------------------------------------------------------------- profile

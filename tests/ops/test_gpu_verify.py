@@ -74,7 +74,12 @@ def test_dry_run_runs_every_step(tmp_path):
         )
     assert "not_run" in att["backends"]["fused"]  # not built without --build
     assert 0 < att["block_mask"]["computed"] <= att["block_mask"]["total"]
-    assert [r["config"] for r in res["demo"]["rows"]] == ["eager", "compiled_blocks"]
+    demo = res["demo"]
+    assert [r["config"] for r in demo["rows"]] == ["eager", "compiled_blocks", "compiled_model"]
+    assert demo["losses_match_eager"] == {"compiled_blocks": True, "compiled_model": True}, demo
+    assert "demo reader: compiled_model trains as eager does (losses)" in " ".join(
+        data["verdict"]["passed"]
+    )
     assert res["profile"]["config"] == "B" and "host_syncs_per_step" in res["profile"]
     assert "A and B: same first loss" in " ".join(data["verdict"]["passed"])
     se = res["search"]
