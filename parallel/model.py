@@ -348,17 +348,29 @@ class ParallelModel(nn.Module):
             return True
         return False
 
-    def from_last_stage(self, obj: Any) -> Any:
-        """``obj`` as the rank holding the pipeline's last stage has it, on every rank of this
-        pipeline (a collective over the pipeline group; picklable objects)."""
-        if not self.stages or not dist.is_initialized():
-            return obj
-        last = self.layout.pp_ranks[
+    def _last_rank(self) -> int:
+        """The global rank holding this pipeline's last stage."""
+        return self.layout.pp_ranks[
             stage_rank(self.partition.num_stages - 1, self.layout.pp_size, self.cfg.schedule)
         ]
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as the rank holding the pipeline's last stage has it, on every rank of this
+        pipeline (a collective over the pipeline group; picklable objects, through the host: a
+        tensor of known shape goes by ``last_stage_tensor_`` instead)."""
+        if not self.stages or not dist.is_initialized():
+            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=last, group=self.layout.pp_group)
+        dist.broadcast_object_list(box, src=self._last_rank(), group=self.layout.pp_group)
         return box[0]
+
+    def last_stage_tensor_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place and returned: ``t``, of one shape and dtype on every rank of this pipeline,
+        takes the values the last stage's rank holds: one broadcast on the tensor's device,
+        nothing read back to the host (a collective over the pipeline group)."""
+        if self.stages and dist.is_initialized():
+            dist.broadcast(t, src=self._last_rank(), group=self.layout.pp_group)
+        return t
 
     def _share_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Every rank gets the mean over data-parallel replicas of the last stage's loss."""
@@ -458,10 +470,12 @@ class ParallelModel(nn.Module):
         output_fn: Callable[[Any, Any], Any] | None = None,
         extra: Any = None,
         structure: str | None = None,
+        to_all: bool = True,
     ) -> list[Any]:
         """Forward-only over the pipeline: ``output_fn(output, extra_microbatch)`` on the last stage
         for each microbatch (default: the output itself); the list of results (picklable) is
-        broadcast to every rank of the pipeline. ``structure``: as in ``train_step``."""
+        broadcast to every rank of the pipeline (``to_all=False``: not; the other ranks' entries
+        are None). ``structure``: as in ``train_step``."""
         m = self.cfg.microbatches
         stages = self._stages_for(structure)
         mbs = split_microbatches(inputs, m)
@@ -486,7 +500,7 @@ class ParallelModel(nn.Module):
         self.transport.flush()
         if self.step_sync is not None:  # units stay gathered after a forward under a pipeline
             self.step_sync.reshard()
-        return self.from_last_stage(res)
+        return self.from_last_stage(res) if to_all else res
 
 
 def _loss_group(cfg: ParallelConfig, device: torch.device, timeout_s: float):

@@ -199,18 +199,19 @@ class SpreadRag:
 
     @torch.no_grad()
     def _per_document_nll(self, q: dict, docs: dict) -> torch.Tensor:
-        """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it. A pipeline
-        hands the last stage's results to its other ranks as objects, on the host; a whole reader
-        keeps them on the device."""
+        """RagModel._per_document_nll over the pipeline: (B, k), on every rank of it: the last
+        stage's, broadcast on the device."""
         B, k = docs["doc_ids"].shape[:2]
-        host = self.pipelined
         res = self.pmodel.predict(
             one_document_inputs(q, docs),
             # (a copy: a compiled reader replaying CUDA graphs overwrites its outputs next call)
-            output_fn=lambda out, _: out.nll.cpu() if host else out.nll.clone(),
+            output_fn=lambda out, _: out.nll.float().clone(),
             structure="one_document",
+            to_all=False,
         )
-        return torch.cat(res).view(B, k).to(self.device)
+        last = self.pmodel.is_last_stage
+        nll = torch.cat(res) if last else torch.empty(B * k, device=self.device)
+        return self.pmodel.last_stage_tensor_(nll.to(self.device)).view(B, k)
 
     # ------------------------------------------------------------------ training
     def step_answer_tokens(self, batches: list[dict]) -> torch.Tensor:
@@ -257,18 +258,16 @@ class SpreadRag:
         attention = (
             self.rcfg.mode == "learned" and self.rcfg.loss == "adist" and self.rcfg.top_k > 1
         )
-        # the target: which batch rows a microbatch holds. adist's target gathers the reader's
-        # copy attention there: on the host when a pipeline hands it from its last stage to the
-        # other ranks (as objects), else on the device
-        att_dev = "cpu" if attention and self.pipelined else self.device
-        rows = torch.arange(x["image"].shape[0], device=att_dev)
-        doc_att = torch.zeros(len(rows), self.rcfg.top_k, device=att_dev) if attention else None
+        # the target: which batch rows a microbatch holds (adist's target gathers the reader's
+        # copy attention there, on the last stage)
+        rows = torch.arange(x["image"].shape[0], device=self.device)
+        doc_att = torch.zeros(len(rows), self.rcfg.top_k, device=self.device) if attention else None
 
         r_scale = scale if answer_tokens is None else 1.0
 
         def loss_fn(out, mb_rows):
             if doc_att is not None:  # adist's target, from the training forward itself (last stage)
-                doc_att[mb_rows] = out.doc_attention.detach().float().to(att_dev)
+                doc_att[mb_rows] = out.doc_attention.detach().float()
             return out.loss * r_scale
 
         reader_loss = (
@@ -288,7 +287,8 @@ class SpreadRag:
             return StepOut(reader_loss, None, None)
         q, q_emb, top, docs, _ = ret
         gold = inputs.get("gold")
-        att = self.pmodel.from_last_stage(doc_att).to(self.device) if attention else None
+        # the last stage's attention on every rank of the pipeline
+        att = self.pmodel.last_stage_tensor_(doc_att) if attention else None
         nll = self._per_document_nll(q, docs) if self.per_document else None
         r_loss, _ = self.rag.retriever_loss(q, q_emb, top, docs, gold, nll, att, contrastive)
         with torch.autocast(self.device.type, enabled=False):  # a backward: no autocast
