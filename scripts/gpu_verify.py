@@ -26,6 +26,9 @@ Steps, in priority order (each with a time cap; ``--budget`` seconds for all of 
 * ``search``: the memory search at the flat limit (100,000 documents, 256-d, 32 queries, top 4):
   exact search on the device (``retriever.search=device``) against faiss's Flat index on the host,
   ms each and whether they return the same documents.
+* ``learned``: the demo's training step with its learned retriever and the device search, through
+  the trainer's step path (warm-up step and joint step): ms, samples/s and host syncs inside the
+  step from a profile of two.
 
 ``$OUT/gpu_verify.json`` is rewritten after every step (a killed run keeps what finished). A step
 that runs past its cap is stopped and recorded as ``timeout``; the steps after it still run. The
@@ -62,6 +65,7 @@ ORDER = (
     "demo",
     "profile",
     "search",
+    "learned",
 )
 # seconds per step on one H100 (compilation included); the dry run allows more on a shared CPU
 CAPS = {
@@ -75,6 +79,7 @@ CAPS = {
     "demo": 180,
     "profile": 35,
     "search": 30,
+    "learned": 60,
 }
 DRY_CAP = 150
 # with --build the first step a worker runs also compiles (or loads) the fused attention
@@ -368,6 +373,13 @@ def verdict(steps: dict, dry: bool) -> dict:
     se = res.get("search")
     if se:
         check("search: the device search finds faiss's documents", se["same_ids"], speed=False)
+    le = res.get("learned")
+    if le:  # (a device sync: not checked on the dry run's CPU, as the profile's)
+        for kind in ("retriever", "joint"):
+            check(
+                f"learned {kind} step: zero host syncs inside the step",
+                le[kind]["host_syncs_per_step"] == 0,
+            )
     pr = res.get("profile")
     if pr:
         check("profile: zero host syncs inside the step", pr["host_syncs_per_step"] == 0)
@@ -396,6 +408,11 @@ def summary(data: dict) -> str:
             extra = ", ".join(
                 f"{k} {v.get('fwdbwd_ms', v.get('not_run', v.get('error', '')))}"
                 for k, v in r["backends"].items()
+            )
+        elif name == "learned" and r:
+            extra = ", ".join(
+                f"{k} {r[k]['samples_per_s']:.0f}/s, syncs/step {r[k]['host_syncs_per_step']}"
+                for k in ("retriever", "joint")
             )
         elif name == "demo" and r:
             extra = ", ".join(f"{x['config']} {x['samples_per_s']:.0f}/s" for x in r["rows"])

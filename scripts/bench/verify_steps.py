@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -505,6 +506,91 @@ def search(ctx: Ctx) -> dict:
     }
 
 
+def learned(ctx: Ctx) -> dict:
+    """The demo's training step with its learned retriever and the device search
+    (``retriever.search=device``), through the trainer's step path (``SpreadRag.train_step``, the
+    clipper, AdamW): the query encoding, the search, the reader over 4 documents, pdist over each
+    document alone, the contrastive terms with pseudo-queries and bank negatives. A memory of
+    random documents, batch 32 (4 on the dry run), bf16 autocast; the warm-up's step and the
+    joint step, each timed over ``steps`` and profiled over 2 for host syncs inside the step."""
+    from step_profile import profile_steps
+
+    from rag_mm.components.optim import build_optimizer
+    from rag_mm.config import compose
+    from rag_mm.data.documents import DocumentStore
+    from rag_mm.distributed.spread import SpreadRag
+    from rag_mm.model.rag import RagModel
+    from retriever.encoders import DualEncoder
+    from retriever.memory import RetrievalMemory
+
+    B, N = (32, 1024) if not ctx.dry else (4, 64)
+    cfg = compose(["+experiment=demo", "retriever.search=device", f"data.batch_size={B}"])
+    r, m = cfg.retriever, cfg.model
+    dev, g = ctx.device, torch.Generator().manual_seed(0)
+    _, _, vocab = sb.compose_run([])
+    torch.manual_seed(0)
+    reader = sb.build_model(m, vocab, dev).train()
+    if ctx.dry:  # the accelerator's static layout on the CPU too: the count is the GPU's
+        reader.packed_devices = ()
+    ids = torch.arange(N) * 3 + 1
+    store = DocumentStore(
+        ids,
+        torch.randn(N, 3, m.image_size, m.image_size, generator=g),
+        torch.randint(1, vocab, (N, m.max_doc_text), generator=g),
+        torch.randint(1, m.max_doc_text + 1, (N,), generator=g),
+        [""] * N,
+        {},
+    ).to(dev)
+    enc = DualEncoder(r, m.image_size).to(dev).train()
+    memory = RetrievalMemory(
+        enc, store.images, store.text_ids, store.text_len, ids, device=dev, on_device=True
+    )
+    memory.refresh()
+    spread = SpreadRag(RagModel(reader, store, r, enc, memory), cfg, dev)
+    opt = build_optimizer(spread, cfg.optim)
+    x = {
+        k: v.to(dev)
+        for k, v in sb.synthetic_batch(cfg, B, vocab, "cpu").items()
+        if k in ("image", "q_ids", "q_len", "a_ids", "a_len")
+    }
+    x["gold"] = ids[torch.randint(0, N, (B,), generator=g)].to(dev)
+    out: dict = {"batch": B, "docs": N}
+
+    def step_of(kind: str):
+        def step() -> torch.Tensor:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                tokens = spread.step_answer_tokens([x]) if kind == "joint" else None
+                res = spread.train_step(x, answer_tokens=tokens, loss=kind)
+            spread.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return res.loss
+
+        return step
+
+    try:
+        for kind in ("retriever", "joint"):
+            step = step_of(kind)
+            for _ in range(ctx.warmup):
+                step()
+            _sync(dev)
+            t0 = time.perf_counter()
+            losses = [step() for _ in range(ctx.steps)]
+            _sync(dev)
+            s = (time.perf_counter() - t0) / ctx.steps
+            prof = profile_steps(step, dev, 2)
+            out[kind] = {
+                "step_ms": round(s * 1e3, 3),
+                "samples_per_s": round(B / s, 1),
+                "host_syncs": prof["host_syncs"],
+                "host_syncs_per_step": prof["host_syncs_per_step"],
+                "loss": [round(float(v), 5) for v in losses],
+            }
+    finally:
+        _release(dev)
+    return out
+
+
 STEPS = {
     "probe": probe,
     **{f"step_{n}": (lambda ctx, n=n: step_config(n, ctx)) for n in CONFIGS},
@@ -512,4 +598,5 @@ STEPS = {
     "demo": demo,
     "profile": profile,
     "search": search,
+    "learned": learned,
 }

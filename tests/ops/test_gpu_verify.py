@@ -22,6 +22,7 @@ STEPS = [
     "demo",
     "profile",
     "search",
+    "learned",
 ]
 
 
@@ -82,6 +83,9 @@ def test_dry_run_runs_every_step(tmp_path):
     )
     assert res["profile"]["config"] == "B" and "host_syncs_per_step" in res["profile"]
     assert "A and B: same first loss" in " ".join(data["verdict"]["passed"])
+    le = res["learned"]  # the learned-retriever step ran, both kinds; its syncs are a GPU's check
+    assert le["retriever"]["samples_per_s"] > 0 and le["joint"]["samples_per_s"] > 0, le
+    assert "learned joint step: zero host syncs inside the step" in data["verdict"]["not_measured"]
     se = res["search"]
     assert se["same_ids"] and se["device_ms"] > 0 and se["faiss_host_ms"] > 0, se
     assert "the device search finds faiss's documents" in " ".join(data["verdict"]["passed"])
