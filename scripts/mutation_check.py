@@ -633,6 +633,45 @@ MUTATIONS = (
         ),
         ("tests/rag_mm/test_search_device.py",),
     ),
+    Mutation(
+        "contrastive-mask",
+        "a query left out of the contrastive terms still counts as another's positive",
+        (("retriever/losses.py", "        pos = pos * both\n", ""),),
+        ("tests/retriever/test_retriever.py",),
+    ),
+    Mutation(
+        "learned-step-host",
+        "the reading-order shuffle hashes the retrieved ids on the host",
+        (
+            (
+                "rag_mm/model/rag.py",
+                "order, blind = shuffled_reads(top, self.rcfg.reader_shuffle)",
+                "order, blind = shuffled_reads(top.cpu(), self.rcfg.reader_shuffle)\n"
+                "            order = order.to(top.device, non_blocking=True)",
+            ),
+        ),
+        ("tests/gpu_fake/test_learned_step.py",),
+    ),
+    Mutation(
+        "whole-model-layout",
+        "a reader compiled whole keeps the host's packed layout (a length read back)",
+        (("rag_mm/distributed/spread.py", "rag.reader.packed_devices = ()", "pass"),),
+        ("tests/parallel/test_compile_model.py",),
+    ),
+    Mutation(
+        "pipeline-tensor-broadcast",
+        "a pipeline's ranks keep their own per-document NLL, not the last stage's",
+        (
+            (
+                "parallel/model.py",
+                "dist.broadcast(t, src=self._last_rank(), group=self.layout.pp_group)",
+                "pass",
+            ),
+        ),
+        (
+            "tests/rag_mm/test_train_pipeline.py::test_torchrun_pipeline_learned_matches_one_process",
+        ),
+    ),
 )
 
 
