@@ -19,8 +19,9 @@ from rag_mm.config import (
 from tests.rag_mm.test_train import run_module
 
 DEFAULT = ParallelConfig()
-# a value unlike the default for every field, in two layouts the runtime accepts together:
-# a pipeline with tp and FSDP on 8 ranks, and HSDP with bf16 parameters and CPU offload on 4
+# a value unlike the default for every field, in three layouts the runtime accepts together:
+# a pipeline with tp and FSDP on 8 ranks, HSDP with bf16 parameters and CPU offload on 4, and
+# one process compiling the whole model
 PIPELINE = {
     "pp": 2,
     "tp": 2,
@@ -52,6 +53,12 @@ HSDP = {
     "compile": True,
     "compile_backend": "aot_eager",
 }
+# and one process compiling the whole model as CUDA graphs (no pipeline, TP or FSDP hooks)
+WHOLE = {
+    "compile": True,
+    "compile_scope": "model",
+    "compile_mode": "reduce-overhead",
+}
 
 
 def _line(values: dict) -> list[str]:
@@ -62,8 +69,9 @@ def _line(values: dict) -> list[str]:
 
 def test_every_runtime_field_is_a_command_line_key_that_reaches_the_runtime():
     fields = {f.name for f in dataclasses.fields(ParallelConfig)}
-    assert set(PIPELINE) | set(HSDP) == fields  # a new runtime field needs a value here
-    for layout, world in ((PIPELINE, 8), (HSDP, 4)):
+    # a new runtime field needs a value here
+    assert set(PIPELINE) | set(HSDP) | set(WHOLE) == fields
+    for layout, world in ((PIPELINE, 8), (HSDP, 4), (WHOLE, 1)):
         assert all(v != getattr(DEFAULT, k) for k, v in layout.items() if k != "dp_replicate")
         cfg = compose(_line(layout))
         validate(cfg, world)
