@@ -187,7 +187,6 @@ def parallel_model_step():
 
 def spread_step():
     """The trainer's step path over the closed-book demo reader (no faiss, no document store)."""
-    from rag_mm.components.optim import build_optimizer
     from rag_mm.data.documents import DocumentStore
     from rag_mm.distributed.spread import SpreadRag
     from rag_mm.model.rag import RagModel
@@ -199,27 +198,8 @@ def spread_step():
         store = DocumentStore.empty(cfg.model.image_size, cfg.model.max_doc_text)
         rag = RagModel(reader, store, cfg.retriever)
         spread = SpreadRag(rag, cfg, CUDA)
-        opt = build_optimizer(spread, cfg.optim)
-        check = _checker(opt)
         x = {**_inputs(cfg.model, 0), "gold": torch.full((B,), -1, device=CUDA)}
-        params = list(spread.parameters())
-        backward, torch.Tensor.backward = (
-            torch.Tensor.backward,
-            lambda loss, *a, **kw: _backward(loss, params),
-        )
-        try:
-
-            def step():
-                # the trainer's step: the step's answer-token count, then the batch
-                out = spread.train_step(x, answer_tokens=spread.step_answer_tokens([x]))
-                gnorm = spread.clip_grad_norm_(1.0)
-                if check(0, out.loss.detach(), gnorm):
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            return _steps(step)
-        finally:
-            torch.Tensor.backward = backward
+        return _trainer_steps(spread, cfg, x, "joint")
 
 
 def learned_step(kind: str):
@@ -228,7 +208,6 @@ def learned_step(kind: str):
     reader, pdist over each document alone, the contrastive terms with pseudo-queries and bank
     negatives), clipping, the check and the optimizer. Half of the batch names no gold
     document."""
-    from rag_mm.components.optim import build_optimizer
     from tests.gpu_fake.learned import learned_spread
 
     cfg = _cfg("data.batch_size=4", "retriever.search=device")
@@ -236,28 +215,37 @@ def learned_step(kind: str):
     reader, ids = _reader(cfg.model, mode), torch.arange(12) * 7 + 3
     with fake_cuda(mode):
         spread = learned_spread(cfg, mode, reader, ids)
-        opt = build_optimizer(spread, cfg.optim)
-        check = _checker(opt)
         gold = torch.arange(B, device=CUDA) * 7 + 3
         x = {**_inputs(cfg.model, 0), "gold": gold.masked_fill(gold > 10, -1)}
-        params = list(spread.parameters())
-        backward, torch.Tensor.backward = (
-            torch.Tensor.backward,
-            lambda loss, *a, **kw: _backward(loss, params),
-        )
-        try:
+        return _trainer_steps(spread, cfg, x, kind)
 
-            def step():
-                tokens = spread.step_answer_tokens([x]) if kind == "joint" else None
-                out = spread.train_step(x, answer_tokens=tokens, loss=kind)
-                gnorm = spread.clip_grad_norm_(1.0)
-                if check(0, out.loss.detach(), gnorm):
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
 
-            return _steps(step)
-        finally:
-            torch.Tensor.backward = backward
+def _trainer_steps(spread, cfg, x: dict, kind: str):
+    """The trainer's step on ``spread`` (inside the fake mode): the step's answer-token count (the
+    joint step), ``train_step`` of ``kind``, the one clipper, the non-finite check, the optimizer;
+    the audit of the last of two."""
+    from rag_mm.components.optim import build_optimizer
+
+    opt = build_optimizer(spread, cfg.optim)
+    check = _checker(opt)
+    params = list(spread.parameters())
+    backward, torch.Tensor.backward = (
+        torch.Tensor.backward,
+        lambda loss, *a, **kw: _backward(loss, params),
+    )
+    try:
+
+        def step():
+            tokens = spread.step_answer_tokens([x]) if kind == "joint" else None
+            out = spread.train_step(x, answer_tokens=tokens, loss=kind)
+            gnorm = spread.clip_grad_norm_(1.0)
+            if check(0, out.loss.detach(), gnorm):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return _steps(step)
+    finally:
+        torch.Tensor.backward = backward
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""A learned-retriever ``SpreadRag`` on fake CUDA with its memory on the device, for the step
-audits of ``tests/gpu_fake/test_learned_step.py`` and ``scripts/bench/host_syncs.py``."""
+"""A learned-retriever ``RagModel`` (and its ``SpreadRag``) on fake CUDA with its memory on the
+device, for the audits of ``tests/gpu_fake/`` and ``scripts/bench/host_syncs.py``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from retriever.memory import RetrievalMemory
 CUDA = torch.device("cuda")
 
 
-def learned_spread(cfg, mode, reader, ids) -> SpreadRag:
-    """The demo's RagModel with a learned retriever on fake CUDA, its memory of documents ``ids``
-    (a real tensor) refreshed once (the refresh is not the step: real tensors are let in)."""
+def learned_rag(cfg, mode, reader, ids) -> RagModel:
+    """The RagModel of ``cfg`` with a learned retriever on fake CUDA, its memory of documents
+    ``ids`` (a real tensor) refreshed once, centred on six queries when ``retriever.centre`` (the
+    refresh is not the step: real tensors are let in)."""
     r, m, N = cfg.retriever, cfg.model, len(ids)
     mode.allow_non_fake_inputs = True
     try:
@@ -48,4 +49,9 @@ def learned_spread(cfg, mode, reader, ids) -> SpreadRag:
         memory.refresh()
     finally:
         mode.allow_non_fake_inputs = False
-    return SpreadRag(RagModel(reader, store, r, enc, memory), cfg, CUDA)
+    return RagModel(reader, store, r, enc, memory)
+
+
+def learned_spread(cfg, mode, reader, ids) -> SpreadRag:
+    """``learned_rag`` as the trainer trains it."""
+    return SpreadRag(learned_rag(cfg, mode, reader, ids), cfg, CUDA)

@@ -9,11 +9,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from rag_mm.data.documents import DocumentStore
-from rag_mm.model.rag import RagModel, gold_hits
-from retriever.encoders import DualEncoder
-from retriever.memory import RetrievalMemory
+from rag_mm.model.rag import gold_hits
 from tests.gpu_fake.fake_cuda import audited, fake_cuda
+from tests.gpu_fake.learned import learned_rag
 from tests.gpu_fake.test_fake_cuda import CUDA, _assert_clean, _cfg, _inputs, _reader
 
 N = 12  # documents
@@ -28,38 +26,8 @@ def test_search_rerank_and_fetch_on_fake_cuda():
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     reader = _reader(m, mode)
     with fake_cuda(mode):
-        # the memory is built and embedded once (a refresh, not the step): real ids let in
-        mode.allow_non_fake_inputs = True
-        try:
-            with torch.device(CUDA):
-                enc = DualEncoder(r, m.image_size).train()
-                store = DocumentStore(
-                    ids.to(CUDA),
-                    torch.randn(N, 3, m.image_size, m.image_size),
-                    torch.randint(0, 100, (N, m.max_doc_text)),
-                    torch.full((N,), 5),
-                    [""] * N,
-                    {},
-                )
-                calib = (
-                    torch.randn(6, 3, m.image_size, m.image_size),
-                    torch.randint(0, 100, (6, 4)),
-                    torch.full((6,), 4),
-                )
-            memory = RetrievalMemory(
-                enc,
-                store.images,
-                store.text_ids,
-                store.text_len,
-                ids,
-                device=CUDA,
-                queries=calib,
-                on_device=True,
-            )
-            memory.refresh()
-        finally:
-            mode.allow_non_fake_inputs = False
-        rag = RagModel(reader, store, r, enc, memory)
+        # the memory is built and embedded once (a refresh, not the step)
+        rag = learned_rag(cfg, mode, reader, ids)
         x = _inputs(m, 0)
         q = {k: x[k] for k in ("image", "q_ids", "q_len", "a_ids", "a_len")}
         gold = torch.randint(0, N, (len(x["image"]),), device=CUDA) * 7 + 3
