@@ -98,6 +98,11 @@ class ModelConfig:
     max_question: int = 24  # question tokens kept
     max_answer: int = 8  # answer tokens kept, EOT included
     max_segment_len: int = 128  # learned positions within a segment (doc or query)
+    # the query segment's order (causal): false reads the picture, then the question, as LLaVA-style
+    # VLMs are trained to; true reads the question first, so every picture patch attends to the
+    # question's words (question-conditioned vision) and a word can be matched against what each
+    # patch shows. A pretrained VLM keeps false
+    question_first: bool = False
     max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
     # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
     attention_backend: str = "auto"

@@ -236,6 +236,7 @@ class HFVLMReader(HFReaderBase):
             cfg.max_segment_len,
             cfg.max_answer,
         )
+        self.question_first = cfg.question_first
         text = vlm.config.get_text_config()
         dim = text.hidden_size
         # Gemma 2 caps its logits after the head

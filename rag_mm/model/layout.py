@@ -75,6 +75,8 @@ class ReaderBase(nn.Module):
     # device types on which a batch is trimmed to its longest example and its answer rows counted:
     # the host, where reading a length back is free. Elsewhere the shapes are static (module doc).
     packed_devices: tuple[str, ...] = ("cpu",)
+    # the query segment reads the question before its picture (``model.question_first``)
+    question_first: bool = False
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # (..., L) -> (..., L, D)
         raise NotImplementedError
@@ -129,31 +131,45 @@ class ReaderBase(nn.Module):
         Lq = q_ids.shape[1]
         # the final answer token (EOT) is only ever a target, never an input
         La = a_ids.shape[1] - 1
-        parts += [q_patches, self.embed_tokens(q_ids), self.embed_tokens(a_ids[:, :La])]
-        valid += [
+        n_before = sum(p.shape[1] for p in parts)  # slots before the query segment
+        # the query's picture and question, in the order the reader reads them (causally)
+        picture = (
+            q_patches,
             torch.ones(B, P, dtype=torch.bool, device=dev),
-            ar(Lq)[None] < q_len[:, None],
-            ar(La)[None] < (a_len - 1)[:, None],
-        ]
-        pos += [ar(P).expand(B, P), (P + ar(Lq)).expand(B, Lq), P + q_len[:, None] + ar(La)[None]]
-        typ += [
-            torch.full((B, P), QUERY_IMAGE, device=dev),
-            torch.full((B, Lq), QUESTION, device=dev),
-            torch.full((B, La), ANSWER, device=dev),
-        ]
+            QUERY_IMAGE,
+            no_tok(P),
+        )
+        question = (self.embed_tokens(q_ids), ar(Lq)[None] < q_len[:, None], QUESTION, q_ids)
+        first, second = (question, picture) if self.question_first else (picture, question)
+        for emb, ok, kind, tok in (first, second):
+            parts.append(emb)
+            valid.append(ok)
+            typ.append(torch.full(ok.shape, kind, device=dev))
+            toks.append(tok)
+        if self.question_first:  # patches follow the question's real tokens
+            pos += [ar(Lq).expand(B, Lq), q_len[:, None] + ar(P)[None]]
+        else:
+            pos += [ar(P).expand(B, P), (P + ar(Lq)).expand(B, Lq)]
+        parts.append(self.embed_tokens(a_ids[:, :La]))
+        valid.append(ar(La)[None] < (a_len - 1)[:, None])
+        pos.append(P + q_len[:, None] + ar(La)[None])
+        typ.append(torch.full((B, La), ANSWER, device=dev))
+        toks.append(a_ids[:, :La])
         seg += [torch.full((B, P + Lq + La), k, device=dev)]
-        toks += [no_tok(P), q_ids, a_ids[:, :La]]
 
-        # labels: the last question token predicts answer[0]; answer slot j predicts answer[j + 1]
-        n_before = sum(p.shape[1] for p in parts[:-2])  # slots before the question
-        labels = torch.full((B, n_before + Lq + La), IGNORE, dtype=torch.long, device=dev)
-        # question end or last patch
-        anchor = n_before + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))
+        # labels: the query's last slot before the answer predicts answer[0] (the question's last
+        # token, or the last patch when the question comes first or is empty); answer slot j
+        # predicts answer[j + 1]
+        labels = torch.full((B, n_before + P + Lq + La), IGNORE, dtype=torch.long, device=dev)
+        if self.question_first:
+            anchor = torch.full_like(q_len, n_before + Lq + P - 1)
+        else:
+            anchor = n_before + P + torch.where(q_len > 0, q_len - 1, torch.full_like(q_len, -1))
         labels[ar(B), anchor] = a_ids[:, 0]
         if La > 0:
             # (B, La)
             nxt = torch.where(ar(La)[None] + 1 < a_len[:, None], a_ids[:, 1 : La + 1], IGNORE)
-            labels[:, n_before + Lq :] = nxt
+            labels[:, n_before + P + Lq :] = nxt
         # the largest position any slot can hold, from the shapes alone (documents: P + Lt - 1,
         # the query: P + Lq + La - 1); the longest real segment is at most this + 1
         bound = P + max(Lq + La, doc_ids.shape[2] if k else 0)

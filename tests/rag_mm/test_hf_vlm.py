@@ -308,3 +308,20 @@ def test_what_is_no_vlm_is_refused_by_name(tmp_path):
     validate(cfg)  # a config.json is there: only building the model tells
     with pytest.raises(ConfigError, match="not a vision-language model"):
         build_rag(cfg, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("which", ["hf", "hf_vlm"])
+def test_question_first_reaches_the_hugging_face_readers(which):
+    """``model.question_first`` orders the query segment of both Hugging Face readers (the layout
+    itself is tested on the native reader, tests/rag_mm/test_reader.py)."""
+    from rag_mm.model.layout import QUERY_IMAGE, QUESTION
+    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
+
+    for first in (False, True):
+        if which == "hf":
+            reader, x = tiny_hf_reader(question_first=first), reader_inputs(k=0)
+        else:
+            reader = tiny_vlm_reader("llava", question_first=first)
+            x = reader_inputs(k=0, vocab=VOCAB)
+        typ = reader.assemble(**x).typ[0].tolist()
+        assert (typ.index(QUESTION) < typ.index(QUERY_IMAGE)) == first

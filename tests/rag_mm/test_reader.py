@@ -142,3 +142,50 @@ def test_retrieval_prior_weighs_the_copy_attention():
         sure[:, j] = 0.0
         mass = m(**b, doc_prior=sure).doc_attention  # (B, 2) copy mass on each document
         assert (mass[:, j] > 0.999 * mass.sum(1)).all(), mass
+
+
+def test_question_first_lets_the_picture_read_the_question():
+    """``model.question_first``: the query segment is question, patches, answer; the first answer
+    token is predicted at the last patch, and the patches' hidden states depend on the question
+    (with the default order they cannot: the question comes after them)."""
+    from rag_mm.model.layout import ANSWER, QUERY_IMAGE, QUESTION
+
+    b = batch()
+    P = 16
+    for first in (False, True):
+        m = tiny_reader(question_first=first)
+        a = m.assemble(**b)
+        for i in range(3):
+            q = slice(int(a.seg_offsets[i, -2]), int(a.seg_offsets[i, -1]))
+            ql, al = int(b["q_len"][i]), int(b["a_len"][i]) - 1
+            kinds = [QUESTION] * ql + [QUERY_IMAGE] * P
+            if not first:
+                kinds = kinds[ql:] + kinds[:ql]
+            assert a.typ[i, q].tolist() == kinds + [ANSWER] * al
+            # positions run on through the segment, whatever the order
+            assert a.pos[i, q].tolist() == list(range(P + ql + al))
+            # the answer's first token is the label of the slot just before the answer
+            assert int(a.labels[i, q][P + ql - 1]) == int(b["a_ids"][i, 0])
+            got = a.labels[i][a.labels[i] != IGNORE].tolist()
+            assert got == b["a_ids"][i, : b["a_len"][i]].tolist()
+        # a question token changes the picture's hidden states only when the question comes first
+        x2 = a.x.clone()
+        start = int(a.seg_offsets[0, -2])
+        qpos = start + (0 if first else P)  # the question's first token
+        # (a shift along every channel would vanish in the blocks' LayerNorm)
+        x2[0, qpos] += torch.randn(x2.shape[-1], generator=torch.Generator().manual_seed(0))
+        patch_rows = a.typ[0] == QUERY_IMAGE
+        h1, h2 = _hidden(m, a.x, a.seg_offsets), _hidden(m, x2, a.seg_offsets)
+        moved = (h1[0, patch_rows] - h2[0, patch_rows]).abs().max()
+        assert (moved > 1e-4) == first, (first, moved)
+        # greedy generation reads the same layout
+        gen = m.generate(
+            b["image"],
+            b["q_ids"],
+            b["q_len"],
+            b["doc_image"],
+            b["doc_ids"],
+            b["doc_len"],
+            eot_id=EOT,
+        )
+        assert len(gen) == 3
