@@ -49,6 +49,18 @@ class Mutation:
 
 MUTATIONS = (
     Mutation(
+        "question-first-ignored",
+        "layout: the query segment keeps the picture first whatever model.question_first says",
+        (
+            (
+                "rag_mm/model/layout.py",
+                "first, second = (question, picture) if self.question_first else (picture, question)",
+                "first, second = (picture, question)",
+            ),
+        ),
+        ("tests/rag_mm/test_reader.py::test_question_first_lets_the_picture_read_the_question",),
+    ),
+    Mutation(
         "restore",
         "checkpoint restore disabled: resume=auto starts over",
         (

@@ -5,6 +5,9 @@ Sequence of one example (packed left, padded right to the batch's longest)::
     [doc_1 patches, doc_1 text] ... [doc_k patches, doc_k text] [query patches, question, answer]
      └──────── segment 0 ───────┘     └──────── segment k-1 ──┘  └────────── segment k ─────────┘
 
+With ``question_first`` (``model.question_first``) the query segment is [question, query patches,
+answer]: the patches, read after the question, attend to its words.
+
 On an accelerator the slots are not trimmed: every example is padded to the batch's slot count,
 known from the shapes, and the answer positions are picked into a fixed number of rows with a
 validity mask, so the step reads nothing back from the device (sizing the packed sequence to the
