@@ -54,8 +54,8 @@ MUTATIONS = (
         (
             (
                 "rag_mm/model/layout.py",
-                "first, second = (question, picture) if self.question_first else (picture, question)",
-                "first, second = (picture, question)",
+                "= (question, picture) if self.question_first else (picture, question)",
+                "= (picture, question)",
             ),
         ),
         ("tests/rag_mm/test_reader.py::test_question_first_lets_the_picture_read_the_question",),

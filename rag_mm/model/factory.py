@@ -4,6 +4,7 @@ device."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn as nn
@@ -11,11 +12,19 @@ import torch.nn as nn
 from rag_mm.config import ModelConfig
 from rag_mm.model.layout import ReaderBase
 
+log = logging.getLogger(__name__)
+
 
 def build_reader(m: ModelConfig, vocab_size: int, meta: bool = False) -> ReaderBase:
     """``model`` config -> a freshly initialised reader (seed the global RNG first for a given
     init), or with ``meta`` one on the meta device with no memory and no init: its shapes can be
     counted and planned, and ``materialize`` gives it weights."""
+    if m.question_first and m.pretrained:
+        log.warning(
+            "model.question_first=true with model.pretrained=%s: a pretrained reader learned to "
+            "read its picture before the question; model.question_first=false keeps that order",
+            m.pretrained,
+        )
     if m.family == "native":
         from rag_mm.model.reader import Reader
 

@@ -4,6 +4,8 @@ export -> import round trip."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import re
 import time
 
@@ -177,7 +179,7 @@ def save_word_tokenizer(path, words) -> int:
     return len(vocab)
 
 
-def test_pretrained_directory_and_its_tokenizer(tmp_path):
+def test_pretrained_directory_and_its_tokenizer(tmp_path, caplog):
     """A model and tokenizer saved locally: the reader loads both offline, its weights are the
     saved ones (logits equal the model's own forward), and it reads with that tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -213,6 +215,10 @@ def test_pretrained_directory_and_its_tokenizer(tmp_path):
     torch.testing.assert_close(
         out.logits, torch.log_softmax(ref[a.labels != IGNORE], -1), atol=1e-5, rtol=0
     )
+    # the question before the picture is not the order a pretrained model learned: said, not refused
+    with caplog.at_level(logging.WARNING, logger="rag_mm.model.factory"):
+        build_reader(dataclasses.replace(cfg, question_first=True), tok.vocab_size)
+    assert "model.question_first=true with model.pretrained" in caplog.text
 
 
 def test_export_import_round_trip(tmp_path):
