@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 
 from parallel.cluster import Cluster
 from parallel.config import DEGREES
-from rag_mm.config import ConfigError, compose, runtime_config, validate
+from rag_mm.config import ConfigError, TrainConfig, compose, runtime_config, validate
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ FORMATS = ("table", "json")
 AUTO_TOP = 3  # layouts the start-up log shows
 
 
-def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
+def example_inputs(cfg: TrainConfig, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
     """A reader batch shaped like the run's, on the CPU: full-length texts, ``retriever.top_k``
     documents per query (none in closed-book mode)."""
     m, k = cfg.model, cfg.retriever.top_k
@@ -89,7 +89,7 @@ def example_inputs(cfg: Any, samples: int = SAMPLES) -> dict[str, torch.Tensor]:
     return x
 
 
-def tp_divisor(cfg: Any) -> int:
+def tp_divisor(cfg: TrainConfig) -> int:
     """tp must divide the reader's attention heads (the query heads of a Hugging Face LM: key/value
     heads tp does not divide are replicated) and its vision tower's (``validate``'s rule)."""
     m = cfg.model
@@ -107,7 +107,10 @@ def tp_divisor(cfg: Any) -> int:
 
 
 def plan(
-    cfg: Any, cluster: Cluster, global_batch: int, precisions: tuple[str, ...] = ("bf16", "fp32")
+    cfg: TrainConfig,
+    cluster: Cluster,
+    global_batch: int,
+    precisions: tuple[str, ...] = ("bf16", "fp32"),
 ):
     """``parallel.Plan`` of the run's reader on ``cluster`` for ``global_batch`` samples per
     step."""
@@ -138,7 +141,7 @@ def plan(
     )
 
 
-def default_global_batch(cfg: Any, world: int) -> int:
+def default_global_batch(cfg: TrainConfig, world: int) -> int:
     """Samples per optimizer step: ``data.global_batch_size`` (or ``data.batch_size`` on every
     rank, the batch plain data parallel would take) x ``optim.grad_accum``."""
     per_step = cfg.data.global_batch_size or cfg.data.batch_size * world
@@ -156,7 +159,7 @@ def _yaml(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
 
 
-def layout_overrides(cfg: Any, est) -> list[str]:
+def layout_overrides(cfg: TrainConfig, est) -> list[str]:
     """The command line that runs the planner's candidate ``est`` (a ``parallel.planner.Estimate``)
     as the run ``cfg`` is configured: ``parallel.<degree>`` for its four degrees and
     ``parallel.<field>`` for every other field its ``ParallelConfig`` sets otherwise than the run;
@@ -178,14 +181,14 @@ def layout_overrides(cfg: Any, est) -> list[str]:
     return o + [f"optim.grad_accum={est.grad_accum}", f"optim.precision={est.precision}"]
 
 
-def apply(cfg: Any, overrides: list[str]) -> None:
+def apply(cfg: TrainConfig, overrides: list[str]) -> None:
     """Set ``key=value`` overrides on a composed config (values read as YAML, like Hydra's)."""
     for o in overrides:
         key, value = _split(o)
         OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
 
 
-def rag_mm_problem(cfg: Any, overrides: list[str], world: int) -> str | None:
+def rag_mm_problem(cfg: TrainConfig, overrides: list[str], world: int) -> str | None:
     """Why rag_mm would reject the config with ``overrides`` on ``world`` ranks, or None."""
     trial = cfg.copy()
     apply(trial, overrides)
@@ -196,7 +199,7 @@ def rag_mm_problem(cfg: Any, overrides: list[str], world: int) -> str | None:
     return None
 
 
-def runnable(cfg: Any, p, world: int, n: int) -> list[tuple[Any, list[str]]]:
+def runnable(cfg: TrainConfig, p, world: int, n: int) -> list[tuple[Any, list[str]]]:
     """The first ``n`` fitting layouts of plan ``p`` that rag_mm validates, with their overrides."""
     out = []
     for lay in p.fitting:
@@ -224,7 +227,7 @@ def auto_cluster(world: int, local_world: int | None = None) -> Cluster:
     return c
 
 
-def resolve_auto(cfg: Any, world: int, local_world: int | None = None):
+def resolve_auto(cfg: TrainConfig, world: int, local_world: int | None = None):
     """``launch.auto_layout``: plan the reader for ``world`` ranks and set the best fitting layout's
     overrides (parallel degrees, microbatches, schedule, the per-rank batch that keeps the run's
     global batch, accumulation) on ``cfg``; log the top layouts and why. Returns the candidate

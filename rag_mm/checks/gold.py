@@ -23,9 +23,8 @@ import json
 import logging
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
 
-from rag_mm.config import ConfigError
+from rag_mm.config import ConfigError, TrainConfig
 
 log = logging.getLogger(__name__)
 PEEK = 64  # samples read: a converted data set names a doc_id in every query or in none
@@ -79,7 +78,7 @@ def peek(urls: list[str], n: int = PEEK) -> Peek | None:
     return Peek(first, read, with_gold) if read else None
 
 
-def needs(cfg: Any) -> list[str]:
+def needs(cfg: TrainConfig) -> list[str]:
     """The settings of ``cfg`` that cannot run on queries naming no gold document."""
     r, out = cfg.retriever, []
     if r.mode == "oracle":
@@ -98,7 +97,7 @@ def needs(cfg: Any) -> list[str]:
     return out
 
 
-def check(cfg: Any) -> bool:
+def check(cfg: TrainConfig) -> bool:
     """Whether the training queries name their gold documents; raises a ConfigError, before any
     work, when a setting needs gold documents the data does not name. Evaluation splits are read
     too under ``retriever.mode=oracle``, which needs a gold document for every query."""
@@ -136,7 +135,7 @@ def check(cfg: Any) -> bool:
     return not train.none
 
 
-def oracle_problem(cfg: Any, split: str, seen: Peek | None = None) -> str | None:
+def oracle_problem(cfg: TrainConfig, split: str, seen: Peek | None = None) -> str | None:
     """Why ``retriever.mode=oracle`` cannot read ``data.<split>`` (None when its first samples all
     name their gold document); ``seen``: the split's peek, when already taken."""
     from rag_mm.data.urls import expand_urls

@@ -17,9 +17,8 @@ import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from rag_mm.config import ConfigError, data_splits, shard_problems
+from rag_mm.config import ConfigError, TrainConfig, data_splits, shard_problems
 
 # what rag_mm.components.checkpoint.save writes
 CHECKPOINT_FILES = (
@@ -228,7 +227,7 @@ def output_file_problems(key: str, path: str, must_be: str = "") -> list[str]:
     return []
 
 
-def path_problems(cfg: Any, training: bool = True) -> list[str]:
+def path_problems(cfg: TrainConfig, training: bool = True) -> list[str]:
     """Every problem with the path-valued keys of a run's config. ``training=False`` (evaluation)
     leaves out ``resume`` and the writability of ``run_dir``."""
     e: list[str] = []
@@ -244,14 +243,14 @@ def path_problems(cfg: Any, training: bool = True) -> list[str]:
     return e
 
 
-def check_paths(cfg: Any, training: bool = True) -> None:
+def check_paths(cfg: TrainConfig, training: bool = True) -> None:
     """Raise one ConfigError naming every path-valued key that cannot work."""
     e = path_problems(cfg, training)
     if e:
         raise ConfigError("invalid paths:\n  - " + "\n  - ".join(e))
 
 
-def data_key(cfg: Any, urls: list[str]) -> str:
+def data_key(cfg: TrainConfig, urls: list[str]) -> str:
     """The ``data.<split>`` key whose shards include all of ``urls`` ('' when none does)."""
     from rag_mm.data.urls import expand_urls
 
