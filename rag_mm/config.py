@@ -69,6 +69,10 @@ class ModelConfig:
     layers: int = 4  # transformer blocks: 2 to find the fact's slot, 2 to copy it is the minimum
     heads: int = 4  # attention heads; must divide dim
     mlp_ratio: float = 4.0  # MLP hidden size = mlp_ratio * dim, as in GPT-2 / ViT
+    # native: the blocks' MLP. gelu: GPT-2's fc -> GELU -> proj. swiglu: Llama's
+    # SiLU(gate x) * (up x) -> down, whose product of two projections of one token lets a block
+    # compare two things that token has gathered (a word of the question, the picture's colour)
+    mlp: str = "gelu"
     dropout: float = 0.0  # off: the demo data is clean and deterministic tests need no RNG here
     vision_width: int = 128  # open_clip ViT width
     vision_layers: int = 2  # open_clip ViT depth; pictures are simple shapes
@@ -233,6 +237,7 @@ class TrainConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "fused", "sdpa", "flex", "reference")
+MLPS = ("gelu", "swiglu")
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 DISK_CHECKS = ("warn", "stop", "off")
@@ -294,6 +299,8 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
             f"model.attention_backend must be one of {ATTENTION_BACKENDS} (got "
             f"{m.attention_backend!r})"
         )
+    if m.mlp not in MLPS:
+        e.append(f"model.mlp must be one of {MLPS} (got {m.mlp!r})")
     if m.max_answer < 2:
         e.append(
             f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})"

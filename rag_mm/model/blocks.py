@@ -33,26 +33,39 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, ratio: float, dropout: float) -> None:
+    """GPT-2's ``proj(GELU(fc x))``, or with ``gated`` Llama's SwiGLU ``proj(SiLU(gate x) * fc x)``.
+
+    The gated form holds a third matrix, so its hidden width is two thirds of ``ratio * dim``:
+    the same parameters and FLOPs as the plain one (as Llama sizes it)."""
+
+    def __init__(self, dim: int, ratio: float, dropout: float, gated: bool = False) -> None:
         super().__init__()
-        hidden = int(dim * ratio)
+        hidden = int(dim * ratio * 2 / 3) if gated else int(dim * ratio)
+        self.gate = nn.Linear(dim, hidden) if gated else None
         self.fc = nn.Linear(dim, hidden)
         self.proj = nn.Linear(hidden, dim)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        h = F.gelu(self.fc(x)) if self.gate is None else F.silu(self.gate(x)) * self.fc(x)
+        return self.dropout(self.proj(h))
 
 
 class Block(nn.Module):
     def __init__(
-        self, dim: int, heads: int, mlp_ratio: float, dropout: float, backend: str
+        self,
+        dim: int,
+        heads: int,
+        mlp_ratio: float,
+        dropout: float,
+        backend: str,
+        gated_mlp: bool = False,
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(dim)
         self.attn = SelfAttention(dim, heads, dropout, backend)
         self.ln2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, mlp_ratio, dropout)
+        self.mlp = MLP(dim, mlp_ratio, dropout, gated_mlp)
 
     def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), seg_offsets)

@@ -72,7 +72,14 @@ class Reader(ReaderBase):
         self.type_emb = nn.Embedding(5, cfg.dim)
         self.rank_emb = nn.Embedding(cfg.max_docs, cfg.dim)
         self.blocks = nn.ModuleList(
-            Block(cfg.dim, cfg.heads, cfg.mlp_ratio, cfg.dropout, cfg.attention_backend)
+            Block(
+                cfg.dim,
+                cfg.heads,
+                cfg.mlp_ratio,
+                cfg.dropout,
+                cfg.attention_backend,
+                gated_mlp=cfg.mlp == "swiglu",
+            )
             for _ in range(cfg.layers)
         )
         self.ln_f = nn.LayerNorm(cfg.dim)

@@ -32,7 +32,8 @@ def default_suite():
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "case", ["reader", "gpt2", "bert", "t5", "llama+sp", "llama+loss_parallel"]
+    "case",
+    ["reader", "reader_swiglu", "gpt2", "bert", "t5", "llama+sp", "llama+loss_parallel"],
 )
 def test_tp2_matches_one_process(default_suite, case):
     """The automatic plan on each model: one process's loss and gradients, and no planned module
@@ -85,6 +86,13 @@ def test_tp_plan_roles(default_suite):
     )
     assert reader["vision.transformer.resblocks.0.attn"] == "rule:multihead_attention"
     assert reader["lm_head"] == "replicate"  # tied to tok_emb
+    # the gated MLP: gate and up both column-parallel into one row-parallel down projection
+    swiglu = r["reader_swiglu"]["roles"]
+    assert [swiglu[f"blocks.0.mlp.{n}"] for n in ("gate", "fc", "proj")] == [
+        "colwise",
+        "colwise",
+        "rowwise",
+    ], swiglu
 
 
 @pytest.mark.multirank

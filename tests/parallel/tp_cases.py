@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from parallel.trace import default_loss
 
 
-def reader_factory(layers: int = 2):
+def reader_factory(layers: int = 2, mlp: str = "gelu"):
     from rag_mm.config import ModelConfig
     from rag_mm.model import Reader
 
@@ -22,6 +22,7 @@ def reader_factory(layers: int = 2):
         dim=64,
         layers=layers,
         heads=4,
+        mlp=mlp,
         vision_width=64,
         vision_layers=1,
         vision_head_width=32,
@@ -50,6 +51,8 @@ def reader_loss(out):
 def factory(name: str):
     if name == "reader":  # rag_mm's own attention: planned automatically, as the trainer does
         return reader_factory()
+    if name == "reader_swiglu":  # the same reader with Llama's gated MLP (model.mlp=swiglu)
+        return reader_factory(mlp="swiglu")
     if name == "hf_reader":  # a Hugging Face Llama decoder with rag_mm's attention inside
         from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
 
@@ -717,7 +720,9 @@ def tp_default_group(rank, world):
     """The default-run TP cases in one process group (start-up paid once): equivalence on the
     reader (automatic plan) / GPT-2 / BERT / T5 / Llama (+sp,
     +loss_parallel), collectives per layer, and the self-check cases."""
-    out = suite(rank, world, ["reader", "gpt2", "bert", "t5"], ["llama"], ["llama"])
+    out = suite(
+        rank, world, ["reader", "reader_swiglu", "gpt2", "bert", "t5"], ["llama"], ["llama"]
+    )
     out["collectives"] = layer_collectives(rank, world, "llama", False)
     out["collectives+sp"] = layer_collectives(rank, world, "llama", True)
     out["selfcheck_lm"] = selfcheck_case(rank, world, "selfcheck_lm")

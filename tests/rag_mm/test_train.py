@@ -39,6 +39,7 @@ def test_bad_config_is_rejected_before_work(tmp_path):
         "retriever.mode=psychic": "retriever.mode must be one of",
         "parallel.dp_replicate=3": "does not match the world size 1",
         "optim.precision=fp8": "optim.precision must be one of",
+        "model.mlp=relu": "model.mlp must be one of",
     }
     res = run_module(["-m", "rag_mm.train", "+experiment=demo", f"run_dir={tmp_path}/run", *bad])
     assert res.returncode == 2
