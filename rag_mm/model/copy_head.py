@@ -35,6 +35,9 @@ class CopyHead(nn.Module):
     """
 
     SMEAR = 2  # previous tokens mixed into each key: attribute name and separator
+    # answer tokens a span continuation is matched back over (continuations); a repeat longer
+    # than this inside one passage is the only case it leaves ambiguous
+    MAX_RUN = 8
 
     def __init__(self, dim: int, supervision: float = 0.0) -> None:
         super().__init__()
@@ -51,6 +54,48 @@ class CopyHead(nn.Module):
         # whatever the span was (the row's own state carries the last answer token, which for a
         # name never trained as an answer says nothing the gate has learned)
         self.gate_next = nn.Linear(dim, 1)
+        # ... plus the token after that one: whether a separator continues the span or ends it
+        # is told by what follows it ("13" "." "0" against "emotion" "." "group"), which the
+        # byte-pair tokens of a number and of a sentence's end do not tell apart themselves
+        self.gate_after = nn.Linear(dim, 1, bias=False)
+
+    @classmethod
+    def continuations(cls, tok_all, seg_id, is_answer, allowed, rows_ex, rows_pos, in_answer):
+        """(M, S): the positions that continue the span the answer rows are copying.
+
+        A span's end is where the most of the answer's last tokens occur in a row (matched back
+        one answer token at a time, at most ``MAX_RUN``, within one segment); its continuation is
+        the position after that end, in the same segment. Matching the last token alone would
+        let a token that occurs twice in a passage ("1f62f", "version: 12.0.") loop back to its
+        earlier occurrence ("1f62f62f...", "12.0.0.0..."), and a span that ends its segment has
+        no continuation: then none is returned and the row may copy anything or stop. Rows that
+        read no answer token (the question's last) and rows whose last token occurs nowhere (a
+        generated word) get none either. A fixed trip count with no data-dependent exit, so no
+        host sync."""
+        S = tok_all.shape[1]
+        # (M, S) positions a span can end at: copyable (documents and question, before the row)
+        alive = allowed & in_answer[:, None]
+        run = torch.zeros_like(
+            alive, dtype=torch.int32
+        )  # (M, S) answer tokens matched, ending at e
+        for lag in range(1, cls.MAX_RUN + 1):
+            at = rows_pos - (lag - 1)  # (M,) position of the answer's lag-th token from its end
+            here = (at >= 0) & is_answer[rows_ex, at.clamp_min(0)]  # (M,) still in the answer
+            # (M,) that token; -2 where the answer is shorter (matches nothing: ids are >= -1)
+            want = tok_all[rows_ex, at.clamp_min(0)].masked_fill(~here | (at < 0), -2)
+            if lag == 1:  # the row's own token: in_answer says it is the answer's
+                want = tok_all[rows_ex, rows_pos]
+            # (B, S) the token lag - 1 before each position e, -3 outside e's segment
+            same = seg_id == F.pad(seg_id, (lag - 1, 0), value=-1)[:, :S]
+            before = F.pad(tok_all, (lag - 1, 0), value=-1)[:, :S].masked_fill(~same, -3)
+            alive = alive & (before[rows_ex] == want[:, None]) & (want[:, None] >= 0)
+            run = run + alive
+        longest = run.amax(1, keepdim=True)  # (M, 1)
+        ends = (run == longest) & (longest > 0)  # (M, S)
+        same_next = (seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S])[
+            rows_ex
+        ]  # s in s-1's segment
+        return F.pad(ends, (1, 0), value=False)[:, :S] & same_next & allowed
 
     def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
         """(B, S, D) -> (B, S, D): own key plus learned keys of the SMEAR positions before it in
@@ -113,16 +158,14 @@ class CopyHead(nn.Module):
             & (tok >= 0)
             & ~is_answer[rows_ex]
         )
-        # past the answer's first token, copying continues a span: only the tokens that follow
-        # (same segment) the token the row reads are copyable (an induction head's rule, exact on
-        # token ids), so a span of tokens never trained as answers is copied to its end. Rows
-        # whose last token occurs nowhere (a generated word) keep every position.
-        same = seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S]  # (B, S)
-        prev_tok = F.pad(tok_all, (1, 0), value=-1)[:, :S].masked_fill(~same, -1)[rows_ex]  # (M, S)
-        row_tok = tok.gather(1, rows_pos[:, None])  # (M, 1) the token at the answer row
+        # past the answer's first token, copying continues a span: only the token after the span
+        # the answer has copied so far is copyable (an induction head's rule, exact on token
+        # ids), so a span of tokens never trained as answers is copied to its end
         # (M,) the row reads an answer token, not the question's last
         in_answer = ~is_question[rows_ex, rows_pos]
-        follows = (prev_tok == row_tok) & (row_tok >= 0) & allowed & in_answer[:, None]  # (M, S)
+        follows = self.continuations(
+            tok_all, seg_id, is_answer, allowed, rows_ex, rows_pos, in_answer
+        )  # (M, S)
         allowed = torch.where(follows.any(1, keepdim=True), follows, allowed)
         # fp32 softmax: CUDA autocast promotes softmax to fp32, CPU autocast does not, and the
         # scatter into copy_p (gen_logp's dtype, fp32 under autocast) needs one dtype
@@ -137,11 +180,15 @@ class CopyHead(nn.Module):
         has_next = follows.any(1)  # (M,) the row continues a span
         nxt = follows.to(torch.int8).argmax(1)  # (M,) the first position that continues it
         h_next = h_all[rows_ex, nxt]  # (M, D)
+        after = (nxt + 1).clamp(max=S - 1)  # (M,) the position after the continuation ...
+        # ... when it is in the same segment (a span's last token has nothing after it)
+        in_seg = (seg_id[rows_ex, after] == seg_id[rows_ex, nxt]) & (nxt + 1 < S)
+        h_after = h_all[rows_ex, after] * in_seg[:, None]  # (M, D)
         # fp32: in bf16, 1 - 1e-6 rounds to 1 and log(1 - g) to -inf
         # (M,)
         gate_logit = torch.where(
             has_next,
-            self.gate_next(h_next).float().squeeze(1),
+            (self.gate_next(h_next) + self.gate_after(h_after)).float().squeeze(1),
             self.gate(h_rows).float().squeeze(1),
         )
         g = torch.sigmoid(gate_logit).clamp(1e-6, 1 - 1e-6)[:, None]  # (M, 1) p(generate)

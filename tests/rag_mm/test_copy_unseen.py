@@ -134,3 +134,80 @@ def test_without_renaming_the_reader_does_not_stop_after_an_unseen_span():
     """The control for the stop: trained on its answers as given, the reader copies the span but
     goes on copying past its end (the end-of-text row), so few unseen answers are exact."""
     assert exact_match_unseen(train(tiny_reader(copy_anonymize=0.0))) < 0.5
+
+
+def copy_pointers(passage: list[int], answer: list[int]) -> list[set[int]]:
+    """Where an untrained copy head may point, per answer row (the question's last token, then
+    each answer token read), for one document ``passage`` and a one-token question."""
+    D, V, question = 16, 64, [8]
+    toks = torch.tensor([passage + question + answer])  # (1, S)
+    S, P = toks.shape[1], len(passage)
+    seg_id = torch.tensor([[0] * P + [1] * (S - P)])  # the document, then question and answer
+    is_question = torch.zeros(1, S, dtype=torch.bool)
+    is_question[0, P] = True
+    is_answer = torch.zeros(1, S, dtype=torch.bool)
+    is_answer[0, P + 1 :] = True
+    rows_pos = torch.arange(P, S)  # the question's token, then every answer token
+    torch.manual_seed(0)
+    h_all = torch.randn(1, S, D)
+    _, attn, _ = CopyHead(D)(
+        h_all[0, rows_pos],
+        torch.zeros(len(rows_pos), dtype=torch.long),
+        rows_pos,
+        h_all,
+        toks,
+        seg_id,
+        is_question,
+        is_answer,
+        torch.log_softmax(torch.randn(len(rows_pos), V), -1),
+    )
+    return [set(torch.nonzero(a).flatten().tolist()) for a in attn]
+
+
+def test_a_span_with_a_repeated_token_is_copied_on_not_looped():
+    """A code point such as "1f62f" repeats a token: after "1 f" and after "1 f 6 2 f" the copy
+    must go on after the "f" the span has reached, not after the other one, which would loop
+    "1f62f62f..."; and a span that ends its passage ("version: 12.0.") has nothing to continue
+    with, so the row is not sent back into it ("12.0.0.0...")."""
+    # attribute, "1 f 6 2 f", "."
+    pointed = copy_pointers([5, 1, 7, 6, 2, 7, 9], [1, 7, 6, 2, 7, 9])
+    # after "1", "1 f", "1 f 6", "1 f 6 2": the span's next token (positions 2, 3, 4, 5)
+    assert pointed[1:5] == [{2}, {3}, {4}, {5}]
+    assert pointed[5] == {6}  # after "1 f 6 2 f": the "." that ends it, not the "6" at 3
+    # attribute, "1 2 . 0 ." at the passage's end
+    pointed = copy_pointers([5, 1, 2, 9, 0, 9], [1, 2, 9, 0, 9, 4])
+    assert pointed[1:5] == [{2}, {3}, {4}, {5}]  # "1 2 . 0 ." copied in order
+    # after "1 2 . 0 .": no continuation; anything copyable, not "0" (position 4) alone
+    assert pointed[5] == {0, 1, 2, 3, 4, 5, 6}
+
+
+def test_the_stop_reads_the_token_after_the_next_one():
+    """A "." inside "13.0" and the "." that ends a fact are one token: whether to copy it or stop
+    is told by the token after it, so a continuing row's p(generate) must move with that token's
+    state (and, its copy being the one continuation, nothing else there moves its answer)."""
+    D, V = 16, 64
+    # attribute, "1 3 . 0", "."; question; the answer read so far: "1 3"
+    toks = torch.tensor([[5, 1, 3, 9, 0, 9, 8, 1, 3]])
+    S = toks.shape[1]
+    seg_id = torch.tensor([[0] * 6 + [1] * 3])
+    is_question = torch.zeros(1, S, dtype=torch.bool)
+    is_question[0, 6] = True
+    is_answer = torch.zeros(1, S, dtype=torch.bool)
+    is_answer[0, 7:] = True
+    row = torch.tensor([8])  # reads "3": the continuation is the "." at 3, then "0" at 4
+    torch.manual_seed(0)
+    head = CopyHead(D)
+    h_all = torch.randn(1, S, D)
+    gen_logp = torch.log_softmax(torch.randn(1, V), -1)
+
+    def answer(h):
+        ex = torch.zeros(1, dtype=torch.long)
+        args = (toks, seg_id, is_question, is_answer, gen_logp)
+        return head(h[0, row], ex, row, h, *args)[0]
+
+    moved = h_all.clone()
+    moved[0, 4] += 1.0  # the token after the continuation
+    assert not torch.allclose(answer(h_all), answer(moved))
+    other = h_all.clone()
+    other[0, 0] += 1.0  # a token the row neither continues with nor looks past
+    torch.testing.assert_close(answer(h_all), answer(other))
