@@ -75,16 +75,16 @@ class CopyHead(nn.Module):
         S = tok_all.shape[1]
         # (M, S) positions a span can end at: copyable (documents and question, before the row)
         alive = allowed & in_answer[:, None]
-        run = torch.zeros_like(
-            alive, dtype=torch.int32
-        )  # (M, S) answer tokens matched, ending at e
+        # (M, S) answer tokens matched, the run ending at e
+        run = torch.zeros_like(alive, dtype=torch.int32)
         for lag in range(1, cls.MAX_RUN + 1):
-            at = rows_pos - (lag - 1)  # (M,) position of the answer's lag-th token from its end
-            here = (at >= 0) & is_answer[rows_ex, at.clamp_min(0)]  # (M,) still in the answer
-            # (M,) that token; -2 where the answer is shorter (matches nothing: ids are >= -1)
-            want = tok_all[rows_ex, at.clamp_min(0)].masked_fill(~here | (at < 0), -2)
-            if lag == 1:  # the row's own token: in_answer says it is the answer's
-                want = tok_all[rows_ex, rows_pos]
+            if lag == 1:  # the row's own token (in_answer, in alive, says it is the answer's)
+                want = tok_all[rows_ex, rows_pos]  # (M,)
+            else:
+                at = rows_pos - (lag - 1)  # (M,) position of the answer's lag-th token from its end
+                here = (at >= 0) & is_answer[rows_ex, at.clamp_min(0)]  # (M,) still in the answer
+                # (M,) that token; -2 where the answer is shorter (matches nothing: ids >= -1)
+                want = tok_all[rows_ex, at.clamp_min(0)].masked_fill(~here, -2)
             # (B, S) the token lag - 1 before each position e, -3 outside e's segment
             same = seg_id == F.pad(seg_id, (lag - 1, 0), value=-1)[:, :S]
             before = F.pad(tok_all, (lag - 1, 0), value=-1)[:, :S].masked_fill(~same, -3)
@@ -92,9 +92,8 @@ class CopyHead(nn.Module):
             run = run + alive
         longest = run.amax(1, keepdim=True)  # (M, 1)
         ends = (run == longest) & (longest > 0)  # (M, S)
-        same_next = (seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S])[
-            rows_ex
-        ]  # s in s-1's segment
+        # (M, S) position s in the segment of s - 1
+        same_next = (seg_id == F.pad(seg_id, (1, 0), value=-1)[:, :S])[rows_ex]
         return F.pad(ends, (1, 0), value=False)[:, :S] & same_next & allowed
 
     def keys(self, h_all: torch.Tensor, seg_id: torch.Tensor) -> torch.Tensor:
