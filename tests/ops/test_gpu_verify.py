@@ -1,6 +1,6 @@
 """scripts/gpu_verify.py --dry-run: every step of the GPU verification runs on the CPU at tiny
-shapes (hf_tiny, nothing downloaded), the JSON holds each step's figures, --only reruns one step
-and keeps the others."""
+shapes (hf_tiny, nothing downloaded; the compiled steps in the slow run), the JSON holds each
+step's figures, --only reruns one step and keeps the others."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [
@@ -47,24 +49,32 @@ def _run(out: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_dry_run_runs_every_step(tmp_path):
-    proc = _run(tmp_path)
+# the steps that compile (D, E, the demo's compiled reader) and the learned-retriever step: the
+# slow run; compilation itself is tested in tests/parallel/test_compile_*.py
+COMPILED = ["step_D", "step_E", "demo", "learned"]
+EAGER = [n for n in STEPS if n not in COMPILED]
+
+
+def _dry_run(tmp_path, steps: list[str]) -> tuple[dict, dict]:
+    proc = _run(tmp_path, "--only", ",".join(steps))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_verify.json").read_text())
-    assert list(data["steps"]) == STEPS
-    assert {n: s["status"] for n, s in data["steps"].items()} == dict.fromkeys(STEPS, "ok")
-    res = {n: s["result"] for n, s in data["steps"].items()}
+    assert list(data["steps"]) == steps
+    assert {n: s["status"] for n, s in data["steps"].items()} == dict.fromkeys(steps, "ok")
+    return data, {n: s["result"] for n, s in data["steps"].items()}
+
+
+def test_dry_run_runs_the_eager_steps_and_only_reruns_one(tmp_path):
+    data, res = _dry_run(tmp_path, EAGER)
     assert res["probe"]["matmul_bf16_tflops"] > 0 and "flex" in res["probe"]["features"]
-    rows = [res[f"step_{n}"] for n in "ABCDE"]
-    for r in rows:
+    a, b, c = (res[f"step_{n}"] for n in "ABC")
+    for r in (a, b, c):
         assert r["model_tflop_per_step"] > 0 and r["step_ms"] > 0 and len(r["loss"]) == 2
         assert r["attention_ran"], r
-    a, b, c, d, e = rows
     assert a["ac"] == "full" and a["hfu"] > a["mfu_measured_peak"]  # recompute counted in HFU only
     assert b["ac"] == "none" and b["hfu"] == b["mfu_measured_peak"]
     assert abs(a["loss"][0] - b["loss"][0]) < 1e-4  # checkpointing changes no math
     assert c["params"] == "bf16" and {x["backend"] for x in c["attention_ran"]} == {"flex"}
-    assert d["compile"] and d["compile_backend"] == "aot_eager" and e["batch"] == 2 * d["batch"]
     # bf16 weights: the same loss within bf16's reach
     assert abs(c["loss"][0] - a["loss"][0]) < 3e-2
     att = res["attention"]
@@ -75,17 +85,8 @@ def test_dry_run_runs_every_step(tmp_path):
         )
     assert "not_run" in att["backends"]["fused"]  # not built without --build
     assert 0 < att["block_mask"]["computed"] <= att["block_mask"]["total"]
-    demo = res["demo"]
-    assert [r["config"] for r in demo["rows"]] == ["eager", "compiled_blocks", "compiled_model"]
-    assert demo["losses_match_eager"] == {"compiled_blocks": True, "compiled_model": True}, demo
-    assert "demo reader: compiled_model trains as eager does (losses)" in " ".join(
-        data["verdict"]["passed"]
-    )
     assert res["profile"]["config"] == "B" and "host_syncs_per_step" in res["profile"]
     assert "A and B: same first loss" in " ".join(data["verdict"]["passed"])
-    le = res["learned"]  # the learned-retriever step ran, both kinds; its syncs are a GPU's check
-    assert le["retriever"]["samples_per_s"] > 0 and le["joint"]["samples_per_s"] > 0, le
-    assert "learned joint step: zero host syncs inside the step" in data["verdict"]["not_measured"]
     se = res["search"]
     assert se["same_ids"] and se["device_ms"] > 0 and se["faiss_host_ms"] > 0, se
     assert "the device search finds faiss's documents" in " ".join(data["verdict"]["passed"])
@@ -96,6 +97,25 @@ def test_dry_run_runs_every_step(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = json.loads((tmp_path / "gpu_verify.json").read_text())
     assert again["steps"]["step_A"] == before and again["steps"]["probe"]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_dry_run_runs_the_compiled_steps(tmp_path):
+    data, res = _dry_run(tmp_path, COMPILED)
+    d, e = res["step_D"], res["step_E"]
+    for r in (d, e):
+        assert r["model_tflop_per_step"] > 0 and r["step_ms"] > 0 and len(r["loss"]) == 2
+        assert r["attention_ran"], r
+    assert d["compile"] and d["compile_backend"] == "aot_eager" and e["batch"] == 2 * d["batch"]
+    demo = res["demo"]
+    assert [r["config"] for r in demo["rows"]] == ["eager", "compiled_blocks", "compiled_model"]
+    assert demo["losses_match_eager"] == {"compiled_blocks": True, "compiled_model": True}, demo
+    assert "demo reader: compiled_model trains as eager does (losses)" in " ".join(
+        data["verdict"]["passed"]
+    )
+    le = res["learned"]  # the learned-retriever step ran, both kinds; its syncs are a GPU's check
+    assert le["retriever"]["samples_per_s"] > 0 and le["joint"]["samples_per_s"] > 0, le
+    assert "learned joint step: zero host syncs inside the step" in data["verdict"]["not_measured"]
 
 
 def test_unknown_step_is_refused(tmp_path):

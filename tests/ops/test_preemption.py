@@ -94,7 +94,12 @@ def _signal_time(stderr: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-@pytest.mark.parametrize("phase", list(PHASES))
+# an evaluation's and a refresh's stop on one process: the slow run; the default run stops in them
+# on two ranks (the test below)
+@pytest.mark.parametrize(
+    "phase",
+    [pytest.param(p, marks=pytest.mark.slow) if p in ("eval", "refresh") else p for p in PHASES],
+)
 def test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint(tiny_world, tmp_path, phase):
     fault, extra, where, saved = PHASES[phase]
     run_dir = tmp_path / "run"
