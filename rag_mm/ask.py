@@ -49,7 +49,7 @@ from rag_mm.components.metrics import json_safe
 from rag_mm.config import reader_tokenizer
 from rag_mm.data.pipeline import QueryStream, SkipCounter, StreamSpec, collate, decode_image
 from rag_mm.data.urls import expand_urls
-from rag_mm.evaluate import EvalError, greedy_answers, load_config, load_run
+from rag_mm.evaluate import EvalError, greedy_answers, load_config, load_run, read_texts
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +266,11 @@ class Asker:
             )
             out = SimpleNamespace(doc_ids=ids, scores=scores)
             answers = greedy_answers(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
+            texts = read_texts(rag, out, batch["question"], range(len(chunk)))
             for i, (query, answer) in enumerate(zip(chunk, answers)):
                 docs = self._documents(ids[i, :show], sims[i, :show]) if learned else []
                 row = {
-                    "answer": tok.decode(answer),
+                    "answer": tok.spell(answer, texts[i]),
                     "documents": docs,
                     "checkpoint": str(self.ckpt),
                     "step": self.step,

@@ -182,9 +182,10 @@ def evaluate(
         if predictions is not None:  # every query's greedy answer, decoded once for both uses
             preds = greedy_answers(rag, batch, out, device, torch.arange(B), tok)
             max_answer = rag.reader.cfg.max_answer
+            texts = read_texts(rag, out, batch["question"], range(B))
             predictions += [
-                (key, _answer_text(ids, a or [], tok, max_answer))
-                for key, ids, a in zip(batch["key"], preds, answers)
+                (key, _answer_text(ids, a or [], tok, max_answer, src))
+                for key, ids, a, src in zip(batch["key"], preds, answers, texts)
             ]
         if vqa_rows:
             _add_vqa(
@@ -219,8 +220,10 @@ def evaluate(
                 batch,
                 krows,
                 [
-                    _answer_text(ids, kvqas[r]["aliases"], tok, max_answer)
-                    for r, ids in zip(krows, kp)
+                    _answer_text(ids, kvqas[r]["aliases"], tok, max_answer, src)
+                    for r, ids, src in zip(
+                        krows, kp, read_texts(rag, out, batch["question"], krows)
+                    )
                 ],
             )
         if out.doc_ids is not None and store is not None and len(store):
@@ -357,9 +360,10 @@ def _add_vqa(
         preds = greedy_answers(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
     answers = batch["answers"]
+    texts = read_texts(rag, out, batch["question"], rows)
     scores = [
-        vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer), answers[r])
-        for r, ids in zip(rows, preds)
+        vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer, src), answers[r])
+        for r, ids, src in zip(rows, preds, texts)
     ]
     _add(typed, f"vqa{suffix}", types[rows], scores)
     _add(typed, f"n_vqa{suffix}", types[rows], torch.ones(len(rows)))
@@ -512,14 +516,28 @@ def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> li
     )
 
 
-def _answer_text(ids: list[int], answers: list[str], tokenizer, max_answer: int) -> str:
+def read_texts(rag, out, questions: list[str], rows) -> list[list[str]]:
+    """For each of the queries ``rows``: the passages its reader read (``out.doc_ids``, nearest
+    first), then its question; the texts a copied answer is spelled from (``Tokenizer.spell``)."""
+    rows = list(rows)
+    store = getattr(rag, "store", None)
+    if out.doc_ids is None or store is None or not len(store) or not rows:
+        return [[questions[r]] for r in rows]
+    read = store.rows(out.doc_ids[torch.tensor(rows), : rag.rcfg.top_k]).tolist()
+    return [[store.passages[j] for j in js] + [questions[r]] for r, js in zip(rows, read)]
+
+
+def _answer_text(
+    ids: list[int], answers: list[str], tokenizer, max_answer: int, sources: list[str]
+) -> str:
     """A greedy answer as text: the human answer whose (training-truncated) tokens it reproduces,
-    if any, else its decoding. The BPE decoding respaces punctuation ("t-shirt" comes back as
-    "t - shirt"), which the metric would otherwise count against an answer the reader got right."""
+    if any, else as written in the texts it was read from (``sources``), else its decoding. The BPE
+    decoding respaces punctuation ("t-shirt" comes back as "t - shirt") and letters among digits
+    ("1f62f" as "1 f 62 f"), which the metric would otherwise count against a right answer."""
     for a in answers:
         if tokenizer.encode(a)[: max_answer - 1] == ids:
             return a
-    return tokenizer.decode(ids)
+    return tokenizer.spell(ids, sources)
 
 
 def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
@@ -531,6 +549,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     ids = out.doc_ids[:n, :k]
     pred = greedy_answers(rag, batch, out, device, torch.arange(n), tokenizer)
     rows = rag.store.rows(ids)
+    texts = read_texts(rag, out, batch["question"], range(n))
     res = []
     for i in range(n):
         res.append(
@@ -538,7 +557,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
                 "key": batch["key"][i],
                 "question": batch["question"][i],
                 "answer": batch["answer"][i],
-                "prediction": tokenizer.decode(pred[i]),
+                "prediction": tokenizer.spell(pred[i], texts[i]),
                 "heldout": bool(batch["heldout"][i]),
                 "gold_doc_id": int(batch["doc_id"][i]),
                 "query_image": _png_b64(batch["image"][i]),

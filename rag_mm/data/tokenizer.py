@@ -5,11 +5,17 @@ pretrained reader's own)."""
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
 
 import torch
-from open_clip.tokenizer import SimpleTokenizer
+from open_clip.tokenizer import SimpleTokenizer, basic_clean, whitespace_clean
+
+# CLIP's BPE ends every pre-token with a word end, so its decoding spaces every digit and the point
+# inside a number ("13.0" comes back "1 3 . 0"): the spaces between digits, and around a point or
+# comma between digits, are taken out again
+_DIGIT_GAP = re.compile(r"(?<=\d) (?:([.,]) )?(?=\d)")
 
 
 class Tokenizer:
@@ -26,7 +32,47 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         ids = [i for i in ids if i != self.eot_id]
-        return self._bpe.decode(ids).strip()
+        return _DIGIT_GAP.sub(lambda m: m.group(1) or "", self._bpe.decode(ids).strip())
+
+    def spans(self, text: str) -> tuple[str, list[int], list[tuple[int, int]]] | None:
+        """``text`` as the tokenizer reads it (cleaned, case kept), its token ids and each token's
+        character span in it; None where lowercasing changes the text's length (spans would
+        drift)."""
+        bpe = self._bpe
+        cased = whitespace_clean(basic_clean(text))
+        lower = cased.lower()
+        if len(lower) != len(cased):
+            return None
+        ids, spans = [], []
+        for m in bpe.pat.finditer(lower):
+            raw = m.group().encode("utf-8")
+            pieces = bpe.bpe("".join(bpe.byte_encoder[b] for b in raw)).split(" ")
+            done = 0  # bytes of the pre-token before this piece
+            for piece in pieces:
+                n = len(piece.removesuffix("</w>"))  # one character per byte (byte_encoder)
+                start = m.start() + len(raw[:done].decode("utf-8", "ignore"))
+                done += n
+                end = m.start() + len(raw[:done].decode("utf-8", "ignore"))
+                ids.append(bpe.encoder[piece])
+                spans.append((start, end))
+        return cased, ids, spans
+
+    def spell(self, ids: list[int], sources: list[str]) -> str:
+        """The answer ``ids`` as written in the first of ``sources`` (the passages the reader read,
+        the question) that holds them as a run of tokens, else decoded. The decoding cannot tell
+        where the text had spaces ("1f62f" and "1 f 6 2 f" are the same tokens); a copied span's
+        source can."""
+        ids = [i for i in ids if i != self.eot_id]
+        n = len(ids)
+        for src in sources if n else ():
+            read = self.spans(src)
+            if read is None:
+                continue
+            text, src_ids, spans = read
+            for i in range(len(src_ids) - n + 1):
+                if src_ids[i : i + n] == ids:  # (a byte-level BPE's span holds its space)
+                    return text[spans[i][0] : spans[i + n - 1][1]].strip()
+        return self.decode(ids)
 
     def pad(self, seqs: list[list[int]], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Truncate to ``max_len`` and right-pad: ``(ids (N, L), lengths (N,))``."""
@@ -65,6 +111,13 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(
             [i for i in ids if i != self.eot_id], skip_special_tokens=True
         ).strip()
+
+    def spans(self, text: str) -> tuple[str, list[int], list[tuple[int, int]]] | None:
+        """As ``Tokenizer.spans``, from a fast tokenizer's offsets; None for a slow tokenizer."""
+        if not self._tok.is_fast:
+            return None
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return text, list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -14,7 +14,7 @@ import webdataset as wds
 from rag_mm import ask
 from rag_mm.build import batch_inputs, make_stream
 from rag_mm.components import checkpoint
-from rag_mm.evaluate import greedy_answers, load_config, load_run
+from rag_mm.evaluate import greedy_answers, load_config, load_run, read_texts
 from tests.rag_mm.conftest import LEARNED_RUN, tiny_overrides
 from tests.rag_mm.test_train import run_module
 
@@ -56,7 +56,9 @@ def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:
     finally:
         if parts.memory is not None:
             parts.memory.close()
-    return batch, out, [parts.tok.decode(p) for p in preds], scale
+    # spelled as evaluation's predictions are: as written in the passages read, else decoded
+    texts = read_texts(rag, out, batch["question"], range(len(preds)))
+    return batch, out, [parts.tok.spell(p, t) for p, t in zip(preds, texts)], scale
 
 
 def _query_files(world: Path, keys: list[str], questions: list[str], folder: Path) -> Path:
