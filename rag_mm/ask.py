@@ -266,7 +266,7 @@ class Asker:
             )
             out = SimpleNamespace(doc_ids=ids, scores=scores)
             answers = greedy_answers(rag, batch, out, self.device, torch.arange(len(chunk)), tok)
-            texts = read_texts(rag, out, batch["question"], range(len(chunk)))
+            texts = read_texts(rag, out, batch.get("question"), range(len(chunk)))
             for i, (query, answer) in enumerate(zip(chunk, answers)):
                 docs = self._documents(ids[i, :show], sims[i, :show]) if learned else []
                 row = {

@@ -182,7 +182,7 @@ def evaluate(
         if predictions is not None:  # every query's greedy answer, decoded once for both uses
             preds = greedy_answers(rag, batch, out, device, torch.arange(B), tok)
             max_answer = rag.reader.cfg.max_answer
-            texts = read_texts(rag, out, batch["question"], range(B))
+            texts = read_texts(rag, out, batch.get("question"), range(B))
             predictions += [
                 (key, _answer_text(ids, a or [], tok, max_answer, src))
                 for key, ids, a, src in zip(batch["key"], preds, answers, texts)
@@ -222,7 +222,7 @@ def evaluate(
                 [
                     _answer_text(ids, kvqas[r]["aliases"], tok, max_answer, src)
                     for r, ids, src in zip(
-                        krows, kp, read_texts(rag, out, batch["question"], krows)
+                        krows, kp, read_texts(rag, out, batch.get("question"), krows)
                     )
                 ],
             )
@@ -360,7 +360,7 @@ def _add_vqa(
         preds = greedy_answers(rag, batch, out, device, torch.tensor(rows), tok)
     max_answer = rag.reader.cfg.max_answer
     answers = batch["answers"]
-    texts = read_texts(rag, out, batch["question"], rows)
+    texts = read_texts(rag, out, batch.get("question"), rows)
     scores = [
         vqa_accuracy(_answer_text(ids, answers[r], tok, max_answer, src), answers[r])
         for r, ids, src in zip(rows, preds, texts)
@@ -516,15 +516,17 @@ def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> li
     )
 
 
-def read_texts(rag, out, questions: list[str], rows) -> list[list[str]]:
+def read_texts(rag, out, questions: list[str] | None, rows) -> list[list[str]]:
     """For each of the queries ``rows``: the passages its reader read (``out.doc_ids``, nearest
-    first), then its question; the texts a copied answer is spelled from (``Tokenizer.spell``)."""
+    first), then its question (when the batch carries the texts); the texts a copied answer is
+    spelled from (``Tokenizer.spell``)."""
     rows = list(rows)
+    asked = [[questions[r]] if questions is not None else [] for r in rows]
     store = getattr(rag, "store", None)
     if out.doc_ids is None or store is None or not len(store) or not rows:
-        return [[questions[r]] for r in rows]
+        return asked
     read = store.rows(out.doc_ids[torch.tensor(rows), : rag.rcfg.top_k]).tolist()
-    return [[store.passages[j] for j in js] + [questions[r]] for r, js in zip(rows, read)]
+    return [[store.passages[j] for j in js] + q for js, q in zip(read, asked)]
 
 
 def _answer_text(
@@ -549,7 +551,7 @@ def _examples(rag, batch, out, device, tokenizer, n: int) -> list[dict]:
     ids = out.doc_ids[:n, :k]
     pred = greedy_answers(rag, batch, out, device, torch.arange(n), tokenizer)
     rows = rag.store.rows(ids)
-    texts = read_texts(rag, out, batch["question"], range(n))
+    texts = read_texts(rag, out, batch.get("question"), range(n))
     res = []
     for i in range(n):
         res.append(

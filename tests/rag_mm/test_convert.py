@@ -92,8 +92,11 @@ def test_answer_text_maps_reproduced_tokens_back_to_the_human_answer():
     tok = get_tokenizer()
     ids = tok.encode("t-shirt")
     assert tok.decode(ids) != "t-shirt"  # the BPE decoding respaces the hyphen
-    assert _answer_text(ids, ["shirt", "t-shirt"], tok, max_answer=8) == "t-shirt"
-    assert _answer_text(tok.encode("blue"), ["shirt"], tok, max_answer=8) == "blue"
+    assert _answer_text(ids, ["shirt", "t-shirt"], tok, 8, []) == "t-shirt"
+    assert _answer_text(tok.encode("blue"), ["shirt"], tok, 8, []) == "blue"
+    # no human answer reproduced: as a text read writes it, else decoded
+    assert _answer_text(ids, ["shirt"], tok, 8, ["a red T-shirt"]) == "T-shirt"
+    assert _answer_text(ids, ["shirt"], tok, 8, []) == "t - shirt"
 
 
 class _FixedReader:
