@@ -162,8 +162,12 @@ class Trainer:
         )
 
     def evaluate_split(self, split: str, final: bool = True) -> dict:
-        """``split`` evaluated at this step (``RunEvaluation.run``) on a current index."""
-        self.refresh.ensure(self.step)
+        """``split`` evaluated at this step (``RunEvaluation.run``): the final evaluations on an
+        index of this step's document encoder, the validations during training on the latest."""
+        if final:
+            self.refresh.current(self.step)
+        else:
+            self.refresh.ensure(self.step)
         return self.evaluation.run(
             self.spread,
             self._stream(split, train=False),

@@ -293,6 +293,11 @@ def test_infoseek_converted_trains_and_evaluates_closed_book_learned_and_oracle(
     res = run_module(["-m", "rag_mm.evaluate", str(run), "split=val", "modes=all"])
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
+    # the trainer's final evaluation searched an index of its last step's document encoder, as
+    # the command line indexes the checkpoint: the same retrievals, the same answers' likelihood
+    for key in ("nll", "recall@1", "recall@5", "pseudo_recall@1"):
+        assert out[key] == pytest.approx(summary["val"][key], abs=1e-6), key
+    assert summary["eval_refresh_time_s"] > 0  # that refresh, counted apart from training's
     table = out["modes"]["table"]
     assert list(table) == ["closed_book", "learned", "oracle", "gains"]
     assert out["modes"]["learned"]["acc"] == out["acc"]  # the trained mode: the main evaluation
