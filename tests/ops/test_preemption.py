@@ -98,7 +98,12 @@ def _signal_time(stderr: str) -> float:
 # on two ranks (the test below)
 @pytest.mark.parametrize(
     "phase",
-    [pytest.param(p, marks=pytest.mark.slow) if p in ("eval", "refresh") else p for p in PHASES],
+    # eval and refresh: the 2-rank test below; final_write: the default run kills ranks inside
+    # checkpoint writes (test_fault_tolerance.py) and signals the final evaluation here
+    [
+        pytest.param(p, marks=pytest.mark.slow) if p in ("eval", "refresh", "final_write") else p
+        for p in PHASES
+    ],
 )
 def test_sigterm_in_each_phase_stops_within_a_batch_with_a_checkpoint(tiny_world, tmp_path, phase):
     fault, extra, where, saved = PHASES[phase]

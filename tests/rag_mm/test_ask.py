@@ -23,15 +23,15 @@ RUNS = {"learned": LEARNED_RUN, "closed": ("retriever=none",)}
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_world, learned_run, tmp_path_factory) -> dict[str, Path]:
-    """A six-step learned-retriever run (the session's) and a closed-book run on the tiny
-    world."""
+def closed_run(tiny_world, tmp_path_factory) -> Path:
+    """A six-step closed-book run on the tiny world (the learned one is the session's
+    ``learned_run``)."""
     root = tmp_path_factory.mktemp("ask_runs")
     res = run_module(
         ["-m", "rag_mm.train", *tiny_overrides(tiny_world, root / "closed", *RUNS["closed"])]
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    return {"learned": learned_run, "closed": root / "closed"}
+    return root / "closed"
 
 
 def _evaluation(run: Path) -> tuple[dict, object, list[str], float]:
@@ -81,9 +81,13 @@ def _query_files(world: Path, keys: list[str], questions: list[str], folder: Pat
     return path
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path, name):
-    run = runs[name]
+@pytest.mark.parametrize(
+    "name",
+    # closed book: the same path less the documents, in the slow run
+    ["learned", pytest.param("closed", marks=pytest.mark.slow)],
+)
+def test_ask_answers_and_retrieves_as_evaluation_does(request, tiny_world, tmp_path, name):
+    run = request.getfixturevalue(f"{name}_run")
     batch, out, answers, scale = _evaluation(run)
     queries = _query_files(tiny_world, batch["key"], batch["question"], tmp_path)
 
@@ -163,8 +167,8 @@ def test_ask_answers_and_retrieves_as_evaluation_does(runs, tiny_world, tmp_path
         assert res.stdout.count("corpus-000000.tar#doc") == 2  # the reader's top_k by default
 
 
-def test_ask_bad_input_exits_2_with_one_line(runs, tmp_path, capsys):
-    run = runs["learned"]
+def test_ask_bad_input_exits_2_with_one_line(learned_run, tmp_path, capsys):
+    run = learned_run
     picture = tmp_path / "fox.png"
     from PIL import Image
 

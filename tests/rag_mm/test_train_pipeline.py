@@ -239,7 +239,8 @@ def _retriever_losses(run_dir) -> list[float]:
         (("parallel.pp=2", "parallel.microbatches=2"), "pdist"),
         # adist also runs in one process in the default tests (test_train.py)
         pytest.param(("parallel.pp=2", "parallel.microbatches=2"), "adist", marks=pytest.mark.slow),
-        (("parallel.tp=2",), "emdr"),
+        # the trainer's tp=2 (test_train_tp.py) and emdr (test_train.py) run in the default tests
+        pytest.param(("parallel.tp=2",), "emdr", marks=pytest.mark.slow),
     ],
     ids=["pp2-pdist", "pp2-adist", "tp2-emdr"],
 )
