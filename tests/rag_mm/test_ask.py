@@ -15,11 +15,11 @@ from rag_mm import ask
 from rag_mm.build import batch_inputs, make_stream
 from rag_mm.components import checkpoint
 from rag_mm.evaluate import greedy_answers, load_config, load_run, read_texts
-from tests.rag_mm.conftest import LEARNED_RUN, tiny_overrides
+from tests.rag_mm.conftest import tiny_overrides
 from tests.rag_mm.test_train import run_module
 
 SHOWN = 3  # documents ask shows: more than the two the learned reader reads
-RUNS = {"learned": LEARNED_RUN, "closed": ("retriever=none",)}
+CLOSED_RUN = ("retriever=none",)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def closed_run(tiny_world, tmp_path_factory) -> Path:
     ``learned_run``)."""
     root = tmp_path_factory.mktemp("ask_runs")
     res = run_module(
-        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, root / "closed", *RUNS["closed"])]
+        ["-m", "rag_mm.train", *tiny_overrides(tiny_world, root / "closed", *CLOSED_RUN)]
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "closed"
