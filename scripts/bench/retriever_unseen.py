@@ -12,7 +12,13 @@ seen and unseen entities apart, every ``--eval-every`` steps.
     python scripts/bench/retriever_unseen.py data/emoji_kvqa --steps 900 --flip 0.5 --jitter
 
 Beside them, the memory's own pictures of the unseen entities made photo-like (``own_views``):
-what the photo transform alone costs, without another vendor's drawing. ``--negatives N`` scores
+what the photo transform alone costs, without another vendor's drawing; and ``query_keys``: the
+training queries' pictures as further keys of their gold documents (a document scored by the best
+of its own row and theirs), which says whether a query sits nearer other things drawn in its own
+style than its own document. ``--align`` (an adversary or matched statistics between training
+queries and memory views), ``--doc-text`` (documents as picture plus passage) and ``--mixstyle``
+(feature statistics mixed between the queries) are domain-generalisation levers measured here,
+none in the trainer. ``--negatives N`` scores
 each query against its batch's gold rows and N random others instead of the whole memory (a
 large one). ``--joint`` embeds the memory and the queries in one tower call, so the ResNet's
 batch statistics span both kinds of picture as they do at evaluation; ``--timm NAME`` swaps the
@@ -129,6 +135,29 @@ def main() -> None:
         help="train on cos(q - mean_q, d - mean_d), the means over the step's queries and memory "
         "rows: the score a centred index (retriever.centre) searches with",
     )
+    ap.add_argument(
+        "--align",
+        choices=("none", "dann", "coral"),
+        default="none",
+        help="pull the training queries' embeddings (other vendors' drawings, photo-like) and the "
+        "memory views' (the memory's drawing, photo-like) into one distribution: an adversary "
+        "behind a gradient reversal (dann) or their means and covariances matched (coral)",
+    )
+    ap.add_argument("--align-weight", type=float, default=0.1)
+    ap.add_argument(
+        "--doc-text",
+        action="store_true",
+        help="documents embedded as their picture plus their passage (a learned weighted sum, "
+        "the text tower shared), queries as their picture alone",
+    )
+    ap.add_argument(
+        "--mixstyle",
+        type=float,
+        default=0.0,
+        help="probability a step mixes the channel statistics (style) of each picture's "
+        "features after the tower's first two stages with another picture's (MixStyle, Zhou et "
+        "al., ICLR 2021)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -152,8 +181,9 @@ def main() -> None:
         vision_tower="resnet",
         vision_width=a.width,
         vision_layers=a.layers,
-        fusion="image",
+        fusion="sum" if a.doc_text else "image",
         shared_towers=True,
+        context_length=64,
     )
     model = DualEncoder(cfg, a.image_size)
     if a.timm:
@@ -162,10 +192,81 @@ def main() -> None:
         model.query.clip.visual = TimmModel(
             a.timm, cfg.embed_dim, image_size=a.image_size, pool="avg", proj="linear"
         )
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
+
+    def mixstyle(module, inputs, out):
+        """out (N, C, H, W) -> each sample's features re-normalised to a mix of its own and a
+        random other sample's channel mean and spread (Beta(0.1, 0.1) weights)"""
+        if not module.training or torch.rand(()) >= a.mixstyle:
+            return out
+        q0 = mix_from[0]  # the queries' first row: the memory rows keep their own style
+        head, out = out[:q0], out[q0:]
+        mu = out.mean((2, 3), keepdim=True)
+        sig = (out.var((2, 3), keepdim=True) + 1e-6).sqrt()
+        mu, sig = mu.detach(), sig.detach()
+        lam = torch.distributions.Beta(0.1, 0.1).sample((len(out), 1, 1, 1))
+        perm = torch.randperm(len(out))
+        mu2, sig2 = lam * mu + (1 - lam) * mu[perm], lam * sig + (1 - lam) * sig[perm]
+        return torch.cat([head, (out - mu) / sig * sig2 + mu2])
+
+    mix_from = [0]
+    if a.mixstyle > 0:
+        for stage in (model.query.clip.visual.layer1, model.query.clip.visual.layer2):
+            stage.register_forward_hook(mixstyle)
+
+    # the adversary of --align dann: says from an embedding whether it is a training query's
+    disc = torch.nn.Sequential(
+        torch.nn.Linear(cfg.embed_dim, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)
+    )
+    params = list(model.parameters()) + (list(disc.parameters()) if a.align == "dann" else [])
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
+
+    class Reverse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return -a.align_weight * g
+
+    def align_loss(q_train: torch.Tensor, q_pseudo: torch.Tensor) -> torch.Tensor:
+        if a.align == "dann":
+            logits = disc(Reverse.apply(torch.cat([q_train, q_pseudo]))).squeeze(1)
+            target = torch.cat([torch.ones(len(q_train)), torch.zeros(len(q_pseudo))])
+            w = torch.cat(
+                [
+                    torch.full((len(q_train),), 0.5 / len(q_train)),
+                    torch.full((len(q_pseudo),), 0.5 / len(q_pseudo)),
+                ]
+            )
+            return (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum()
+        d = q_train.shape[1]
+        mean = (q_train.mean(0) - q_pseudo.mean(0)).pow(2).sum()
+        cov = (torch.cov(q_train.T) - torch.cov(q_pseudo.T)).pow(2).sum() / (4 * d * d) * d
+        return a.align_weight * (mean + cov)
 
     def embed(x: torch.Tensor) -> torch.Tensor:
+        if a.doc_text:  # the query side reads the picture alone
+            return F.normalize(model.query.clip.encode_image(x), dim=-1)
         return model.query(x, None)  # picture-only fusion: the text input is unused
+
+    # the passages' tokens in memory-row order (--doc-text)
+    import open_clip
+
+    texts = []
+    for sh in sorted((a.root / "corpus").glob("*.tar")):
+        for smp in wds.WebDataset([str(sh)], shardshuffle=False, empty_check=False):
+            texts.append((int(json.loads(smp["json"])["doc_id"]), smp["txt"].decode()))
+    tokens = open_clip.tokenize([t for _, t in sorted(texts)], context_length=64)
+    ALL = torch.arange(len(corpus))
+
+    def embed_docs(rows: torch.Tensor, img: torch.Tensor | None = None) -> torch.Tensor:
+        """memory rows (n,) -> (n, E); ``img`` their pictures' embeddings when already taken"""
+        img = embed(corpus[rows]) if img is None else img
+        if not a.doc_text:
+            return img
+        txt = F.normalize(model.query.clip.encode_text(tokens[rows]), dim=-1)
+        return F.normalize(model.query.mix[0] * img + model.query.mix[1] * txt, dim=-1)
 
     def views(x: torch.Tensor) -> torch.Tensor:
         if a.flip > 0:
@@ -215,7 +316,7 @@ def main() -> None:
         def hits5(emb, emb_docs=None) -> torch.Tensor:
             """(Q, 5) whether each of a query's top 5 memory rows is its gold one, ``emb`` embedding
             the queries and ``emb_docs`` (default ``emb``) the memory"""
-            docs = (emb_docs or emb)(corpus)
+            docs = emb_docs(corpus) if emb_docs else embed_docs(ALL)
             top = [
                 (emb(vx[i : i + 256]) @ docs.T).topk(5, 1).indices for i in range(0, len(vx), 256)
             ]
@@ -227,10 +328,10 @@ def main() -> None:
         hits = hits5(embed)
         # the centred index's score (retriever.centre): the memory's mean and the mean of the
         # first 512 training queries subtracted before the cosine
-        mean_q, mean_d = embed(tx[:512]).mean(0), embed(corpus).mean(0)
+        mean_q, mean_d = embed(tx[:512]).mean(0), embed_docs(ALL).mean(0)
         hits_c = hits5(
             lambda x: F.normalize(embed(x) - mean_q, dim=-1),
-            lambda x: F.normalize(embed(x) - mean_d, dim=-1),
+            lambda x: F.normalize(embed_docs(ALL) - mean_d, dim=-1),
         )
         # vendors draw some things facing the other way: the memory and the queries embedded as
         # themselves plus their mirror images
@@ -240,7 +341,22 @@ def main() -> None:
         own = photo_views(
             corpus[unseen_rows], VIEW_STYLES["photo"], torch.Generator().manual_seed(0)
         )
-        own_hit = (embed(own) @ embed(corpus).T).topk(5, 1).indices == unseen_rows[:, None]
+        own_hit = (embed(own) @ embed_docs(ALL).T).topk(5, 1).indices == unseen_rows[:, None]
+        # the training queries' pictures as further keys of their gold documents: a document's
+        # score is the best of its own row and its training pictures' rows
+        docs = embed_docs(ALL)
+        keys = torch.cat(
+            [docs, torch.cat([embed(tx[i : i + 256]) for i in range(0, len(tx), 256)])]
+        )
+        key_doc = torch.cat([torch.arange(len(corpus)), ty])
+        qk = []
+        for i in range(0, len(vx), 256):
+            s = embed(vx[i : i + 256]) @ keys.T  # (q, K)
+            best = torch.full((len(s), len(corpus)), -2.0).scatter_reduce(
+                1, key_doc.expand(len(s), -1), s, reduce="amax"
+            )
+            qk.append(best.topk(5, 1).indices)
+        qk_hits = torch.cat(qk) == vy[:, None]
         model.train()
         f1, f5 = flip_hits[:, :1].any(1).float(), flip_hits.any(1).float()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
@@ -260,6 +376,10 @@ def main() -> None:
             "recall@1_mirror_averaged_unseen": f1[vh].mean().item(),
             "recall@5_mirror_averaged_unseen": f5[vh].mean().item(),
             "recall@1_mirror_averaged_seen": f1[~vh].mean().item(),
+            "recall@1_query_keys_seen": qk_hits[~vh, :1].any(1).float().mean().item(),
+            "recall@5_query_keys_seen": qk_hits[~vh].any(1).float().mean().item(),
+            "recall@1_query_keys_unseen": qk_hits[vh, :1].any(1).float().mean().item(),
+            "recall@5_query_keys_unseen": qk_hits[vh].any(1).float().mean().item(),
             "recall@1_own_views_unseen": own_hit[:, :1].any(1).float().mean().item(),
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
@@ -275,6 +395,8 @@ def main() -> None:
             default=str,
         )
     )
+
+    last: dict[str, float] = {}
 
     def train_step(corpus, tx, ty) -> torch.Tensor:
         i = torch.randint(0, len(tx), (a.batch,))
@@ -296,14 +418,22 @@ def main() -> None:
             rows = torch.cat([gold, torch.randint(0, len(corpus), (a.negatives,))]).unique()
             gold = torch.searchsorted(rows, gold)
         if a.joint:
+            mix_from[0] = len(rows)
             e = embed(torch.cat([corpus[rows], q]))
-            d_emb, q_emb = e[: len(rows)], e[len(rows) :]
+            d_emb, q_emb = embed_docs(rows, e[: len(rows)]), e[len(rows) :]
         else:
-            d_emb, q_emb = embed(corpus[rows]), embed(q)
+            mix_from[0] = len(corpus)  # the memory's own call: no row restyled
+            d_emb = embed_docs(rows)
+            mix_from[0] = 0
+            q_emb = embed(q)
         if a.centred_loss:
             q_emb = F.normalize(q_emb - q_emb.mean(0), dim=-1)
             d_emb = F.normalize(d_emb - d_emb.mean(0), dim=-1)
         loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)
+        if a.align != "none":
+            al = align_loss(q_emb[: a.batch], q_emb[a.batch :])
+            last["align"] = al.item()
+            loss = loss + al
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -328,7 +458,8 @@ def main() -> None:
         loss = train_step(corpus, tx, ty)
         if step % a.eval_every == 0 or step == a.steps:
             trained = time.perf_counter() - t0
-            print(json.dumps(evaluate(step, trained) | {"loss": round(loss.item(), 4)}), flush=True)
+            out = evaluate(step, trained) | {"loss": round(loss.item(), 4)}
+            print(json.dumps(out | {k: round(v, 4) for k, v in last.items()}), flush=True)
             t0 = time.perf_counter() - trained  # the evaluation is not training time
 
 
