@@ -17,7 +17,8 @@ training queries' pictures as further keys of their gold documents (a document s
 of its own row and theirs), which says whether a query sits nearer other things drawn in its own
 style than its own document. ``--align`` (an adversary or matched statistics between training
 queries and memory views), ``--doc-text`` (documents as picture plus passage) and ``--mixstyle``
-(feature statistics mixed between the queries) are domain-generalisation levers measured here,
+(feature statistics mixed between the queries) and ``--pairs`` (training queries contrasted with
+each other, an entity's other pictures the positives) are domain-generalisation levers measured here,
 none in the trainer. ``--negatives N`` scores
 each query against its batch's gold rows and N random others instead of the whole memory (a
 large one). ``--joint`` embeds the memory and the queries in one tower call, so the ResNet's
@@ -157,6 +158,14 @@ def main() -> None:
         help="probability a step mixes the channel statistics (style) of each picture's "
         "features after the tower's first two stages with another picture's (MixStyle, Zhou et "
         "al., ICLR 2021)",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=float,
+        default=0.0,
+        help="weight of a query-to-query term: the step's training queries come in pairs of one "
+        "entity (two other pictures of it), each pair's other the positive and the rest of the "
+        "step's queries, mostly other entities in the same styles, the negatives",
     )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -400,6 +409,12 @@ def main() -> None:
 
     def train_step(corpus, tx, ty) -> torch.Tensor:
         i = torch.randint(0, len(tx), (a.batch,))
+        if a.pairs > 0:  # (B/2,) queries and (B/2,) others of their entities, interleaved
+            half = i[: a.batch // 2]
+            same = ty[None, :] == ty[half][:, None]  # (B/2, N)
+            same[torch.arange(len(half)), half] = False
+            other = torch.multinomial(same.float() + 1e-9, 1).squeeze(1)
+            i = torch.stack([half, other], 1).flatten()
         j = torch.randint(0, len(corpus), (a.pseudo,))
         mem = redraw(corpus[j]) if a.redraw > 0 else corpus[j]
         # (B + P, 3, H, W)
@@ -430,6 +445,19 @@ def main() -> None:
             q_emb = F.normalize(q_emb - q_emb.mean(0), dim=-1)
             d_emb = F.normalize(d_emb - d_emb.mean(0), dim=-1)
         loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)
+        if a.pairs > 0:
+            t = q_emb[: len(i)]  # (B, E): rows 2p and 2p + 1 show one entity
+            sim = model.scale() * t @ t.T
+            sim = sim.masked_fill(torch.eye(len(t), dtype=torch.bool), float("-inf"))
+            partner = torch.arange(len(t)) ^ 1
+            # other rows of the same entity are neither positive nor negative
+            sim = sim.masked_fill(
+                (ty[i][:, None] == ty[i][None, :])
+                & (partner[None, :] != torch.arange(len(t))[:, None]),
+                float("-inf"),
+            )
+            last["pairs"] = (qq := F.cross_entropy(sim, partner)).item()
+            loss = loss + a.pairs * qq
         if a.align != "none":
             al = align_loss(q_emb[: a.batch], q_emb[a.batch :])
             last["align"] = al.item()
