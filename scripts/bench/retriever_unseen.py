@@ -18,8 +18,8 @@ of its own row and theirs), which says whether a query sits nearer other things 
 style than its own document. ``--align`` (an adversary or matched statistics between training
 queries and memory views), ``--doc-text`` (documents as picture plus passage) and ``--mixstyle``
 (feature statistics mixed between the queries) and ``--pairs`` (training queries contrasted with
-each other, an entity's other pictures the positives) are domain-generalisation levers measured here,
-none in the trainer. ``--negatives N`` scores
+each other, an entity's other pictures the positives) are domain-generalisation levers measured
+here, none in the trainer. ``--negatives N`` scores
 each query against its batch's gold rows and N random others instead of the whole memory (a
 large one). ``--joint`` embeds the memory and the queries in one tower call, so the ResNet's
 batch statistics span both kinds of picture as they do at evaluation; ``--timm NAME`` swaps the
