@@ -16,15 +16,15 @@ what the photo transform alone costs, without another vendor's drawing; and ``qu
 training queries' pictures as further keys of their gold documents (a document scored by the best
 of its own row and theirs), which says whether a query sits nearer other things drawn in its own
 style than its own document. ``--align`` (an adversary or matched statistics between training
-queries and memory views), ``--doc-text`` (documents as picture plus passage) and ``--mixstyle``
-(feature statistics mixed between the queries) and ``--pairs`` (training queries contrasted with
-each other, an entity's other pictures the positives) are domain-generalisation levers measured
-here, none in the trainer. ``--negatives N`` scores
-each query against its batch's gold rows and N random others instead of the whole memory (a
-large one). ``--joint`` embeds the memory and the queries in one tower call, so the ResNet's
-batch statistics span both kinds of picture as they do at evaluation; ``--timm NAME`` swaps the
-tower for a timm model (random init) through open_clip's ``TimmModel``. Prints one JSON line per
-evaluation.
+queries and memory views), ``--doc-text`` (documents as picture plus passage), ``--mixstyle``
+(feature statistics mixed between the queries), ``--pairs`` (training queries contrasted with
+each other, an entity's other pictures the positives) and ``--groups`` (a head naming the gold
+passage's group) are domain-generalisation levers measured here, none in the trainer.
+``--negatives N`` scores each query against its batch's gold rows and N random others instead
+of the whole memory (a large one). ``--joint`` embeds the memory and the queries in one tower
+call, so the ResNet's batch statistics span both kinds of picture as they do at evaluation;
+``--timm NAME`` swaps the tower for a timm model (random init) through open_clip's
+``TimmModel``. Prints one JSON line per evaluation.
 """
 
 from __future__ import annotations
@@ -167,6 +167,14 @@ def main() -> None:
         "entity (two other pictures of it), each pair's other the positive and the rest of the "
         "step's queries, mostly other entities in the same styles, the negatives",
     )
+    ap.add_argument(
+        "--groups",
+        type=float,
+        default=0.0,
+        help="weight of a head on the query embedding that names the gold passage's 'group:' "
+        "(an attribute seen and unseen entities share); evaluation adds its log-probability of "
+        "each document's group, times 0.5 / 1 / 2, to the scaled cosine",
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -268,6 +276,14 @@ def main() -> None:
             texts.append((int(json.loads(smp["json"])["doc_id"]), smp["txt"].decode()))
     tokens = open_clip.tokenize([t for _, t in sorted(texts)], context_length=64)
     ALL = torch.arange(len(corpus))
+    import re
+
+    names = [re.search(r"group: ([^.]*)\.", t) for _, t in sorted(texts)]
+    vocab = sorted({m.group(1) for m in names if m})
+    doc_group = torch.tensor([vocab.index(m.group(1)) if m else 0 for m in names])  # (N_docs,)
+    group_head = torch.nn.Linear(cfg.embed_dim, max(1, len(vocab)))
+    if a.groups > 0:
+        opt.add_param_group({"params": list(group_head.parameters())})
 
     def embed_docs(rows: torch.Tensor, img: torch.Tensor | None = None) -> torch.Tensor:
         """memory rows (n,) -> (n, E); ``img`` their pictures' embeddings when already taken"""
@@ -366,6 +382,20 @@ def main() -> None:
             )
             qk.append(best.topk(5, 1).indices)
         qk_hits = torch.cat(qk) == vy[:, None]
+        grp = {}
+        if a.groups > 0:
+            q = torch.cat([embed(vx[i : i + 256]) for i in range(0, len(vx), 256)])  # (Q, E)
+            logp = group_head(q).log_softmax(-1)  # (Q, G)
+            right = logp.argmax(-1) == doc_group[vy]
+            grp["group_acc_unseen"], grp["group_acc_seen"] = (
+                right[vh].float().mean().item(),
+                right[~vh].float().mean().item(),
+            )
+            cos = model.scale() * q @ embed_docs(ALL).T  # (Q, N_docs)
+            for beta in (0.5, 1.0, 2.0):
+                top1 = (cos + beta * logp[:, doc_group]).argmax(-1) == vy
+                grp[f"recall@1_groups{beta}_unseen"] = top1[vh].float().mean().item()
+                grp[f"recall@1_groups{beta}_seen"] = top1[~vh].float().mean().item()
         model.train()
         f1, f5 = flip_hits[:, :1].any(1).float(), flip_hits.any(1).float()
         r1, r5 = hits[:, :1].any(1).float(), hits.any(1).float()
@@ -392,6 +422,7 @@ def main() -> None:
             "recall@1_own_views_unseen": own_hit[:, :1].any(1).float().mean().item(),
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
+        out |= grp
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
     print(
@@ -427,6 +458,7 @@ def main() -> None:
         if a.randconv > 0 and a.randconv_on == "all":  # one kernel size for the step's queries
             q = randconv(q)
         gold = torch.cat([ty[i], j])  # memory rows
+        gold_rows = gold
         # the memory rows scored this step: all of them, or the gold rows plus --negatives others
         rows = torch.arange(len(corpus))
         if 0 < a.negatives < len(corpus):
@@ -445,6 +477,10 @@ def main() -> None:
             q_emb = F.normalize(q_emb - q_emb.mean(0), dim=-1)
             d_emb = F.normalize(d_emb - d_emb.mean(0), dim=-1)
         loss = F.cross_entropy(model.scale() * q_emb @ d_emb.T, gold)
+        if a.groups > 0:
+            g_loss = F.cross_entropy(group_head(q_emb), doc_group[gold_rows])
+            last["groups"] = g_loss.item()
+            loss = loss + a.groups * g_loss
         if a.pairs > 0:
             t = q_emb[: len(i)]  # (B, E): rows 2p and 2p + 1 show one entity
             sim = model.scale() * t @ t.T
