@@ -32,11 +32,13 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import open_clip
 import torch
 import torch.nn.functional as F
 import webdataset as wds
@@ -52,20 +54,22 @@ from retriever.encoders import DualEncoder  # noqa: E402
 
 def load_split(
     root: Path, split: str, size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A split's pictures (N, 3, size, size) normalised, gold doc ids (N,), unseen marks (N,) bool;
-    the corpus's rows are its documents in doc_id order."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """A split's pictures (N, 3, size, size) normalised, gold doc ids (N,), unseen marks (N,) bool
+    and texts (N; a document's passage); the corpus's rows are its documents in doc_id order."""
     shards = sorted(str(p) for p in (root / split).glob("*.tar"))
     if not shards:
         raise FileNotFoundError(f"no shards under {root / split}")
-    pics, ids, unseen = [], [], []
+    pics, ids, unseen, texts = [], [], [], []
     for s in wds.WebDataset(shards, shardshuffle=False, empty_check=False):
         meta = json.loads(s["json"])
         pics.append(image_to_tensor(Image.open(io.BytesIO(s["png"])).convert("RGB"), size))
         ids.append(int(meta["doc_id"]))
         unseen.append(bool(meta.get("heldout", False)))
+        texts.append(s["txt"].decode() if "txt" in s else "")
     order = np.argsort(ids) if split == "corpus" else np.arange(len(ids))
-    return (torch.stack(pics)[order], torch.tensor(ids)[order], torch.tensor(unseen)[order])
+    pics, ids, unseen = torch.stack(pics)[order], torch.tensor(ids)[order], torch.tensor(unseen)
+    return pics, ids, unseen[order], [texts[r] for r in order]
 
 
 def main() -> None:
@@ -179,9 +183,9 @@ def main() -> None:
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     try:
-        corpus, doc_ids, _ = load_split(a.root, "corpus", a.image_size)
-        tx, ty, _ = load_split(a.root, "train", a.image_size)
-        vx, vy, vh = load_split(a.root, a.split, a.image_size)
+        corpus, doc_ids, _, passages = load_split(a.root, "corpus", a.image_size)
+        tx, ty, _, _ = load_split(a.root, "train", a.image_size)
+        vx, vy, vh, _ = load_split(a.root, a.split, a.image_size)
     except (OSError, KeyError, ValueError) as exc:
         raise SystemExit(f"retriever_unseen: cannot read {a.root}: {exc}") from None
     # gold doc ids -> memory rows (the corpus's rows are sorted by doc id; ids need not be 0..N-1)
@@ -259,7 +263,7 @@ def main() -> None:
             return (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum()
         d = q_train.shape[1]
         mean = (q_train.mean(0) - q_pseudo.mean(0)).pow(2).sum()
-        cov = (torch.cov(q_train.T) - torch.cov(q_pseudo.T)).pow(2).sum() / (4 * d * d) * d
+        cov = (torch.cov(q_train.T) - torch.cov(q_pseudo.T)).pow(2).sum() / (4 * d)
         return a.align_weight * (mean + cov)
 
     def embed(x: torch.Tensor) -> torch.Tensor:
@@ -268,17 +272,10 @@ def main() -> None:
         return model.query(x, None)  # picture-only fusion: the text input is unused
 
     # the passages' tokens in memory-row order (--doc-text)
-    import open_clip
-
-    texts = []
-    for sh in sorted((a.root / "corpus").glob("*.tar")):
-        for smp in wds.WebDataset([str(sh)], shardshuffle=False, empty_check=False):
-            texts.append((int(json.loads(smp["json"])["doc_id"]), smp["txt"].decode()))
-    tokens = open_clip.tokenize([t for _, t in sorted(texts)], context_length=64)
+    tokens = open_clip.tokenize(passages, context_length=64)
     ALL = torch.arange(len(corpus))
-    import re
-
-    names = [re.search(r"group: ([^.]*)\.", t) for _, t in sorted(texts)]
+    # each document's "group:" (--groups)
+    names = [re.search(r"group: ([^.]*)\.", t) for t in passages]
     vocab = sorted({m.group(1) for m in names if m})
     doc_group = torch.tensor([vocab.index(m.group(1)) if m else 0 for m in names])  # (N_docs,)
     group_head = torch.nn.Linear(cfg.embed_dim, max(1, len(vocab)))
@@ -338,60 +335,52 @@ def main() -> None:
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
 
-        def hits5(emb, emb_docs=None) -> torch.Tensor:
-            """(Q, 5) whether each of a query's top 5 memory rows is its gold one, ``emb`` embedding
-            the queries and ``emb_docs`` (default ``emb``) the memory"""
-            docs = emb_docs(corpus) if emb_docs else embed_docs(ALL)
-            top = [
-                (emb(vx[i : i + 256]) @ docs.T).topk(5, 1).indices for i in range(0, len(vx), 256)
-            ]
-            return torch.cat(top) == vy[:, None]
+        def in_chunks(emb, x: torch.Tensor) -> torch.Tensor:  # (N, E), 256 pictures a call
+            return torch.cat([emb(x[i : i + 256]) for i in range(0, len(x), 256)])
+
+        def hits5(q: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+            """(Q, 5) whether each val query's top 5 memory rows hold its gold one, the queries
+            embedded as ``q`` (Q, E) and the memory as ``docs`` (N_docs, E)"""
+            return (q @ docs.T).topk(5, 1).indices == vy[:, None]
+
+        docs, q_val = embed_docs(ALL), in_chunks(embed, vx)
 
         def both_ways(x: torch.Tensor) -> torch.Tensor:  # a picture and its mirror image, averaged
             return F.normalize(embed(x) + embed(x.flip(-1)), dim=-1)
 
-        hits = hits5(embed)
+        hits = hits5(q_val, docs)
         # the centred index's score (retriever.centre): the memory's mean and the mean of the
         # first 512 training queries subtracted before the cosine
-        mean_q, mean_d = embed(tx[:512]).mean(0), embed_docs(ALL).mean(0)
-        hits_c = hits5(
-            lambda x: F.normalize(embed(x) - mean_q, dim=-1),
-            lambda x: F.normalize(embed_docs(ALL) - mean_d, dim=-1),
-        )
+        mean_q, mean_d = embed(tx[:512]).mean(0), docs.mean(0)
+        hits_c = hits5(F.normalize(q_val - mean_q, dim=-1), F.normalize(docs - mean_d, dim=-1))
         # vendors draw some things facing the other way: the memory and the queries embedded as
         # themselves plus their mirror images
-        flip_hits = hits5(both_ways)
+        # (the memory's passages, with --doc-text, have no mirror image: its rows stay as they are)
+        flip_hits = hits5(in_chunks(both_ways, vx), docs if a.doc_text else both_ways(corpus))
         # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
         # photo transform alone costs, without another vendor's drawing
         own = photo_views(
             corpus[unseen_rows], VIEW_STYLES["photo"], torch.Generator().manual_seed(0)
         )
-        own_hit = (embed(own) @ embed_docs(ALL).T).topk(5, 1).indices == unseen_rows[:, None]
+        own_hit = (embed(own) @ docs.T).topk(5, 1).indices == unseen_rows[:, None]
         # the training queries' pictures as further keys of their gold documents: a document's
         # score is the best of its own row and its training pictures' rows
-        docs = embed_docs(ALL)
-        keys = torch.cat(
-            [docs, torch.cat([embed(tx[i : i + 256]) for i in range(0, len(tx), 256)])]
-        )
+        keys = torch.cat([docs, in_chunks(embed, tx)])  # (N_docs + N_train, E)
         key_doc = torch.cat([torch.arange(len(corpus)), ty])
-        qk = []
-        for i in range(0, len(vx), 256):
-            s = embed(vx[i : i + 256]) @ keys.T  # (q, K)
-            best = torch.full((len(s), len(corpus)), -2.0).scatter_reduce(
-                1, key_doc.expand(len(s), -1), s, reduce="amax"
-            )
-            qk.append(best.topk(5, 1).indices)
-        qk_hits = torch.cat(qk) == vy[:, None]
+        s = q_val @ keys.T  # (Q, K)
+        best = torch.full((len(s), len(corpus)), -2.0).scatter_reduce(
+            1, key_doc.expand(len(s), -1), s, reduce="amax"
+        )  # (Q, N_docs)
+        qk_hits = best.topk(5, 1).indices == vy[:, None]
         grp = {}
         if a.groups > 0:
-            q = torch.cat([embed(vx[i : i + 256]) for i in range(0, len(vx), 256)])  # (Q, E)
-            logp = group_head(q).log_softmax(-1)  # (Q, G)
+            logp = group_head(q_val).log_softmax(-1)  # (Q, G)
             right = logp.argmax(-1) == doc_group[vy]
             grp["group_acc_unseen"], grp["group_acc_seen"] = (
                 right[vh].float().mean().item(),
                 right[~vh].float().mean().item(),
             )
-            cos = model.scale() * q @ embed_docs(ALL).T  # (Q, N_docs)
+            cos = model.scale() * q_val @ docs.T  # (Q, N_docs)
             for beta in (0.5, 1.0, 2.0):
                 top1 = (cos + beta * logp[:, doc_group]).argmax(-1) == vy
                 grp[f"recall@1_groups{beta}_unseen"] = top1[vh].float().mean().item()
@@ -505,8 +494,8 @@ def main() -> None:
 
     if a.pretrain is not None and a.pretrain_steps > 0:
         try:
-            p_corpus, p_ids, _ = load_split(a.pretrain, "corpus", a.image_size)
-            p_tx, p_ty, _ = load_split(a.pretrain, "train", a.image_size)
+            p_corpus, p_ids, _, _ = load_split(a.pretrain, "corpus", a.image_size)
+            p_tx, p_ty, _, _ = load_split(a.pretrain, "train", a.image_size)
         except (OSError, KeyError, ValueError) as exc:
             raise SystemExit(f"retriever_unseen: cannot read {a.pretrain}: {exc}") from None
         p_row = {int(d): r for r, d in enumerate(p_ids)}
