@@ -23,8 +23,13 @@ demo: install
 
 # The tests of the default selection (CPU; gloo ranks for the distributed parts), after the
 # install when it is not done yet. `make test-all` adds the slow ones.
+# TEST_WORKERS pytest-xdist processes share the tests out. Most tests are one process on one
+# OpenMP thread, so a serial run leaves the second of CI's two cores idle; a fixed count (not
+# `-n auto`) because the multi-rank tests start their own ranks on top of the workers.
+# TEST_WORKERS=0 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
 test: install
-	$(TEST_ENV) $(PY) -m pytest -q -m "not gpu and not slow" --durations=40
+	$(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu and not slow" --durations=40
 
 # Every CUDA source of csrc/ compiled for sm_80, sm_90 (and sm_100 when the toolkit has it) with
 # nvcc from PyPI, installed under ~/.cache/rag_mm/cuda-toolkit (the venv is not touched), then
