@@ -70,7 +70,10 @@ class TorchFlatIndex:
         q = queries.detach().to(self.device, torch.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"queries of shape {tuple(q.shape)} for an index of dim {self.dim}")
-        scores = q @ self.x.T + 0.0  # (B, N); + 0.0 turns -0.0 into +0.0, which faiss ties
+        # fp32 scores under a caller's autocast too: a bf16 matmul would rank by rounded scores
+        # and the bit trick below reads the scores as int32
+        with torch.autocast(self.device.type, enabled=False):
+            scores = q @ self.x.T + 0.0  # (B, N); + 0.0 turns -0.0 into +0.0, which faiss ties
         kk = min(k, self.ntotal)
         # one int64 key per score: the score's bits made to sort as the float does, then the row
         # reversed, so the largest keys are the highest scores, lowest row (lowest id) first among

@@ -558,7 +558,8 @@ def learned(ctx: Ctx) -> dict:
 
     def step_of(kind: str):
         def step() -> torch.Tensor:
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            # bf16 autocast on the dry run too: the CPU meets the GPU run's dtypes
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
                 tokens = spread.step_answer_tokens([x]) if kind == "joint" else None
                 res = spread.train_step(x, answer_tokens=tokens, loss=kind)
             spread.clip_grad_norm_(1.0)

@@ -45,6 +45,18 @@ def test_torch_flat_index_answers_as_faiss_flat_ties_and_padding_included():
         ours.search(torch.zeros(2, 8), 1)
 
 
+def test_the_search_under_autocast_ranks_by_fp32_scores():
+    # the trainer searches inside its bf16 autocast: the scores stay fp32 (a bf16 matmul would
+    # round them, and the ranking key reads their bits as int32)
+    x, q = _vectors(1024, 64, 3), _vectors(8, 64, 4)
+    index = TorchFlatIndex(x)
+    want = index.search(q, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = index.search(q, 4)
+    assert got[0].dtype == torch.float32
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 def test_the_gate_says_where_the_search_runs(caplog):
     with caplog.at_level(logging.INFO, logger="retriever.exact"):
         assert search_on_device("auto", "Flat", 1000, 64, "cpu")
