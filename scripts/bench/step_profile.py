@@ -59,6 +59,21 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 STEP_MARK = "profiled_step"  # a record_function range around each step: syncs are counted inside
 
 
+def device_kernels(events) -> list:
+    """The device work of a trace: its events on the CUDA timeline less the user annotations
+    mirrored there (the step marks, an optimizer's ``Optimizer.step#AdamW.step`` range), which
+    span kernels and would count their time twice."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [
+        e
+        for e in events
+        if e.device_type == cuda
+        and not getattr(e, "is_user_annotation", False)
+        and e.name != STEP_MARK
+        and not e.name.startswith("Optimizer.")
+    ]
+
+
 def profile_steps(step, device: torch.device, steps: int = 2) -> dict:
     """Profile ``steps`` calls of ``step`` (already warmed up) and summarise."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -73,9 +88,7 @@ def profile_steps(step, device: torch.device, steps: int = 2) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()  # the trace's end: outside every step's range
     events = prof.events()
-    # (the step marks appear on the device timeline too: user annotations, not kernels)
-    cuda = torch.autograd.DeviceType.CUDA
-    kernels = [e for e in events if e.device_type == cuda and e.name != STEP_MARK]
+    kernels = device_kernels(events)
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     out: dict = {"steps": steps}
     # host calls that wait for the device, counted only inside a step's range (the profiler's own

@@ -147,6 +147,33 @@ def test_profile_counts_the_host_syncs_inside_the_steps_only():
     assert syncing["host_syncs_per_step"] == 1, syncing
 
 
+def test_profile_counts_kernels_not_the_annotations_mirrored_on_the_device():
+    """On a GPU trace the optimizer's and the steps' record_function ranges appear on the device
+    timeline beside the kernels they span; the kernel time counts each kernel once."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import torch
+    from step_profile import STEP_MARK, device_kernels
+    from torch.autograd.profiler_util import FunctionEvent
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(i, name, device, a, b, annotation=False):
+        return FunctionEvent(i, name, 0, a, b, device_type=device, is_user_annotation=annotation)
+
+    events = [
+        ev(0, "Optimizer.step#AdamW.step", cuda, 0, 100, annotation=True),
+        ev(1, STEP_MARK, cuda, 0, 300, annotation=True),
+        ev(5, "a user's range", cuda, 0, 50, annotation=True),
+        ev(2, "multi_tensor_apply_kernel", cuda, 10, 40),
+        ev(3, "nvjet_sm90_gemm", cuda, 100, 300),
+        ev(4, "aten::mm", cpu, 0, 5),
+    ]
+    assert [e.name for e in device_kernels(events)] == [
+        "multi_tensor_apply_kernel",
+        "nvjet_sm90_gemm",
+    ]
+
+
 def test_build_runs_the_fused_kernel_inside_the_first_steps_longer_cap(tmp_path):
     """--build reaches the worker: the extension is built (here the CPU one) inside the first
     step's cap, which allows for the compile, and the attention step measures the fused kernel,
