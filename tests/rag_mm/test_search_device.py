@@ -37,9 +37,11 @@ def test_store_rows_on_any_device_and_unknown_ids():
         DocumentStore.empty(2, 1).rows(torch.tensor([0]))
 
 
-def test_a_run_reads_the_same_documents_with_either_search(tiny_world, tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16_autocast"])
+def test_a_run_reads_the_same_documents_with_either_search(tiny_world, tmp_path, bf16):
     """build_rag with retriever.search=device (on the CPU) against faiss: the same retrieved
-    documents, reranked, and the same loss."""
+    documents, reranked, and the same loss; under the trainer's bf16 autocast
+    (``optim.precision=bf16``) too, where the device search still ranks by fp32 scores."""
     outs = []
     for search in ("faiss", "device"):
         over = tiny_overrides(tiny_world, tmp_path, *LEARNED_RUN, "retriever.rerank=4")
@@ -59,7 +61,8 @@ def test_a_run_reads_the_same_documents_with_either_search(tiny_world, tmp_path)
             gold=parts.store.ids[:B],
         )
         torch.manual_seed(1)
-        out = parts.rag.eval()(**batch, search_k=cfg.rerank)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = parts.rag.eval()(**batch, search_k=cfg.rerank)
         outs.append(out)
         parts.memory.close()
     assert torch.equal(outs[0].doc_ids, outs[1].doc_ids)
