@@ -69,6 +69,7 @@ def device_kernels(events) -> list:
         for e in events
         if e.device_type == cuda
         and not getattr(e, "is_user_annotation", False)
+        # by name too: a torch whose events lack the flag (older traces) still leaves these out
         and e.name != STEP_MARK
         and not e.name.startswith("Optimizer.")
     ]
