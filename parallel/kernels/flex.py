@@ -1,18 +1,22 @@
 """FlexAttention (``torch.nn.attention.flex_attention``) for the layouts of ``attention.py``.
 
-Every layout becomes a ``mask_mod`` over per-position segment ids and a ``BlockMask`` built from it
-(block-sparse: fully masked 128 x 128 tiles are skipped):
+Every layout becomes a ``mask_mod`` over per-position tensors (segment ids or key bounds) and a
+``BlockMask`` built from it (block-sparse: fully masked 128 x 128 tiles are skipped):
 
 * dense: no block mask; causal: ``kv_idx <= q_idx``.
-* retrieval (``seg_offsets``, ``(B, n_seg + 1)``): documents get their index, the query segment
-  ``QUERY_SEG``, padding ``PAD_SEG``. A document row sees its own document; a query row sees every
-  document and causally its own segment; padding rows see nothing (zero output, zero gradient).
+* retrieval (``seg_offsets``, ``(B, n_seg + 1)``): a document row sees its own document; a query
+  row sees every document and causally its own segment; padding rows see nothing (zero output,
+  zero gradient). The documents come first and the query last, so every row sees one interval of
+  keys, ``lo[q] <= kv < hi[q]``: ``[start, end)`` of its document, ``[0, q]`` for a query row,
+  empty for padding. The ``mask_mod`` reads two (B, S) bounds per query row and compares the key
+  index with them; no per-key lookup (a segment-id formulation, ``seg[q] == seg[kv]``, gathers
+  per key too and runs the kernel slower: ``scripts/bench/flex_tune.py``).
 * packed varlen (``cu_seqlens``, ``(B + 1,)``): the ``(T, H, D)`` tensors are viewed as one batch
   row ``(1, H, T, D)`` and every token sees its own sequence (causally if asked): FlexAttention's
   document masking. Tokens past ``cu_seqlens[-1]`` are padding.
 
-The segment ids are tensors captured by the ``mask_mod``, so a new layout of the same shape reuses
-the compiled kernel (integers in the closure would be guarded on and recompile).
+The ids and bounds are tensors captured by the ``mask_mod``, so a new layout of the same shape
+reuses the compiled kernel (integers in the closure would be guarded on and recompile).
 Block masks are cached per layout: a causal mask per length and device, an offsets layout per
 offsets tensor (by identity, so no value is read back to the host; every layer of a forward gets
 the same tensor and so one mask). Building one evaluates the mask on every (q, kv) pair on the
@@ -86,14 +90,11 @@ def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def _retrieval_mask_mod(seg: torch.Tensor):
-    """``seg`` (B, S) int32: document index, ``QUERY_SEG`` or ``PAD_SEG`` per position."""
+def _interval_mask_mod(lo: torch.Tensor, hi: torch.Tensor):
+    """``lo``, ``hi`` (B, S) int32: row q of batch row b sees the keys ``lo <= kv < hi``."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        sq, sk = seg[b, q_idx], seg[b, kv_idx]
-        in_doc = (sq == sk) & (sq >= 0) & (sq != QUERY_SEG)
-        from_query = (sq == QUERY_SEG) & (sk >= 0) & ((sk != QUERY_SEG) | (kv_idx <= q_idx))
-        return in_doc | from_query
+        return (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
 
     return mask_mod
 
@@ -125,6 +126,26 @@ def retrieval_segments(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     )
     seg = torch.where(idx == n_seg - 1, QUERY_SEG, idx)  # (B, S)
     return torch.where(idx >= n_seg, PAD_SEG, seg).to(torch.int32)
+
+
+def retrieval_bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n_seg + 1) offsets -> (B, S) int32 ``lo``, ``hi``: the keys each row sees (module
+    doc)."""
+    seg = retrieval_segments(seg_offsets, seq_len).long()  # (B, S)
+    pos = torch.arange(seq_len, device=seg.device).expand_as(seg)
+    doc = seg.clamp(0, max(seg_offsets.shape[1] - 3, 0))  # a valid document index for every row
+    offsets = seg_offsets.long()
+    is_q, is_pad = seg == QUERY_SEG, seg == PAD_SEG
+    lo = torch.where(is_q | is_pad, 0, offsets.gather(1, doc))
+    hi = torch.where(is_q, pos + 1, torch.where(is_pad, 0, offsets.gather(1, doc + 1)))
+    return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def _retrieval_block_mask(seg_offsets: torch.Tensor, seq_len: int, device):
+    lo, hi = retrieval_bounds(seg_offsets.to(device), seq_len)
+    return create_block_mask(
+        _interval_mask_mod(lo, hi), lo.shape[0], None, seq_len, seq_len, device=device
+    )
 
 
 def packed_segments(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -177,13 +198,9 @@ def block_mask_for(
     if seg_offsets is not None:
         key = ("retrieval", id(seg_offsets), seq_len, str(device))
 
-        def build():
-            seg = retrieval_segments(seg_offsets.to(device), seq_len)
-            return create_block_mask(
-                _retrieval_mask_mod(seg), seg.shape[0], None, seq_len, seq_len, device=device
-            )
-
-        return _cached(key, build, owner=seg_offsets)
+        return _cached(
+            key, lambda: _retrieval_block_mask(seg_offsets, seq_len, device), owner=seg_offsets
+        )
     if cu_seqlens is not None:
         key = ("packed", id(cu_seqlens), causal, seq_len, str(device))
 
@@ -382,8 +399,7 @@ def flex_attention(
 
 def _build_block_mask(S: int, device, causal: bool, seg_offsets):
     if seg_offsets is not None:
-        seg = retrieval_segments(seg_offsets.to(device), S)
-        return create_block_mask(_retrieval_mask_mod(seg), seg.shape[0], None, S, S, device=device)
+        return _retrieval_block_mask(seg_offsets, S, device)
     if causal:
         return create_block_mask(_causal, None, None, S, S, device=device)
     return None

@@ -140,6 +140,24 @@ def test_compiled_retrieval_matches_reference():
     assert not F._compile_off, f"compile fell back to eager: {F._compile_off}"
 
 
+def test_retrieval_bounds_are_the_layout():
+    """The retrieval mask as one key interval per row (``retrieval_bounds``) allows exactly the
+    reference layout's pairs, on random layouts with empty documents, padding and no documents."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from parallel.kernels.attention_ref import layout_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        B, S = 3, 40
+        n_seg = int(torch.randint(1, 5, (1,), generator=gen))  # 0 to 3 documents and the query
+        lengths = torch.randint(0, 10, (B, n_seg), generator=gen)
+        offsets = torch.cat([torch.zeros(B, 1, dtype=torch.long), lengths.cumsum(1)], 1)
+        lo, hi = F.retrieval_bounds(offsets.to(torch.int32), S)
+        got = create_mask(F._interval_mask_mod(lo, hi), B, None, S, S, device="cpu")
+        assert torch.equal(got, layout_mask(offsets, S).expand_as(got)), offsets.tolist()
+
+
 def test_block_mask_cached_per_layout():
     """An offsets layout's mask is cached by the offsets tensor itself (its values are never read
     back to the host): the layers of a forward share it; another tensor, or the same one changed
