@@ -75,7 +75,7 @@ CAPS = {
     "step_C": 60,
     "step_D": 110,
     "step_E": 70,
-    "attention": 50,
+    "attention": 90,
     "demo": 180,
     "profile": 35,
     "search": 30,
@@ -357,6 +357,13 @@ def verdict(steps: dict, dry: bool) -> dict:
         fl = att.get("backends", {}).get("flex", {})
         if "max_rel_err" in fl:
             check("attention: flex error <= 2e-2", fl["max_rel_err"] <= 2e-2, speed=False)
+        cfl = att.get("compiled", {}).get("flex", {})
+        if "max_rel_err" in cfl:
+            check(
+                "attention: flex error <= 2e-2 inside torch.compile",
+                cfl["max_rel_err"] <= 2e-2,
+                speed=False,
+            )
         if "flex_over_sdpa_fwdbwd" in att:
             check(
                 "attention: flex fwd+bwd <= 0.6x SDPA with the mask",
@@ -409,6 +416,11 @@ def summary(data: dict) -> str:
                 f"{k} {v.get('fwdbwd_ms', v.get('not_run', v.get('error', '')))}"
                 for k, v in r["backends"].items()
             )
+            if r.get("compiled"):
+                extra += "; compiled: " + ", ".join(
+                    f"{k} {v.get('fwdbwd_ms', v.get('error', ''))}"
+                    for k, v in r["compiled"].items()
+                )
         elif name == "learned" and r:
             extra = ", ".join(
                 f"{k} {r[k]['samples_per_s']:.0f}/s, syncs/step {r[k]['host_syncs_per_step']}"

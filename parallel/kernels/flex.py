@@ -36,6 +36,7 @@ the softmax-attention gradient in plain PyTorch (dense (S, S) per batch row).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -229,13 +230,20 @@ def _compile_gate(device: torch.device) -> tuple[bool, str]:
         return False, _compile_off[device.type]
     if os.environ.get(COMPILE_ENV, "1") == "0":
         return False, f"{COMPILE_ENV}=0"
-    if device.type == "cpu":
+    return _toolchain(device.type, os.environ.get("CXX", "c++"))
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain(device_type: str, cxx: str) -> tuple[bool, str]:
+    """Whether inductor can write the flex kernel for ``device_type``: looked up once per process
+    and compiler (a PATH search costs more than a small kernel's call; every eager call asks)."""
+    if device_type == "cpu":
         from parallel.kernels._build import compiler_available
 
         ok, why = compiler_available()
         if not ok:
             return False, f"inductor's CPU flex kernel needs a C++ compiler: {why}"
-    elif device.type == "cuda":
+    elif device_type == "cuda":
         from torch.utils._triton import has_triton
 
         if not has_triton():

@@ -315,6 +315,23 @@ def attention(ctx: Ctx) -> dict:
         out["flex_over_sdpa_fwdbwd"] = round(
             backends["flex"]["fwdbwd_ms"] / backends["sdpa"]["fwdbwd_ms"], 3
         )
+    # the same two inside torch.compile, as the compiled blocks run them (flex has no CPU
+    # backward: its CPU path is a hand-written autograd.Function, so the CPU traces SDPA only)
+    traced = {}
+    for name in ("sdpa", "flex") if d.type == "cuda" else ("sdpa",):
+        if "error" in backends.get(name, {"error": ""}) or "not_run" in backends[name]:
+            continue
+        try:
+            traced[name] = _bench_backend(
+                name, q, k, v, go, offsets, ref, valid, useful, d, compiled=True
+            )
+        except Exception as e:  # one backend failing must not hide the others
+            traced[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    out["compiled"] = traced
+    if all("fwdbwd_ms" in traced.get(n, {}) for n in ("sdpa", "flex")):
+        out["compiled_flex_over_sdpa_fwdbwd"] = round(
+            traced["flex"]["fwdbwd_ms"] / traced["sdpa"]["fwdbwd_ms"], 3
+        )
     if flex.available()[0]:
         bm = flex.block_mask_for(seq_len=S, device=d, seg_offsets=offsets)
         partial = int(bm.kv_num_blocks.sum())
@@ -332,11 +349,20 @@ def attention(ctx: Ctx) -> dict:
     return out
 
 
-def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d) -> dict:
+def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d, compiled=False) -> dict:
+    """One backend: errors against the reference, milliseconds (median of 10) and the host's
+    microseconds to issue one forward (20 back to back, no sync: above the device's time, the
+    call is bound by its Python). ``compiled``: the call traced by ``torch.compile`` (fullgraph),
+    as it runs inside the runtime's compiled blocks, dispatch and mask building in the graph."""
     from parallel.kernels import attention as A
 
+    def call(q_, k_, v_):
+        return A.attention(q_, k_, v_, seg_offsets=offsets, backend=name)
+
+    if compiled:
+        call = torch.compile(call, fullgraph=True)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = A.attention(qg, kg, vg, seg_offsets=offsets, backend=name)
+    o = call(qg, kg, vg)
     o.backward(go)
     errs = {
         "out": _rel(o * valid, ref[0] * valid),
@@ -348,21 +374,28 @@ def _bench_backend(name, q, k, v, go, offsets, ref, valid, useful, d) -> dict:
 
     def fwd():
         with torch.no_grad():
-            A.attention(q, k, v, seg_offsets=offsets, backend=name)
+            call(q, k, v)
 
     def fwdbwd():
-        A.attention(qg, kg, vg, seg_offsets=offsets, backend=name).backward(go)
+        call(qg, kg, vg).backward(go)
 
     for fn in (fwd, fwdbwd):
         fn()
     f_ms = sorted(_time_ms(d, fwd) for _ in range(10))[5]
     fb_ms = sorted(_time_ms(d, fwdbwd) for _ in range(10))[5]
+    _sync(d)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        fwd()
+    host_us = (time.perf_counter() - t0) / 20 * 1e6
+    _sync(d)
     return {
         "max_rel_err": round(max(errs.values()), 5),
         "rel_err": {n: round(e, 5) for n, e in errs.items()},
         "padding_rows_zero": pad_zero,
         "fwd_ms": round(f_ms, 3),
         "fwdbwd_ms": round(fb_ms, 3),
+        "fwd_host_us": round(host_us, 1),
         "fwd_useful_tflops": round(useful / (f_ms / 1e3) / 1e12, 2),
         "fwdbwd_useful_tflops": round(3.5 * useful / (fb_ms / 1e3) / 1e12, 2),
     }
