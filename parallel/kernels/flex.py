@@ -233,7 +233,7 @@ def _compile_gate(device: torch.device) -> tuple[bool, str]:
     return _toolchain(device.type, os.environ.get("CXX", "c++"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _toolchain(device_type: str, cxx: str) -> tuple[bool, str]:
     """Whether inductor can write the flex kernel for ``device_type``: looked up once per process
     and compiler (a PATH search costs more than a small kernel's call; every eager call asks)."""
