@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import parallel
 from parallel.timeline import write_run_timeline
-from rag_mm.config import TrainConfig, parallel_config
+from rag_mm.config import ConfigError, TrainConfig, parallel_config
 from rag_mm.model.rag import RagModel, RagOutput, gold_hits, one_document_inputs
 from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
@@ -89,6 +89,17 @@ class SpreadRag:
     def __init__(self, rag: RagModel, cfg: TrainConfig, device: torch.device) -> None:
         self.rag, self.cfg, self.device = rag, cfg, device
         self.pcfg = parallel_config(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+        if self.pcfg.compile and cfg.model.attention_backend == "flex" and device.type == "cpu":
+            # a training step's flex on the CPU is flex's forward and a hand-written backward
+            # (parallel.kernels.flex._FlexCPU) around a cached block mask, which a fullgraph block
+            # cannot trace; and Inductor's CPU flex kernel refuses a block mask built inside the
+            # graph (an evaluation's forward)
+            raise ConfigError(
+                "model.attention_backend=flex with parallel.compile=true does not run on the CPU: "
+                "flex has no CPU backward to compile, and Inductor's CPU flex kernel does not take "
+                "a block mask built inside a compiled block. Use model.attention_backend=auto "
+                "(the fused CPU kernel) or sdpa, or parallel.compile=false"
+            )
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)
         self.per_document = rag.needs_doc_nll

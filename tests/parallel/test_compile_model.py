@@ -137,3 +137,29 @@ def test_the_trainers_step_compiles_the_whole_reader():
         assert (getattr(reader, "_compiled_call_impl", None) is not None) == bool(extra)
         losses.append(spread.train_step(x).loss)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+
+
+def test_flex_in_compiled_blocks_on_the_cpu_is_refused_by_name():
+    """``model.attention_backend=flex`` with ``parallel.compile=true`` cannot train on the CPU (a
+    fullgraph block cannot trace flex's CPU backward around its cached mask; Inductor's CPU flex
+    kernel refuses a mask built in the graph): the trainer's ``SpreadRag`` says so before the
+    first step, and builds as usual without the compile."""
+    from rag_mm.config import ConfigError, compose
+    from rag_mm.data.documents import DocumentStore
+    from rag_mm.distributed.spread import SpreadRag
+    from rag_mm.model.rag import RagModel
+
+    for compiled in (True, False):
+        cfg = compose(
+            ["+experiment=demo", "retriever=none", "data.batch_size=2"]
+            + ["model.attention_backend=flex", f"parallel.compile={str(compiled).lower()}"]
+        )
+        _, _, vocab = sb.compose_run(["retriever=none"])
+        reader = sb.build_model(cfg.model, vocab, "cpu").train()
+        store = DocumentStore.empty(cfg.model.image_size, cfg.model.max_doc_text)
+        rag = RagModel(reader, store, cfg.retriever)
+        if compiled:
+            with pytest.raises(ConfigError, match="attention_backend=flex with parallel.compile"):
+                SpreadRag(rag, cfg, torch.device("cpu"))
+        else:
+            SpreadRag(rag, cfg, torch.device("cpu"))
