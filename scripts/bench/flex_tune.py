@@ -36,6 +36,17 @@ from parallel.kernels import flex  # noqa: E402
 from parallel.kernels.attention_ref import layout_mask  # noqa: E402
 from scripts.bench.verify_steps import _retrieval_case, _time_ms  # noqa: E402
 
+# forward tiles (BLOCK_M, BLOCK_N) and the backward's (dK/dV: BLOCK_M1 x BLOCK_N1, dQ: BLOCK_M2 x
+# BLOCK_N2) no larger than 64, so that 64-token sparse blocks hold whole tiles
+TILES_64 = {
+    "BLOCK_M": 64,
+    "BLOCK_N": 64,
+    "BLOCK_M1": 32,
+    "BLOCK_N1": 64,
+    "BLOCK_M2": 64,
+    "BLOCK_N2": 32,
+}
+
 
 def segments_mask_mod(seg: torch.Tensor):
     """The layout over segment ids (``flex.retrieval_segments``): a document row sees the keys of
@@ -97,7 +108,8 @@ def main() -> None:
     variants = [
         ("segments/128", "segments", 128, None, "default"),
         ("interval/128", "interval", 128, None, "default"),
-        ("interval/64", "interval", 64, {"BLOCK_M": 64, "BLOCK_N": 64}, "default"),
+        # 64 x 64 sparse blocks: every kernel tile, the backward's too, must divide them
+        ("interval/64", "interval", 64, TILES_64, "default"),
         ("interval/128 warps8", "interval", 128, {"num_warps": 8}, "default"),
         ("interval/128 stages2", "interval", 128, {"num_stages": 2}, "default"),
         ("interval/128 tile 128x64", "interval", 128, {"BLOCK_M": 128, "BLOCK_N": 64}, "default"),
