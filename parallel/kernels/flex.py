@@ -129,9 +129,7 @@ def retrieval_segments(seg_offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.where(idx >= n_seg, PAD_SEG, seg).to(torch.int32)
 
 
-def retrieval_bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, n_seg + 1) offsets -> (B, S) int32 ``lo``, ``hi``: the keys each row sees (module
-    doc)."""
+def _bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     seg = retrieval_segments(seg_offsets, seq_len).long()  # (B, S)
     pos = torch.arange(seq_len, device=seg.device).expand_as(seg)
     doc = seg.clamp(0, max(seg_offsets.shape[1] - 3, 0))  # a valid document index for every row
@@ -140,6 +138,27 @@ def retrieval_bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Ten
     lo = torch.where(is_q | is_pad, 0, offsets.gather(1, doc))
     hi = torch.where(is_q, pos + 1, torch.where(is_pad, 0, offsets.gather(1, doc + 1)))
     return lo.to(torch.int32), hi.to(torch.int32)
+
+
+# The bounds are an opaque op inside a compiled graph, so Inductor hands the flex kernel two
+# materialised buffers: as plain pointwise ops it may leave them unrealised when nothing else reads
+# them (an inference graph), and its flex lowering then refuses them (the CPU template asks an
+# unrealised node for its name; CUDA's for a fixed layout). Outside a graph the op is a call.
+@torch.library.custom_op("rag_flex::retrieval_bounds", mutates_args=())
+def _bounds_op(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _bounds(seg_offsets, seq_len)
+
+
+@_bounds_op.register_fake
+def _(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (seg_offsets.shape[0], seq_len)
+    return tuple(seg_offsets.new_empty(shape, dtype=torch.int32) for _ in range(2))
+
+
+def retrieval_bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n_seg + 1) offsets -> (B, S) int32 ``lo``, ``hi``: the keys each row sees (module
+    doc)."""
+    return _bounds_op(seg_offsets, seq_len)
 
 
 def _retrieval_block_mask(seg_offsets: torch.Tensor, seq_len: int, device):

@@ -92,13 +92,12 @@ class SpreadRag:
         if self.pcfg.compile and cfg.model.attention_backend == "flex" and device.type == "cpu":
             # a training step's flex on the CPU is flex's forward and a hand-written backward
             # (parallel.kernels.flex._FlexCPU) around a cached block mask, which a fullgraph block
-            # cannot trace; and Inductor's CPU flex kernel refuses a block mask built inside the
-            # graph (an evaluation's forward)
+            # cannot trace (the forward alone, an evaluation's, compiles)
             raise ConfigError(
-                "model.attention_backend=flex with parallel.compile=true does not run on the CPU: "
-                "flex has no CPU backward to compile, and Inductor's CPU flex kernel does not take "
-                "a block mask built inside a compiled block. Use model.attention_backend=auto "
-                "(the fused CPU kernel) or sdpa, or parallel.compile=false"
+                "model.attention_backend=flex with parallel.compile=true does not train on the "
+                "CPU: flex has no CPU backward that a compiled block can trace. Use "
+                "model.attention_backend=auto (the fused CPU kernel) or sdpa, or "
+                "parallel.compile=false"
             )
         # the same example on every rank: rank 0 traces it, every rank plans the replay on it
         example = self._example(cfg.data.batch_size)

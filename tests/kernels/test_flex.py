@@ -140,6 +140,32 @@ def test_compiled_retrieval_matches_reference():
     assert not F._compile_off, f"compile fell back to eager: {F._compile_off}"
 
 
+def test_flex_traced_into_a_compiled_graph_matches_reference():
+    """Inside ``torch.compile`` (Inductor, fullgraph) the block mask and its key bounds are built
+    in the graph from the offsets, and flex is lowered with them, as in a compiled block's
+    evaluation: forward (the CPU has no flex backward to lower), grouped K/V heads, padding rows and
+    an empty document, against the reference."""
+    ok, why = F._compile_gate(torch.device("cpu"))
+    if not ok:
+        pytest.skip(f"flex compile unavailable: {why}")
+    B, Hq, Hkv, S, D = 2, 4, 2, 96, 32
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Hq, S, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen) for _ in range(2))
+    offsets = torch.tensor([[0, 30, 30, 55, 80], [0, 20, 41, 60, S]], dtype=torch.int32)
+
+    def call(q, k, v, offsets):
+        return A.attention(q, k, v, seg_offsets=offsets, backend="flex")
+
+    with torch.no_grad():
+        got = torch.compile(call, backend="inductor", fullgraph=True)(q, k, v, offsets)
+        rep = Hq // Hkv
+        ref = A.reference_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), seg_offsets=offsets
+        )
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_retrieval_bounds_are_the_layout():
     """The retrieval mask as one key interval per row (``retrieval_bounds``) allows exactly the
     reference layout's pairs, on random layouts with empty documents, padding and no documents."""

@@ -141,9 +141,8 @@ def test_the_trainers_step_compiles_the_whole_reader():
 
 def test_flex_in_compiled_blocks_on_the_cpu_is_refused_by_name():
     """``model.attention_backend=flex`` with ``parallel.compile=true`` cannot train on the CPU (a
-    fullgraph block cannot trace flex's CPU backward around its cached mask; Inductor's CPU flex
-    kernel refuses a mask built in the graph): the trainer's ``SpreadRag`` says so before the
-    first step, and builds as usual without the compile."""
+    fullgraph block cannot trace flex's CPU backward around its cached mask): the trainer's
+    ``SpreadRag`` says so before the first step, and builds as usual without the compile."""
     from rag_mm.config import ConfigError, compose
     from rag_mm.data.documents import DocumentStore
     from rag_mm.distributed.spread import SpreadRag
