@@ -247,6 +247,7 @@ def make_step(
         opt.zero_grad(set_to_none=True)
         return loss.detach().clone() if cuda_graphs else loss.detach()
 
+    step.batch = batch  # the inputs, for an evaluation forward after the timed steps
     return step
 
 
@@ -293,8 +294,12 @@ def measure(
     steps: int,
     peaks: dict,
     counts: dict | None = None,
+    evaluate: bool = False,
 ) -> dict:
     """Build the reader for ``setup``, run ``warmup`` + ``steps`` training steps, report.
+    ``evaluate``: then one forward in eval mode without autograd on the same batch (what an
+    evaluation runs: a compiled model compiles it as an inference graph), its loss as
+    ``eval_loss``.
 
     ``peaks``: {"datasheet": FLOP/s or None, "measured": FLOP/s} of the device for this precision.
     ``counts``: a memo of meta counts shared between calls (keyed by model and batch)."""
@@ -316,6 +321,19 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     timing = time_steps(step, device, warmup, steps)
     s = timing.step_s
+    eval_loss = None
+    if evaluate:
+        model.eval()
+        graphs = setup.compile and setup.compile_mode == "reduce-overhead"
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device.type, dtype=torch.bfloat16, enabled=setup.params == "fp32+autocast"
+            ),
+        ):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            eval_loss = round(float(model(**step.batch).loss), 5)
     sheet, meas = peaks.get("datasheet"), peaks["measured"]
     ratio = lambda f, p: round(f / s / p, 4) if p else None  # noqa: E731
     return {
@@ -347,6 +365,7 @@ def measure(
         "attention_ran": attention_choices(),
         "peak_gib": None if _peak_memory(device) is None else round(_peak_memory(device), 2),
         "loss": [round(x, 5) for x in timing.losses],
+        **({"eval_loss": eval_loss} if evaluate else {}),
     }
 
 
