@@ -142,8 +142,8 @@ def _bounds(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torc
 
 # The bounds are an opaque op inside a compiled graph, so Inductor hands the flex kernel two
 # materialised buffers: as plain pointwise ops it may leave them unrealised when nothing else reads
-# them (an inference graph), and its flex lowering then refuses them (the CPU template asks an
-# unrealised node for its name; CUDA's for a fixed layout). Outside a graph the op is a call.
+# them (an inference graph), and its CPU flex lowering then refuses them (it asks the unrealised
+# node for its name). Outside a graph the op is a plain call.
 @torch.library.custom_op("rag_flex::retrieval_bounds", mutates_args=())
 def _bounds_op(seg_offsets: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _bounds(seg_offsets, seq_len)
