@@ -319,7 +319,7 @@ def attention(ctx: Ctx) -> dict:
     # backward: its CPU path is a hand-written autograd.Function, so the CPU traces SDPA only)
     traced = {}
     for name in ("sdpa", "flex") if d.type == "cuda" else ("sdpa",):
-        if "error" in backends.get(name, {"error": ""}) or "not_run" in backends[name]:
+        if "fwdbwd_ms" not in backends.get(name, {}):  # not run, or failed eager
             continue
         try:
             traced[name] = _bench_backend(
