@@ -107,6 +107,12 @@ class ModelConfig:
     # question's words (question-conditioned vision) and a word can be matched against what each
     # patch shows. A pretrained VLM keeps false
     question_first: bool = False
+    # the query's picture and question attend to each other both ways and the answer reads them
+    # causally (a prefix-LM, as PaliGemma reads its prefix): a word can query every patch and every
+    # patch every word, whatever the order. The prefix is laid out as one more bidirectional
+    # segment of the retrieval layout, which does not read the documents, so it is for closed-book
+    # readers (retriever.mode=none); false: the query segment is causal throughout
+    query_prefix: bool = False
     max_docs: int = 16  # learned retrieval-rank embeddings: documents per query the reader accepts
     # auto | fused | sdpa | flex | reference (see parallel.kernels.attention)
     attention_backend: str = "auto"
@@ -321,6 +327,11 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         e.append(
             f"data.zoom_out must be >= 1 (got {d.zoom_out}): it is the largest crop side over the "
             "picture's"
+        )
+    if m.query_prefix and r.mode != "none":
+        e.append(
+            f"model.query_prefix=true reads closed book (retriever.mode=none; got "
+            f"retriever.mode={r.mode}): the query's prefix does not attend to documents"
         )
     if not d.corpus and r.mode != "none":
         e.append(

@@ -161,6 +161,7 @@ class HFReader(HFReaderBase):
             cfg.max_answer,
         )
         self.question_first = cfg.question_first
+        self.query_prefix = cfg.query_prefix
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         text = lm.config.get_text_config()
         dim = text.hidden_size

@@ -237,6 +237,7 @@ class HFVLMReader(HFReaderBase):
             cfg.max_answer,
         )
         self.question_first = cfg.question_first
+        self.query_prefix = cfg.query_prefix
         text = vlm.config.get_text_config()
         dim = text.hidden_size
         # Gemma 2 caps its logits after the head

@@ -6,7 +6,12 @@ Sequence of one example (packed left, padded right to the batch's longest)::
      └──────── segment 0 ───────┘     └──────── segment k-1 ──┘  └────────── segment k ─────────┘
 
 With ``question_first`` (``model.question_first``) the query segment is [question, query patches,
-answer]: the patches, read after the question, attend to its words.
+answer]: the patches, read after the question, attend to its words. With ``query_prefix``
+(``model.query_prefix``, closed book only) the picture and question form a segment of their own
+that attends both ways within itself, and the answer a last segment that reads it (a prefix-LM)::
+
+    [query patches, question] [answer]      (or [question, query patches] [answer])
+     └──── segment 0, both ways ───┘ └─ 1 ─┘
 
 On an accelerator the slots are not trimmed: every example is padded to the batch's slot count,
 known from the shapes, and the answer positions are picked into a fixed number of rows with a
@@ -68,6 +73,8 @@ class Assembled:
     typ: torch.Tensor  # (B, S) DOC_IMAGE ... ANSWER, -1 for padding
     pos: torch.Tensor  # (B, S) position within the segment, restarting at 0 in every segment
     max_predictions: int = 0  # answer tokens an example predicts at most (EOT included)
+    # retrieved documents: the first n_docs segments (a query prefix, if any, is the next one)
+    n_docs: int = 0
 
 
 class ReaderBase(nn.Module):
@@ -80,6 +87,8 @@ class ReaderBase(nn.Module):
     packed_devices: tuple[str, ...] = ("cpu",)
     # the query segment reads the question before its picture (``model.question_first``)
     question_first: bool = False
+    # the picture and question attend both ways, the answer causally (``model.query_prefix``)
+    query_prefix: bool = False
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # (..., L) -> (..., L, D)
         raise NotImplementedError
@@ -158,7 +167,10 @@ class ReaderBase(nn.Module):
         pos.append(P + q_len[:, None] + ar(La)[None])
         typ.append(torch.full((B, La), ANSWER, device=dev))
         toks.append(a_ids[:, :La])
-        seg += [torch.full((B, P + Lq + La), k, device=dev)]
+        if self.query_prefix:  # picture and question: segment k, both ways; the answer: k + 1
+            seg += [torch.full((B, P + Lq), k, device=dev), torch.full((B, La), k + 1, device=dev)]
+        else:
+            seg += [torch.full((B, P + Lq + La), k, device=dev)]
 
         # labels: the query's last slot before the answer predicts answer[0] (the question's last
         # token, or the last patch when the question comes first or is empty); answer slot j
@@ -197,6 +209,12 @@ class ReaderBase(nn.Module):
         )
         if k > self.max_docs:
             raise ValueError(f"{k} documents per query > model.max_docs={self.max_docs}")
+        if k and self.query_prefix:
+            raise ValueError(
+                f"model.query_prefix=true reads closed book, and this batch has {k} documents per "
+                "query: a query prefix does not attend to documents (set retriever.mode=none, or "
+                "model.query_prefix=false)"
+            )
         # trimmed to the longest example on the CPU (reading it back is free there); shapes only
         # (planning on the meta device) and accelerators keep every slot (see the module doc)
         trim = emb.device.type in self.packed_devices
@@ -215,8 +233,9 @@ class ReaderBase(nn.Module):
         take = lambda t: torch.gather(t, 1, order)  # noqa: E731  (B, N) -> (B, S)
         x = torch.gather(emb, 1, order[..., None].expand(-1, -1, emb.shape[-1]))  # (B, S, D)
         keep = take(valid)
-        counts = torch.stack([((seg == s) & valid).sum(1) for s in range(k + 1)], 1)  # (B, k+1)
-        seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, k+2)
+        n_seg = k + 1 + int(self.query_prefix)  # documents, the query (prefix and answer)
+        counts = torch.stack([((seg == s) & valid).sum(1) for s in range(n_seg)], 1)  # (B, n_seg)
+        seg_offsets = F.pad(counts.cumsum(1), (1, 0)).to(torch.int32)  # (B, n_seg + 1)
         return Assembled(
             x,
             take(labels).masked_fill(~keep, IGNORE),
@@ -225,6 +244,7 @@ class ReaderBase(nn.Module):
             take(typ).masked_fill(~keep, -1),
             take(pos),
             a_ids.shape[1],
+            k,
         )
 
     # ------------------------------------------------------------------------------ scoring
@@ -271,9 +291,7 @@ class ReaderBase(nn.Module):
                 doc_prior,
                 target,
             )
-            doc_attention = self._doc_mass(
-                attn, example, seg_id, B, seg_offsets.shape[1] - 2, valid
-            )
+            doc_attention = self._doc_mass(attn, example, seg_id, B, a.n_docs, valid)
         # (M,), 0 on fill rows
         tok_nll = F.nll_loss(logp, target, reduction="none", ignore_index=IGNORE)
         real = torch.ones_like(tok_nll) if valid is None else valid.to(tok_nll.dtype)  # (M,)

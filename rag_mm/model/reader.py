@@ -64,6 +64,7 @@ class Reader(ReaderBase):
             cfg.max_answer,
         )
         self.question_first = cfg.question_first
+        self.query_prefix = cfg.query_prefix
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         self.vision = build_vision_tower(cfg)
         self.image_proj = nn.Linear(cfg.vision_width, cfg.dim)

@@ -325,3 +325,23 @@ def test_question_first_reaches_the_hugging_face_readers(which):
             x = reader_inputs(k=0, vocab=VOCAB)
         typ = reader.assemble(**x).typ[0].tolist()
         assert (typ.index(QUESTION) < typ.index(QUERY_IMAGE)) == first
+
+
+@pytest.mark.parametrize("which", ["hf", "hf_vlm"])
+def test_query_prefix_reaches_the_hugging_face_readers(which):
+    """``model.query_prefix`` lays both Hugging Face readers' query out as a prefix segment and an
+    answer segment, and their attention reads it: the same weights give another loss than the
+    causal query (the layout itself is tested on the native reader, tests/rag_mm/test_reader.py)."""
+    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
+
+    losses = []
+    for prefix in (False, True):
+        if which == "hf":
+            reader, x = tiny_hf_reader(query_prefix=prefix), reader_inputs(k=0)
+        else:
+            reader = tiny_vlm_reader("llava", query_prefix=prefix)
+            x = reader_inputs(k=0, vocab=VOCAB)
+        assert reader.assemble(**x).seg_offsets.shape[1] == (3 if prefix else 2)
+        losses.append(reader(**x).loss)
+        assert torch.isfinite(losses[-1])
+    assert not torch.allclose(losses[0], losses[1])

@@ -92,6 +92,61 @@ def _hidden(m, x, seg):
     return x
 
 
+def test_query_prefix_reads_picture_and_question_both_ways():
+    """``model.query_prefix``: the picture and the question are one segment that attends both ways
+    (a question word reads the patches after it, which a causal query segment forbids), the
+    answer reads them causally, nothing reads the answer, and a batch with documents is refused."""
+    import pytest
+
+    from rag_mm.model.layout import ANSWER, QUERY_IMAGE, QUESTION
+
+    b = {k: v for k, v in batch().items() if not k.startswith("doc_")}
+    P = 16
+    for first in (False, True):
+        for prefix in (False, True):
+            m = tiny_reader(question_first=first, query_prefix=prefix)
+            a = m.assemble(**b)
+            # a segment for the prefix and one for the answer, or one for the whole query
+            assert a.seg_offsets.shape == (3, 3 if prefix else 2)
+            for i in range(3):
+                ql, al = int(b["q_len"][i]), int(b["a_len"][i]) - 1
+                assert a.seg_offsets[i].tolist() == (
+                    [0, P + ql, P + ql + al] if prefix else [0, P + ql + al]
+                )
+                got = a.labels[i][a.labels[i] != IGNORE].tolist()
+                assert got == b["a_ids"][i, : b["a_len"][i]].tolist()
+            # the first of the two parts reads the second only with the prefix
+            earlier, later = (QUESTION, QUERY_IMAGE) if first else (QUERY_IMAGE, QUESTION)
+            x2 = a.x.clone()
+            at = int((a.typ[0] == later).nonzero()[-1])
+            x2[0, at] += torch.randn(x2.shape[-1], generator=torch.Generator().manual_seed(0))
+            h1, h2 = _hidden(m, a.x, a.seg_offsets), _hidden(m, x2, a.seg_offsets)
+            rows = a.typ[0] == earlier
+            moved = (h1[0, rows] - h2[0, rows]).abs().max()
+            assert (moved > 1e-4) == prefix, (first, prefix, moved)
+            # an answer token never changes what the prefix, or the answer before it, holds
+            x3 = a.x.clone()
+            last = int((a.typ[0] == ANSWER).nonzero()[-1])
+            x3[0, last] += torch.randn(x3.shape[-1], generator=torch.Generator().manual_seed(1))
+            h3 = _hidden(m, x3, a.seg_offsets)
+            assert torch.equal(h1[0, :last], h3[0, :last])
+            # trains and generates through the same layout
+            assert torch.isfinite(m(**b).loss)
+            assert len(m.generate(b["image"], b["q_ids"], b["q_len"], eot_id=EOT)) == 3
+    with pytest.raises(ValueError, match="query_prefix=true reads closed book"):
+        tiny_reader(query_prefix=True).assemble(**batch())
+    # and a run that would retrieve is refused before any work
+    from rag_mm.config import ConfigError, TrainConfig, validate
+
+    cfg = TrainConfig()
+    cfg.model.query_prefix = True
+    with pytest.raises(ConfigError, match="model.query_prefix=true reads closed book"):
+        validate(cfg)
+    cfg.retriever.mode = "none"
+    cfg.data.corpus = None
+    validate(cfg)
+
+
 def test_backends_agree_and_closed_book_runs():
     b = batch()
     ref = tiny_reader()
