@@ -310,19 +310,23 @@ def test_what_is_no_vlm_is_refused_by_name(tmp_path):
         build_rag(cfg, torch.device("cpu"))
 
 
+def _closed_book_reader(which, **model):
+    """A tiny ``hf`` or ``hf_vlm`` reader with the ``model`` overrides, and a closed-book batch."""
+    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
+
+    if which == "hf":
+        return tiny_hf_reader(**model), reader_inputs(k=0)
+    return tiny_vlm_reader("llava", **model), reader_inputs(k=0, vocab=VOCAB)
+
+
 @pytest.mark.parametrize("which", ["hf", "hf_vlm"])
 def test_question_first_reaches_the_hugging_face_readers(which):
     """``model.question_first`` orders the query segment of both Hugging Face readers (the layout
     itself is tested on the native reader, tests/rag_mm/test_reader.py)."""
     from rag_mm.model.layout import QUERY_IMAGE, QUESTION
-    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
 
     for first in (False, True):
-        if which == "hf":
-            reader, x = tiny_hf_reader(question_first=first), reader_inputs(k=0)
-        else:
-            reader = tiny_vlm_reader("llava", question_first=first)
-            x = reader_inputs(k=0, vocab=VOCAB)
+        reader, x = _closed_book_reader(which, question_first=first)
         typ = reader.assemble(**x).typ[0].tolist()
         assert (typ.index(QUESTION) < typ.index(QUERY_IMAGE)) == first
 
@@ -332,15 +336,9 @@ def test_query_prefix_reaches_the_hugging_face_readers(which):
     """``model.query_prefix`` lays both Hugging Face readers' query out as a prefix segment and an
     answer segment, and their attention reads it: the same weights give another loss than the
     causal query (the layout itself is tested on the native reader, tests/rag_mm/test_reader.py)."""
-    from tests.rag_mm.hf_cases import reader_inputs, tiny_hf_reader
-
     losses = []
     for prefix in (False, True):
-        if which == "hf":
-            reader, x = tiny_hf_reader(query_prefix=prefix), reader_inputs(k=0)
-        else:
-            reader = tiny_vlm_reader("llava", query_prefix=prefix)
-            x = reader_inputs(k=0, vocab=VOCAB)
+        reader, x = _closed_book_reader(which, query_prefix=prefix)
         assert reader.assemble(**x).seg_offsets.shape[1] == (3 if prefix else 2)
         losses.append(reader(**x).loss)
         assert torch.isfinite(losses[-1])
