@@ -54,6 +54,7 @@ from rag_mm.eval.knowledge import KnowledgeSums, retrieval_line
 from rag_mm.eval.predictions import PredictionError, write_predictions
 from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 from rag_mm.ft.preemption import Stopped
+from rag_mm.model.layout import answer_targets
 
 log = logging.getLogger(__name__)
 
@@ -492,7 +493,40 @@ def _on_host(out):
 
 def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:
     """The reader's greedy answers (token ids, EOT dropped) to the queries ``rows`` of ``batch``,
-    reading the documents the evaluated forward ``out`` read."""
+    reading the documents the evaluated forward ``out`` read.
+
+    A query whose teacher-forced forward (``out.reader``) took the argmax at every answer position
+    is not decoded again: the reader is causal, so each position's argmax is the greedy choice after
+    the target tokens before it, and greedy decoding reproduces the target. Only the others run the
+    token-by-token decoding (one full forward per token), which a well-trained reader rarely needs.
+    """
+    order = rows.tolist()
+    known = _teacher_forced_answers(getattr(out, "reader", None), tokenizer.eot_id)
+    todo = [r for r in order if r not in known]
+    if todo:
+        known.update(zip(todo, _decode(rag, batch, out, device, torch.tensor(todo), tokenizer)))
+    return [known[r] for r in order]
+
+
+def _teacher_forced_answers(reader_out, eot_id: int) -> dict[int, list[int]]:
+    """{query: its target's token ids, EOT dropped} for the queries of a teacher-forced forward
+    whose every answer token was the argmax (``ReaderOutput.correct``); {} without one."""
+    if reader_out is None:
+        return {}
+    # a spread reader's forward hands the targets over as lists (``SpreadRag.__call__``)
+    targets = getattr(reader_out, "targets", None)
+    if targets is None:
+        if getattr(reader_out, "labels", None) is None:
+            return {}
+        targets = answer_targets(reader_out)
+    return {
+        r: [t for t in targets[r] if t != eot_id]
+        for r in reader_out.correct.nonzero().flatten().tolist()
+    }
+
+
+def _decode(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> list[list[int]]:
+    """Greedy decoding, token by token, of the queries ``rows`` (``greedy_answers``)."""
     x = batch_inputs(batch, device)
     r = rows.to(device)
     docs = {}

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import parallel
 from parallel.timeline import write_run_timeline
 from rag_mm.config import ConfigError, TrainConfig, parallel_config
+from rag_mm.model.layout import answer_targets
 from rag_mm.model.rag import RagModel, RagOutput, gold_hits, one_document_inputs
 from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
@@ -354,10 +355,15 @@ class SpreadRag:
         inputs = dict(image=image, q_ids=q_ids, q_len=q_len, a_ids=a_ids, a_len=a_len, gold=gold)
         retriever_sync.broadcast_buffers(self.rag.retriever)
         x, ids, ret = self._reader_inputs(inputs, train=False, search_k=search_k)
-        res = self.pmodel.predict(x, output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu()))
-        correct = torch.cat([c for c, _ in res])
-        nll = torch.cat([n for _, n in res])
-        reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean())
+        res = self.pmodel.predict(
+            x,
+            output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu(), answer_targets(out)),
+        )
+        correct = torch.cat([c for c, _, _ in res])
+        nll = torch.cat([n for _, n, _ in res])
+        # each query's targets: evaluation's greedy answers take them where ``correct``
+        targets = [t for _, _, ts in res for t in ts]
+        reader = SimpleNamespace(correct=correct, nll=nll, loss=nll.mean(), targets=targets)
         scores = self.rag.index_scores(ret[-1]) if ret is not None else None
         return RagOutput(reader.loss, reader, None, ids, scores)
 

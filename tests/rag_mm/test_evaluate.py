@@ -165,3 +165,90 @@ def test_evaluate_writes_the_vqa_results_file_it_scored(tmp_path, capsys):
     assert evaluate.main([str(run), f"predictions={tmp_path / 'adir'}"]) == 2
     err = capsys.readouterr().err
     assert f"predictions: {tmp_path / 'adir'} is a directory" in err and "Traceback" not in err, err
+
+
+def test_greedy_answers_decode_only_the_queries_the_teacher_forced_pass_got_wrong(monkeypatch):
+    """Evaluation's greedy answers: a query whose every teacher-forced argmax was its target takes
+    the target, and only the others are decoded token by token; the answers equal full decoding."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rag_mm.model.layout import answer_targets
+    from tests.rag_mm.test_reader import EOT, batch, tiny_reader
+
+    def pad(targets):  # token lists -> (a_ids, a_len)
+        L = max(map(len, targets))
+        ids = torch.tensor([t + [0] * (L - len(t)) for t in targets])
+        return ids, torch.tensor([len(t) for t in targets])
+
+    reader = tiny_reader().train()
+    b = batch(B=3)
+    q = (b["image"], b["q_ids"], b["q_len"])
+    # a reader that says "5", "7 8" and "9" to the three queries, EOT after each
+    taught = pad([[5, EOT], [7, 8, EOT], [9, EOT]])
+    opt = torch.optim.Adam(reader.parameters(), lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        reader(*q, *taught).loss.backward()
+        opt.step()
+    reader.eval()
+    greedy = reader.generate(*q, eot_id=EOT)  # every query decoded token by token
+    assert greedy == [[5], [7, 8], [9]]
+    # the evaluated targets: queries 0 and 2 the reader's answers, query 1 another one
+    a_ids, a_len = pad([[5, EOT], [11, EOT], [9, EOT]])
+    out = reader(*q, a_ids, a_len)
+    assert out.correct.tolist() == [True, False, True]
+
+    decoded = []
+    generate = reader.generate
+
+    def spy(image, *args, **kw):
+        decoded.append(image.shape[0])
+        return generate(image, *args, **kw)
+
+    monkeypatch.setattr(reader, "generate", spy)
+    rag = SimpleNamespace(reader=reader, rcfg=SimpleNamespace(reader_prior=False, top_k=0))
+    loader_batch = dict(zip(("image", "q_ids", "q_len"), q), a_ids=a_ids, a_len=a_len)
+    loader_batch["doc_id"] = torch.zeros(3, dtype=torch.long)
+    tok = SimpleNamespace(eot_id=EOT)
+    rows = torch.tensor([2, 1, 0])
+    evaluated = SimpleNamespace(reader=out, doc_ids=None, scores=None)
+    assert evaluate.greedy_answers(rag, loader_batch, evaluated, "cpu", rows, tok) == [
+        [9],
+        [7, 8],
+        [5],
+    ]
+    assert decoded == [1]  # query 1 alone was decoded
+    # a spread reader's forward hands over per-query targets (``SpreadRag.__call__``)
+    decoded.clear()
+    per_query = SimpleNamespace(correct=out.correct, targets=answer_targets(out))
+    spread = SimpleNamespace(reader=per_query, doc_ids=None, scores=None)
+    assert evaluate.greedy_answers(rag, loader_batch, spread, "cpu", rows, tok)[1] == [7, 8]
+    assert decoded == [1]
+    # without a teacher-forced pass (rag_mm.ask) every query is decoded
+    decoded.clear()
+    asked = SimpleNamespace(doc_ids=None, scores=None)
+    assert evaluate.greedy_answers(rag, loader_batch, asked, "cpu", rows, tok) == greedy[::-1]
+    assert decoded == [3]
+
+
+def test_a_spread_readers_evaluation_forward_hands_over_each_querys_targets():
+    """The trainer evaluates through ``SpreadRag``: its forward keeps each query's answer targets,
+    so its greedy answers, like the CLI's, decode only the queries the forward got wrong."""
+    import torch
+
+    from rag_mm.data.documents import DocumentStore
+    from rag_mm.distributed.spread import SpreadRag
+    from rag_mm.model.factory import build_reader
+    from rag_mm.model.rag import RagModel
+    from tests.rag_mm.test_token_mean import VOCAB, _cfg, _global_batch
+
+    cfg = _cfg(8)
+    m = cfg.model
+    rag = RagModel(
+        build_reader(m, VOCAB), DocumentStore.empty(m.image_size, m.max_doc_text), cfg.retriever
+    )
+    x = _global_batch(m)
+    out = SpreadRag(rag, cfg, torch.device("cpu"))(**x)
+    assert out.reader.targets == [a[:n].tolist() for a, n in zip(x["a_ids"], x["a_len"])]
