@@ -54,7 +54,6 @@ from rag_mm.eval.knowledge import KnowledgeSums, retrieval_line
 from rag_mm.eval.predictions import PredictionError, write_predictions
 from rag_mm.eval.vqa_metric import ANSWER_TYPES, answer_type, vqa_accuracy
 from rag_mm.ft.preemption import Stopped
-from rag_mm.model.layout import answer_targets
 
 log = logging.getLogger(__name__)
 
@@ -511,14 +510,10 @@ def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> li
 def _teacher_forced_answers(reader_out, eot_id: int) -> dict[int, list[int]]:
     """{query: its target's token ids, EOT dropped} for the queries of a teacher-forced forward
     whose every answer token was the argmax (``ReaderOutput.correct``); {} without one."""
-    if reader_out is None:
-        return {}
-    # a spread reader's forward hands the targets over as lists (``SpreadRag.__call__``)
+    # a ReaderOutput's, or the lists a spread reader's forward hands over (``SpreadRag.__call__``)
     targets = getattr(reader_out, "targets", None)
     if targets is None:
-        if getattr(reader_out, "labels", None) is None:
-            return {}
-        targets = answer_targets(reader_out)
+        return {}
     return {
         r: [t for t in targets[r] if t != eot_id]
         for r in reader_out.correct.nonzero().flatten().tolist()

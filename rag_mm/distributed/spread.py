@@ -48,7 +48,6 @@ import torch.distributed as dist
 import parallel
 from parallel.timeline import write_run_timeline
 from rag_mm.config import ConfigError, TrainConfig, parallel_config
-from rag_mm.model.layout import answer_targets
 from rag_mm.model.rag import RagModel, RagOutput, gold_hits, one_document_inputs
 from retriever import sync as retriever_sync
 from retriever.replicas import Replicas
@@ -357,7 +356,7 @@ class SpreadRag:
         x, ids, ret = self._reader_inputs(inputs, train=False, search_k=search_k)
         res = self.pmodel.predict(
             x,
-            output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu(), answer_targets(out)),
+            output_fn=lambda out, _: (out.correct.cpu(), out.nll.cpu(), out.targets),
         )
         correct = torch.cat([c for c, _, _ in res])
         nll = torch.cat([n for _, n, _ in res])

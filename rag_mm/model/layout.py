@@ -59,19 +59,19 @@ class ReaderOutput:
     # IGNORE)
     valid: torch.Tensor | None = None
 
-
-def answer_targets(out: ReaderOutput) -> list[list[int]]:
-    """Each query's answer targets in order (EOT included): what greedy decoding reproduces for a
-    query whose every target was the argmax (``out.correct``), since each answer position reads
-    only the targets before it."""
-    real = out.labels != IGNORE
-    if out.valid is not None:
-        real &= out.valid
-    # (M,) prediction rows in order: example, then answer position
-    targets: list[list[int]] = [[] for _ in range(len(out.correct))]
-    for r, t in zip(out.example[real].tolist(), out.labels[real].tolist()):
-        targets[r].append(t)
-    return targets
+    @property
+    def targets(self) -> list[list[int]]:
+        """Each query's answer targets in order (EOT included): what greedy decoding reproduces for
+        a query whose every target was the argmax (``correct``), since each answer position reads
+        only the targets before it."""
+        real = self.labels != IGNORE
+        if self.valid is not None:
+            real &= self.valid
+        # (M,) prediction rows in order: example, then answer position
+        targets: list[list[int]] = [[] for _ in range(len(self.correct))]
+        for r, t in zip(self.example[real].tolist(), self.labels[real].tolist()):
+            targets[r].append(t)
+        return targets
 
 
 @dataclass

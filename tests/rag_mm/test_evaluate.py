@@ -174,7 +174,6 @@ def test_greedy_answers_decode_only_the_queries_the_teacher_forced_pass_got_wron
 
     import torch
 
-    from rag_mm.model.layout import answer_targets
     from tests.rag_mm.test_reader import EOT, batch, tiny_reader
 
     def pad(targets):  # token lists -> (a_ids, a_len)
@@ -222,7 +221,7 @@ def test_greedy_answers_decode_only_the_queries_the_teacher_forced_pass_got_wron
     assert decoded == [1]  # query 1 alone was decoded
     # a spread reader's forward hands over per-query targets (``SpreadRag.__call__``)
     decoded.clear()
-    per_query = SimpleNamespace(correct=out.correct, targets=answer_targets(out))
+    per_query = SimpleNamespace(correct=out.correct, targets=out.targets)
     spread = SimpleNamespace(reader=per_query, doc_ids=None, scores=None)
     assert evaluate.greedy_answers(rag, loader_batch, spread, "cpu", rows, tok)[1] == [7, 8]
     assert decoded == [1]
