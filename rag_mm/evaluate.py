@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import logging
 import re
@@ -508,14 +509,16 @@ def greedy_answers(rag, batch, out, device, rows: torch.Tensor, tokenizer) -> li
 
 
 def _teacher_forced_answers(reader_out, eot_id: int) -> dict[int, list[int]]:
-    """{query: its target's token ids, EOT dropped} for the queries of a teacher-forced forward
-    whose every answer token was the argmax (``ReaderOutput.correct``); {} without one."""
+    """{query: its target's token ids up to its first EOT} for the queries of a teacher-forced
+    forward whose every answer token was the argmax (``ReaderOutput.correct``); {} without one.
+    Greedy decoding stops at the first EOT, so a target that holds one inside its text (a tokenizer
+    parses a literal ``<end_of_text>``) is cut there as decoding would cut it."""
     # a ReaderOutput's, or the lists a spread reader's forward hands over (``SpreadRag.__call__``)
     targets = getattr(reader_out, "targets", None)
     if targets is None:
         return {}
     return {
-        r: [t for t in targets[r] if t != eot_id]
+        r: list(itertools.takewhile(lambda t: t != eot_id, targets[r]))
         for r in reader_out.correct.nonzero().flatten().tolist()
     }
 

@@ -1,3 +1,6 @@
+import types
+
+import pytest
 import torch
 
 from rag_mm.config import ModelConfig
@@ -159,24 +162,51 @@ def test_backends_agree_and_closed_book_runs():
     assert out.nll.shape == (3,) and torch.isfinite(out.loss)
 
 
-def test_teacher_forced_argmax_reproduces_greedy_generation():
-    torch.manual_seed(1)
-    m = tiny_reader()
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"question_first": True}, {"query_prefix": True}],
+    ids=["picture_first", "question_first", "query_prefix"],
+)
+def test_teacher_forced_argmax_reproduces_greedy_generation(layout):
+    """Evaluation takes a query's target as its greedy answer when every teacher-forced argmax was
+    the target (``rag_mm.evaluate.greedy_answers``): fed its own greedy answers (three, two and one
+    tokens copied from what it reads, EOT after each), each query must be ``correct`` with those
+    tokens as its targets, with documents and the copy head, in every layout (a prefix-LM reads
+    closed book)."""
+    from rag_mm.evaluate import _teacher_forced_answers
+
+    def pad(answers):  # token lists, EOT appended -> (a_ids, a_len)
+        a = [x + [EOT] for x in answers]
+        L = max(map(len, a))
+        return torch.tensor([x + [0] * (L - len(x)) for x in a]), torch.tensor(list(map(len, a)))
+
+    m = tiny_reader(**layout).train()
     b = batch()
-    gen = m.generate(
-        b["image"], b["q_ids"], b["q_len"], b["doc_image"], b["doc_ids"], b["doc_len"], eot_id=EOT
-    )
-    assert all(len(g) > 0 for g in gen)
-    # feed each example its own greedy tokens: every argmax must reproduce the next greedy token
-    a = [g + [EOT] for g in gen]
-    L = max(len(x) for x in a)
-    a_ids = torch.tensor([x + [0] * (L - len(x)) for x in a])
-    a_len = torch.tensor([len(x) for x in a])
+    if layout.get("query_prefix"):
+        b = {k: v for k, v in b.items() if not k.startswith("doc_")}
+    docs = [b.get(k) for k in ("doc_image", "doc_ids", "doc_len")]
+    # taught to copy three, two and one tokens of its first document (of its question, closed
+    # book) and stop: an untrained reader runs to the length limit and never says EOT
+    source = b["doc_ids"][:, 0] if docs[0] is not None else b["q_ids"]
+    taught = dict(zip(("a_ids", "a_len"), pad([source[i, : 3 - i].tolist() for i in range(3)])))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        m(**{**b, **taught}).loss.backward()
+        opt.step()
+    m.eval()
+    gen = m.generate(b["image"], b["q_ids"], b["q_len"], *docs, eot_id=EOT)
+    assert sorted(map(len, gen)) == [1, 2, 3], gen  # each greedy answer ended with EOT
+    a_ids, a_len = pad(gen)
     out = m(**{**b, "a_ids": a_ids, "a_len": a_len})
     pred = out.logits.argmax(-1)
-    for i, g in enumerate(gen):
-        mine = pred[out.example == i][: len(g)].tolist()
-        assert mine == g
+    for i, g in enumerate(gen):  # every argmax reproduces the next greedy token, EOT included
+        assert pred[out.example == i].tolist() == g + [EOT]
+    assert out.correct.all()
+    assert _teacher_forced_answers(out, EOT) == dict(enumerate(gen))
+    # a target holding an EOT inside its text: greedy decoding stops at the first one
+    inside = types.SimpleNamespace(correct=torch.tensor([True]), targets=[[5, EOT, 6, EOT]])
+    assert _teacher_forced_answers(inside, EOT) == {0: [5]}
 
 
 def test_tied_embeddings_share_storage():
