@@ -58,6 +58,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import re
 import sys
 from collections import Counter
@@ -415,6 +416,20 @@ def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
     return {"__key__": f"q{n:09d}", ext: data, "txt": q.question, "json": json.dumps(meta)}
 
 
+def shuffled_by_picture(qs: list[Question], seed: int = 0) -> list[Question]:
+    """``qs`` with their pictures in a seeded random order, each picture's questions together and
+    in their order. A source sorted by class or by topic (a folder per class, a dump in label order)
+    would otherwise give each shard one class, and the training stream, which shuffles shards and
+    then samples within a 1,000-sample buffer (``data.shuffle_buffer``), would train on one class
+    at a time."""
+    by_picture: dict[int, list[Question]] = {}
+    for q in qs:
+        by_picture.setdefault(q.image_id, []).append(q)
+    pictures = list(by_picture)
+    random.Random(seed).shuffle(pictures)
+    return [q for p in pictures for q in by_picture[p]]
+
+
 def convert_vqa(
     questions: Path,
     annotations: Path | None,
@@ -427,8 +442,9 @@ def convert_vqa(
     normalise: bool = True,
 ) -> dict:
     """Write the questions of a VQA / A-OKVQA file whose pictures are under ``images`` as the query
-    shards of ``split``; return the summary (counts, skipped by reason, the data overrides, and
-    ``normalised``: what the answer normalisation changed, ``rag_mm.data.convert_answers``)."""
+    shards of ``split``, their pictures in a seeded random order (``shuffled_by_picture``); return
+    the summary (counts, skipped by reason, the data overrides, and ``normalised``: what the answer
+    normalisation changed, ``rag_mm.data.convert_answers``)."""
     if split not in SPLITS:
         raise ConvertError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     layout, qs, skipped = read_questions(questions, annotations)
@@ -457,7 +473,9 @@ def convert_vqa(
             f"{images}{named}"
         )
 
-    @lru_cache(maxsize=64)  # questions about one picture usually come together
+    todo = shuffled_by_picture(todo)
+
+    @lru_cache(maxsize=64)  # a picture's questions come together (``shuffled_by_picture``)
     def load(image_id: int) -> tuple[str, bytes]:
         return picture(found[image_id].read_bytes(), image_size)
 

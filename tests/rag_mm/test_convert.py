@@ -313,6 +313,47 @@ def test_vqa_v2_questions_become_query_shards(tmp_path):
     assert Image.open(io.BytesIO(s["jpg"])).size == (16, 16)
 
 
+def test_a_source_sorted_by_class_is_written_with_its_pictures_mixed_over_the_shards(tmp_path):
+    """A file in label order (a folder per class, a dump sorted by class) would give each shard one
+    class, and the training stream, which shuffles shards and then samples within a buffer, would
+    train on one class at a time: the converter writes the pictures in a seeded random order, each
+    picture's questions together."""
+    images = tmp_path / "images"
+    questions, annotations = [], []
+    for image_id in range(40):  # four classes of ten pictures, in class order
+        _picture(images / f"{image_id:012d}.png", image_id, "PNG")
+        for n, (text, answer) in enumerate(
+            (("what is this?", f"class{image_id // 10}"), ("is it bright?", "yes"))
+        ):
+            qid = image_id * 10 + n
+            questions.append({"image_id": image_id, "question": text, "question_id": qid})
+            annotations.append(
+                {"image_id": image_id, "question_id": qid, "multiple_choice_answer": answer}
+                | {"answers": [{"answer": answer, "answer_id": 1}]}
+            )
+    q, a = tmp_path / "q.json", tmp_path / "a.json"
+    q.write_text(json.dumps({"questions": questions}))
+    a.write_text(json.dumps({"annotations": annotations}))
+    assert convert_vqa(q, a, images, tmp_path / "out", "train", shard_size=20)["shards"] == 4
+
+    def written(pattern: str) -> list[list[int]]:  # question ids, shard by shard
+        return [
+            [json.loads(s["json"])["question_id"] for s in _read(url.parent, url.name)]
+            for url in sorted((tmp_path / "out").glob(pattern))
+        ]
+
+    shards = written("train/train-*.tar")
+    assert sorted(qid for shard in shards for qid in shard) == sorted(
+        x["question_id"] for x in questions
+    )
+    for shard in shards:
+        assert len({qid // 100 for qid in shard}) >= 3, shards  # classes mixed in every shard
+        # a picture's two questions together and in their order
+        assert [qid % 10 for qid in shard] == [0, 1] * (len(shard) // 2), shard
+    convert_vqa(q, a, images, tmp_path / "out", "train", shard_size=20, overwrite=True)
+    assert written("train/train-*.tar") == shards  # the order is seeded
+
+
 def test_aokvqa_list_becomes_query_shards(tmp_path):
     path, images = _aokvqa(tmp_path)
     res = convert_vqa(path, None, images, tmp_path / "out", "val")
