@@ -164,6 +164,7 @@ def make_stream(
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
         seed=c.seed,
         shuffle_buffer=c.data.shuffle_buffer,
+        shard_interleave=c.data.shard_interleave,
         augment=train and c.data.augment,
         colour_jitter=c.data.colour_jitter,
         crop_pad=c.data.crop_pad,

@@ -154,6 +154,10 @@ class DataConfig:
     # small host
     num_workers: int = 1
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
+    # training shards each loader worker reads at once, every next sample from one of them at
+    # random (before the shuffle buffer): shards written in label order (one class each) still
+    # give batches of many labels; 1 reads shards one after another
+    shard_interleave: int = 8
     augment: bool = True  # random crop (and colour_jitter) on training query pictures
     # per-channel brightness shift of augmented pictures, uniform in +-colour_jitter (normalised
     # units, ~0.27 of the 0..1 range per unit): an invariance for pictures whose colours carry no
@@ -311,7 +315,7 @@ def validate(cfg: TrainConfig, world_size: int = 1) -> None:
         e.append(
             f"model.max_answer must be >= 2: one answer token plus end-of-text (got {m.max_answer})"
         )
-    for key in ("batch_size", "eval_batch_size", "shuffle_buffer"):
+    for key in ("batch_size", "eval_batch_size", "shuffle_buffer", "shard_interleave"):
         _positive(e, f"data.{key}", getattr(d, key))
     if d.global_batch_size < 0:
         e.append(f"data.global_batch_size must be >= 0 (got {d.global_batch_size})")

@@ -1,10 +1,11 @@
 """Query streams over webdataset shards: split, shuffle, decode, augment, tokenise, batch.
 
-Training streams are infinite and deterministic: shard order and the sample shuffle are seeded
-by (seed, epoch), augmentation by (seed, epoch, sample key). A rank that resumes after ``n``
-batches replays its stream and drops what it had consumed, so no sample is seen twice or
-skipped. Corrupt input (a truncated tar, an undecodable picture, bad JSON, a missing key) is
-dropped and counted, never slept on (webdataset's ``warn_and_continue`` sleeps 0.5 s per error).
+Training streams are infinite and deterministic: shard order, the interleave of the shards read
+at once and the sample shuffle are seeded by (seed, epoch), augmentation by (seed, epoch, sample
+key). A rank that resumes after ``n`` batches replays its stream and drops what it had consumed,
+so no sample is seen twice or skipped. Corrupt input (a truncated tar, an undecodable picture, bad
+JSON, a missing key) is dropped and counted, never slept on (webdataset's ``warn_and_continue``
+sleeps 0.5 s per error).
 A full pass that yields no usable sample stops the stream with a ``DataError`` (naming the shards
 and the drop counts by reason) instead of spinning over them forever. Loader workers are other
 processes: batches carry their drop counts, and a worker's error travels as a record that
@@ -137,6 +138,9 @@ class StreamSpec:
     batch_size: int
     seed: int = 0
     shuffle_buffer: int = 1000
+    # training only: shards a loader worker reads at once, each next sample drawn from one of them
+    # at random (DataConfig.shard_interleave); 1 reads them one after another
+    shard_interleave: int = 8
     augment: bool = False
     colour_jitter: float = 0.1  # per-channel shift of augmented pictures (DataConfig.colour_jitter)
     crop_pad: int = 2  # replicated border of the random crop, px (DataConfig.crop_pad)
@@ -171,11 +175,16 @@ class QueryStream(torch.utils.data.IterableDataset):
                 urls = urls[s.rank :: s.world_size]
         return urls
 
-    def _raw_samples(self, urls: list[str], counter: SkipCounter) -> Iterator[dict]:
-        pipe = wds.DataPipeline(
-            wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)
-        )
-        yield from pipe
+    def _raw_samples(
+        self, urls: list[str], counter: SkipCounter, rng: random.Random | None = None
+    ) -> Iterator[dict]:
+        """The samples of ``urls``: one shard after another, or with ``rng`` (training) the
+        interleave of ``shard_interleave`` shards open at once."""
+        k = min(self.spec.shard_interleave, len(urls)) if rng is not None else 1
+        if k <= 1:
+            yield from _shard_samples(urls, counter)
+            return
+        yield from _interleave([_shard_samples([u], counter) for u in urls], k, rng)
 
     def _decode(self, sample: dict, counter: SkipCounter) -> dict | None:
         s = self.spec
@@ -252,7 +261,8 @@ class QueryStream(torch.utils.data.IterableDataset):
             urls = self._shards(epoch)
             if s.train:
                 urls = urls[worker::num_workers] if len(urls) >= num_workers else urls
-            raw = self._raw_samples(urls, counter)
+            mix = random.Random(f"{s.seed}-interleave-{epoch}-{s.rank}-{worker}")
+            raw = self._raw_samples(urls, counter, mix if s.train else None)
             if s.train:
                 raw = _seeded_shuffle(
                     raw, s.shuffle_buffer, random.Random(f"{s.seed}-{epoch}-{s.rank}-{worker}")
@@ -332,6 +342,38 @@ class QueryStream(torch.utils.data.IterableDataset):
             return
         if batch:  # evaluation keeps the partial last batch
             yield collate(batch, counter)
+
+
+def _shard_samples(urls: list[str], counter: SkipCounter) -> Iterator[dict]:
+    """The samples of ``urls`` in order, unreadable tar data counted and skipped."""
+    yield from wds.DataPipeline(
+        wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=counter.tar_error)
+    )
+
+
+def _interleave(shards: list[Iterator[dict]], k: int, rng: random.Random) -> Iterator[dict]:
+    """Samples drawn from ``k`` of ``shards`` open at once, each next one from an open shard
+    chosen at random; a shard that ends is replaced by the next in the list.
+
+    A converter that writes its source in label order leaves one label per shard; read one after
+    another, such shards fill the whole shuffle buffer with one label and every batch holds one
+    or two. webdataset's ``RandomMix`` draws from every source at once with the global RNG; this
+    is tf.data's ``interleave(cycle_length=k)``: at most ``k`` tar files open (a shard's generator
+    opens its file on first draw) and a private seeded RNG, so a resumed stream replays.
+    """
+    pending = iter(shards)
+    open_ = [it for _, it in zip(range(k), pending)]
+    while open_:
+        i = rng.randrange(len(open_))
+        sample = next(open_[i], None)
+        if sample is None:
+            nxt = next(pending, None)
+            if nxt is None:
+                open_.pop(i)
+            else:
+                open_[i] = nxt
+            continue
+        yield sample
 
 
 def _seeded_shuffle(it: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:

@@ -92,6 +92,60 @@ def test_stream_resume_replays_exactly(tiny_world):
         assert got["key"] == want["key"] and torch.equal(got["image"], want["image"])
 
 
+def _label_sorted_shards(root, shards: int = 6, per_shard: int = 16) -> list[str]:
+    """Shards as a converter writes a label-sorted source: every sample of shard s has label s."""
+    import webdataset as wds
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (90, 0, 0)).save(buf, format="PNG")
+    urls = []
+    for s in range(shards):
+        path = root / f"train-{s:06d}.tar"
+        with wds.TarWriter(str(path)) as sink:
+            for i in range(per_shard):
+                sink.write(
+                    {
+                        "__key__": f"c{s}i{i:03d}",
+                        "txt": "what is it?",
+                        "json": json.dumps({"answer": f"label{s}"}),
+                        "png": buf.getvalue(),
+                    }
+                )
+        urls.append(str(path))
+    return urls
+
+
+def test_training_stream_interleaves_label_sorted_shards(tmp_path):
+    """Six shards of one label each and a shuffle buffer smaller than a shard: read one after
+    another, a batch holds one or two labels; four interleaved, the batches hold three or more
+    until the epoch's last shards, each epoch still gives every sample once, and the stream is the
+    same when read again and on resume."""
+
+    def spec(**kw):
+        base = dict(
+            urls=urls, image_size=8, max_question=8, max_answer=4, batch_size=8, shuffle_buffer=4
+        )
+        return StreamSpec(**(base | kw))
+
+    def labels_per_batch(sp, n=12):
+        it = iter(make_loader(sp, 0))
+        return [next(it) for _ in range(n)]
+
+    urls = _label_sorted_shards(tmp_path)
+    one_by_one = labels_per_batch(spec(shard_interleave=1))
+    assert max(len(set(b["answer"])) for b in one_by_one) <= 2
+    mixed = labels_per_batch(spec(shard_interleave=4))
+    # the epoch's last batches draw from the last shards left open, fewer than four
+    assert min(len(set(b["answer"])) for b in mixed[:8]) >= 3
+    epoch = [k for b in mixed for k in b["key"]]  # 12 batches of 8: the 96 samples, one epoch
+    assert len(set(epoch)) == 96
+    again = labels_per_batch(spec(shard_interleave=4))
+    assert [b["key"] for b in again] == [b["key"] for b in mixed]
+    resumed = iter(make_loader(spec(shard_interleave=4, skip_batches=7), 0))
+    assert [next(resumed)["key"] for _ in range(5)] == [b["key"] for b in mixed[7:]]
+
+
 def test_stream_two_workers_resume(tiny_world):
     it = iter(make_loader(_spec(tiny_world), 2))
     full = [next(it)["key"] for _ in range(9)]
