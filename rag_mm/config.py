@@ -156,8 +156,9 @@ class DataConfig:
     shuffle_buffer: int = 1000  # sample-level shuffle within a rank's stream
     # training shards each loader worker reads at once, every next sample from one of them at
     # random (before the shuffle buffer): shards written in label order (one class each) still
-    # give batches of many labels; 1 reads shards one after another
-    shard_interleave: int = 8
+    # give batches of many labels; each is an open file (or download); 1 reads shards one after
+    # another
+    shard_interleave: int = 16
     augment: bool = True  # random crop (and colour_jitter) on training query pictures
     # per-channel brightness shift of augmented pictures, uniform in +-colour_jitter (normalised
     # units, ~0.27 of the 0..1 range per unit): an invariance for pictures whose colours carry no

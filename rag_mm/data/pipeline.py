@@ -140,7 +140,7 @@ class StreamSpec:
     shuffle_buffer: int = 1000
     # training only: shards a loader worker reads at once, each next sample drawn from one of them
     # at random (DataConfig.shard_interleave); 1 reads them one after another
-    shard_interleave: int = 8
+    shard_interleave: int = 16
     augment: bool = False
     colour_jitter: float = 0.1  # per-channel shift of augmented pictures (DataConfig.colour_jitter)
     crop_pad: int = 2  # replicated border of the random crop, px (DataConfig.crop_pad)
