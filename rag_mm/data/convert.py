@@ -419,8 +419,8 @@ def query_sample(n: int, q: Question, ext: str, data: bytes) -> dict:
 def shuffled_by_picture(qs: list[Question], seed: int = 0) -> list[Question]:
     """``qs`` with their pictures in a seeded random order, each picture's questions together and
     in their order. A source sorted by class or by topic (a folder per class, a dump in label order)
-    would otherwise give each shard one class, and the training stream, which shuffles shards and
-    then samples within a 1,000-sample buffer (``data.shuffle_buffer``), would train on one class
+    would otherwise give each shard one class; the training stream reads ``data.shard_interleave``
+    shards at once, but a split of fewer shards than classes would still train on a few classes
     at a time."""
     by_picture: dict[int, list[Question]] = {}
     for q in qs:
