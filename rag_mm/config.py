@@ -58,8 +58,10 @@ class ModelConfig:
     # a local Hugging Face tokenizer directory; None: ``pretrained``'s own tokenizer when it holds
     # one, else the bundled CLIP BPE (randomly initialised readers)
     tokenizer: str | None = None
-    # hf: vision -> LM projector: mlp2x_gelu (LLaVA-1.5's two-layer MLP) | linear
-    projector: str = "mlp2x_gelu"
+    # picture tokens -> the reader's width: linear (one map) | mlp2x_gelu (LLaVA-1.5's two-layer
+    # MLP with GELU: each patch gets a nonlinear map of its own before the blocks mix patches with
+    # words). None: the family's own, linear for native, mlp2x_gelu for hf (hf_vlm: its own)
+    projector: str | None = None
     # hf: the reader's own weights (projector, rank and type embeddings, copy head) as
     # ``python -m rag_mm.export`` writes them (adapter.safetensors); None: freshly initialised
     adapter: str | None = None
@@ -391,7 +393,7 @@ def _model_family_problems(cfg: TrainConfig) -> list[str]:
     m, e = cfg.model, []
     if m.family not in FAMILIES:
         return [f"model.family must be one of {FAMILIES} (got {m.family!r})"]
-    if m.projector not in PROJECTORS:
+    if m.projector is not None and m.projector not in PROJECTORS:
         e.append(f"model.projector must be one of {PROJECTORS} (got {m.projector!r})")
     if m.family == "native":
         for key in ("pretrained", "lm_config", "adapter", "vlm_config"):

@@ -691,6 +691,11 @@ def load_model_state(rag: torch.nn.Module, ckpt: Path) -> dict:
         ts = checkpoint.load(ckpt, state)
     except CheckpointException as exc:  # DCP's message carries each rank's stack: keep the errors
         why = "; ".join(f"{type(e).__name__}: {e}" for e, _ in exc.failures.values())
+        if "image_proj.fc1." in why:  # the config asks for the MLP, the checkpoint holds one map
+            why += (
+                " (the checkpoint's reader maps picture tokens with one linear map: evaluate it "
+                "with model.projector=linear)"
+            )
         raise EvalError(f"cannot load {ckpt} into the model the config builds: {why}") from None
     except RuntimeError as exc:  # failed verification, an unsafe entry
         raise EvalError(f"cannot load {ckpt}: {exc}") from None

@@ -70,3 +70,18 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, seg_offsets: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), seg_offsets)
         return x + self.mlp(self.ln2(x))
+
+
+class Projector(nn.Module):
+    """Picture tokens of the vision tower's width -> the reader's width: one linear map
+    (``linear``), or LLaVA-1.5's two-layer MLP with GELU (``mlp2x_gelu``), which maps each patch
+    through a nonlinearity of its own before the blocks mix patches with words."""
+
+    def __init__(self, vision_width: int, dim: int, kind: str = "mlp2x_gelu") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(vision_width, dim)
+        self.act = nn.GELU() if kind == "mlp2x_gelu" else nn.Identity()
+        self.fc2 = nn.Linear(dim, dim) if kind == "mlp2x_gelu" else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))  # (..., vision_width) -> (..., dim)

@@ -25,26 +25,13 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from rag_mm.config import ModelConfig, known_model_type, transformers_version
+from rag_mm.model.blocks import Projector
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.hf_attention import check_dispatch, implementation
 from rag_mm.model.hf_base import HFReaderBase
 from rag_mm.model.reader import build_vision_tower
 
 log = logging.getLogger(__name__)
-
-
-class Projector(nn.Module):
-    """Vision width -> LM width: LLaVA-1.5's two-layer MLP with GELU (``mlp2x_gelu``), or one linear
-    map."""
-
-    def __init__(self, vision_width: int, dim: int, kind: str = "mlp2x_gelu") -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(vision_width, dim)
-        self.act = nn.GELU() if kind == "mlp2x_gelu" else nn.Identity()
-        self.fc2 = nn.Linear(dim, dim) if kind == "mlp2x_gelu" else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 def _container(value: Any) -> dict:
@@ -177,7 +164,7 @@ class HFReader(HFReaderBase):
             )
         self.lm = lm
         self.vision = build_vision_tower(cfg)
-        self.projector = Projector(cfg.vision_width, dim, cfg.projector)
+        self.projector = Projector(cfg.vision_width, dim, cfg.projector or "mlp2x_gelu")
         # zero: a document starts as the LM would read it alone, its rank learned from there
         self.rank_emb = nn.Embedding(cfg.max_docs, dim)
         # zero: which part of the sequence a token is in (document picture or text, query picture,

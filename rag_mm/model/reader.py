@@ -14,7 +14,7 @@ import torch.nn as nn
 from open_clip.model import CLIPVisionCfg
 
 from rag_mm.config import ModelConfig
-from rag_mm.model.blocks import Block
+from rag_mm.model.blocks import Block, Projector
 from rag_mm.model.copy_head import CopyHead
 from rag_mm.model.layout import IGNORE, ReaderBase, ReaderOutput
 
@@ -67,7 +67,12 @@ class Reader(ReaderBase):
         self.query_prefix = cfg.query_prefix
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2  # patch tokens per picture
         self.vision = build_vision_tower(cfg)
-        self.image_proj = nn.Linear(cfg.vision_width, cfg.dim)
+        # (N, P, vision_width) -> (N, P, dim): one linear map unless model.projector asks for an MLP
+        self.image_proj = (
+            nn.Linear(cfg.vision_width, cfg.dim)
+            if (cfg.projector or "linear") == "linear"
+            else Projector(cfg.vision_width, cfg.dim, cfg.projector)
+        )
         self.tok_emb = nn.Embedding(vocab_size, cfg.dim)
         self.pos_emb = nn.Embedding(cfg.max_segment_len, cfg.dim)
         self.type_emb = nn.Embedding(5, cfg.dim)

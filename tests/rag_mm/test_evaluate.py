@@ -77,6 +77,8 @@ def test_evaluate_cli_reproduces_the_trainers_final_metrics(tiny_world, tmp_path
         (str(bare),): "no valid checkpoint",
         (str(run), "split=dev"): "unknown split 'dev'",
         (str(run), "model.widht=3"): "widht",
+        # a linear projector's checkpoint read with the MLP: the key that builds it again
+        (str(run), "model.projector=mlp2x_gelu"): "with model.projector=linear",
     }
     for argv, message in cases.items():
         assert evaluate.main(list(argv)) == 2, argv

@@ -274,3 +274,28 @@ def test_question_first_lets_the_picture_read_the_question():
             eot_id=EOT,
         )
         assert len(gen) == 3
+
+
+@pytest.mark.parametrize("projector", [None, "linear", "mlp2x_gelu"])
+def test_projector_maps_each_patch_as_asked_and_trains(projector):
+    """``model.projector`` on the native reader: None and linear keep one affine map (the
+    checkpoint key ``image_proj.weight`` of every native run), mlp2x_gelu is LLaVA's two layers, a
+    map of each patch that is not affine; the answer loss reaches its first layer."""
+    m = tiny_reader(projector=projector).train()
+    mlp = projector == "mlp2x_gelu"
+    keys = {k for k in m.state_dict() if k.startswith("image_proj.")}
+    assert keys == (
+        {f"image_proj.fc{i}.{p}" for i in (1, 2) for p in ("weight", "bias")}
+        if mlp
+        else {"image_proj.weight", "image_proj.bias"}
+    )
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(2, 5, 32, generator=g)  # two pictures' patch features (P=5, width 32)
+    f = m.image_proj
+    # affine: f(x1) + f(x2) = f(x1 + x2) + f(0)
+    gap = (f(x1) + f(x2) - f(x1 + x2) - f(torch.zeros_like(x1))).abs().max().item()
+    assert (gap > 1e-3) if mlp else (gap < 1e-5)
+    out = m(**batch())
+    out.loss.backward()
+    first = m.image_proj.fc1.weight if mlp else m.image_proj.weight
+    assert first.grad is not None and first.grad.abs().sum() > 0
