@@ -19,7 +19,8 @@ style than its own document. ``--align`` (an adversary or matched statistics bet
 queries and memory views), ``--doc-text`` (documents as picture plus passage), ``--mixstyle``
 (feature statistics mixed between the queries), ``--pairs`` (training queries contrasted with
 each other, an entity's other pictures the positives) and ``--groups`` (a head naming the gold
-passage's group) are domain-generalisation levers measured here, none in the trainer.
+passage's group) are domain-generalisation levers measured here, none in the trainer; so is
+``--maxsim`` (a stage's grid scored by late interaction, ``retriever.late_interaction``).
 ``--negatives N`` scores each query against its batch's gold rows and N random others instead
 of the whole memory (a large one). ``--joint`` embeds the memory and the queries in one tower
 call, so the ResNet's batch statistics span both kinds of picture as they do at evaluation;
@@ -50,6 +51,7 @@ from rag_mm.data.pipeline import image_to_tensor  # noqa: E402
 from retriever.augment import VIEW_STYLES, photo_views, random_views  # noqa: E402
 from retriever.config import RetrieverConfig  # noqa: E402
 from retriever.encoders import DualEncoder  # noqa: E402
+from retriever.late_interaction import GridTokens, maxsim, maxsim_pairs  # noqa: E402
 
 
 def load_split(
@@ -179,6 +181,23 @@ def main() -> None:
         "(an attribute seen and unseen entities share); evaluation adds its log-probability of "
         "each document's group, times 0.5 / 1 / 2, to the scaled cosine",
     )
+    ap.add_argument(
+        "--maxsim",
+        default="",
+        help="a tower stage (layer1..layer4) whose feature map is kept as a grid of token vectors "
+        "and trained with late interaction (retriever.late_interaction: ColBERT's MaxSim) beside "
+        "the pooled embedding; evaluation adds MaxSim over the whole memory and the pooled "
+        "top --rerank-k reranked by it",
+    )
+    ap.add_argument("--maxsim-weight", type=float, default=1.0)
+    ap.add_argument(
+        "--maxsim-over",
+        choices=("top", "all"),
+        default="top",
+        help="MaxSim's training negatives: the pooled score's top --rerank-k (what it reranks) or "
+        "every memory row the step scores",
+    )
+    ap.add_argument("--rerank-k", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
@@ -214,6 +233,18 @@ def main() -> None:
             a.timm, cfg.embed_dim, image_size=a.image_size, pool="avg", proj="linear"
         )
 
+    grid = None
+    if a.maxsim:
+        stage = getattr(model.query.clip.visual, a.maxsim)
+        channels: list[int] = []  # the stage's width, from one picture in evaluation mode
+        probe = stage.register_forward_hook(lambda m, i, out: channels.append(out.shape[1]))
+        with torch.no_grad():
+            model.eval()
+            model.query(corpus[:1], None)
+            model.train()
+        probe.remove()
+        grid = GridTokens(stage, channels[0])
+
     def mixstyle(module, inputs, out):
         """out (N, C, H, W) -> each sample's features re-normalised to a mix of its own and a
         random other sample's channel mean and spread (Beta(0.1, 0.1) weights)"""
@@ -239,6 +270,7 @@ def main() -> None:
         torch.nn.Linear(cfg.embed_dim, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)
     )
     params = list(model.parameters()) + (list(disc.parameters()) if a.align == "dann" else [])
+    params += list(grid.parameters()) if grid is not None else []
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01)
 
     class Reverse(torch.autograd.Function):
@@ -332,6 +364,30 @@ def main() -> None:
         return torch.where(pick, y, x)
 
     @torch.no_grad()
+    def late_interaction_recall(q_val: torch.Tensor, docs: torch.Tensor) -> dict[str, float]:
+        """Recall of MaxSim over the whole memory, of the pooled top --rerank-k reranked by it,
+        and of the two scores' sum (the val queries pooled as ``q_val``, the memory as ``docs``)"""
+        embed(corpus)
+        d_tok = grid.take()  # (N_docs, T, dim)
+        q_tok = torch.cat(
+            [(embed(vx[i : i + 256]), grid.take())[1] for i in range(0, len(vx), 256)]
+        )
+        ms, cos = maxsim(q_tok, d_tok), q_val @ docs.T  # (Q, N_docs) each
+        top = cos.topk(a.rerank_k, 1).indices  # (Q, k)
+        ranked = {
+            "maxsim": ms.topk(5, 1).indices,
+            "rerank": top.gather(1, ms.gather(1, top).argsort(1, descending=True))[:, :5],
+            "sum": (cos + ms).topk(5, 1).indices,
+        }
+        out = {f"recall@{a.rerank_k}_unseen": (top == vy[:, None]).any(1)[vh].float().mean().item()}
+        for name, r in ranked.items():
+            h1, h5 = (r[:, 0] == vy).float(), (r == vy[:, None]).any(1).float()
+            out[f"recall@1_{name}_unseen"] = h1[vh].mean().item()
+            out[f"recall@5_{name}_unseen"] = h5[vh].mean().item()
+            out[f"recall@1_{name}_seen"] = h1[~vh].mean().item()
+        return out
+
+    @torch.no_grad()
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
 
@@ -412,6 +468,8 @@ def main() -> None:
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
         out |= grp
+        if grid is not None:
+            out |= late_interaction_recall(q_val, docs)
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
     print(
@@ -456,12 +514,17 @@ def main() -> None:
         if a.joint:
             mix_from[0] = len(rows)
             e = embed(torch.cat([corpus[rows], q]))
+            if grid is not None:
+                tok = grid.take()
+                d_tok, q_tok = tok[: len(rows)], tok[len(rows) :]
             d_emb, q_emb = embed_docs(rows, e[: len(rows)]), e[len(rows) :]
         else:
             mix_from[0] = len(corpus)  # the memory's own call: no row restyled
             d_emb = embed_docs(rows)
+            d_tok = grid.take() if grid is not None else None
             mix_from[0] = 0
             q_emb = embed(q)
+            q_tok = grid.take() if grid is not None else None
         if a.centred_loss:
             q_emb = F.normalize(q_emb - q_emb.mean(0), dim=-1)
             d_emb = F.normalize(d_emb - d_emb.mean(0), dim=-1)
@@ -483,6 +546,20 @@ def main() -> None:
             )
             last["pairs"] = (qq := F.cross_entropy(sim, partner)).item()
             loss = loss + a.pairs * qq
+        if grid is not None and a.maxsim_over == "all":  # MaxSim against every row scored
+            ms_loss = F.cross_entropy(grid.scale() * maxsim(q_tok, d_tok), gold)
+        elif grid is not None:  # MaxSim over each query's gold row and the pooled top others
+            k = min(a.rerank_k, len(rows))
+            with torch.no_grad():
+                pooled = (q_emb @ d_emb.T).index_put(
+                    (torch.arange(len(gold)), gold), -torch.tensor(9.0)
+                )
+                cand = torch.cat([gold[:, None], pooled.topk(k - 1, 1).indices], 1)  # (Q, k)
+            ms = maxsim_pairs(q_tok.repeat_interleave(k, 0), d_tok[cand.flatten()]).view(-1, k)
+            ms_loss = F.cross_entropy(grid.scale() * ms, torch.zeros(len(ms), dtype=torch.long))
+        if grid is not None:
+            last["maxsim"] = ms_loss.item()
+            loss = loss + a.maxsim_weight * ms_loss
         if a.align != "none":
             al = align_loss(q_emb[: a.batch], q_emb[a.batch :])
             last["align"] = al.item()
