@@ -152,17 +152,18 @@ def make_stream(
     ``balance``) or evaluation batches, ``skip_batches`` already drawn; in page-locked memory
     when they go to a CUDA ``device``."""
     c = cfg
+    seed = c.seed if c.data.seed is None else c.data.seed  # data.seed: the stream's own
     urls = expand_urls(c.data.root, getattr(c.data, split))
     keep = None
     if train and balance and c.data.balance_answers > 0:
-        keep = answer_balance(urls, c.data.balance_answers, c.seed)
+        keep = answer_balance(urls, c.data.balance_answers, seed)
     spec = StreamSpec(
         urls=urls,
         image_size=c.model.image_size,
         max_question=c.model.max_question,
         max_answer=c.model.max_answer,
         batch_size=c.data.batch_size if train else c.data.eval_batch_size,
-        seed=c.seed,
+        seed=seed,
         shuffle_buffer=c.data.shuffle_buffer,
         shard_interleave=c.data.shard_interleave,
         augment=train and c.data.augment,

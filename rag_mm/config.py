@@ -178,6 +178,11 @@ class DataConfig:
     # answers come in proportion to count ** (1 - beta); 0 as the data has them, 1 evenly. For
     # sets whose question texts have a few answers, one of them most of the time (yes/no)
     balance_answers: float = 0.0
+    # seed of the query stream: shard order, shuffle, crop and colour augmentation, which samples
+    # answer balancing keeps. None: the run's ``seed``. Set apart from it, one run's data order
+    # can be tried with another run's initial weights (and the reverse), to tell which of the two
+    # a result depends on
+    seed: int | None = None
 
 
 @dataclass
@@ -231,7 +236,9 @@ class TrainConfig:
 
     name: str = "default"  # run name; the run directory is runs/<name> unless run_dir is set
     run_dir: str = MISSING  # where config, logs, checkpoints and metrics go
-    seed: int = 0  # global seed (model init, data order, augmentation)
+    # global seed: model init and the SimCLR warm-up's views; also the data order and
+    # augmentation unless data.seed is set
+    seed: int = 0
     max_steps: int = 1000  # optimizer steps
     log_every: int = 20  # steps between console / TensorBoard lines
     eval_every: int = 250  # steps between validation passes (0 = only at the end)
