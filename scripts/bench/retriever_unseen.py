@@ -20,7 +20,9 @@ queries and memory views), ``--doc-text`` (documents as picture plus passage), `
 (feature statistics mixed between the queries), ``--pairs`` (training queries contrasted with
 each other, an entity's other pictures the positives) and ``--groups`` (a head naming the gold
 passage's group) are domain-generalisation levers measured here, none in the trainer; so is
-``--maxsim`` (a stage's grid scored by late interaction, ``retriever.late_interaction``).
+``--maxsim`` (a stage's grid scored by late interaction, ``retriever.late_interaction``) and
+``--domain-bn`` (the memory and the queries each normalised by their own batch statistics at
+evaluation, reported beside the running statistics' score).
 ``--negatives N`` scores each query against its batch's gold rows and N random others instead
 of the whole memory (a large one). ``--joint`` embeds the memory and the queries in one tower
 call, so the ResNet's batch statistics span both kinds of picture as they do at evaluation;
@@ -120,6 +122,14 @@ def main() -> None:
     )
     ap.add_argument(
         "--joint", action="store_true", help="memory and queries through the tower in one call"
+    )
+    ap.add_argument(
+        "--domain-bn",
+        action="store_true",
+        help=(
+            "also score with each domain normalised by its own batch statistics at evaluation "
+            "(AdaBN, Li et al. 2016): the memory's pictures in one call, the queries in theirs"
+        ),
     )
     ap.add_argument(
         "--negatives",
@@ -388,6 +398,32 @@ def main() -> None:
         return out
 
     @torch.no_grad()
+    def domain_bn_recall() -> dict[str, float]:
+        """Recall with the tower's batch norms on batch statistics (momentum 0: the running ones
+        stay as they are): the memory's 256 pictures one batch, the val queries batches of 256
+        of their own, so each domain is normalised by itself and not by the training mixture."""
+        bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        kept = [(m.training, m.momentum) for m in bns]
+        for m in bns:
+            m.train()
+            m.momentum = 0.0
+        try:
+            docs = torch.cat([embed_docs(ALL[i : i + 256]) for i in range(0, len(corpus), 256)])
+            q = torch.cat([embed(vx[i : i + 256]) for i in range(0, len(vx), 256)])
+        finally:
+            for m, (training, momentum) in zip(bns, kept, strict=True):
+                m.train(training)
+                m.momentum = momentum
+        top = (q @ docs.T).topk(5, 1).indices == vy[:, None]  # (Q, 5)
+        h1, h5 = top[:, :1].any(1).float(), top.any(1).float()
+        return {
+            "recall@1_domain_bn_unseen": h1[vh].mean().item(),
+            "recall@5_domain_bn_unseen": h5[vh].mean().item(),
+            "recall@1_domain_bn_seen": h1[~vh].mean().item(),
+            "recall@5_domain_bn_seen": h5[~vh].mean().item(),
+        }
+
+    @torch.no_grad()
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
 
@@ -468,6 +504,8 @@ def main() -> None:
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
         out |= grp
+        if a.domain_bn:
+            out |= domain_bn_recall()
         if grid is not None:
             out |= late_interaction_recall(q_val, docs)
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
