@@ -22,7 +22,8 @@ each other, an entity's other pictures the positives) and ``--groups`` (a head n
 passage's group) are domain-generalisation levers measured here, none in the trainer; so is
 ``--maxsim`` (a stage's grid scored by late interaction, ``retriever.late_interaction``) and
 ``--domain-bn`` (the memory and the queries each normalised by their own batch statistics at
-evaluation, reported beside the running statistics' score).
+evaluation, reported beside the running statistics' score; it matches a tower trained without
+``--joint``, where each domain has its own call).
 ``--negatives N`` scores each query against its batch's gold rows and N random others instead
 of the whole memory (a large one). ``--joint`` embeds the memory and the queries in one tower
 call, so the ResNet's batch statistics span both kinds of picture as they do at evaluation;
@@ -128,7 +129,8 @@ def main() -> None:
         action="store_true",
         help=(
             "also score with each domain normalised by its own batch statistics at evaluation "
-            "(AdaBN, Li et al. 2016): the memory's pictures in one call, the queries in theirs"
+            "(AdaBN, Li et al. 2016): the memory's pictures in one call, the queries in theirs; "
+            "train without --joint for it"
         ),
     )
     ap.add_argument(
