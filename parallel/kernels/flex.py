@@ -48,10 +48,10 @@ import torch
 log = logging.getLogger(__name__)
 
 try:  # torch >= 2.5
-    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention
 except ImportError:  # older torch: available() says so
-    create_block_mask = create_mask = _flex_attention = None
+    BlockMask = create_block_mask = create_mask = _flex_attention = None
 
 QUERY_SEG = 2**30  # segment id of retrieval query rows: above any document index
 PAD_SEG = -1  # segment id of padding positions (after the last offset)
@@ -424,12 +424,63 @@ def flex_attention(
     return _call(q, k, v, mask, scale, compiled)
 
 
+_BLOCK = 128  # create_block_mask's default sparse block, on both sides
+
+
+# Inside a compiled graph the BlockMask's block tensors come from one opaque op too. Traced as
+# plain ops (the dense mask, its block sums, the sort that orders the indices), an inference graph
+# has nothing else reading them and Inductor fuses their building into the flex kernel as a
+# prologue; on CUDA that fused kernel faults (an illegal memory access, torch 2.11, the 1B's
+# retrieval layout). A training graph happens to realise them (the backward saves them); the op
+# keeps them out of every kernel's prologue by construction, whatever the graph. Its body computes
+# them on the device from the dense mask in plain ops (create_block_mask's vmap over the mask_mod
+# cannot run below the dispatcher's autograd key, where an op's body runs); no value reaches the
+# host.
+@torch.library.custom_op("rag_flex::block_tensors", mutates_args=())
+def _block_tensors_op(
+    seg_offsets: torch.Tensor | None, seq_len: int, device: torch.device
+) -> list[torch.Tensor]:
+    kv = torch.arange(seq_len, device=device)
+    if seg_offsets is None:
+        allowed = (kv[None, :] <= kv[:, None])[None]  # (1, S, S) causal
+    else:
+        lo, hi = _bounds(seg_offsets.to(device), seq_len)  # (B, S) each
+        allowed = (kv >= lo[..., None]) & (kv < hi[..., None])  # (B, S, S)
+    n = -(-seq_len // _BLOCK)
+    pad = n * _BLOCK - seq_len  # rows and keys past S: masked, so a block holding them is partial
+    allowed = torch.nn.functional.pad(allowed, (0, pad, 0, pad))
+    tiles = allowed.view(allowed.shape[0], n, _BLOCK, n, _BLOCK)
+    full = tiles.all(4).all(2)  # (B, n, n): every pair allowed, the kernel skips the mask_mod
+    partial = tiles.any(4).any(2) & ~full  # some pairs allowed
+    out = []
+    for blocks in (partial, full):
+        # the kv blocks of each query block, listed first in ascending order (create_block_mask's)
+        idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        out += [blocks.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]]
+    return [t.contiguous() for t in out]
+
+
+@_block_tensors_op.register_fake
+def _(seg_offsets: torch.Tensor | None, seq_len: int, device: torch.device) -> list[torch.Tensor]:
+    B = 1 if seg_offsets is None else seg_offsets.shape[0]
+    n = -(-seq_len // _BLOCK)  # blocks per side
+    new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
+    return [new(B, 1, n), new(B, 1, n, n), new(B, 1, n), new(B, 1, n, n)]
+
+
 def _build_block_mask(S: int, device, causal: bool, seg_offsets):
+    """The layout's BlockMask inside a compiled graph: block tensors from ``_block_tensors_op``,
+    the ``mask_mod`` over the bounds op's buffers."""
+    if seg_offsets is None and not causal:
+        return None
+    mod = _causal
     if seg_offsets is not None:
-        return _retrieval_block_mask(seg_offsets, S, device)
-    if causal:
-        return create_block_mask(_causal, None, None, S, S, device=device)
-    return None
+        seg_offsets = seg_offsets.to(device)
+        mod = _interval_mask_mod(*retrieval_bounds(seg_offsets, S))
+    kv_n, kv_i, full_n, full_i = _block_tensors_op(seg_offsets, S, torch.device(device))
+    return BlockMask.from_kv_blocks(
+        kv_n, kv_i, full_n, full_i, BLOCK_SIZE=_BLOCK, mask_mod=mod, seq_lengths=(S, S)
+    )
 
 
 def flex_varlen_attention(

@@ -166,6 +166,57 @@ def test_flex_traced_into_a_compiled_graph_matches_reference():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+def test_block_tensors_op_is_create_block_mask():
+    """The opaque op an inference graph builds its BlockMask from gives create_block_mask's block
+    tensors: counts of partial and full blocks per query block and the blocks they list, on
+    random retrieval layouts (empty documents, padding, lengths off the 128 grid) and causal."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(3)
+    for S in (96, 300, 700):
+        rows = []
+        for _ in range(4):
+            d1, d2, q = (int(torch.randint(0, S // 3, (1,), generator=gen)) for _ in range(3))
+            rows.append([0, d1, d1 + d2, d1 + d2 + q + 1])
+        for offsets in (torch.tensor(rows, dtype=torch.int32), None):
+            got = F._block_tensors_op(offsets, S, torch.device("cpu"))
+            if offsets is None:
+                bm = create_block_mask(F._causal, None, None, S, S, device="cpu")
+            else:
+                bm = F._retrieval_block_mask(offsets, S, "cpu")
+            want = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+            assert [t.shape for t in got] == [t.shape for t in want]
+            for n_got, i_got, n_want, i_want in ((*got[:2], *want[:2]), (*got[2:], *want[2:])):
+                assert torch.equal(n_got, n_want), (S, offsets)
+                listed = torch.arange(i_want.shape[-1]) < n_want[..., None]  # the entries read
+                assert torch.equal(i_got[listed], i_want[listed]), (S, offsets)
+
+
+def test_inference_graph_takes_the_block_tensors_from_the_opaque_op():
+    """A compiled inference graph gets the BlockMask's block tensors from ``rag_flex::
+    block_tensors`` (traced, Inductor fuses their building into the flex kernel, which faults on
+    CUDA), and still matches the reference."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    B, H, S, D = 2, 2, 40, 16
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for _ in range(3))
+    offsets = torch.tensor([[0, 10, 10, 30], [0, 12, 25, S]], dtype=torch.int32)
+
+    def call(q, k, v, offsets):
+        return F.flex_attention(q, k, v, seg_offsets=offsets)
+
+    with torch.no_grad():
+        got = torch.compile(call, backend=backend, fullgraph=True)(q, k, v, offsets)
+        ref = A.reference_attention(q, k, v, seg_offsets=offsets)
+    assert any("rag_flex.block_tensors" in t for t in seen), seen
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_retrieval_bounds_are_the_layout():
     """The retrieval mask as one key interval per row (``retrieval_bounds``) allows exactly the
     reference layout's pairs, on random layouts with empty documents, padding and no documents."""
