@@ -16,7 +16,8 @@ config builds and writes OUT_DIR. For a Hugging Face reader (``model.family=hf``
 For a learned retriever (``retriever.mode=learned``, any reader):
 
 - ``retriever.pt``: the dual encoder's query tower as an open_clip CLIP state dict (plus ``mix``,
-  its image / text fusion weights), which
+  its image / text fusion weights, and with ``retriever.side_norm`` ``side_norm_doc``, the
+  document side's batch-norm statistics, open_clip's keys holding the query side's), which
   ``retriever.checkpoint`` loads into both towers of a new run: a retriever trained on one
   knowledge set (say a larger one with gold links) starts the retriever of another.
 
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from retriever.config import TOWER_SIZES
+from retriever.side_norm import split_doc_stats
 
 USAGE = __doc__.split("\n\n")[1]
 VISION_FIELDS = ("vision_width", "vision_layers", "vision_head_width", "patch_size", "image_size")
@@ -81,6 +83,11 @@ def export_retriever(retriever, out: Path, retriever_cfg) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "retriever.pt"
     state = {k: v.detach().cpu() for k, v in retriever.query.clip.state_dict().items()}
+    # a tower with batch-norm statistics per side (retriever.side_norm): open_clip's keys hold the
+    # query side's, the document side's travel apart (a retriever built with side_norm reads them)
+    state, doc_stats = split_doc_stats(state)
+    if doc_stats:
+        state["side_norm_doc"] = doc_stats
     state["mix"] = retriever.query.mix.detach().cpu()  # the image / text fusion weights
     tmp = path.with_name(path.name + ".tmp")  # never a half-written file under the final name
     torch.save(state, tmp)

@@ -47,6 +47,10 @@ class RetrieverConfig:
     # how image and text embeddings combine: sum (learned weights) | image | text
     fusion: str = "sum"
     shared_towers: bool = False  # one encoder for queries and documents (Contriever/Atlas share)
+    # with shared_towers and the resnet tower: its batch norms keep running statistics per side
+    # (retriever/side_norm.py), so the memory's pictures are normalised by the memory's statistics
+    # and the queries by the queries', not by their mixture, when the two differ in style
+    side_norm: bool = False
     checkpoint: str | None = None  # local open_clip state dict to initialise both towers
     # the reader's copy attention weighs each document by its retrieval probability (RAG-token
     # style)
@@ -135,6 +139,15 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(f"retriever.pseudo_view must be one of {PSEUDO_VIEWS} (got {cfg.pseudo_view!r})")
     if cfg.fusion not in FUSIONS:
         e.append(f"retriever.fusion must be one of {FUSIONS} (got {cfg.fusion!r})")
+    if cfg.side_norm and not (
+        cfg.shared_towers and cfg.vision_tower == "resnet" and cfg.fusion != "text"
+    ):
+        e.append(
+            "retriever.side_norm keeps batch-norm statistics per side of one shared picture "
+            "tower: it needs retriever.shared_towers=true, retriever.vision_tower=resnet (the "
+            "tower with batch norms) and a fusion that reads the picture (got shared_towers="
+            f"{cfg.shared_towers}, vision_tower={cfg.vision_tower!r}, fusion={cfg.fusion!r})"
+        )
     if cfg.mode == "oracle" and cfg.top_k != 1:
         e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {cfg.top_k})")
     if cfg.mode == "learned" and cfg.top_k < 1:

@@ -8,6 +8,7 @@ fused by a learned weighted sum. Query and document sides are separate encoders 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import open_clip
@@ -18,6 +19,7 @@ from open_clip.model import CLIPTextCfg, CLIPVisionCfg
 
 from retriever.config import RetrieverConfig
 from retriever.replicas import replica_batch_norms
+from retriever.side_norm import doc_stats_from_queries, on_side, side_batch_norms
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,18 @@ class Encoder(nn.Module):
         elif self.fusion == "text":
             del self.clip.visual
         self.mix = nn.Parameter(torch.ones(2))  # learned weights of the image and text embeddings
+        if cfg.side_norm:  # before a checkpoint loads: it may hold the document side's statistics
+            side_batch_norms(self.clip)
         if cfg.checkpoint:
             state = torch.load(cfg.checkpoint, map_location="cpu", weights_only=True)
             state = dict(state.get("state_dict", state))
             # rag_mm.export's file also carries the fusion weights (not an open_clip key)
             mix = state.pop("mix", None)
+            # rag_mm.export keeps the document side's batch-norm statistics apart, so the file
+            # stays an open_clip state dict (retriever/side_norm.py)
+            doc_stats = state.pop("side_norm_doc", {})
+            if cfg.side_norm:
+                state |= doc_stats
             if mix is not None and self.fusion == "sum":
                 with torch.no_grad():
                     self.mix.copy_(mix)
@@ -105,6 +114,8 @@ class Encoder(nn.Module):
                     "retriever as the run that wrote it (rag_mm.export writes those overrides "
                     "to import.json)"
                 ) from None
+            if cfg.side_norm and not doc_stats:  # a tower without sides: both start as its one
+                doc_stats_from_queries(self.clip)
             log.info(
                 "retriever tower: loaded %s (missing %d, unexpected %d)",
                 cfg.checkpoint,
@@ -147,8 +158,17 @@ class DualEncoder(nn.Module):
     def scale(self) -> torch.Tensor:
         return self.logit_scale.clamp(max=4.6052).exp()  # at most 100, as CLIP clamps it
 
+    # (also the methods of retriever.memory's frozen copy of the document side: they read only
+    # cfg and the tower they call)
     def embed_queries(self, image, q_ids, q_len) -> torch.Tensor:
-        return self.query(image, clip_tokens(q_ids, q_len, self.cfg.context_length))
+        with _on_side(self.query, "query", self.cfg):
+            return self.query(image, clip_tokens(q_ids, q_len, self.cfg.context_length))
 
     def embed_docs(self, image, text_ids, text_len) -> torch.Tensor:
-        return self.doc(image, clip_tokens(text_ids, text_len, self.cfg.context_length))
+        with _on_side(self.doc, "doc", self.cfg):
+            return self.doc(image, clip_tokens(text_ids, text_len, self.cfg.context_length))
+
+
+def _on_side(tower: nn.Module, side: str, cfg: RetrieverConfig):
+    """The tower's batch norms on ``side`` for a call (retriever.side_norm), else nothing."""
+    return on_side(tower, side) if cfg.side_norm else contextlib.nullcontext()

@@ -23,7 +23,8 @@ passage's group) are domain-generalisation levers measured here, none in the tra
 ``--maxsim`` (a stage's grid scored by late interaction, ``retriever.late_interaction``) and
 ``--domain-bn`` (the memory and the queries each normalised by their own batch statistics at
 evaluation, reported beside the running statistics' score; it matches a tower trained without
-``--joint``, where each domain has its own call).
+``--joint``, where each domain has its own call); ``--side-bn`` is its form in the trainer
+(``retriever.side_norm``: running statistics kept per side while training, read at evaluation).
 ``--negatives N`` scores each query against its batch's gold rows and N random others instead
 of the whole memory (a large one). ``--joint`` embeds the memory and the queries in one tower
 call, so the ResNet's batch statistics span both kinds of picture as they do at evaluation;
@@ -55,6 +56,7 @@ from retriever.augment import VIEW_STYLES, photo_views, random_views  # noqa: E4
 from retriever.config import RetrieverConfig  # noqa: E402
 from retriever.encoders import DualEncoder  # noqa: E402
 from retriever.late_interaction import GridTokens, maxsim, maxsim_pairs  # noqa: E402
+from retriever.side_norm import on_side  # noqa: E402
 
 
 def load_split(
@@ -131,6 +133,15 @@ def main() -> None:
             "also score with each domain normalised by its own batch statistics at evaluation "
             "(AdaBN, Li et al. 2016): the memory's pictures in one call, the queries in theirs; "
             "train without --joint for it"
+        ),
+    )
+    ap.add_argument(
+        "--side-bn",
+        action="store_true",
+        help=(
+            "retriever.side_norm: the tower's batch norms keep running statistics per side, the "
+            "memory's pictures on the document side and the queries on the query side, in "
+            "training and evaluation alike (not with --joint)"
         ),
     )
     ap.add_argument(
@@ -212,6 +223,8 @@ def main() -> None:
     ap.add_argument("--rerank-k", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.side_bn and a.joint:
+        ap.error("--side-bn embeds the memory and the queries in calls of their own: not --joint")
     torch.manual_seed(a.seed)
     try:
         corpus, doc_ids, _, passages = load_split(a.root, "corpus", a.image_size)
@@ -235,6 +248,7 @@ def main() -> None:
         vision_layers=a.layers,
         fusion="sum" if a.doc_text else "image",
         shared_towers=True,
+        side_norm=a.side_bn,
         context_length=64,
     )
     model = DualEncoder(cfg, a.image_size)
@@ -328,7 +342,9 @@ def main() -> None:
 
     def embed_docs(rows: torch.Tensor, img: torch.Tensor | None = None) -> torch.Tensor:
         """memory rows (n,) -> (n, E); ``img`` their pictures' embeddings when already taken"""
-        img = embed(corpus[rows]) if img is None else img
+        if img is None:
+            with on_side(model.query, "doc"):  # a no-op without --side-bn
+                img = embed(corpus[rows])
         if not a.doc_text:
             return img
         txt = F.normalize(model.query.clip.encode_text(tokens[rows]), dim=-1)
@@ -450,7 +466,9 @@ def main() -> None:
         # vendors draw some things facing the other way: the memory and the queries embedded as
         # themselves plus their mirror images
         # (the memory's passages, with --doc-text, have no mirror image: its rows stay as they are)
-        flip_hits = hits5(in_chunks(both_ways, vx), docs if a.doc_text else both_ways(corpus))
+        with on_side(model.query, "doc"):
+            docs_both = docs if a.doc_text else both_ways(corpus)
+        flip_hits = hits5(in_chunks(both_ways, vx), docs_both)
         # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
         # photo transform alone costs, without another vendor's drawing
         own = photo_views(

@@ -77,8 +77,15 @@ def _loss_and_grads(rag: RagModel, rows: slice) -> tuple[float, torch.Tensor]:
 
 
 def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -> dict:
+    # resnet_sides: one shared tower whose batch norms keep statistics per side (side_norm)
+    sides = dict(shared_towers=True, side_norm=True) if tower == "resnet_sides" else {}
     rcfg = RetrieverConfig(
-        **SMALL, vision_tower=tower, mode="learned", pseudo_queries=pseudo, bank_negatives=10
+        **SMALL,
+        **sides,
+        vision_tower=tower.removesuffix("_sides"),
+        mode="learned",
+        pseudo_queries=pseudo,
+        bank_negatives=10,
     )
     rag = _rag(rcfg)
     start = {n: b.clone() for n, b in rag.retriever.named_buffers()}
@@ -108,13 +115,16 @@ def _replicated_vs_one_process(rank: int, world: int, pseudo: int, tower: str) -
 
 @pytest.mark.multirank
 # 5: shares of 3 and 2, uneven: the shorter padded with rows the loss leaves out
-@pytest.mark.parametrize("pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet")])
+@pytest.mark.parametrize(
+    "pseudo,tower", [(0, "vit"), (5, "vit"), (5, "resnet"), (5, "resnet_sides")]
+)
 def test_gathered_contrastive_gives_one_process_gradient(pseudo, tower):
     """Two replicas, each embedding half the batch (and its share of the pseudo-queries), give the
     one-process loss on every rank and, averaged, its gradient (each replica scoring only its own
     rows, with a quarter of the negatives missing, has a loss some 25% lower). With the ResNet
     tower, its BatchNorm normalises over both replicas' rows, and its running statistics move as
-    one process's do (each replica normalising its own 3 rows, the loss is 6% off)."""
+    one process's do (each replica normalising its own 3 rows, the loss is 6% off); with
+    statistics kept per side (``side_norm``), each side's."""
     for out in run_ranks(_replicated_vs_one_process, 2, pseudo, tower):
         assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-5)
         assert "[1, 2]" in out["refused"]
