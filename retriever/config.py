@@ -146,7 +146,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
             "retriever.side_norm keeps batch-norm statistics per side of one shared picture "
             "tower: it needs retriever.shared_towers=true, retriever.vision_tower=resnet (the "
             "tower with batch norms) and a fusion that reads the picture (got shared_towers="
-            f"{cfg.shared_towers}, vision_tower={cfg.vision_tower!r}, fusion={cfg.fusion!r})"
+            f"{cfg.shared_towers}, vision_tower={cfg.vision_tower!r}, fusion={cfg.fusion!r}); "
+            "or set retriever.side_norm=false"
         )
     if cfg.mode == "oracle" and cfg.top_k != 1:
         e.append(f"retriever.top_k must be 1 with retriever.mode=oracle (got {cfg.top_k})")
