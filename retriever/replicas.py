@@ -38,6 +38,20 @@ _gather_autograd = (
 )
 
 
+@contextlib.contextmanager
+def attribute_set(objs: list, name: str, value: Any) -> Iterator[None]:
+    """Within: ``name`` of every one of ``objs`` is ``value``; each one's own is put back on exit
+    (so these nest)."""
+    before = [getattr(o, name) for o in objs]
+    for o in objs:
+        setattr(o, name, value)
+    try:
+        yield
+    finally:
+        for o, b in zip(objs, before, strict=True):
+            setattr(o, name, b)
+
+
 def _sum_autograd(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of ``x`` over ``group``, differentiable (the backward sums the gradients over the group).
     The functional all-reduce has that backward registered from torch 2.14; before, the older
@@ -81,14 +95,8 @@ class Replicas:
             if module is not None
             else []
         )
-        before = [m.span for m in norms]
-        for m in norms:
-            m.span = self
-        try:
+        with attribute_set(norms, "span", self):
             yield
-        finally:
-            for m, b in zip(norms, before):
-                m.span = b
 
     def gather(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every replica's rows of each of ``xs`` (all n rows long here) concatenated in rank

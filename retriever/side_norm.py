@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from retriever.replicas import ReplicaBatchNorm
+from retriever.replicas import ReplicaBatchNorm, attribute_set
 
-SIDES = ("query", "doc")  # the wrapped norm's own buffers are the first side's
+SIDES = ("query", "doc")  # a SideBatchNorm's own buffers are the first side's
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 
@@ -102,12 +102,5 @@ def on_side(module: nn.Module, side: str) -> Iterator[None]:
     are restored on exit (calls nest)."""
     if side not in SIDES:
         raise ValueError(f"side must be one of {SIDES} (got {side!r})")
-    norms = [m for m in module.modules() if isinstance(m, SideBatchNorm)]
-    before = [m.side for m in norms]
-    for m in norms:
-        m.side = side
-    try:
+    with attribute_set([m for m in module.modules() if isinstance(m, SideBatchNorm)], "side", side):
         yield
-    finally:
-        for m, b in zip(norms, before, strict=True):
-            m.side = b
