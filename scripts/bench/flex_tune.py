@@ -16,6 +16,8 @@ Variants (each compiled on its own; outputs checked against the first):
 * kernel options (``num_warps``, ``num_stages``, tile sizes) and Inductor's max-autotune.
 
 Each variant's milliseconds: median of 10 calls, forward under ``no_grad`` and forward + backward.
+SDPA is timed first; each variant prints one JSON line as soon as it is done (a call cut off by its
+time limit keeps what finished), and a summary line with every variant closes the run.
 """
 
 from __future__ import annotations
@@ -126,11 +128,35 @@ def main() -> None:
         "dense_pairs": B * S * S,
         "variants": {},
     }
+
+    def emit(name: str, rec: dict) -> None:
+        print(json.dumps({"variant": name} | rec), flush=True)
+
+    # SDPA: with the layout's dense mask (rag_mm's sdpa backend), and dense without a mask
+    rep = Hq // Hkv
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sd = torch.nn.functional.scaled_dot_product_attention
+    for name, mask in (("sdpa with the mask", allowed), ("sdpa dense (timing only)", None)):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, kr, vr))
+
+        def fwd():
+            with torch.no_grad():
+                sd(q, kr, vr, attn_mask=mask)
+
+        def fwdbwd():
+            sd(qg, kg, vg, attn_mask=mask).backward(go)
+
+        rec = {"fwd_ms": round(sorted(_time_ms(device, fwd) for _ in range(10))[5], 3)}
+        if grad_ok:
+            rec["fwdbwd_ms"] = round(sorted(_time_ms(device, fwdbwd) for _ in range(10))[5], 3)
+        out["variants"][name] = rec
+        emit(name, rec)
     ref = None
     valid = (torch.arange(S, device=device)[None] < offsets[:, -1:])[:, None, :, None]
     for name, kind, block, opts, mode in variants:
         if time.perf_counter() - t_start > args.budget:
             out["variants"][name] = {"skipped": "budget"}
+            emit(name, out["variants"][name])
             continue
         try:
             if mode not in compiled:
@@ -168,34 +194,22 @@ def main() -> None:
                 rec["fwdbwd_ms"] = round(sorted(_time_ms(device, fwdbwd) for _ in range(10))[5], 3)
                 rec["fwdbwd_useful_tflops"] = round(3.5 * useful / rec["fwdbwd_ms"] / 1e9, 1)
             rec["fwd_useful_tflops"] = round(useful / rec["fwd_ms"] / 1e9, 1)
+            if "fwdbwd_ms" in rec and "fwdbwd_ms" in out["variants"]["sdpa with the mask"]:
+                rec["over_sdpa_masked"] = round(
+                    rec["fwdbwd_ms"] / out["variants"]["sdpa with the mask"]["fwdbwd_ms"], 3
+                )
             out["variants"][name] = rec
         except Exception as e:  # one variant failing must not hide the others
             out["variants"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    # SDPA: with the layout's dense mask (rag_mm's sdpa backend), and dense without a mask
-    rep = Hq // Hkv
-    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    sd = torch.nn.functional.scaled_dot_product_attention
-    for name, mask in (("sdpa with the mask", allowed), ("sdpa dense (timing only)", None)):
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, kr, vr))
-
-        def fwd():
-            with torch.no_grad():
-                sd(q, kr, vr, attn_mask=mask)
-
-        def fwdbwd():
-            sd(qg, kg, vg, attn_mask=mask).backward(go)
-
-        rec = {"fwd_ms": round(sorted(_time_ms(device, fwd) for _ in range(10))[5], 3)}
-        if grad_ok:
-            rec["fwdbwd_ms"] = round(sorted(_time_ms(device, fwdbwd) for _ in range(10))[5], 3)
-        out["variants"][name] = rec
+        emit(name, out["variants"][name])
     base = out["variants"]["sdpa with the mask"].get("fwdbwd_ms")
     if base:
-        for rec in out["variants"].values():
-            if "fwdbwd_ms" in rec:
-                rec["over_sdpa_masked"] = round(rec["fwdbwd_ms"] / base, 3)
+        for name in ("sdpa with the mask", "sdpa dense (timing only)"):
+            out["variants"][name]["over_sdpa_masked"] = round(
+                out["variants"][name]["fwdbwd_ms"] / base, 3
+            )
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
