@@ -58,6 +58,8 @@ from retriever.encoders import DualEncoder  # noqa: E402
 from retriever.late_interaction import GridTokens, maxsim, maxsim_pairs  # noqa: E402
 from retriever.side_norm import on_side  # noqa: E402
 
+TTA_VIEWS = 3  # pose changes per query in the test-time-augmentation score (each also mirrored)
+
 
 def load_split(
     root: Path, split: str, size: int
@@ -222,6 +224,26 @@ def main() -> None:
     )
     ap.add_argument("--rerank-k", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--ibn",
+        choices=("none", "a", "b"),
+        default="none",
+        help=(
+            "instance normalisation beside the batch norms, to take a picture's style out of the "
+            "tower's early features (IBN-Net, Pan et al., ECCV 2018): 'a' normalises half the "
+            "channels of each first-three-stage block's first norm per picture; 'b' does that in "
+            "the stem's first norm and normalises the outputs of the first two stages per picture"
+        ),
+    )
+    ap.add_argument(
+        "--save-scores",
+        type=Path,
+        help=(
+            "write the last evaluation's cosines of every val query against the memory, with the "
+            "gold rows and the unseen marks, to this .pt file (scripts/bench/retriever_ensemble.py "
+            "scores several runs' towers together)"
+        ),
+    )
     a = ap.parse_args()
     if a.side_bn and a.joint:
         ap.error("--side-bn embeds the memory and the queries in calls of their own: not --joint")
@@ -285,6 +307,30 @@ def main() -> None:
         perm = torch.randperm(len(out))
         mu2, sig2 = lam * mu + (1 - lam) * mu[perm], lam * sig + (1 - lam) * sig[perm]
         return torch.cat([head, (out - mu) / sig * sig2 + mu2])
+
+    class HalfInstance(torch.nn.Module):
+        """IBN-Net's norm: the first half of the channels normalised per picture (instance norm
+        with its own affine), the rest by the wrapped batch norm (its side kept, --side-bn)."""
+
+        def __init__(self, bn: torch.nn.Module):
+            super().__init__()
+            self.half = bn.num_features // 2
+            self.inorm = torch.nn.InstanceNorm2d(self.half, affine=True)
+            self.bn = bn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, C, H, W)
+            return torch.cat([self.inorm(x[:, : self.half]), self.bn(x)[:, self.half :]], 1)
+
+    visual = model.query.clip.visual
+    if a.ibn == "a":
+        for stage in (visual.layer1, visual.layer2, visual.layer3):
+            for block in stage:
+                block.bn1 = HalfInstance(block.bn1)
+    elif a.ibn == "b":
+        visual.bn1 = HalfInstance(visual.bn1)
+        for stage in (visual.layer1, visual.layer2):
+            inorm = torch.nn.InstanceNorm2d(stage[-1].bn3.num_features, affine=True)
+            stage.add_module("ibn_out", inorm)  # Sequential: applied after the stage's blocks
 
     mix_from = [0]
     if a.mixstyle > 0:
@@ -469,6 +515,39 @@ def main() -> None:
         with on_side(model.query, "doc"):
             docs_both = docs if a.doc_text else both_ways(corpus)
         flip_hits = hits5(in_chunks(both_ways, vx), docs_both)
+        # test-time augmentation of the query alone: its embedding averaged over itself, its
+        # mirror image and TTA_VIEWS small pose changes of each (the training jitter's range, a
+        # generator of its own so that the training stream does not move)
+        tta_gen = torch.Generator().manual_seed(1234)
+
+        def tta(x: torch.Tensor) -> torch.Tensor:
+            e = embed(x) + embed(x.flip(-1))
+            for _ in range(TTA_VIEWS):
+                v = random_views(
+                    x,
+                    tta_gen,
+                    scale=(0.85, 1.15),
+                    max_rotation_deg=10,
+                    max_shift=0.08,
+                    colour=0.0,
+                    noise=0.0,
+                )
+                e = e + embed(v) + embed(v.flip(-1))
+            return F.normalize(e, dim=-1)
+
+        q_tta = in_chunks(tta, vx)
+        tta_hits = hits5(q_tta, docs)
+        if a.save_scores is not None and step == a.steps:
+            torch.save(
+                {
+                    "cos": q_val @ docs.T,
+                    "cos_tta": q_tta @ docs.T,
+                    "gold": vy,
+                    "unseen": vh,
+                    "config": {k: str(v) for k, v in vars(a).items()},
+                },
+                a.save_scores,
+            )
         # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
         # photo transform alone costs, without another vendor's drawing
         own = photo_views(
@@ -516,6 +595,9 @@ def main() -> None:
             "recall@1_mirror_averaged_unseen": f1[vh].mean().item(),
             "recall@5_mirror_averaged_unseen": f5[vh].mean().item(),
             "recall@1_mirror_averaged_seen": f1[~vh].mean().item(),
+            "recall@1_tta_unseen": tta_hits[vh, :1].any(1).float().mean().item(),
+            "recall@5_tta_unseen": tta_hits[vh].any(1).float().mean().item(),
+            "recall@1_tta_seen": tta_hits[~vh, :1].any(1).float().mean().item(),
             "recall@1_query_keys_seen": qk_hits[~vh, :1].any(1).float().mean().item(),
             "recall@5_query_keys_seen": qk_hits[~vh].any(1).float().mean().item(),
             "recall@1_query_keys_unseen": qk_hits[vh, :1].any(1).float().mean().item(),
