@@ -240,8 +240,9 @@ def main() -> None:
         type=Path,
         help=(
             "write the last evaluation's cosines of every val query against the memory, with the "
-            "gold rows and the unseen marks, to this .pt file (scripts/bench/retriever_ensemble.py "
-            "scores several runs' towers together)"
+            "gold rows and the unseen marks, to this .pt file, and each earlier evaluation's to "
+            "STEM_stepN.pt beside it (scripts/bench/retriever_ensemble.py scores several towers "
+            "together)"
         ),
     )
     a = ap.parse_args()
@@ -537,7 +538,11 @@ def main() -> None:
 
         q_tta = in_chunks(tta, vx)
         tta_hits = hits5(q_tta, docs)
-        if a.save_scores is not None and step == a.steps:
+        if a.save_scores is not None and step > 0:
+            # the last evaluation's at the path given, each earlier one's beside it
+            path = a.save_scores
+            if step != a.steps:
+                path = path.with_name(f"{path.stem}_step{step}{path.suffix}")
             torch.save(
                 {
                     "cos": q_val @ docs.T,
@@ -545,8 +550,9 @@ def main() -> None:
                     "gold": vy,
                     "unseen": vh,
                     "config": {k: str(v) for k, v in vars(a).items()},
+                    "step": step,
                 },
-                a.save_scores,
+                path,
             )
         # the memory's own pictures of the unseen entities made photo-like (fixed views): what the
         # photo transform alone costs, without another vendor's drawing
