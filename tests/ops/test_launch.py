@@ -4,8 +4,10 @@ Hydra's submitit launcher (the local executor: SLURM's code path without a clust
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -14,38 +16,81 @@ from tests.ops.helpers import FT_ARGS, REPO, assert_same_params, env, final_stat
 from tests.rag_mm.conftest import tiny_overrides
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port` (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                inodes.add(f[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # the process has gone
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _start_node(root, run_dir, tmp_path, tag: str, node: int, port: int, fault: str):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node_rank={node}",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{port}",
+        f"--rdzv_id=rag_mm-{tag}",
+        # who hosts the rendezvous store, said rather than found by binding first
+        f"--rdzv_conf=is_host={int(node == 0)}",
+        "-m",
+        "rag_mm.train",
+        *tiny_overrides(root, run_dir, *FT_ARGS),
+    ]
+    log = open(tmp_path / f"{tag}-node{node}.err", "w+")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    return proc, log
+
+
 def _two_nodes(root, run_dir, tmp_path, tag: str, fault: str = "") -> list[tuple[int, str]]:
-    """Two torchrun agents, one process each, meeting through c10d rendezvous on 127.0.0.1."""
-    port = free_port()
-    procs, logs = [], []
-    for node in (0, 1):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node_rank={node}",
-            "--nproc_per_node=1",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            f"--rdzv_id=rag_mm-{tag}",
-            "-m",
-            "rag_mm.train",
-            *tiny_overrides(root, run_dir, *FT_ARGS),
-        ]
-        log = open(tmp_path / f"{tag}-node{node}.err", "w+")
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=REPO,
-                env=env(**({"RAG_MM_FAULT": fault} if fault else {})),
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        )
-        logs.append(log)
+    """Two torchrun agents, one process each, meeting through c10d rendezvous on 127.0.0.1.
+
+    Node 0's agent hosts the store and starts first; node 1 starts once node 0 listens on the
+    port. The port comes from `free_port()`, so another test's process may take it before node 0
+    binds it: then node 0 stops at once and the pair starts again on a new port, where node 1
+    would otherwise join the other process's store and fail when that process ends."""
+    for attempt in range(3):
+        port = free_port()
+        node0, log0 = _start_node(root, run_dir, tmp_path, tag, 0, port, fault)
+        deadline = time.monotonic() + 120
+        while node0.poll() is None and not _listens(node0.pid, port):
+            assert time.monotonic() < deadline, "node 0 never listened on its rendezvous port"
+            time.sleep(0.2)
+        if node0.poll() is None:
+            break
+        log0.seek(0)
+        err = log0.read()
+        log0.close()
+        if "RendezvousConnectionError" not in err or attempt == 2:
+            return [(node0.returncode, err), (-1, "not started: node 0 ended first")]
+    procs = [(node0, log0), _start_node(root, run_dir, tmp_path, tag, 1, port, fault)]
     out = []
-    for p, log in zip(procs, logs):
+    for p, log in procs:
         try:
             p.wait(timeout=600)
         finally:
@@ -57,6 +102,11 @@ def _two_nodes(root, run_dir, tmp_path, tag: str, fault: str = "") -> list[tuple
     return out
 
 
+def _logs(nodes: list[tuple[int, str]]) -> str:
+    """Both nodes' exit codes and log tails: a node's failure often shows first on the other."""
+    return "\n".join(f"node {n} (exit {rc}):\n{err[-3000:]}" for n, (rc, err) in enumerate(nodes))
+
+
 @pytest.mark.multirank
 def test_two_nodes_on_localhost_stop_together_on_sigterm_and_resume(
     tiny_world, tmp_path, reference
@@ -65,8 +115,7 @@ def test_two_nodes_on_localhost_stop_together_on_sigterm_and_resume(
     Relaunched, the two-node job resumes and ends with the parameters of an uninterrupted run."""
     run_dir = tmp_path / "run"
     first = _two_nodes(tiny_world, run_dir, tmp_path, "first", fault="term:step=3:rank=1")
-    for node, (rc, err) in enumerate(first):
-        assert rc == 0, f"node {node}:\n{err[-3000:]}"
+    assert [rc for rc, _ in first] == [0, 0], _logs(first)
     err = first[0][1] + first[1][1]
     assert "fault injection: term rank 1 at step=3" in err and "received signal 15" in err
     assert "rank 0 | WARNING | rag_mm.trainer | stopping at step 4 (signal)" in err  # rank 0 agreed
@@ -74,8 +123,7 @@ def test_two_nodes_on_localhost_stop_together_on_sigterm_and_resume(
     assert not (run_dir / "metrics.json").exists()
 
     second = _two_nodes(tiny_world, run_dir, tmp_path, "second")
-    for node, (rc, err) in enumerate(second):
-        assert rc == 0, f"node {node}:\n{err[-3000:]}"
+    assert [rc for rc, _ in second] == [0, 0], _logs(second)
     assert "resumed from" in second[0][1] + second[1][1]
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["step"] == 8
