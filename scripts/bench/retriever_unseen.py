@@ -223,6 +223,15 @@ def main() -> None:
         "every memory row the step scores",
     )
     ap.add_argument("--rerank-k", type=int, default=16)
+    ap.add_argument(
+        "--csls-k",
+        type=int,
+        default=10,
+        help=(
+            "neighbourhood of the CSLS score (Lample et al., ICLR 2018): 2 cos(q, d) minus the "
+            "mean cosine of d to its k nearest training queries of other entities"
+        ),
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--ibn",
@@ -489,6 +498,22 @@ def main() -> None:
         }
 
     @torch.no_grad()
+    def csls_hits(
+        q: torch.Tensor, docs: torch.Tensor, bank: torch.Tensor, own_out: bool
+    ) -> torch.Tensor:
+        """(Q, 5) hits of the CSLS score 2 cos(q, d) - r_d, r_d the mean cosine of document d to
+        its --csls-k nearest training queries (``bank`` (N_train, E)): a document near many
+        queries (a hub) is marked down. With ``own_out`` a document's own training queries are
+        left out of its r_d, so that documents with training queries (the seen entities) and
+        without (the unseen) are measured alike. The query's own term is the same for every
+        document and does not change its ranking."""
+        near = docs @ bank.T  # (N_docs, N_train)
+        if own_out:
+            near = near.masked_fill(ty[None, :] == torch.arange(len(docs))[:, None], -2.0)
+        r_d = near.topk(a.csls_k, 1).values.mean(1)  # (N_docs,)
+        return (2 * q @ docs.T - r_d).topk(5, 1).indices == vy[:, None]
+
+    @torch.no_grad()
     def evaluate(step: int, seconds: float) -> dict:
         model.eval()
 
@@ -509,6 +534,7 @@ def main() -> None:
         # the centred index's score (retriever.centre): the memory's mean and the mean of the
         # first 512 training queries subtracted before the cosine
         mean_q, mean_d = embed(tx[:512]).mean(0), docs.mean(0)
+        bank = in_chunks(embed, tx)  # (N_train, E): the training queries, for CSLS and as keys
         hits_c = hits5(F.normalize(q_val - mean_q, dim=-1), F.normalize(docs - mean_d, dim=-1))
         # vendors draw some things facing the other way: the memory and the queries embedded as
         # themselves plus their mirror images
@@ -548,6 +574,14 @@ def main() -> None:
                     "cos": q_val @ docs.T,
                     "cos_tta": q_tta @ docs.T,
                     "gold": vy,
+                    # the embeddings themselves, for other scores offline: val queries, memory,
+                    # training queries (their gold documents in bank_gold), the centring means
+                    "q": q_val,
+                    "docs": docs,
+                    "bank": bank,
+                    "bank_gold": ty,
+                    "mean_q": mean_q,
+                    "mean_d": mean_d,
                     "unseen": vh,
                     "config": {k: str(v) for k, v in vars(a).items()},
                     "step": step,
@@ -562,13 +596,23 @@ def main() -> None:
         own_hit = (embed(own) @ docs.T).topk(5, 1).indices == unseen_rows[:, None]
         # the training queries' pictures as further keys of their gold documents: a document's
         # score is the best of its own row and its training pictures' rows
-        keys = torch.cat([docs, in_chunks(embed, tx)])  # (N_docs + N_train, E)
+        keys = torch.cat([docs, bank])  # (N_docs + N_train, E)
         key_doc = torch.cat([torch.arange(len(corpus)), ty])
         s = q_val @ keys.T  # (Q, K)
         best = torch.full((len(s), len(corpus)), -2.0).scatter_reduce(
             1, key_doc.expand(len(s), -1), s, reduce="amax"
         )  # (Q, N_docs)
         qk_hits = best.topk(5, 1).indices == vy[:, None]
+        csls = {
+            "": csls_hits(q_val, docs, bank, True),
+            "_all": csls_hits(q_val, docs, bank, False),
+            "_centred": csls_hits(
+                F.normalize(q_val - mean_q, dim=-1),
+                F.normalize(docs - mean_d, dim=-1),
+                F.normalize(bank - mean_q, dim=-1),
+                True,
+            ),
+        }
         grp = {}
         if a.groups > 0:
             logp = group_head(q_val).log_softmax(-1)  # (Q, G)
@@ -611,6 +655,10 @@ def main() -> None:
             "recall@1_own_views_unseen": own_hit[:, :1].any(1).float().mean().item(),
             "recall@5_own_views_unseen": own_hit.any(1).float().mean().item(),
         }
+        for name, h in csls.items():
+            out[f"recall@1_csls{name}_unseen"] = h[vh, :1].any(1).float().mean().item()
+            out[f"recall@5_csls{name}_unseen"] = h[vh].any(1).float().mean().item()
+            out[f"recall@1_csls{name}_seen"] = h[~vh, :1].any(1).float().mean().item()
         out |= grp
         if a.domain_bn:
             out |= domain_bn_recall()
