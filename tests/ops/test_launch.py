@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,21 +19,20 @@ from tests.rag_mm.conftest import tiny_overrides
 
 def _listens(pid: int, port: int) -> bool:
     """Whether process `pid` holds a socket listening on TCP `port` (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(table):
-            continue
-        for line in open(table).read().splitlines()[1:]:
-            f = line.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
-                inodes.add(f[9])
+    sockets = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        if table.exists():
+            for line in table.read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                    sockets.add(f"socket:[{f[9]}]")  # f[9]: the socket's inode
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:  # the process has gone
         return False
     for fd in fds:
         try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in sockets:
                 return True
         except OSError:
             continue
@@ -79,7 +79,9 @@ def _two_nodes(root, run_dir, tmp_path, tag: str, fault: str = "") -> list[tuple
         node0, log0 = _start_node(root, run_dir, tmp_path, tag, 0, port, fault)
         deadline = time.monotonic() + 120
         while node0.poll() is None and not _listens(node0.pid, port):
-            assert time.monotonic() < deadline, "node 0 never listened on its rendezvous port"
+            if time.monotonic() > deadline:
+                node0.kill()
+                pytest.fail("node 0 never listened on its rendezvous port")
             time.sleep(0.2)
         if node0.poll() is None:
             break
