@@ -1,13 +1,15 @@
 """Run a function on N gloo ranks in spawned processes and collect what each returns.
 
 Real process groups (``init_process_group("gloo")`` over TCP on localhost), one process per
-rank, the way torchrun starts them. A rank that raises fails the test with its traceback.
+rank, the way torchrun starts them. A rank that raises fails the test with its traceback; one that
+dies without raising (a signal) fails it with how it died, named before its peers' errors.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import traceback
 from collections.abc import Callable
@@ -85,7 +87,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) ->
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors = []
+    errors: dict[int, str] = {}
     # Drain the queue before joining: a child blocks in put() until a large payload is read.
     import queue as _q
     import time
@@ -101,15 +103,33 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) ->
         if status == "ok":
             results[rank] = pickle.loads(payload)
         else:
-            errors.append(f"rank {rank}:\n{payload}")
-    for p in procs:
+            errors[rank] = f"rank {rank}:\n{payload}"
+    overdue = set()
+    for r, p in enumerate(procs):
         p.join(10)
         if p.is_alive():
+            overdue.add(r)
             p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    missing = [r for r in range(world) if r not in results]
-    if missing:
-        codes = [p.exitcode for p in procs]
-        raise AssertionError(f"ranks {missing} returned nothing (exit codes {codes})")
+            p.join(10)
+    # A rank that died without a word (a signal: a crash in native code, the OOM killer) comes
+    # first: its peers' errors ("Connection closed by peer") follow from it.
+    silent = [
+        _death(r, None if r in overdue else procs[r].exitcode)
+        for r in range(world)
+        if r not in results and r not in errors
+    ]
+    if silent or errors:
+        raise AssertionError("\n".join(silent + [errors[r] for r in sorted(errors)]))
     return [results[r] for r in range(world)]
+
+
+def _death(rank: int, code: int | None) -> str:
+    """How a rank that reported nothing ended, from its exit code (-N: killed by signal N; None:
+    still running at the deadline, killed by run_ranks)."""
+    if code is None:
+        how = "still running at the deadline, killed"
+    elif code < 0:
+        how = f"killed by {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    return f"rank {rank}: {how}, without reporting a result or an error"
