@@ -258,7 +258,13 @@ def _flag_entities(
     subregion and a calling code, with its facts. A flag drawn exactly like another one by any
     vendor (a territory under its country's flag: Saint Martin's is France's) is left out, the
     later by country code: no picture could tell the two apart."""
-    by_code = {c["cca2"]: c for c in json.loads(countries.read_text())}
+    try:
+        by_code = {c["cca2"]: c for c in json.loads(countries.read_text())}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(
+            f"{countries} is not world-countries' countries.json (a list of countries with cca2): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     flags = sorted(
         (
             (_flag_letters(e["unified"]), e)

@@ -235,5 +235,10 @@ def test_emoji_are_single_code_points_and_flags_need_their_countries(tmp_path, c
     assert capsys.readouterr().err.strip() == (
         "emoji_kvqa: error: --entities flags needs --countries (world-countries' countries.json)"
     )
+    (tmp_path / "not_countries.json").write_text(json.dumps({"FR": "France"}))
+    assert script.main([*args, "--countries", str(tmp_path / "not_countries.json")]) == 2
+    err = capsys.readouterr().err
+    assert "not_countries.json is not world-countries' countries.json" in err
+    assert "Traceback" not in err
     with pytest.raises(SystemExit):
         script.main([*args, "--entities", "animals"])
