@@ -33,7 +33,7 @@ another drawing of the thing.
     npm pack world-countries@5.1.0 && mkdir -p pkgs/world-countries && \
         tar xzf world-countries-5.1.0.tgz -C pkgs/world-countries
     python scripts/emoji_kvqa.py --packages pkgs --out data/flags_kvqa --entities flags \
-        --countries pkgs/world-countries/package/countries.json
+        --countries pkgs/world-countries/package/countries.json --image-size 64
 
 The layout is the knowledge world's (``rag_mm.data.knowledge_world``): ``corpus/``, ``train/``,
 ``val/``, ``test/`` webdataset shards, query json ``{answer, doc_id, attribute, heldout}`` with the
@@ -329,8 +329,7 @@ def build(
             f"num_entities={num_entities} but only {len(usable)} {entities} have pictures from "
             "every vendor"
         )
-    chosen = [e for e, _ in usable[:num_entities]]
-    chosen_facts = [f for _, f in usable[:num_entities]]
+    chosen = usable[:num_entities]  # (entry, facts) by doc_id
     n_heldout = int(round(heldout_fraction * num_entities))
     heldout = set(range(n_heldout))  # doc ids 0 .. n_heldout-1 after the shuffle: a random quarter
     query_vendors = [v for v in VENDORS if v != memory_vendor]
@@ -344,7 +343,7 @@ def build(
     with wds.ShardWriter(
         str(out / "corpus" / "corpus-%06d.tar"), maxcount=shard_size, verbose=0
     ) as sink:
-        for doc_id, (e, f) in enumerate(zip(chosen, chosen_facts)):
+        for doc_id, (e, f) in enumerate(chosen):
             sink.write(
                 {
                     "__key__": f"doc{doc_id:06d}",
@@ -373,9 +372,9 @@ def build(
             str(out / split / f"{split}-%06d.tar"), maxcount=shard_size, verbose=0
         ) as sink:
             for i, doc_id in enumerate(jobs):
-                e = chosen[doc_id]
+                e, f = chosen[doc_id]
                 kind = srng.choice(list(questions))
-                answer = chosen_facts[doc_id][kind]
+                answer = f[kind]
                 if split == "train":
                     answers[kind][answer] += 1
                 view = photo_like(pic(e, srng.choice(query_vendors)), image_size, srng)

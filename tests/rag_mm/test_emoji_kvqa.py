@@ -3,6 +3,7 @@ packages, on fixtures in their published layout (``emoji.json``, ``img/<vendor>/
 and, for the flags, ``world-countries``' ``countries.json``."""
 
 import importlib.util
+import io
 import json
 import tarfile
 from collections import defaultdict
@@ -166,8 +167,6 @@ def _read(shard_dir: Path) -> list[dict]:
 
 
 def _grey(png: bytes) -> int:
-    import io
-
     from PIL import Image
 
     return Image.open(io.BytesIO(png)).convert("L").getpixel((24, 24))
