@@ -9,11 +9,14 @@ including those no training query mentions (held-out entities), which labelled q
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 
 def random_views(
@@ -200,3 +203,49 @@ def random_restyle(
     y = alpha * images + (1 - alpha) * y
     pick = (u(N) < share)[:, None, None, None]
     return torch.where(pick, y, images)
+
+
+# libjpeg quality of a compressed view: the range web photos and phone uploads are saved at
+JPEG_QUALITY = (30, 80)
+
+
+def random_jpeg(
+    images: torch.Tensor,
+    share: float,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures (``mean``, ``std``: (3, 1, 1), the pipeline's) -> (N, 3,
+    H, W) with a ``share`` of them saved as a JPEG at a random quality in ``JPEG_QUALITY`` and
+    read back. A photo reaches the query side compressed: its colours are kept at half the
+    resolution (4:2:0), its 8 x 8 blocks lose fine detail, edges ring. A small emblem or a thin
+    band of colour is what that blurs, and blur alone does not teach it.
+
+    The codec is Pillow's (libjpeg, 4:2:0), one picture at a time on the host: a JPEG has no
+    batched, differentiable form that matches what a photo went through, and the views carry no
+    gradient. On an accelerator the chosen views make a round trip to the host."""
+    N, dev = images.shape[0], images.device
+    gen_dev = dev if generator is None else generator.device
+    pick = torch.rand(N, generator=generator, device=gen_dev) < share
+    lo, hi = JPEG_QUALITY
+    quality = torch.randint(lo, hi + 1, (N,), generator=generator, device=gen_dev)
+    rows = pick.nonzero().flatten().tolist()
+    if not rows:
+        return images
+    m, s = mean.to(dev, images.dtype), std.to(dev, images.dtype)
+    # (n, H, W, 3) bytes, as a picture file holds them
+    u8 = ((images[rows] * s + m).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    back = torch.from_numpy(
+        np.stack([_jpeg_round_trip(x, q) for x, q in zip(u8.cpu().numpy(), quality[rows].tolist())])
+    ).permute(0, 3, 1, 2)
+    out = images.clone()
+    out[rows] = (back.to(dev, images.dtype) / 255 - m) / s
+    return out
+
+
+def _jpeg_round_trip(pixels: np.ndarray, quality: int) -> np.ndarray:
+    """(H, W, 3) uint8 -> the same saved as a JPEG at ``quality`` and decoded."""
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=quality)
+    return np.asarray(Image.open(buf).convert("RGB"))

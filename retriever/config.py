@@ -84,6 +84,10 @@ class RetrieverConfig:
     # (retriever/augment.random_tone): each colour of a view moves on its own, for queries whose
     # colours are each redrawn a little off the memory's (a brightness change moves all together)
     pseudo_tone: float = 0.0
+    # share of the pseudo-queries saved as a JPEG at quality 30-80 and read back
+    # (retriever/augment.random_jpeg): photos reach the query side compressed, their colours at
+    # half resolution, which blurs a small emblem more than the views' blur does
+    pseudo_jpeg: float = 0.0
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
@@ -129,6 +133,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         )
     if not 0.0 <= cfg.pseudo_restyle <= 1.0:
         e.append(f"retriever.pseudo_restyle is a share, in [0, 1] (got {cfg.pseudo_restyle})")
+    if not 0.0 <= cfg.pseudo_jpeg <= 1.0:
+        e.append(f"retriever.pseudo_jpeg is a share, in [0, 1] (got {cfg.pseudo_jpeg})")
     if not 0.0 <= cfg.reader_shuffle <= 1.0:
         e.append(f"retriever.reader_shuffle is a share, in [0, 1] (got {cfg.reader_shuffle})")
     if cfg.pseudo_tone < 0:

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from rag_mm.data.documents import DocumentStore
+from rag_mm.data.pipeline import MEAN, STD
 from rag_mm.model.anonymize import anonymize_answers
 from rag_mm.model.reader import Reader, ReaderOutput
 from rag_mm.model.reading_order import shuffled_reads, unranked_prior
@@ -24,6 +25,7 @@ from retriever import losses
 from retriever.augment import (
     VIEW_STYLES,
     photo_views,
+    random_jpeg,
     random_restyle,
     random_tone,
     random_views,
@@ -380,13 +382,16 @@ class RagModel(nn.Module):
 
     def _pseudo_views(self, pics: torch.Tensor) -> torch.Tensor:
         """Photo-like random views of memory pictures (n, 3, H, W), as ``retriever.pseudo_view``,
-        ``pseudo_restyle`` and ``pseudo_tone`` say."""
+        ``pseudo_restyle``, ``pseudo_tone`` and ``pseudo_jpeg`` say (the compression last, as a
+        photo is saved after it was taken)."""
         style = self.rcfg.pseudo_view
         views = random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
         if self.rcfg.pseudo_restyle > 0:
             views = random_restyle(views, self.rcfg.pseudo_restyle)
         if self.rcfg.pseudo_tone > 0:
             views = random_tone(views, self.rcfg.pseudo_tone)
+        if self.rcfg.pseudo_jpeg > 0:
+            views = random_jpeg(views, self.rcfg.pseudo_jpeg, MEAN, STD)
         return views
 
     @torch.no_grad()

@@ -292,6 +292,37 @@ def test_random_restyle_changes_the_look_not_the_layout():
     assert "retriever.pseudo_restyle" in " ".join(validate(RetrieverConfig(pseudo_restyle=1.5)))
 
 
+def test_random_jpeg_compresses_colour_detail_and_keeps_the_picture():
+    """A share of the views goes through a real JPEG round trip: colour stripes one pixel wide
+    (what 4:2:0 chroma keeps at half resolution) lose most of their contrast, while the
+    picture's mean colour and its coarse layout stay; share 0 leaves every view untouched, and a
+    seeded draw repeats."""
+    from rag_mm.data.pipeline import MEAN, STD
+    from retriever.augment import random_jpeg
+
+    # two colours of about one luminance in columns one pixel wide, on the left half; the right
+    # half a flat grey
+    u8 = torch.full((8, 3, 32, 32), 128, dtype=torch.uint8)
+    u8[:, :, :, 0:16:2] = torch.tensor([200, 90, 90], dtype=torch.uint8).view(3, 1, 1)
+    u8[:, :, :, 1:16:2] = torch.tensor([70, 140, 200], dtype=torch.uint8).view(3, 1, 1)
+    x = (u8.float() / 255 - MEAN) / STD
+    assert torch.equal(random_jpeg(x, 0.0, MEAN, STD), x)
+    a = random_jpeg(x, 1.0, MEAN, STD, torch.Generator().manual_seed(0))
+    b = random_jpeg(x, 1.0, MEAN, STD, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and a.shape == x.shape and a.dtype == x.dtype
+    stripes = lambda v: (v[..., 8:24, 2:14:2] - v[..., 8:24, 3:15:2]).abs().mean((1, 2, 3))  # noqa: E731
+    assert (stripes(a) < 0.5 * stripes(x)).all()  # the colour detail is gone ...
+    # ... the colours are not: each half keeps its mean colour within a tenth of a std
+    for half in (slice(0, 16), slice(16, 32)):
+        got, want = a[..., half].mean((2, 3)), x[..., half].mean((2, 3))
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0)
+    # about the share asked of a large batch is compressed
+    y = (torch.randint(0, 256, (400, 3, 8, 8)).float() / 255 - MEAN) / STD
+    changed = random_jpeg(y, 0.25, MEAN, STD, torch.Generator().manual_seed(1)) != y
+    assert 0.15 < changed.flatten(1).any(1).float().mean() < 0.35
+    assert "retriever.pseudo_jpeg" in " ".join(validate(RetrieverConfig(pseudo_jpeg=1.5)))
+
+
 def test_random_tone_moves_each_colour_on_its_own():
     """A tone curve per channel: the identity at amount 0; two colours of one picture (red and
     orange: the same red, another green) move by different amounts, where a brightness change
