@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -82,22 +83,24 @@ def transforms(g: torch.Generator) -> dict:
 @torch.no_grad()
 def top1(parts, pictures: torch.Tensor) -> torch.Tensor:
     """(N,) the first document id the run's search returns for each picture asked alone."""
-    n = len(pictures)
-    no_text = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-    q = torch.cat(
-        [
-            parts.retriever.embed_queries(pictures[i : i + 256], *(t[i : i + 256] for t in no_text))
-            for i in range(0, n, 256)
-        ]
-    )
+
+    def embed(x: torch.Tensor) -> torch.Tensor:  # an empty question: the picture is the query
+        n = len(x)
+        return parts.retriever.embed_queries(
+            x, torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+        )
+
+    q = torch.cat([embed(pictures[i : i + 256]) for i in range(0, len(pictures), 256)])
     return parts.memory.search(torch.nn.functional.normalize(q.float(), dim=-1), 1)[1][:, 0]
 
 
 def split_recall(hit: torch.Tensor, unseen: torch.Tensor) -> dict:
-    return {
-        "unseen": round(hit[unseen].float().mean().item(), 4),
-        "seen": round(hit[~unseen].float().mean().item(), 4),
-    }
+    """Recall of the unseen and the seen documents; None (JSON null) for a side with none."""
+
+    def mean(h: torch.Tensor) -> float | None:
+        return round(h.float().mean().item(), 4) if len(h) else None
+
+    return {"unseen": mean(hit[unseen]), "seen": mean(hit[~unseen])}
 
 
 def vendor_pictures(packages: Path, store_images: torch.Tensor, size: int):
@@ -107,20 +110,21 @@ def vendor_pictures(packages: Path, store_images: torch.Tensor, size: int):
     entries = json.loads((pkgs["google"] / "emoji.json").read_text())
     flat = store_images.float().flatten(1)  # (N, 3 * size * size)
     rows, pics = [], {v: [] for v in VENDORS}
+    draw = lambda f: image_to_tensor(clean(Image.open(f), size), size)  # noqa: E731
     for e in entries:
         files = {v: pkgs[v] / "img" / v / "64" / e["image"] for v in VENDORS}
         if not all(e.get(f"has_img_{v}") and files[v].is_file() for v in VENDORS):
             continue
-        drawn = {v: image_to_tensor(clean(Image.open(files[v]), size), size) for v in VENDORS}
-        err = (flat - drawn["google"].flatten()).pow(2).mean(1)
+        err = (flat - draw(files["google"]).flatten()).pow(2).mean(1)
         row = int(err.argmin())
-        if err[row] > SAME_PICTURE_MSE:
+        if err[row] > SAME_PICTURE_MSE:  # not in the memory: the other vendors are not drawn
             continue
         rows.append(row)
         for v in VENDORS:
-            pics[v].append(drawn[v])
+            pics[v].append(draw(files[v]))
     # a memory picture two emoji share (a territory under its country's flag) names neither
-    keep = [i for i, r in enumerate(rows) if rows.count(r) == 1]
+    shared = Counter(rows)
+    keep = [i for i, r in enumerate(rows) if shared[r] == 1]
     return torch.tensor([rows[i] for i in keep], dtype=torch.long), {
         v: torch.stack([p[i] for i in keep]) for v, p in pics.items()
     }
