@@ -249,3 +249,46 @@ def _jpeg_round_trip(pixels: np.ndarray, quality: int) -> np.ndarray:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="JPEG", quality=quality)
     return np.asarray(Image.open(buf).convert("RGB"))
+
+
+# at amount 1: the largest stretch of one side against the other (a picture seen at a slant, a
+# flag drawn wider or squarer), the largest displacement of the smooth warp (grid units: the side
+# spans 2, so 0.08 moves a pixel up to 4 % of the side) and the largest change of the light
+# (std units)
+SURFACE_ASPECT = 1.3
+SURFACE_WARP = 0.08
+SURFACE_SHADE = 0.5
+SURFACE_KNOTS = 4  # control points per side of the warp and the light: a wave or two, no crumple
+
+
+def random_surface(
+    images: torch.Tensor, amount: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """(N, 3, H, W) normalised pictures -> (N, 3, H, W) as if printed on a surface that is not
+    flat and not lit evenly: one side stretched against the other (log-uniform up to
+    ``SURFACE_ASPECT ** amount``), a smooth random displacement (a ``SURFACE_KNOTS`` square grid
+    of offsets up to ``SURFACE_WARP * amount``, interpolated bicubically: a wave, a bend) and a
+    smooth random light (offsets up to ``SURFACE_SHADE * amount`` std on the same kind of grid,
+    alike in every channel: shading is not a colour). A flag waving in the wind, a bent page, a
+    sign on a curved wall; another artist drawing the same flag with another wave and another
+    sheen. The affine and photo views (``photo_views``) move the picture rigidly and light it
+    evenly, which teaches neither. Border pixels are repeated at the edges."""
+    N, C, H, W = images.shape
+    if amount <= 0:
+        return images
+    dev, dt = images.device, images.dtype
+    gen_dev = dev if generator is None else generator.device
+    u = lambda *s: torch.rand(*s, generator=generator, device=gen_dev).to(dev, dt)  # noqa: E731
+    K = SURFACE_KNOTS
+    # (N, 2) x and y scales: one side against the other, the area kept
+    log_aspect = (2 * u(N) - 1) * amount * math.log(SURFACE_ASPECT)
+    scale = torch.stack([torch.exp(-log_aspect / 2), torch.exp(log_aspect / 2)], 1)
+    eye = torch.zeros(N, 2, 3, device=dev, dtype=dt)
+    eye[:, 0, 0], eye[:, 1, 1] = scale[:, 0], scale[:, 1]
+    grid = F.affine_grid(eye, [N, C, H, W], align_corners=False)  # (N, H, W, 2)
+    knots = (2 * u(N, 2, K, K) - 1) * (SURFACE_WARP * amount)
+    offset = F.interpolate(knots, size=(H, W), mode="bicubic", align_corners=True)
+    grid = grid + offset.permute(0, 2, 3, 1)
+    out = F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    light = (2 * u(N, 1, K, K) - 1) * (SURFACE_SHADE * amount)
+    return out + F.interpolate(light, size=(H, W), mode="bicubic", align_corners=True)

@@ -88,6 +88,11 @@ class RetrieverConfig:
     # (retriever/augment.random_jpeg): photos reach the query side compressed, their colours at
     # half resolution, which blurs a small emblem more than the views' blur does
     pseudo_jpeg: float = 0.0
+    # strength (0-1 the designed range) of a random non-flat, unevenly lit surface under every
+    # pseudo-query (retriever/augment.random_surface: one side stretched, a smooth wave, a smooth
+    # light): queries of a thing that bends or waves (a flag, a page, a sign on a curved wall), or
+    # drawn by another hand with another wave and sheen, which rigid views do not teach
+    pseudo_surface: float = 0.0
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
@@ -137,6 +142,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         e.append(f"retriever.pseudo_jpeg is a share, in [0, 1] (got {cfg.pseudo_jpeg})")
     if not 0.0 <= cfg.reader_shuffle <= 1.0:
         e.append(f"retriever.reader_shuffle is a share, in [0, 1] (got {cfg.reader_shuffle})")
+    if cfg.pseudo_surface < 0:
+        e.append(f"retriever.pseudo_surface must be >= 0 (got {cfg.pseudo_surface})")
     if cfg.pseudo_tone < 0:
         e.append(f"retriever.pseudo_tone must be >= 0 (got {cfg.pseudo_tone})")
     if cfg.search not in SEARCH_SETTINGS:

@@ -540,6 +540,21 @@ MUTATIONS = (
         ("tests/retriever/test_retriever.py::test_random_tone_moves_each_colour_on_its_own",),
     ),
     Mutation(
+        "pseudo-surface",
+        "the surface's wave left out: the picture moves rigidly",
+        (
+            (
+                "retriever/augment.py",
+                "    grid = grid + offset.permute(0, 2, 3, 1)\n",
+                "",
+            ),
+        ),
+        (
+            "tests/retriever/test_retriever.py::"
+            "test_random_surface_bends_stretches_and_lights_the_picture_but_keeps_it",
+        ),
+    ),
+    Mutation(
         "retriever-export",
         "rag_mm.export writes the document tower instead of the query tower",
         (

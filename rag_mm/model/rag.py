@@ -27,6 +27,7 @@ from retriever.augment import (
     photo_views,
     random_jpeg,
     random_restyle,
+    random_surface,
     random_tone,
     random_views,
 )
@@ -382,10 +383,14 @@ class RagModel(nn.Module):
 
     def _pseudo_views(self, pics: torch.Tensor) -> torch.Tensor:
         """Photo-like random views of memory pictures (n, 3, H, W), as ``retriever.pseudo_view``,
-        ``pseudo_restyle``, ``pseudo_tone`` and ``pseudo_jpeg`` say (the compression last, as a
-        photo is saved after it was taken)."""
+        ``pseudo_surface``, ``pseudo_restyle``, ``pseudo_tone`` and ``pseudo_jpeg`` say (the
+        surface after the view, whose background swap finds the memory picture's plain ground
+        before any light falls on it; the compression last, as a photo is saved after it was
+        taken)."""
         style = self.rcfg.pseudo_view
         views = random_views(pics) if style == "jitter" else photo_views(pics, VIEW_STYLES[style])
+        if self.rcfg.pseudo_surface > 0:
+            views = random_surface(views, self.rcfg.pseudo_surface)
         if self.rcfg.pseudo_restyle > 0:
             views = random_restyle(views, self.rcfg.pseudo_restyle)
         if self.rcfg.pseudo_tone > 0:

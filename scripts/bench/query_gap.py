@@ -17,7 +17,8 @@ names (``unseen``: the entities only the memory knows) and for the others (``see
   a textured ground, blurred);
 * ``jpeg``, ``photo+jpeg``: saved as a JPEG at quality 30-80 (``random_jpeg``);
 * ``tone0.5``, ``tone1.0``: a random tone curve per channel (``random_tone``), colours redrawn off;
-* ``restyle``: RandConv (``random_restyle``), another stroke and texture.
+* ``restyle``: RandConv (``random_restyle``), another stroke and texture;
+* ``surface``, ``photo+surface``: on a waving, unevenly lit surface (``random_surface``).
 
 ``--packages DIR``, for a set written by ``scripts/emoji_kvqa.py`` (the memory holds Google's
 drawings): each other vendor's drawing of the memory's entities, clean, on white, as the query:
@@ -52,6 +53,7 @@ from retriever.augment import (  # noqa: E402
     photo_views,
     random_jpeg,
     random_restyle,
+    random_surface,
     random_tone,
 )
 
@@ -77,6 +79,8 @@ def transforms(g: torch.Generator) -> dict:
         "tone0.5": lambda x: random_tone(x, 0.5, g),
         "tone1.0": lambda x: random_tone(x, 1.0, g),
         "restyle": lambda x: random_restyle(x, 1.0, g),
+        "surface": lambda x: random_surface(x, 1.0, g),
+        "photo+surface": lambda x: random_surface(photo["views"], 1.0, g),
     }
 
 

@@ -196,6 +196,20 @@ def test_pseudo_queries_take_a_tone_curve_when_asked():
     assert abs(loss(1.0) - loss(0.0)) > 1e-4
 
 
+def test_pseudo_queries_lie_on_a_surface_when_asked():
+    """``retriever.pseudo_surface`` reaches the pseudo-queries: the same draws give another loss
+    (what the surface does: test_retriever's ``random_surface`` test)."""
+
+    def loss(amount: float) -> float:
+        rcfg = RetrieverConfig(
+            **SMALL, mode="learned", pseudo_queries=5, pseudo_surface=amount, bank_negatives=10
+        )
+        return _loss_and_grads(_rag(rcfg), slice(None))[0]
+
+    assert loss(0.0) == loss(0.0)
+    assert abs(loss(1.0) - loss(0.0)) > 1e-4
+
+
 def test_pseudo_queries_are_compressed_when_asked():
     """``retriever.pseudo_jpeg`` reaches the pseudo-queries: the loss changes with every view
     compressed (what the compression does: test_retriever's ``random_jpeg`` test)."""

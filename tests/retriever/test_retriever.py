@@ -323,6 +323,42 @@ def test_random_jpeg_compresses_colour_detail_and_keeps_the_picture():
     assert "retriever.pseudo_jpeg" in " ".join(validate(RetrieverConfig(pseudo_jpeg=1.5)))
 
 
+def test_random_surface_bends_stretches_and_lights_the_picture_but_keeps_it():
+    """On a waving, unevenly lit surface: a straight vertical edge bends (a rigid warp would keep
+    it straight) yet stays near where it was; a centred square is stretched one way or the other
+    beyond what the wave alone does; a flat picture gets a smooth light, alike in every channel;
+    amount 0 is the identity and a seeded draw repeats."""
+    from retriever.augment import SURFACE_SHADE, random_surface
+
+    N, S = 64, 32
+    edge = torch.zeros(N, 3, S, S)
+    edge[:, 0, :, : S // 2], edge[:, 0, :, S // 2 :] = 1.0, -1.0  # channel 1 stays 0
+    assert random_surface(edge, 0.0) is edge
+    out = random_surface(edge, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(out, random_surface(edge, 1.0, torch.Generator().manual_seed(0)))
+    # the light is alike in every channel: channel 0 - channel 1 is the warped edge alone
+    # (N, S) per row, the column where it crosses zero
+    at = ((out[:, 0] - out[:, 1]) > 0).sum(-1).float()
+    bent = at.amax(1) - at.amin(1)
+    assert (bent >= 1).float().mean() > 0.8  # most edges bend by a pixel or more ...
+    assert ((at - S / 2).abs() <= 0.2 * S).all()  # ... and stay near the middle
+    # a centred square: width against height, in log
+    square = torch.zeros(N, 3, S, S)
+    square[:, 0, 8:24, 8:24] = 1.0
+    sq = random_surface(square, 1.0, torch.Generator().manual_seed(1))
+    inside = (sq[:, 0] - sq[:, 1]) > 0.5
+    w, h = inside[:, S // 2].sum(-1).float(), inside[:, :, S // 2].sum(-1).float()
+    assert (w / h).log().abs().mean() > 0.09
+    # a flat picture: a smooth light, alike in every channel, within the designed range (bicubic
+    # overshoots its knots a little)
+    lit = random_surface(torch.zeros(N, 3, S, S), 1.0, torch.Generator().manual_seed(2))
+    assert torch.allclose(lit[:, 0], lit[:, 2]) and torch.allclose(lit[:, 0], lit[:, 1])
+    assert (lit.flatten(1).std(1) > 0.02).all()
+    assert lit.abs().max() <= 1.3 * SURFACE_SHADE
+    assert lit.diff(dim=-1).abs().max() < 0.15 and lit.diff(dim=-2).abs().max() < 0.15
+    assert "retriever.pseudo_surface" in " ".join(validate(RetrieverConfig(pseudo_surface=-1)))
+
+
 def test_random_tone_moves_each_colour_on_its_own():
     """A tone curve per channel: the identity at amount 0; two colours of one picture (red and
     orange: the same red, another green) move by different amounts, where a brightness change
