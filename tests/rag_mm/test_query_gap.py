@@ -64,7 +64,17 @@ def test_each_view_is_asked_of_a_trained_run(learned_run, tiny_world, capsys):
     assert script.main([str(learned_run), "--repeats", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     views = out["memory_views"]
-    assert set(views) == {"clean", "photo", "photo+jpeg", "jpeg", "tone0.5", "tone1.0", "restyle"}
+    assert set(views) == {
+        "clean",
+        "photo",
+        "photo+jpeg",
+        "jpeg",
+        "tone0.5",
+        "tone1.0",
+        "restyle",
+        "surface",
+        "photo+surface",
+    }
     for r in views.values():
         assert 0.0 <= r["unseen"] <= 1.0 and 0.0 <= r["seen"] <= 1.0
     n_docs = 0
