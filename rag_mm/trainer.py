@@ -354,24 +354,30 @@ class Trainer:
         """Retriever-only contrastive steps before joint training (DPR-style warm-up): a random
         retriever hands the reader random documents, from which it learns nothing. The same step
         as joint training with the retriever's loss (``_step(loss="retriever")``), one batch per
-        step, its own optimizer at a constant ``retriever.warmup_lr`` (fresh Adam moments for
-        the retriever alone); the index re-embedded every ``retriever.refresh_every`` steps and
-        after the last. Not checkpointed: a run stopped during the warm-up restarts it."""
+        step, its own optimizer at ``retriever.warmup_lr`` (fresh Adam moments for the retriever
+        alone), constant or falling by a cosine to ``warmup_min_lr_ratio`` of it at the last step;
+        the index re-embedded every ``retriever.refresh_every`` steps and after the last. Not
+        checkpointed: a run stopped during the warm-up restarts it."""
         c, r = self.cfg, self.cfg.retriever
         opt = build_optimizer(self.rag.retriever, c.optim, lr=r.warmup_lr)
+        # no ramp: the warm-up starts at its peak, as it always has; ratio 1 keeps it there
+        sched = build_scheduler(
+            opt, c.optim, r.warmup_steps, warmup_steps=0, min_ratio=r.warmup_min_lr_ratio
+        )
         guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
         log.info(
-            "retriever warm-up: %d contrastive steps at lr %g, %d bank negatives%s",
+            "retriever warm-up: %d contrastive steps at lr %g%s, %d bank negatives%s",
             r.warmup_steps,
             r.warmup_lr,
+            "" if r.warmup_min_lr_ratio == 1 else f" (cosine to {r.warmup_min_lr_ratio:g}x)",
             r.bank_negatives,
             "" if labelled else f", on {r.pseudo_queries} pseudo-queries alone (no gold documents)",
         )
 
         def step(done: int) -> StepSums | None:
             self.watch.at("retriever warm-up (gradient all_reduce)", done + 1)
-            return self._step(it, autocast, "retriever", guard)
+            return self._step(it, autocast, "retriever", guard, sched)
 
         def after(i: int, done: StepSums, logged: dict | None) -> bool:
             faults.inject("warmup", i, self.env.rank)
@@ -401,6 +407,7 @@ class Trainer:
             c.data.batch_size * self.data_size if labelled else r.pseudo_queries,
             after=after,
             flush=guard.flush,
+            extra=lambda: {"lr": sched.get_last_lr()[0]},
             recall_key=f"train_recall@{r.top_k}",
         )
 

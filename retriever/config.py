@@ -96,8 +96,12 @@ class RetrieverConfig:
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
-    # the warm-up's constant learning rate (the run's AdamW, fresh moments; joint: optim.lr)
+    # the warm-up's peak learning rate (the run's AdamW, fresh moments; joint: optim.lr)
     warmup_lr: float = 2e-3
+    # the warm-up's rate at its last step as a share of warmup_lr, reached by a cosine from the
+    # first step (1: constant). A falling rate lets the tower settle on what the views teach,
+    # where a constant one leaves it wherever the last few batches pushed it
+    warmup_min_lr_ratio: float = 1.0
     # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
     gold_temperature: float = 0.1
     # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
@@ -178,6 +182,11 @@ def validate(cfg: RetrieverConfig) -> list[str]:
             e.append(f"retriever.{key} must be >= 0 (got {getattr(cfg, key)})")
     if cfg.warmup_lr <= 0:
         e.append(f"retriever.warmup_lr must be positive (got {cfg.warmup_lr})")
+    if not 0.0 <= cfg.warmup_min_lr_ratio <= 1.0:
+        e.append(
+            "retriever.warmup_min_lr_ratio is a share of warmup_lr, in [0, 1] "
+            f"(got {cfg.warmup_min_lr_ratio})"
+        )
     if cfg.refresh_every < 0:
         e.append(f"retriever.refresh_every must be >= 0 (got {cfg.refresh_every})")
     if cfg.text_width % max(cfg.text_heads, 1):

@@ -282,12 +282,22 @@ def _train_rank(rank, world, overrides):
 
 
 def test_retriever_warmup_then_joint_training(tiny_world, tmp_path):
-    """Warm-up steps train the retriever alone (logged as kind=warmup) and refresh the index;
-    joint training then reads the top-k with the retrieval prior."""
-    params, out = _train_rank(0, 1, tiny_overrides(tiny_world, tmp_path / "run", *WARMUP))
+    """Warm-up steps train the retriever alone (logged as kind=warmup) at their own rate, falling
+    by a cosine to warmup_min_lr_ratio of it, and refresh the index; joint training then reads
+    the top-k with the retrieval prior."""
+    over = tiny_overrides(
+        tiny_world,
+        tmp_path / "run",
+        *WARMUP,
+        "retriever.warmup_lr=1e-3",
+        "retriever.warmup_min_lr_ratio=0.5",
+    )
+    params, out = _train_rank(0, 1, over)
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     warm = [r for r in records if r["kind"] == "warmup"]
     assert [r["step"] for r in warm] == [2, 3] and all(np.isfinite(r["loss"]) for r in warm)
+    # the rate after steps 2 and 3 of 3: 0.5 + 0.5 * (1 + cos(pi * s / 3)) / 2 of the peak
+    assert [r["lr"] for r in warm] == pytest.approx([1e-3 * 0.625, 1e-3 * 0.5])
     assert out["retriever_warmup_time_s"] > 0 and out["step"] == 2
     assert out["index_refreshes"] == 3  # the first build, then after warm-up steps 2 and 3
     assert 0 < out["refresh_fraction"] < 1

@@ -381,3 +381,13 @@ def test_random_tone_moves_each_colour_on_its_own():
     again = random_tone(pics, 0.5, torch.Generator().manual_seed(0))
     assert torch.equal(out, again)
     assert "retriever.pseudo_tone" in " ".join(validate(RetrieverConfig(pseudo_tone=-1.0)))
+
+
+def test_warmup_rate_floor_is_a_share():
+    """The warm-up's last rate is a share of its peak: outside [0, 1] is named; the ends pass."""
+    for bad in (-0.1, 1.5):
+        assert "retriever.warmup_min_lr_ratio" in " ".join(
+            validate(RetrieverConfig(warmup_min_lr_ratio=bad))
+        )
+    assert not validate(RetrieverConfig(warmup_min_lr_ratio=0.0))
+    assert not validate(RetrieverConfig(warmup_min_lr_ratio=1.0))
