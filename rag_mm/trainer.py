@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.swa_utils import AveragedModel
 
 from rag_mm.build import batch_inputs, build_rag, make_stream
 from rag_mm.checks import gold
@@ -365,6 +366,14 @@ class Trainer:
             opt, c.optim, r.warmup_steps, warmup_steps=0, min_ratio=r.warmup_min_lr_ratio
         )
         guard = NonFiniteGuard(opt, self.device, MAX_NONFINITE_STEPS, c.log_every)
+        # the dense weight average of the steps after ``average_from`` (every rank holds the same
+        # weights, so the same average); a copy of the retriever, its buffers averaged too
+        average_from = round(r.warmup_average_from * r.warmup_steps)
+        average = (
+            AveragedModel(self.rag.retriever, use_buffers=True)
+            if average_from < r.warmup_steps
+            else None
+        )
         labelled = self.rag.gold_queries  # else pseudo-queries alone: no training batch is read
         log.info(
             "retriever warm-up: %d contrastive steps at lr %g%s, %d bank negatives%s",
@@ -381,6 +390,15 @@ class Trainer:
 
         def after(i: int, done: StepSums, logged: dict | None) -> bool:
             faults.inject("warmup", i, self.env.rank)
+            if average is not None and i > average_from:
+                average.update_parameters(self.rag.retriever)
+                if i == r.warmup_steps:  # before the last refresh: the joint phase's index
+                    self.rag.retriever.load_state_dict(average.module.state_dict())
+                    log.info(
+                        "retriever warm-up: the average of steps %d-%d replaces its weights",
+                        average_from + 1,
+                        i,
+                    )
             if self._stop_agreed():
                 raise preemption.Stopped(
                     f"the retriever warm-up stopped after step {i} of {r.warmup_steps} "

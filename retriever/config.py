@@ -102,6 +102,11 @@ class RetrieverConfig:
     # first step (1: constant). A falling rate lets the tower settle on what the views teach,
     # where a constant one leaves it wherever the last few batches pushed it
     warmup_min_lr_ratio: float = 1.0
+    # the share of the warm-up after which its weights are averaged, every step alike, and the
+    # average (batch-norm statistics included) replaces the retriever at its end (1: none): a
+    # dense average over a constant rate, SWAD's remedy for queries drawn in a style no training
+    # picture has (Cha et al., NeurIPS 2021), lands in a flatter basin than any one step's weights
+    warmup_average_from: float = 1.0
     # tau of the reader-derived target softmax(-nll / tau) (pdist, adist)
     gold_temperature: float = 0.1
     # freeze the document encoder (no refresh needed), as Atlas' query-side fine-tuning
@@ -182,6 +187,11 @@ def validate(cfg: RetrieverConfig) -> list[str]:
             e.append(f"retriever.{key} must be >= 0 (got {getattr(cfg, key)})")
     if cfg.warmup_lr <= 0:
         e.append(f"retriever.warmup_lr must be positive (got {cfg.warmup_lr})")
+    if not 0.0 <= cfg.warmup_average_from <= 1.0:
+        e.append(
+            "retriever.warmup_average_from is a share of the warm-up, in [0, 1] "
+            f"(got {cfg.warmup_average_from})"
+        )
     if not 0.0 <= cfg.warmup_min_lr_ratio <= 1.0:
         e.append(
             "retriever.warmup_min_lr_ratio is a share of warmup_lr, in [0, 1] "

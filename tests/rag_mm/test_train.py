@@ -308,6 +308,37 @@ def test_retriever_warmup_then_joint_training(tiny_world, tmp_path):
     )
 
 
+def test_retriever_warmup_average_replaces_its_weights(tiny_world, tmp_path, monkeypatch):
+    """``retriever.warmup_average_from=0.34`` of 3 warm-up steps: the joint phase starts from the
+    mean of the weights after steps 2 and 3 (those after the first third), not the last step's."""
+    from rag_mm.ft import faults
+
+    over = tiny_overrides(
+        tiny_world, tmp_path / "run", *WARMUP, "retriever.warmup_average_from=0.34", "max_steps=1"
+    )
+    t = Trainer(compose(over), log_metrics=True)
+    seen: dict[tuple[str, int], dict] = {}
+
+    def snapshot(point: str, step: int, rank: int, path: str = "") -> None:
+        # ("warmup", i): after warm-up step i, before it is averaged; ("step", 0): before the
+        # first joint step. Parameters only: the batch norms' running statistics are averaged
+        # too, then moved by the last refresh's pass over the memory, as every refresh does
+        if point in ("warmup", "step"):
+            named = t.rag.retriever.named_parameters()
+            seen[point, step] = {k: v.detach().clone() for k, v in named}
+
+    monkeypatch.setattr(faults, "inject", snapshot)
+    try:
+        t.fit()
+    finally:
+        t.close()
+    steps = [seen["warmup", i] for i in (2, 3)]
+    start = seen["step", 0]
+    for k in start:
+        torch.testing.assert_close(start[k], (steps[0][k] + steps[1][k]) / 2, msg=k)
+    assert any(not torch.equal(start[k], steps[-1][k]) for k in start)
+
+
 @pytest.mark.multirank
 def test_retriever_warmup_keeps_ranks_identical(tiny_world, tmp_path):
     """Two gloo ranks draw different batches; the warm-up's hand-made gradient average (and DDP

@@ -383,11 +383,15 @@ def test_random_tone_moves_each_colour_on_its_own():
     assert "retriever.pseudo_tone" in " ".join(validate(RetrieverConfig(pseudo_tone=-1.0)))
 
 
-def test_warmup_rate_floor_is_a_share():
-    """The warm-up's last rate is a share of its peak: outside [0, 1] is named; the ends pass."""
+def test_warmup_rate_floor_and_average_start_are_shares():
+    """The warm-up's last rate (of its peak) and where its average starts (of its steps) are
+    shares: outside [0, 1] is named; the ends pass."""
     for bad in (-0.1, 1.5):
         assert "retriever.warmup_min_lr_ratio" in " ".join(
             validate(RetrieverConfig(warmup_min_lr_ratio=bad))
         )
     assert not validate(RetrieverConfig(warmup_min_lr_ratio=0.0))
     assert not validate(RetrieverConfig(warmup_min_lr_ratio=1.0))
+    assert "retriever.warmup_average_from" in " ".join(
+        validate(RetrieverConfig(warmup_average_from=1.5))
+    )
