@@ -93,6 +93,12 @@ class RetrieverConfig:
     # light): queries of a thing that bends or waves (a flag, a page, a sign on a curved wall), or
     # drawn by another hand with another wave and sheen, which rigid views do not teach
     pseudo_surface: float = 0.0
+    # share of the pseudo-queries drawn as look-alike pairs: half of it random documents, the
+    # other half each one's nearest other document by the last refresh's embeddings, so that
+    # things told apart by a detail (two flags that differ in an emblem) meet in one batch as
+    # queries and gold documents, with live gradients on both sides where the bank's rows are
+    # stale (topic-aware batches, TAS-B: Hofstaetter et al., SIGIR 2021). 0: every row at random
+    pseudo_neighbours: float = 0.0
     # retriever-only contrastive steps before joint training: the reader learns nothing from a
     # random retriever
     warmup_steps: int = 0
@@ -147,6 +153,8 @@ def validate(cfg: RetrieverConfig) -> list[str]:
         )
     if not 0.0 <= cfg.pseudo_restyle <= 1.0:
         e.append(f"retriever.pseudo_restyle is a share, in [0, 1] (got {cfg.pseudo_restyle})")
+    if not 0.0 <= cfg.pseudo_neighbours <= 1.0:
+        e.append(f"retriever.pseudo_neighbours is a share, in [0, 1] (got {cfg.pseudo_neighbours})")
     if not 0.0 <= cfg.pseudo_jpeg <= 1.0:
         e.append(f"retriever.pseudo_jpeg is a share, in [0, 1] (got {cfg.pseudo_jpeg})")
     if not 0.0 <= cfg.reader_shuffle <= 1.0:

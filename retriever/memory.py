@@ -235,6 +235,35 @@ class RetrievalMemory:
         rows = rows.to(bank.device)
         return bank[rows], self._ids_t[rows]
 
+    @torch.no_grad()
+    def neighbours(self, rows: torch.Tensor, chunk: int = 1 << 18) -> torch.Tensor:
+        """The nearest other document of each memory row in ``rows`` (m,), by the inner product
+        of the last refresh's raw embeddings (unit vectors: the cosine): (m,) rows, on ``rows``'
+        device. Exact, in chunks of ``chunk`` documents, so an (m, N) score matrix of a large
+        memory is never held whole."""
+        bank = self.embeddings
+        if bank is None:
+            raise RuntimeError("the memory has no embeddings yet: refresh() first")
+        if len(bank) < 2:
+            raise ValueError("a memory of one document has no neighbours")
+        r = rows.to(bank.device)
+        anchors = bank[r]  # (m, E)
+        best = torch.full((len(r),), -float("inf"), device=bank.device)
+        arg = torch.zeros(len(r), dtype=torch.long, device=bank.device)
+        for s in range(0, len(bank), chunk):
+            sims = anchors @ bank[s : s + chunk].T  # (m, c)
+            # a row is not its own neighbour: its column set to -inf where it lies in this chunk
+            # (a scatter, not a boolean index, which would read the mask back to the host)
+            c = sims.shape[1]
+            own = ((r >= s) & (r < s + c))[:, None]  # (m, 1)
+            col = (r - s).clamp(0, c - 1)[:, None]  # (m, 1)
+            sims.scatter_(1, col, torch.where(own, -float("inf"), sims.gather(1, col)))
+            top, at = sims.max(1)
+            better = top > best
+            best = torch.where(better, top, best)
+            arg = torch.where(better, at + s, arg)
+        return arg.to(rows.device)
+
     # ------------------------------------------------------------------------------ search
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k (scores (B, k), document ids (B, k)) for unit query vectors (B, E): the inner

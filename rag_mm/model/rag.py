@@ -353,8 +353,7 @@ class RagModel(nn.Module):
             # random views of memory pictures, each querying its own document: one draw of the
             # configured count, alike on replicas whose generators agree; each embeds its share
             n_draw = self.rcfg.pseudo_queries
-            # drawn on the store's device: a host draw copied to an accelerator waits for it
-            rows = torch.randint(0, len(store), (n_draw,), device=store.device)
+            rows = self._pseudo_rows(n_draw)
             # every replica draws the views of the whole draw (the random augmentations then
             # agree with one process's) and embeds its share
             views = self._pseudo_views(store.images[rows].to(dev)).to(q_emb.dtype)
@@ -380,6 +379,20 @@ class RagModel(nn.Module):
             g_emb = torch.cat([g_emb, g_emb.new_zeros(pad, g_emb.shape[1])])
             gold = torch.cat([gold, gold.new_full((pad,), -1)])
         return q_emb, gold, g_emb
+
+    def _pseudo_rows(self, n: int) -> torch.Tensor:
+        """The memory rows (n,) whose pictures become pseudo-queries, on the store's device: at
+        random, or with ``retriever.pseudo_neighbours`` that share as pairs (m random rows, then
+        each one's nearest other document by the last refresh) ahead of the random rest. Before
+        the first refresh, or in a memory of one document, all at random."""
+        store = self.store
+        # drawn on the store's device: a host draw copied to an accelerator waits for it
+        rows = torch.randint(0, len(store), (n,), device=store.device)
+        m = int(n * self.rcfg.pseudo_neighbours) // 2  # pairs
+        if m == 0 or self.memory is None or self.memory.embeddings is None or len(store) < 2:
+            return rows
+        pairs = torch.cat([rows[:m], self.memory.neighbours(rows[:m])])  # (2m,)
+        return torch.cat([pairs, rows[2 * m :]])
 
     def _pseudo_views(self, pics: torch.Tensor) -> torch.Tensor:
         """Photo-like random views of memory pictures (n, 3, H, W), as ``retriever.pseudo_view``,

@@ -222,3 +222,44 @@ def test_pseudo_queries_are_compressed_when_asked():
 
     assert loss(0.0) == loss(0.0)
     assert abs(loss(1.0) - loss(0.0)) > 1e-4
+
+
+def test_neighbours_are_the_nearest_other_document():
+    """``RetrievalMemory.neighbours``: each row's nearest other row by the bank's cosine, never
+    itself, the same in chunks smaller than the memory as in one."""
+    rcfg = RetrieverConfig(**SMALL, mode="learned")
+    rag = _rag(rcfg)
+    bank = rag.memory.embeddings
+    rows = torch.tensor([0, 5, 23, 5, 11])
+    sims = bank @ bank.T
+    sims.fill_diagonal_(-float("inf"))
+    want = sims.argmax(1)[rows]
+    for chunk in (N_DOCS, 7, 1):
+        got = rag.memory.neighbours(rows, chunk=chunk)
+        assert torch.equal(got, want), chunk
+        assert not (got == rows).any()
+
+
+def test_pseudo_queries_come_in_look_alike_pairs_when_asked():
+    """``retriever.pseudo_neighbours``: that share of the draw is pairs (random rows, then each
+    one's nearest other document), the rest at random; at share 0, and before the memory's
+    first refresh, every row is random."""
+    bank_rcfg = dict(**SMALL, mode="learned", pseudo_queries=10, bank_negatives=10)
+    rag = _rag(RetrieverConfig(**bank_rcfg, pseudo_neighbours=0.8))
+    torch.manual_seed(3)
+    rows = rag._pseudo_rows(10)
+    assert len(rows) == 10
+    assert torch.equal(rows[4:8], rag.memory.neighbours(rows[:4]))
+    plain = _rag(RetrieverConfig(**bank_rcfg))
+    torch.manual_seed(3)
+    assert torch.equal(plain._pseudo_rows(10)[:4], rows[:4])  # the same random anchors
+    # the draw reaches the loss: with pairs the same seed gives another loss
+    torch.manual_seed(5)
+    base = _loss_and_grads(plain, slice(None))[0]
+    torch.manual_seed(5)
+    assert abs(_loss_and_grads(rag, slice(None))[0] - base) > 1e-4
+    rag.memory.embeddings = None  # before the first refresh: all at random
+    torch.manual_seed(3)
+    got = rag._pseudo_rows(10)
+    torch.manual_seed(3)
+    assert torch.equal(got, torch.randint(0, N_DOCS, (10,)))

@@ -395,3 +395,10 @@ def test_warmup_rate_floor_and_average_start_are_shares():
     assert "retriever.warmup_average_from" in " ".join(
         validate(RetrieverConfig(warmup_average_from=1.5))
     )
+
+
+def test_pseudo_neighbours_is_a_share():
+    assert "retriever.pseudo_neighbours" in " ".join(
+        validate(RetrieverConfig(pseudo_neighbours=1.5))
+    )
+    assert not validate(RetrieverConfig(pseudo_neighbours=0.5))
